@@ -1,0 +1,1 @@
+//! Benchmarks for ddtree kernels (see `benches/`).

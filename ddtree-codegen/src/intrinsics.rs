@@ -1,0 +1,594 @@
+//! The DSL's built-in functions: warp collectives, atomics, bf16/f16 packing and the PTX
+//! intrinsics that map to small inline-assembly helpers in the emitted prelude.
+
+use crate::error::{op_bail, OpError};
+use crate::ir::{Expr, ExprKind, Lit, Scalar, Space, Ty};
+
+/// Built-in functions with a fixed signature.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Intrinsic {
+    /// `sync_warp()`: `__syncwarp()`.
+    SyncWarp,
+    /// `shfl_xor(v, lane_mask)`.
+    ShflXor,
+    /// `shfl_down(v, delta)`.
+    ShflDown,
+    /// `shfl_up(v, delta)`.
+    ShflUp,
+    /// `shfl_idx(v, src_lane)`.
+    ShflIdx,
+    /// `ballot(pred) -> u32`.
+    Ballot,
+    /// `vote_any(pred) -> bool`.
+    VoteAny,
+    /// `vote_all(pred) -> bool`.
+    VoteAll,
+    /// `atomic_add(&mut x[i], v)` (also `x.atomic_add(i, v)`): returns the old value.
+    AtomicAdd,
+    /// `atomic_max`.
+    AtomicMax,
+    /// `atomic_min`.
+    AtomicMin,
+    /// `atomic_or`.
+    AtomicOr,
+    /// `atomic_and`.
+    AtomicAnd,
+    /// `atomic_exch`.
+    AtomicExch,
+    /// `atomic_cas(&mut x[i], compare, value)`.
+    AtomicCas,
+    /// `pack_bf16x2(lo: f32, hi: f32) -> u32`, round to nearest even.
+    PackBf16x2,
+    /// `bf16_lo(u32) -> f32`: the low half as bf16.
+    Bf16Lo,
+    /// `bf16_hi(u32) -> f32`: the high half as bf16.
+    Bf16Hi,
+    /// `pack_f16x2(lo: f32, hi: f32) -> u32`.
+    PackF16x2,
+    /// `f16_lo(u32) -> f32`.
+    F16Lo,
+    /// `f16_hi(u32) -> f32`.
+    F16Hi,
+    /// `mma_m16n8k16_bf16(&mut d: [f32; 4], &a: [u32; 4], &b: [u32; 2])`: d += a * b.
+    MmaBf16,
+    /// `mma_m16n8k16_f16(&mut d: [f32; 4], &a: [u32; 4], &b: [u32; 2])`: d += a * b.
+    MmaF16,
+    /// `ldmatrix_x1(&mut r: [u32; 1], &shared[i])`.
+    LdmatrixX1,
+    /// `ldmatrix_x2(&mut r: [u32; 2], &shared[i])`.
+    LdmatrixX2,
+    /// `ldmatrix_x4(&mut r: [u32; 4], &shared[i])`.
+    LdmatrixX4,
+    /// `ldmatrix_x2_trans(&mut r: [u32; 2], &shared[i])`.
+    LdmatrixX2Trans,
+    /// `ldmatrix_x4_trans(&mut r: [u32; 4], &shared[i])`.
+    LdmatrixX4Trans,
+    /// `cp_async_16(&mut shared[i], &global[j])`: 16-byte asynchronous copy.
+    CpAsync16,
+    /// `cp_async_16_zfill(&mut shared[i], &global[j], pred)`: copies 16 bytes when `pred`, else
+    /// writes 16 zero bytes without reading.
+    CpAsync16Zfill,
+    /// `cp_async_commit()`.
+    CpAsyncCommit,
+    /// `cp_async_wait(n)` with a compile-time `n`: wait until at most `n` groups are pending.
+    CpAsyncWait,
+    /// `lop3(a, b, c, lut)` with a compile-time `lut`.
+    Lop3,
+    /// `prmt(a, b, selector) -> u32`: PTX byte permute.
+    Prmt,
+}
+
+use Intrinsic::*;
+
+/// Every intrinsic, in prelude order.
+pub const ALL: &[Intrinsic] = &[
+    SyncWarp,
+    ShflXor,
+    ShflDown,
+    ShflUp,
+    ShflIdx,
+    Ballot,
+    VoteAny,
+    VoteAll,
+    AtomicAdd,
+    AtomicMax,
+    AtomicMin,
+    AtomicOr,
+    AtomicAnd,
+    AtomicExch,
+    AtomicCas,
+    PackBf16x2,
+    Bf16Lo,
+    Bf16Hi,
+    PackF16x2,
+    F16Lo,
+    F16Hi,
+    MmaBf16,
+    MmaF16,
+    LdmatrixX1,
+    LdmatrixX2,
+    LdmatrixX4,
+    LdmatrixX2Trans,
+    LdmatrixX4Trans,
+    CpAsync16,
+    CpAsync16Zfill,
+    CpAsyncCommit,
+    CpAsyncWait,
+    Lop3,
+    Prmt,
+];
+
+impl Intrinsic {
+    /// The DSL function name.
+    pub fn dsl_name(self) -> &'static str {
+        match self {
+            SyncWarp => "sync_warp",
+            ShflXor => "shfl_xor",
+            ShflDown => "shfl_down",
+            ShflUp => "shfl_up",
+            ShflIdx => "shfl_idx",
+            Ballot => "ballot",
+            VoteAny => "vote_any",
+            VoteAll => "vote_all",
+            AtomicAdd => "atomic_add",
+            AtomicMax => "atomic_max",
+            AtomicMin => "atomic_min",
+            AtomicOr => "atomic_or",
+            AtomicAnd => "atomic_and",
+            AtomicExch => "atomic_exch",
+            AtomicCas => "atomic_cas",
+            PackBf16x2 => "pack_bf16x2",
+            Bf16Lo => "bf16_lo",
+            Bf16Hi => "bf16_hi",
+            PackF16x2 => "pack_f16x2",
+            F16Lo => "f16_lo",
+            F16Hi => "f16_hi",
+            MmaBf16 => "mma_m16n8k16_bf16",
+            MmaF16 => "mma_m16n8k16_f16",
+            LdmatrixX1 => "ldmatrix_x1",
+            LdmatrixX2 => "ldmatrix_x2",
+            LdmatrixX4 => "ldmatrix_x4",
+            LdmatrixX2Trans => "ldmatrix_x2_trans",
+            LdmatrixX4Trans => "ldmatrix_x4_trans",
+            CpAsync16 => "cp_async_16",
+            CpAsync16Zfill => "cp_async_16_zfill",
+            CpAsyncCommit => "cp_async_commit",
+            CpAsyncWait => "cp_async_wait",
+            Lop3 => "lop3",
+            Prmt => "prmt",
+        }
+    }
+
+    /// Looks an intrinsic up by its DSL name.
+    pub fn from_dsl(name: &str) -> Option<Intrinsic> {
+        ALL.iter().copied().find(|i| i.dsl_name() == name)
+    }
+
+    /// Number of arguments.
+    pub fn arity(self) -> usize {
+        match self {
+            SyncWarp | CpAsyncCommit => 0,
+            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait => 1,
+            ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax
+            | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 => 2,
+            LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
+            AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | Prmt => 3,
+            Lop3 => 4,
+        }
+    }
+
+    /// Index of the argument that must be a compile-time constant, if any.
+    pub fn comptime_arg(self) -> Option<usize> {
+        match self {
+            CpAsyncWait => Some(0),
+            Lop3 => Some(3),
+            _ => None,
+        }
+    }
+
+    /// Whether the DSL offers it as a slice/array method `x.name(i, ...)` (atomics).
+    pub fn is_atomic(self) -> bool {
+        matches!(
+            self,
+            AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas
+        )
+    }
+
+    /// Name of the CUDA builtin or prelude helper it renders to.
+    pub fn c_name(self) -> &'static str {
+        match self {
+            SyncWarp => "__syncwarp",
+            ShflXor => "__shfl_xor_sync",
+            ShflDown => "__shfl_down_sync",
+            ShflUp => "__shfl_up_sync",
+            ShflIdx => "__shfl_sync",
+            Ballot => "__ballot_sync",
+            VoteAny => "__any_sync",
+            VoteAll => "__all_sync",
+            AtomicAdd => "atomicAdd",
+            AtomicMax => "atomicMax",
+            AtomicMin => "atomicMin",
+            AtomicOr => "atomicOr",
+            AtomicAnd => "atomicAnd",
+            AtomicExch => "atomicExch",
+            AtomicCas => "atomicCAS",
+            other => other.dsl_name(),
+        }
+    }
+
+    /// Whether the call passes the full warp mask first (`__shfl_*_sync(0xffffffffu, ...)`).
+    pub fn takes_warp_mask(self) -> bool {
+        matches!(self, ShflXor | ShflDown | ShflUp | ShflIdx | Ballot | VoteAny | VoteAll)
+    }
+
+    /// The prelude helper this intrinsic needs, if any.
+    pub fn helper(self) -> Option<Helper> {
+        Some(match self {
+            PackBf16x2 => Helper::PackBf16x2,
+            Bf16Lo | Bf16Hi => Helper::UnpackBf16x2,
+            PackF16x2 => Helper::PackF16x2,
+            F16Lo | F16Hi => Helper::UnpackF16x2,
+            MmaBf16 => Helper::MmaBf16,
+            MmaF16 => Helper::MmaF16,
+            LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => {
+                Helper::Ldmatrix
+            }
+            CpAsync16 | CpAsync16Zfill | CpAsyncCommit | CpAsyncWait => Helper::CpAsync,
+            Lop3 => Helper::Lop3,
+            Prmt => Helper::Prmt,
+            _ => return None,
+        })
+    }
+
+    /// Type-checks the arguments and gives the result type. Untyped integer literals are fixed
+    /// to the expected type in place.
+    pub fn check(self, args: &mut [Expr]) -> Result<Ty, OpError> {
+        if args.len() != self.arity() {
+            op_bail!(
+                "`{}` takes {} argument(s), got {}",
+                self.dsl_name(),
+                self.arity(),
+                args.len()
+            );
+        }
+        if let Some(i) = self.comptime_arg() {
+            if !matches!(args[i].kind, ExprKind::Lit(Lit::Int(_))) {
+                op_bail!(
+                    "argument {} of `{}` must be a compile-time integer",
+                    i + 1,
+                    self.dsl_name()
+                );
+            }
+        }
+        let u32t = Ty::Scalar(Scalar::U32);
+        let name = self.dsl_name();
+        Ok(match self {
+            SyncWarp | CpAsyncCommit => Ty::Void,
+            ShflXor | ShflDown | ShflUp | ShflIdx => {
+                let t = value_ty(&args[0], name, &[Scalar::F32, Scalar::U32, Scalar::I32])?;
+                expect(&mut args[1], Scalar::U32, name, 2)?;
+                args[0].ty = Ty::Scalar(t);
+                Ty::Scalar(t)
+            }
+            Ballot => {
+                expect(&mut args[0], Scalar::Bool, name, 1)?;
+                u32t
+            }
+            VoteAny | VoteAll => {
+                expect(&mut args[0], Scalar::Bool, name, 1)?;
+                Ty::Scalar(Scalar::Bool)
+            }
+            AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
+                let elem = match &args[0].ty {
+                    Ty::Ref { elem, space: Space::Global | Space::Shared, len: None, mutable: true } => *elem,
+                    other => op_bail!(
+                        "`{name}` needs `&mut x[i]` on a global or shared buffer, got {other}"
+                    ),
+                };
+                let allowed: &[Scalar] = match self {
+                    AtomicAdd => &[Scalar::F32, Scalar::U32, Scalar::I32, Scalar::U64],
+                    AtomicExch => &[Scalar::F32, Scalar::U32, Scalar::I32],
+                    AtomicCas | AtomicOr | AtomicAnd => &[Scalar::U32, Scalar::I32, Scalar::U64],
+                    _ => &[Scalar::U32, Scalar::I32, Scalar::U64],
+                };
+                if !allowed.contains(&elem) {
+                    op_bail!("`{name}` is not available on `{}` elements", elem.rust_name());
+                }
+                for (k, a) in args.iter_mut().enumerate().skip(1) {
+                    expect(a, elem, name, k + 1)?;
+                }
+                Ty::Scalar(elem)
+            }
+            PackBf16x2 | PackF16x2 => {
+                expect(&mut args[0], Scalar::F32, name, 1)?;
+                expect(&mut args[1], Scalar::F32, name, 2)?;
+                u32t
+            }
+            Bf16Lo | Bf16Hi | F16Lo | F16Hi => {
+                expect(&mut args[0], Scalar::U32, name, 1)?;
+                Ty::Scalar(Scalar::F32)
+            }
+            MmaBf16 | MmaF16 => {
+                expect_row(&args[0], Scalar::F32, 4, true, Space::Local, name, 1)?;
+                expect_row(&args[1], Scalar::U32, 4, false, Space::Local, name, 2)?;
+                expect_row(&args[2], Scalar::U32, 2, false, Space::Local, name, 3)?;
+                Ty::Void
+            }
+            LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => {
+                let n = match self {
+                    LdmatrixX1 => 1,
+                    LdmatrixX2 | LdmatrixX2Trans => 2,
+                    _ => 4,
+                };
+                expect_row(&args[0], Scalar::U32, n, true, Space::Local, name, 1)?;
+                expect_elem_ref(&args[1], Space::Shared, false, name, 2)?;
+                Ty::Void
+            }
+            CpAsync16 | CpAsync16Zfill => {
+                expect_elem_ref(&args[0], Space::Shared, true, name, 1)?;
+                expect_elem_ref(&args[1], Space::Global, false, name, 2)?;
+                if self == CpAsync16Zfill {
+                    expect(&mut args[2], Scalar::Bool, name, 3)?;
+                }
+                Ty::Void
+            }
+            CpAsyncWait => Ty::Void,
+            Lop3 => {
+                for (k, a) in args.iter_mut().enumerate().take(3) {
+                    expect(a, Scalar::U32, name, k + 1)?;
+                }
+                u32t
+            }
+            Prmt => {
+                for (k, a) in args.iter_mut().enumerate() {
+                    expect(a, Scalar::U32, name, k + 1)?;
+                }
+                u32t
+            }
+        })
+    }
+}
+
+fn value_ty(e: &Expr, name: &str, allowed: &[Scalar]) -> Result<Scalar, OpError> {
+    match &e.ty {
+        Ty::UntypedInt => Ok(Scalar::U32),
+        Ty::Scalar(s) if allowed.contains(s) => Ok(*s),
+        other => op_bail!("`{name}` does not take a value of type {other}"),
+    }
+}
+
+/// Checks that `e` has scalar type `s` (fixing an untyped integer literal to it).
+pub(crate) fn expect(e: &mut Expr, s: Scalar, name: &str, pos: usize) -> Result<(), OpError> {
+    match &e.ty {
+        Ty::Scalar(t) if *t == s => Ok(()),
+        Ty::UntypedInt if s.is_int() || s == Scalar::F32 => {
+            crate::ops::fix_untyped(e, s);
+            Ok(())
+        }
+        other => op_bail!(
+            "argument {pos} of `{name}` must be {}, found {other}",
+            s.rust_name()
+        ),
+    }
+}
+
+fn expect_row(
+    e: &Expr,
+    elem: Scalar,
+    len: u32,
+    mutable: bool,
+    space: Space,
+    name: &str,
+    pos: usize,
+) -> Result<(), OpError> {
+    match &e.ty {
+        Ty::Ref { elem: el, space: sp, len: Some(n), mutable: m }
+            if *el == elem && *n == len && *sp == space && (*m || !mutable) =>
+        {
+            Ok(())
+        }
+        other => op_bail!(
+            "argument {pos} of `{name}` must be `&{}[{}; {len}]` (a register array row), found {other}",
+            if mutable { "mut " } else { "" },
+            elem.rust_name()
+        ),
+    }
+}
+
+fn expect_elem_ref(e: &Expr, space: Space, mutable: bool, name: &str, pos: usize) -> Result<(), OpError> {
+    match &e.ty {
+        Ty::Ref { space: sp, len: None, mutable: m, .. } if *sp == space && (*m || !mutable) => Ok(()),
+        other => {
+            let sp = if space == Space::Shared { "shared" } else { "global" };
+            op_bail!(
+                "argument {pos} of `{name}` must be `&{}x[i]` into {sp} memory, found {other}",
+                if mutable { "mut " } else { "" }
+            )
+        }
+    }
+}
+
+/// Pieces of the emitted prelude. Only the ones a kernel uses are emitted, in this order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Helper {
+    /// `struct bf16` (raw bits).
+    Bf16Type,
+    /// `struct f16` (raw bits).
+    F16Type,
+    /// `struct u32x4`.
+    U32x4Type,
+    /// bf16 <-> f32 conversion.
+    Bf16Convert,
+    /// f16 <-> f32 conversion.
+    F16Convert,
+    /// `pack_bf16x2`.
+    PackBf16x2,
+    /// `bf16_lo` / `bf16_hi`.
+    UnpackBf16x2,
+    /// `pack_f16x2`.
+    PackF16x2,
+    /// `f16_lo` / `f16_hi`.
+    UnpackF16x2,
+    /// Generic-to-shared address conversion.
+    SmemAddr,
+    /// mma bf16.
+    MmaBf16,
+    /// mma f16.
+    MmaF16,
+    /// ldmatrix variants.
+    Ldmatrix,
+    /// cp.async family.
+    CpAsync,
+    /// lop3.
+    Lop3,
+    /// prmt.
+    Prmt,
+}
+
+impl Helper {
+    /// Helpers this one needs.
+    pub fn deps(self) -> &'static [Helper] {
+        match self {
+            Helper::Bf16Convert => &[Helper::Bf16Type],
+            Helper::F16Convert => &[Helper::F16Type],
+            Helper::Ldmatrix | Helper::CpAsync => &[Helper::SmemAddr],
+            _ => &[],
+        }
+    }
+
+    /// The CUDA C text.
+    pub fn source(self) -> &'static str {
+        match self {
+            Helper::Bf16Type => "struct __align__(2) bf16 { unsigned short bits; };\n",
+            Helper::F16Type => "struct __align__(2) f16 { unsigned short bits; };\n",
+            Helper::U32x4Type => "struct __align__(16) u32x4 { unsigned int x, y, z, w; };\n",
+            Helper::Bf16Convert => {
+                "__device__ __forceinline__ float bf16_to_f32(bf16 h) { return __uint_as_float(((unsigned int)h.bits) << 16); }
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+    bf16 h;
+    asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h.bits) : \"f\"(f));
+    return h;
+}
+"
+            }
+            Helper::F16Convert => {
+                "__device__ __forceinline__ float f16_to_f32(f16 h) {
+    float f;
+    asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(h.bits));
+    return f;
+}
+__device__ __forceinline__ f16 f32_to_f16(float f) {
+    f16 h;
+    asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h.bits) : \"f\"(f));
+    return h;
+}
+"
+            }
+            Helper::PackBf16x2 => {
+                "__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    unsigned int r;
+    asm(\"cvt.rn.bf16x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo));
+    return r;
+}
+"
+            }
+            Helper::UnpackBf16x2 => {
+                "__device__ __forceinline__ float bf16_lo(unsigned int v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int v) { return __uint_as_float(v & 0xffff0000u); }
+"
+            }
+            Helper::PackF16x2 => {
+                "__device__ __forceinline__ unsigned int pack_f16x2(float lo, float hi) {
+    unsigned int r;
+    asm(\"cvt.rn.f16x2.f32 %0, %1, %2;\" : \"=r\"(r) : \"f\"(hi), \"f\"(lo));
+    return r;
+}
+"
+            }
+            Helper::UnpackF16x2 => {
+                "__device__ __forceinline__ float f16_lo(unsigned int v) {
+    float f;
+    asm(\"{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }\" : \"=f\"(f) : \"r\"(v));
+    return f;
+}
+__device__ __forceinline__ float f16_hi(unsigned int v) {
+    float f;
+    asm(\"{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }\" : \"=f\"(f) : \"r\"(v));
+    return f;
+}
+"
+            }
+            Helper::SmemAddr => {
+                "__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    unsigned int a;
+    asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));
+    return a;
+}
+"
+            }
+            Helper::MmaBf16 => {
+                "__device__ __forceinline__ void mma_m16n8k16_bf16(float* d, const unsigned int* a, const unsigned int* b) {
+    asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\"
+                 : \"+f\"(d[0]), \"+f\"(d[1]), \"+f\"(d[2]), \"+f\"(d[3])
+                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));
+}
+"
+            }
+            Helper::MmaF16 => {
+                "__device__ __forceinline__ void mma_m16n8k16_f16(float* d, const unsigned int* a, const unsigned int* b) {
+    asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\"
+                 : \"+f\"(d[0]), \"+f\"(d[1]), \"+f\"(d[2]), \"+f\"(d[3])
+                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"r\"(b[0]), \"r\"(b[1]));
+}
+"
+            }
+            Helper::Ldmatrix => {
+                "__device__ __forceinline__ void ldmatrix_x1(unsigned int* r, const void* p) {
+    asm volatile(\"ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\" : \"=r\"(r[0]) : \"r\"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned int* r, const void* p) {
+    asm volatile(\"ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\" : \"=r\"(r[0]), \"=r\"(r[1]) : \"r\"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* p) {
+    asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\"
+                 : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned int* r, const void* p) {
+    asm volatile(\"ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\" : \"=r\"(r[0]), \"=r\"(r[1]) : \"r\"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* p) {
+    asm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\"
+                 : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3]) : \"r\"(smem_addr(p)));
+}
+"
+            }
+            Helper::CpAsync => {
+                "__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16;\" :: \"r\"(smem_addr(dst)), \"l\"(src) : \"memory\");
+}
+__device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool pred) {
+    asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem_addr(dst)), \"l\"(src), \"r\"(pred ? 16 : 0) : \"memory\");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile(\"cp.async.commit_group;\" ::: \"memory\"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N) : \"memory\"); }
+"
+            }
+            Helper::Lop3 => {
+                "template <int LUT> __device__ __forceinline__ unsigned int lop3(unsigned int a, unsigned int b, unsigned int c) {
+    unsigned int d;
+    asm(\"lop3.b32 %0, %1, %2, %3, %4;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(c), \"n\"(LUT));
+    return d;
+}
+"
+            }
+            Helper::Prmt => {
+                "__device__ __forceinline__ unsigned int prmt(unsigned int a, unsigned int b, unsigned int s) {
+    unsigned int d;
+    asm(\"prmt.b32 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(s));
+    return d;
+}
+"
+            }
+        }
+    }
+}

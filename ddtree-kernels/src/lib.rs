@@ -1,0 +1,38 @@
+//! ddtree's GPU kernels, written in the `#[kernel]` DSL, each with a CPU reference.
+//!
+//! Every kernel module holds the kernel (a type implementing [`ddtree_codegen::Kernel`]), its
+//! params struct with the candidate list, and `reference`, the CPU version the GPU output is
+//! checked against. [`catalogue`] lists every kernel for the snapshot and NVRTC tests.
+#![warn(missing_docs)]
+
+pub mod common;
+pub mod rms_norm;
+
+pub use rms_norm::{RmsNorm, RmsNormParams};
+
+use ddtree_codegen::{CodegenError, Kernel};
+
+/// One variant of one kernel: its symbol and generated source.
+#[derive(Clone, Debug)]
+pub struct Variant {
+    /// Kernel name.
+    pub kernel: &'static str,
+    /// `extern "C"` symbol (name + params).
+    pub symbol: String,
+    /// CUDA C source.
+    pub source: String,
+}
+
+fn variants<K: Kernel>() -> Result<Vec<Variant>, CodegenError> {
+    K::space()
+        .iter()
+        .map(|p| Ok(Variant { kernel: K::NAME, symbol: K::symbol(p), source: K::source(p)? }))
+        .collect()
+}
+
+/// Every variant of every kernel in this crate, in a fixed order.
+pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
+    let mut all = Vec::new();
+    all.extend(variants::<RmsNorm>()?);
+    Ok(all)
+}
