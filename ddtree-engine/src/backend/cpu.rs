@@ -1,0 +1,477 @@
+//! The f32 CPU reference backend.
+
+use crate::backend::{AttentionSpan, Backend, HostLinear, Matrix, MlaDims};
+use crate::config::MoeConfig;
+use crate::error::{EngineError, Result};
+use crate::model::{ffn, Ffn};
+use crate::rope::Rope;
+
+/// The f32 reference backend: plain loops, INT4 weights dequantized row by row on the fly.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+/// Latent KV cache on the host: per layer, `len` rows of `width` values.
+#[derive(Debug, Clone)]
+pub struct CpuKvCache {
+    width: usize,
+    capacity: usize,
+    layers: Vec<Vec<f32>>,
+}
+
+impl CpuKvCache {
+    /// Row `slot` of `layer`.
+    pub fn row(&self, layer: usize, slot: usize) -> &[f32] {
+        &self.layers[layer][slot * self.width..(slot + 1) * self.width]
+    }
+
+    fn len(&self, layer: usize) -> usize {
+        self.layers[layer].len() / self.width
+    }
+}
+
+/// Per token, the chosen experts and their weights, in selection order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuRouting(pub Vec<Vec<(usize, f32)>>);
+
+fn fail(reason: String) -> EngineError {
+    EngineError::Backend {
+        backend: "cpu".into(),
+        reason,
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent accumulators so the loop vectorizes.
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8 * 8;
+    for (x, y) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = a[chunks..]
+        .iter()
+        .zip(&b[chunks..])
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Row `r` of a weight as f32; INT4 rows are dequantized into `scratch`.
+fn weight_row<'a>(w: &'a HostLinear, r: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    match w {
+        HostLinear::Dense { inp, data, .. } => &data[r * inp..(r + 1) * inp],
+        HostLinear::Int4 {
+            inp,
+            group_size,
+            packed,
+            scales,
+            ..
+        } => {
+            let words = &packed[r * inp.div_ceil(8)..];
+            let groups = &scales[r * (inp / group_size)..];
+            scratch.clear();
+            scratch.extend((0..*inp).map(|k| {
+                let nibble = (words[k / 8] >> (4 * (k % 8))) & 0xF;
+                (nibble as i32 - 8) as f32 * groups[k / group_size]
+            }));
+            scratch
+        }
+    }
+}
+
+fn check_cols(what: &str, x: &Matrix, cols: usize) -> Result<()> {
+    if x.cols == cols {
+        Ok(())
+    } else {
+        Err(fail(format!(
+            "{what}: input has {} columns, expected {cols}",
+            x.cols
+        )))
+    }
+}
+
+fn rms_normalize(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let mean_sq = x.iter().map(|v| (v * v) as f64).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / ((mean_sq as f32) + eps).sqrt();
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = w * (v * inv);
+    }
+}
+
+/// Indices of the `k` largest values, larger first; ties go to the lower index.
+fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+impl Backend for CpuBackend {
+    type Tensor = Matrix;
+    type Vector = Vec<f32>;
+    type Weight = HostLinear;
+    type KvCache = CpuKvCache;
+    type Routing = CpuRouting;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn load_vector(&self, data: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(data)
+    }
+
+    fn load_matrix(&self, m: Matrix) -> Result<Matrix> {
+        Ok(m)
+    }
+
+    fn load_weight(&self, w: HostLinear) -> Result<HostLinear> {
+        Ok(w)
+    }
+
+    fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<CpuKvCache> {
+        if row_width == 0 {
+            return Err(fail("KV cache rows must not be empty".into()));
+        }
+        Ok(CpuKvCache {
+            width: row_width,
+            capacity,
+            layers: vec![Vec::new(); layers],
+        })
+    }
+
+    fn to_host(&self, x: &Matrix) -> Result<Matrix> {
+        Ok(x.clone())
+    }
+
+    fn take_rows(&self, x: &Matrix, rows: &[usize]) -> Result<Matrix> {
+        let mut out = Matrix::zeros(rows.len(), x.cols);
+        for (i, &r) in rows.iter().enumerate() {
+            if r >= x.rows {
+                return Err(fail(format!("take_rows: row {r} of {}", x.rows)));
+            }
+            out.row_mut(i).copy_from_slice(x.row(r));
+        }
+        Ok(out)
+    }
+
+    fn embedding(&self, table: &Matrix, ids: &[u32]) -> Result<Matrix> {
+        let rows: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
+        self.take_rows(table, &rows)
+    }
+
+    fn rms_norm(&self, x: &Matrix, weight: &Vec<f32>, eps: f32) -> Result<Matrix> {
+        check_cols("rms_norm", x, weight.len())?;
+        let mut out = Matrix::zeros(x.rows, x.cols);
+        for r in 0..x.rows {
+            rms_normalize(x.row(r), weight, eps, out.row_mut(r));
+        }
+        Ok(out)
+    }
+
+    fn linear(&self, x: &Matrix, w: &HostLinear) -> Result<Matrix> {
+        let (out_features, in_features) = w.shape();
+        check_cols("linear", x, in_features)?;
+        let mut out = Matrix::zeros(x.rows, out_features);
+        let mut scratch = Vec::new();
+        for o in 0..out_features {
+            let row = weight_row(w, o, &mut scratch);
+            for t in 0..x.rows {
+                out.data[t * out_features + o] = dot(x.row(t), row);
+            }
+        }
+        Ok(out)
+    }
+
+    fn add_assign(&self, x: &mut Matrix, y: &Matrix) -> Result<()> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(fail(format!(
+                "add: {}x{} vs {}x{}",
+                x.rows, x.cols, y.rows, y.cols
+            )));
+        }
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &Matrix, up: &Matrix) -> Result<Matrix> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(fail("silu_mul: gate and up differ in shape".into()));
+        }
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        Ok(Matrix {
+            rows: gate.rows,
+            cols: gate.cols,
+            data,
+        })
+    }
+
+    fn mla_append_kv(
+        &self,
+        kv_a: &Matrix,
+        norm: &Vec<f32>,
+        eps: f32,
+        rope: &Rope,
+        positions: &[u32],
+        cache: &mut CpuKvCache,
+        layer: usize,
+    ) -> Result<()> {
+        check_cols("mla_append_kv", kv_a, cache.width)?;
+        let kv_lora = norm.len();
+        if layer >= cache.layers.len() || kv_lora > cache.width || positions.len() != kv_a.rows {
+            return Err(fail(format!("mla_append_kv: bad layer {layer} or shapes")));
+        }
+        if cache.len(layer) + kv_a.rows > cache.capacity {
+            return Err(EngineError::Forward(format!(
+                "KV cache full: {} + {} rows exceed its capacity of {}",
+                cache.len(layer),
+                kv_a.rows,
+                cache.capacity
+            )));
+        }
+        let mut row = vec![0.0; cache.width];
+        for (t, &pos) in positions.iter().enumerate() {
+            let src = kv_a.row(t);
+            rms_normalize(&src[..kv_lora], norm, eps, &mut row[..kv_lora]);
+            row[kv_lora..].copy_from_slice(&src[kv_lora..]);
+            rope.apply(&mut row[kv_lora..], pos);
+            cache.layers[layer].extend_from_slice(&row);
+        }
+        Ok(())
+    }
+
+    fn mla_query(
+        &self,
+        q: &Matrix,
+        kv_b: &HostLinear,
+        rope: &Rope,
+        positions: &[u32],
+        d: MlaDims,
+    ) -> Result<Matrix> {
+        let qk = d.nope + d.rope;
+        check_cols("mla_query", q, d.heads * qk)?;
+        if kv_b.shape() != (d.heads * (d.nope + d.v), d.kv_lora) || positions.len() != q.rows {
+            return Err(fail(
+                "mla_query: kv_b or positions do not match the MLA dims".into(),
+            ));
+        }
+        let lw = d.latent_width();
+        let mut out = Matrix::zeros(q.rows, d.heads * lw);
+        let mut scratch = Vec::new();
+        for h in 0..d.heads {
+            for p in 0..d.nope {
+                let w_uk = weight_row(kv_b, h * (d.nope + d.v) + p, &mut scratch);
+                for t in 0..q.rows {
+                    let coef = q.row(t)[h * qk + p];
+                    let dst = &mut out.row_mut(t)[h * lw..h * lw + d.kv_lora];
+                    dst.iter_mut().zip(w_uk).for_each(|(o, w)| *o += coef * w);
+                }
+            }
+            for (t, &pos) in positions.iter().enumerate() {
+                let pe = &mut out.row_mut(t)[h * lw + d.kv_lora..(h + 1) * lw];
+                pe.copy_from_slice(&q.row(t)[h * qk + d.nope..(h + 1) * qk]);
+                rope.apply(pe, pos);
+            }
+        }
+        Ok(out)
+    }
+
+    fn mla_attention(
+        &self,
+        q_abs: &Matrix,
+        cache: &CpuKvCache,
+        layer: usize,
+        span: AttentionSpan<'_>,
+        d: MlaDims,
+        scale: f32,
+    ) -> Result<Matrix> {
+        let lw = d.latent_width();
+        check_cols("mla_attention", q_abs, d.heads * lw)?;
+        if layer >= cache.layers.len() || cache.width != lw {
+            return Err(fail(format!(
+                "mla_attention: bad layer {layer} or cache width"
+            )));
+        }
+        let n_new = q_abs.rows;
+        if cache.len(layer) != span.prefix_len + n_new {
+            return Err(fail(format!(
+                "mla_attention: cache holds {} rows, expected prefix {} + {n_new} new",
+                cache.len(layer),
+                span.prefix_len
+            )));
+        }
+        let mut out = Matrix::zeros(n_new, d.heads * d.kv_lora);
+        let mut slots = Vec::new();
+        let mut probs = Vec::new();
+        for t in 0..n_new {
+            slots.clear();
+            slots.extend(0..span.prefix_len);
+            slots.extend(
+                (0..n_new)
+                    .filter(|&j| span.sees_new(t, j))
+                    .map(|j| span.prefix_len + j),
+            );
+            for h in 0..d.heads {
+                let q = &q_abs.row(t)[h * lw..(h + 1) * lw];
+                probs.clear();
+                probs.extend(slots.iter().map(|&s| dot(q, cache.row(layer, s)) * scale));
+                let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                probs.iter_mut().for_each(|p| *p = (*p - max).exp());
+                let sum: f32 = probs.iter().sum();
+                let o = &mut out.row_mut(t)[h * d.kv_lora..(h + 1) * d.kv_lora];
+                for (&s, &p) in slots.iter().zip(&probs) {
+                    let c_kv = &cache.row(layer, s)[..d.kv_lora];
+                    o.iter_mut()
+                        .zip(c_kv)
+                        .for_each(|(acc, c)| *acc += p / sum * c);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn mla_output(&self, o_lat: &Matrix, kv_b: &HostLinear, d: MlaDims) -> Result<Matrix> {
+        check_cols("mla_output", o_lat, d.heads * d.kv_lora)?;
+        if kv_b.shape() != (d.heads * (d.nope + d.v), d.kv_lora) {
+            return Err(fail("mla_output: kv_b does not match the MLA dims".into()));
+        }
+        let mut out = Matrix::zeros(o_lat.rows, d.heads * d.v);
+        let mut scratch = Vec::new();
+        for h in 0..d.heads {
+            for v in 0..d.v {
+                let w_uv = weight_row(kv_b, h * (d.nope + d.v) + d.nope + v, &mut scratch);
+                for t in 0..o_lat.rows {
+                    out.row_mut(t)[h * d.v + v] =
+                        dot(&o_lat.row(t)[h * d.kv_lora..(h + 1) * d.kv_lora], w_uv);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn moe_route(&self, logits: &Matrix, bias: &Vec<f32>, cfg: &MoeConfig) -> Result<CpuRouting> {
+        let experts = cfg.n_routed_experts;
+        check_cols("moe_route", logits, experts)?;
+        if bias.len() != experts {
+            return Err(fail(
+                "moe_route: bias length differs from the expert count".into(),
+            ));
+        }
+        let per_group = experts / cfg.n_group;
+        let mut routing = Vec::with_capacity(logits.rows);
+        for t in 0..logits.rows {
+            let scores: Vec<f32> = logits
+                .row(t)
+                .iter()
+                .map(|x| 1.0 / (1.0 + (-x).exp()))
+                .collect();
+            let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            if cfg.n_group > 1 {
+                let group_scores: Vec<f32> = choice
+                    .chunks(per_group)
+                    .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+                    .collect();
+                let kept = top_k(&group_scores, cfg.topk_group);
+                for (g, chunk) in choice.chunks_mut(per_group).enumerate() {
+                    if !kept.contains(&g) {
+                        // HF masks dropped groups with 0.0, not -inf.
+                        chunk.fill(0.0);
+                    }
+                }
+            }
+            let chosen = top_k(&choice, cfg.num_experts_per_tok);
+            let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
+            if cfg.norm_topk_prob {
+                let denom = weights.iter().sum::<f32>() + 1e-20;
+                weights.iter_mut().for_each(|w| *w /= denom);
+            }
+            weights
+                .iter_mut()
+                .for_each(|w| *w *= cfg.routed_scaling_factor);
+            routing.push(chosen.into_iter().zip(weights).collect());
+        }
+        Ok(CpuRouting(routing))
+    }
+
+    fn moe_experts(
+        &self,
+        x: &Matrix,
+        routing: &CpuRouting,
+        experts: &[Ffn<HostLinear>],
+    ) -> Result<Matrix> {
+        if routing.0.len() != x.rows {
+            return Err(fail("moe_experts: routing and input differ in rows".into()));
+        }
+        let mut out = Matrix::zeros(x.rows, x.cols);
+        // Expert by expert in index order, as HF accumulates.
+        for (e, expert) in experts.iter().enumerate() {
+            let (tokens, weights): (Vec<usize>, Vec<f32>) = routing
+                .0
+                .iter()
+                .enumerate()
+                .filter_map(|(t, choices)| choices.iter().find(|c| c.0 == e).map(|c| (t, c.1)))
+                .unzip();
+            if tokens.is_empty() {
+                continue;
+            }
+            let y = ffn(self, expert, &self.take_rows(x, &tokens)?)?;
+            for (i, (&t, &w)) in tokens.iter().zip(&weights).enumerate() {
+                out.row_mut(t)
+                    .iter_mut()
+                    .zip(y.row(i))
+                    .for_each(|(o, v)| *o += v * w);
+            }
+        }
+        if let Some(e) = routing.0.iter().flatten().find(|c| c.0 >= experts.len()) {
+            return Err(fail(format!(
+                "moe_experts: expert {} of {}",
+                e.0,
+                experts.len()
+            )));
+        }
+        Ok(out)
+    }
+
+    fn kv_len(&self, cache: &CpuKvCache) -> usize {
+        if cache.layers.is_empty() {
+            0
+        } else {
+            cache.len(0)
+        }
+    }
+
+    fn kv_truncate(&self, cache: &mut CpuKvCache, len: usize) -> Result<()> {
+        let width = cache.width;
+        for layer in &mut cache.layers {
+            layer.truncate(len * width);
+        }
+        Ok(())
+    }
+
+    fn kv_compact(&self, cache: &mut CpuKvCache, base: usize, keep: &[usize]) -> Result<()> {
+        let len = self.kv_len(cache);
+        let ascending = keep.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || keep.last().is_some_and(|&k| base + k >= len) {
+            return Err(EngineError::Forward(format!(
+                "kv_compact: keep list {keep:?} after row {base} must ascend and stay below {len}"
+            )));
+        }
+        let width = cache.width;
+        for layer in &mut cache.layers {
+            for (i, &k) in keep.iter().enumerate() {
+                layer.copy_within(
+                    (base + k) * width..(base + k + 1) * width,
+                    (base + i) * width,
+                );
+            }
+            layer.truncate((base + keep.len()) * width);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,247 @@
+//! The op-level backend interface the model forward is written against, and its CPU reference.
+//!
+//! The forward in [`crate::model`] is written once in terms of these ops. [`CpuBackend`] is the f32
+//! reference: simple, obviously correct, used in CI and as the oracle for GPU checks. A CUDA backend
+//! implements the same trait with device buffers and generated kernels.
+
+mod cpu;
+
+pub use cpu::{CpuBackend, CpuKvCache, CpuRouting};
+
+use crate::config::MoeConfig;
+use crate::error::Result;
+use crate::mask::AncestorMask;
+use crate::model::Ffn;
+use crate::rope::Rope;
+
+/// A host row-major `[rows, cols]` f32 matrix: the CPU backend's activation type and the form in
+/// which every backend hands results back to the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Matrix {
+    /// Number of rows (tokens).
+    pub rows: usize,
+    /// Number of columns (features).
+    pub cols: usize,
+    /// `rows * cols` values, row-major.
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// An all-zero matrix.
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        Self {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+
+    /// Row `r` as a slice.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Row `r` as a mutable slice.
+    pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
+        &mut self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// A linear layer's weight `[out, in]` as read from the checkpoint, before a backend takes it.
+///
+/// Which variant a layer gets is decided at load time from the tensors present in the checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostLinear {
+    /// Dense weight (bf16/f16/f32 on disk), converted to f32, row-major `[out, in]`.
+    Dense {
+        /// Output features.
+        out: usize,
+        /// Input features.
+        inp: usize,
+        /// `out * inp` values.
+        data: Vec<f32>,
+    },
+    /// compressed-tensors `pack-quantized` symmetric INT4 with per-group scales along `in`.
+    Int4 {
+        /// Output features.
+        out: usize,
+        /// Input features.
+        inp: usize,
+        /// Scale group size along `in`.
+        group_size: usize,
+        /// `[out, ceil(in/8)]` words; element `8m + j` of a row is nibble `j` of word `m`, stored
+        /// as `q + 8`.
+        packed: Vec<u32>,
+        /// `[out, in/group_size]` scales.
+        scales: Vec<f32>,
+    },
+}
+
+impl HostLinear {
+    /// `(out, in)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Self::Dense { out, inp, .. } | Self::Int4 { out, inp, .. } => (*out, *inp),
+        }
+    }
+}
+
+/// MLA head dimensions, taken from the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaDims {
+    /// Attention heads (N).
+    pub heads: usize,
+    /// `qk_nope_head_dim` (P).
+    pub nope: usize,
+    /// `qk_rope_head_dim` (R).
+    pub rope: usize,
+    /// `v_head_dim` (V).
+    pub v: usize,
+    /// `kv_lora_rank` (L): width of the latent `c_kv`.
+    pub kv_lora: usize,
+}
+
+impl MlaDims {
+    /// Width of one absorbed query head and of one cache row: `L + R`.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora + self.rope
+    }
+}
+
+/// Which cached rows each new row attends to.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionSpan<'a> {
+    /// Committed rows `0..prefix_len` of the cache, visible to every new row.
+    pub prefix_len: usize,
+    /// Visibility among the new rows `prefix_len..`: `None` is causal (a chain); `Some` is a tree
+    /// where new row `i` sees new row `j` iff `j` is an ancestor of `i` or `i` itself.
+    pub mask: Option<&'a AncestorMask>,
+}
+
+impl AttentionSpan<'_> {
+    /// Whether new row `i` may attend to new row `j`.
+    pub fn sees_new(&self, i: usize, j: usize) -> bool {
+        match self.mask {
+            None => j <= i,
+            Some(mask) => mask.get(i, j),
+        }
+    }
+}
+
+/// The ops a model forward needs. Activations are `[rows, cols]` matrices, one row per token.
+pub trait Backend {
+    /// A `[rows, cols]` activation matrix (also holds the embedding table).
+    type Tensor;
+    /// A 1-D parameter (norm weight, routing bias).
+    type Vector;
+    /// A linear layer's weight, dense or INT4, in the layout this backend's kernels want.
+    type Weight;
+    /// The latent KV cache of every layer: per token and layer one row of `kv_lora + rope` values
+    /// (normalized `c_kv` then roped `k_pe`).
+    type KvCache;
+    /// Per-token expert choices and weights from [`Backend::moe_route`].
+    type Routing;
+
+    /// A short name for messages (`"cpu"`, `"cuda"`).
+    fn name(&self) -> &'static str;
+
+    /// Takes a 1-D parameter.
+    fn load_vector(&self, data: Vec<f32>) -> Result<Self::Vector>;
+    /// Takes a matrix parameter (the embedding table).
+    fn load_matrix(&self, m: Matrix) -> Result<Self::Tensor>;
+    /// Takes a linear weight, repacking it as the backend likes.
+    fn load_weight(&self, w: HostLinear) -> Result<Self::Weight>;
+    /// An empty latent cache for `layers` layers of rows `row_width` wide, for up to `capacity`
+    /// tokens.
+    fn new_kv_cache(
+        &self,
+        layers: usize,
+        row_width: usize,
+        capacity: usize,
+    ) -> Result<Self::KvCache>;
+
+    /// Copies a tensor back to the host.
+    fn to_host(&self, x: &Self::Tensor) -> Result<Matrix>;
+    /// Gathers rows `rows` of `x` (in that order).
+    fn take_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+
+    /// Looks up embedding rows for `ids`.
+    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `x / sqrt(mean(x^2) + eps) * weight`, per row.
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
+    /// `x W^T` for `W` of shape `[out, in]`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `silu(gate) * up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+
+    /// From `kv_a = h W_DKV` (`[T, L + R]`): RMS-normalizes `c_kv` (eps `eps`), ropes `k_pe` at
+    /// `positions`, and appends the `T` rows to `layer` of the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_append_kv(
+        &self,
+        kv_a: &Self::Tensor,
+        norm: &Self::Vector,
+        eps: f32,
+        rope: &Rope,
+        positions: &[u32],
+        cache: &mut Self::KvCache,
+        layer: usize,
+    ) -> Result<()>;
+    /// From `q` (`[T, N (P + R)]`): ropes each head's `q_pe` and absorbs `q_nope` through `W_UK`
+    /// (the first `P` rows of each head's block of `kv_b`), giving `[T, N (L + R)]`.
+    fn mla_query(
+        &self,
+        q: &Self::Tensor,
+        kv_b: &Self::Weight,
+        rope: &Rope,
+        positions: &[u32],
+        dims: MlaDims,
+    ) -> Result<Self::Tensor>;
+    /// Absorbed attention of the new rows over the latent cache of `layer`: scores are
+    /// `q_abs . row * scale`, softmax over the rows `span` allows, output `sum p c_kv`
+    /// (`[T, N L]`). The new rows are the last `T` rows of the cache.
+    fn mla_attention(
+        &self,
+        q_abs: &Self::Tensor,
+        cache: &Self::KvCache,
+        layer: usize,
+        span: AttentionSpan<'_>,
+        dims: MlaDims,
+        scale: f32,
+    ) -> Result<Self::Tensor>;
+    /// Un-absorbs the latent outputs through each head's `W_UV` (the last `V` rows of its block of
+    /// `kv_b`): `[T, N L]` -> `[T, N V]`.
+    fn mla_output(
+        &self,
+        o_lat: &Self::Tensor,
+        kv_b: &Self::Weight,
+        dims: MlaDims,
+    ) -> Result<Self::Tensor>;
+
+    /// DeepSeek-V3 `noaux_tc` routing from fp32 router logits `[T, E]`: sigmoid scores, selection
+    /// on scores + `bias` with group-limited top-k, weights from the unbiased scores, normalized
+    /// and scaled.
+    fn moe_route(
+        &self,
+        logits: &Self::Tensor,
+        bias: &Self::Vector,
+        cfg: &MoeConfig,
+    ) -> Result<Self::Routing>;
+    /// `sum_k w_k expert_k(x)` per token for the routed experts.
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        routing: &Self::Routing,
+        experts: &[Ffn<Self::Weight>],
+    ) -> Result<Self::Tensor>;
+
+    /// Number of rows every layer of the cache holds.
+    fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// Drops every row at index `len` and beyond.
+    fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize) -> Result<()>;
+    /// Keeps rows `base + keep[i]` (ascending) moved to `base + i`, and drops every other row at
+    /// index `base` and beyond: the compaction after a tree's accepted path is known.
+    fn kv_compact(&self, cache: &mut Self::KvCache, base: usize, keep: &[usize]) -> Result<()>;
+}

@@ -1,0 +1,30 @@
+//! DDTree speculative-decoding engine for DeepSeek-V3 / Kimi K2.x models.
+//!
+//! - [`config`]: HF `config.json` (`deepseek_v3`, `kimi_k2`, `kimi_k25`) with YaRN, routing and
+//!   compressed-tensors INT4 settings;
+//! - [`weights`]: sharded, memory-mapped safetensors checkpoints;
+//! - [`backend`]: the op-level [`Backend`] trait and the f32 [`CpuBackend`];
+//! - [`model`]: the forward (MLA with absorbed attention over the latent cache, tree masks, MoE),
+//!   written once against [`Backend`];
+//! - [`generate`]: greedy generation; [`tokenizer`]: HF `tokenizer.json` and Kimi `tiktoken.model`;
+//! - [`tiny`]: the tiny model embedded in the binary.
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod mask;
+pub mod model;
+pub mod rope;
+pub mod tiny;
+pub mod tokenizer;
+pub mod weights;
+
+pub use backend::{Backend, CpuBackend};
+pub use config::ModelConfig;
+pub use error::{EngineError, Result};
+pub use generate::{generate_greedy, GenerateOptions, Generation, StopReason};
+pub use mask::AncestorMask;
+pub use model::{ForwardInput, LoadOptions, LogitRows, Model};
+pub use tokenizer::Tokenizer;
+pub use weights::Checkpoint;

@@ -1,0 +1,645 @@
+//! DeepSeek-V3 / Kimi K2.x weights and the model forward, written once against [`Backend`].
+
+use std::path::Path;
+
+use safetensors::Dtype;
+
+use crate::backend::{AttentionSpan, Backend, HostLinear, Matrix, MlaDims};
+use crate::config::{ModelConfig, QuantConfig};
+use crate::error::{EngineError, Result};
+use crate::mask::AncestorMask;
+use crate::rope::Rope;
+use crate::weights::{Checkpoint, TensorRef, FLOAT_DTYPES};
+
+/// Epsilon of the MLA-internal norms (`q_a_layernorm`, `kv_a_layernorm`): HF uses the RMSNorm
+/// default whatever `rms_norm_eps` says.
+pub const MLA_NORM_EPS: f32 = 1e-6;
+
+/// Tensor-name prefixes under which checkpoints keep the decoder (`language_model.` for the
+/// multimodal Kimi K2.5/K2.6), tried in order.
+const PREFIXES: [&str; 2] = ["", "language_model."];
+
+/// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`.
+#[derive(Debug)]
+pub struct Ffn<W> {
+    /// `gate_proj`.
+    pub gate: W,
+    /// `up_proj`.
+    pub up: W,
+    /// `down_proj`.
+    pub down: W,
+}
+
+/// The query projection: low-rank (`q_a_proj` + `q_a_layernorm` + `q_b_proj`) or plain `q_proj`.
+#[derive(Debug)]
+pub enum QProj<W, V> {
+    /// `q_lora_rank` is set.
+    Lora {
+        /// `q_a_proj`.
+        a: W,
+        /// `q_a_layernorm`.
+        norm: V,
+        /// `q_b_proj`.
+        b: W,
+    },
+    /// `q_lora_rank` is null.
+    Full(W),
+}
+
+/// MLA attention weights of one layer.
+#[derive(Debug)]
+pub struct Attention<W, V> {
+    /// Query projection.
+    pub q: QProj<W, V>,
+    /// `kv_a_proj_with_mqa`: hidden -> `c_kv` + `k_pe`.
+    pub kv_a: W,
+    /// `kv_a_layernorm`.
+    pub kv_a_norm: V,
+    /// `kv_b_proj`: per head `W_UK` (P rows) then `W_UV` (V rows).
+    pub kv_b: W,
+    /// `o_proj`.
+    pub o: W,
+}
+
+/// The MoE block of one layer.
+#[derive(Debug)]
+pub struct Moe<W, V> {
+    /// Router `mlp.gate.weight` `[E, hidden]`.
+    pub router: W,
+    /// `e_score_correction_bias` `[E]`.
+    pub bias: V,
+    /// Routed experts.
+    pub experts: Vec<Ffn<W>>,
+    /// Shared experts (fused into one FFN), if `n_shared_experts > 0`.
+    pub shared: Option<Ffn<W>>,
+}
+
+/// A layer's MLP.
+#[derive(Debug)]
+pub enum Mlp<W, V> {
+    /// Layers below `first_k_dense_replace`.
+    Dense(Ffn<W>),
+    /// The other layers.
+    Moe(Moe<W, V>),
+}
+
+/// One decoder layer.
+#[derive(Debug)]
+pub struct Layer<W, V> {
+    /// `input_layernorm`.
+    pub input_norm: V,
+    /// `self_attn`.
+    pub attn: Attention<W, V>,
+    /// `post_attention_layernorm`.
+    pub post_norm: V,
+    /// `mlp`.
+    pub mlp: Mlp<W, V>,
+}
+
+/// All weights, generic over the leaf types so the same tree describes a checkpoint being
+/// validated and a model loaded on a backend.
+#[derive(Debug)]
+pub struct Weights<W, V, T> {
+    /// `model.embed_tokens`.
+    pub embed: T,
+    /// `model.layers.*`.
+    pub layers: Vec<Layer<W, V>>,
+    /// `model.norm`.
+    pub norm: V,
+    /// `lm_head` (or the embedding when tied).
+    pub lm_head: W,
+}
+
+/// Produces the leaves of [`Weights`] by tensor name and expected shape.
+trait LeafSource {
+    type W;
+    type V;
+    type T;
+    fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<Self::W>;
+    fn vector(&mut self, name: &str, len: usize) -> Result<Self::V>;
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Self::T>;
+}
+
+/// Walks every tensor the config implies, in checkpoint naming.
+fn build<S: LeafSource>(
+    cfg: &ModelConfig,
+    prefix: &str,
+    s: &mut S,
+) -> Result<Weights<S::W, S::V, S::T>> {
+    let h = cfg.hidden_size;
+    let heads = cfg.num_attention_heads;
+    let ffn = |s: &mut S, p: &str, inter: usize| -> Result<Ffn<S::W>> {
+        Ok(Ffn {
+            gate: s.linear(&format!("{p}.gate_proj"), inter, h)?,
+            up: s.linear(&format!("{p}.up_proj"), inter, h)?,
+            down: s.linear(&format!("{p}.down_proj"), h, inter)?,
+        })
+    };
+    let m = format!("{prefix}model");
+    let embed = s.matrix(&format!("{m}.embed_tokens.weight"), cfg.vocab_size, h)?;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("{m}.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let q = match cfg.q_lora_rank {
+            Some(rank) => QProj::Lora {
+                a: s.linear(&format!("{a}.q_a_proj"), rank, h)?,
+                norm: s.vector(&format!("{a}.q_a_layernorm.weight"), rank)?,
+                b: s.linear(&format!("{a}.q_b_proj"), heads * cfg.qk_head_dim(), rank)?,
+            },
+            None => QProj::Full(s.linear(&format!("{a}.q_proj"), heads * cfg.qk_head_dim(), h)?),
+        };
+        let attn = Attention {
+            q,
+            kv_a: s.linear(
+                &format!("{a}.kv_a_proj_with_mqa"),
+                cfg.latent_row_width(),
+                h,
+            )?,
+            kv_a_norm: s.vector(&format!("{a}.kv_a_layernorm.weight"), cfg.kv_lora_rank)?,
+            kv_b: s.linear(
+                &format!("{a}.kv_b_proj"),
+                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                cfg.kv_lora_rank,
+            )?,
+            o: s.linear(&format!("{a}.o_proj"), h, heads * cfg.v_head_dim)?,
+        };
+        let mlp = if cfg.is_moe_layer(l) {
+            let moe = &cfg.moe;
+            let inter = moe.moe_intermediate_size;
+            Mlp::Moe(Moe {
+                router: s.linear(&format!("{p}.mlp.gate"), moe.n_routed_experts, h)?,
+                bias: s.vector(
+                    &format!("{p}.mlp.gate.e_score_correction_bias"),
+                    moe.n_routed_experts,
+                )?,
+                experts: (0..moe.n_routed_experts)
+                    .map(|e| ffn(s, &format!("{p}.mlp.experts.{e}"), inter))
+                    .collect::<Result<_>>()?,
+                shared: match moe.n_shared_experts {
+                    0 => None,
+                    n => Some(ffn(s, &format!("{p}.mlp.shared_experts"), n * inter)?),
+                },
+            })
+        } else {
+            Mlp::Dense(ffn(s, &format!("{p}.mlp"), cfg.intermediate_size)?)
+        };
+        layers.push(Layer {
+            input_norm: s.vector(&format!("{p}.input_layernorm.weight"), h)?,
+            attn,
+            post_norm: s.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            mlp,
+        });
+    }
+    let norm = s.vector(&format!("{m}.norm.weight"), h)?;
+    let head = if cfg.tie_word_embeddings {
+        format!("{m}.embed_tokens")
+    } else {
+        format!("{prefix}lm_head")
+    };
+    let lm_head = s.linear(&head, cfg.vocab_size, h)?;
+    Ok(Weights {
+        embed,
+        layers,
+        norm,
+        lm_head,
+    })
+}
+
+/// The tensors behind one linear layer, dtype- and shape-checked.
+enum LinearTensors<'a> {
+    Dense(TensorRef<'a>),
+    Int4 {
+        packed: TensorRef<'a>,
+        scale: TensorRef<'a>,
+        group_size: usize,
+    },
+}
+
+fn float_tensor<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
+    let t = ckpt.tensor(name)?;
+    t.expect_dtype(&FLOAT_DTYPES)?;
+    t.expect_shape(shape)?;
+    Ok(t)
+}
+
+/// Resolves `{name}.weight` (dense) or `{name}.weight_packed` + `weight_scale` + `weight_shape`
+/// (INT4), whichever the checkpoint holds.
+fn linear_tensors<'a>(
+    ckpt: &'a Checkpoint,
+    quant: Option<&QuantConfig>,
+    name: &str,
+    out: usize,
+    inp: usize,
+) -> Result<LinearTensors<'a>> {
+    let dense = format!("{name}.weight");
+    let packed_name = format!("{name}.weight_packed");
+    if ckpt.contains(&dense) || !ckpt.contains(&packed_name) {
+        return Ok(LinearTensors::Dense(float_tensor(
+            ckpt,
+            &dense,
+            &[out, inp],
+        )?));
+    }
+    let packed = ckpt.tensor(&packed_name)?;
+    let bad = |t: &TensorRef<'_>, reason: String| EngineError::BadTensor {
+        file: t.file.to_path_buf(),
+        tensor: t.name.to_string(),
+        reason,
+    };
+    let Some(quant) = quant else {
+        return Err(bad(
+            &packed,
+            "INT4 weight, but config.json has no compressed-tensors quantization_config".into(),
+        ));
+    };
+    packed.expect_dtype(&[Dtype::I32, Dtype::U32])?;
+    packed.expect_shape(&[out, inp.div_ceil(8)])?;
+    let scale = ckpt.tensor(&format!("{name}.weight_scale"))?;
+    if inp % quant.group_size != 0 {
+        return Err(bad(
+            &scale,
+            format!(
+                "in_features {inp} is not a multiple of the group size {}",
+                quant.group_size
+            ),
+        ));
+    }
+    scale.expect_dtype(&FLOAT_DTYPES)?;
+    scale.expect_shape(&[out, inp / quant.group_size])?;
+    let shape = ckpt.tensor(&format!("{name}.weight_shape"))?;
+    shape.expect_shape(&[2])?;
+    let dims = shape.to_i64()?;
+    if dims != [out as i64, inp as i64] {
+        return Err(bad(
+            &shape,
+            format!("holds {dims:?}, expected [{out}, {inp}]"),
+        ));
+    }
+    Ok(LinearTensors::Int4 {
+        packed,
+        scale,
+        group_size: quant.group_size,
+    })
+}
+
+/// Header-only pass: checks presence, dtype and shape of every tensor and sums their bytes.
+struct Validate<'a> {
+    ckpt: &'a Checkpoint,
+    quant: Option<&'a QuantConfig>,
+    bytes: u64,
+}
+
+impl LeafSource for Validate<'_> {
+    type W = ();
+    type V = ();
+    type T = ();
+    fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<()> {
+        self.bytes += match linear_tensors(self.ckpt, self.quant, name, out, inp)? {
+            LinearTensors::Dense(t) => t.data.len(),
+            LinearTensors::Int4 { packed, scale, .. } => packed.data.len() + scale.data.len(),
+        } as u64;
+        Ok(())
+    }
+    fn vector(&mut self, name: &str, len: usize) -> Result<()> {
+        self.bytes += float_tensor(self.ckpt, name, &[len])?.data.len() as u64;
+        Ok(())
+    }
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<()> {
+        self.bytes += float_tensor(self.ckpt, name, &[rows, cols])?.data.len() as u64;
+        Ok(())
+    }
+}
+
+/// Converting pass: reads each tensor, optionally scans it for NaN/inf, hands it to the backend.
+struct Load<'a, B> {
+    ckpt: &'a Checkpoint,
+    quant: Option<&'a QuantConfig>,
+    backend: &'a B,
+    check_finite: bool,
+    done: u64,
+    total: u64,
+    progress: &'a mut dyn FnMut(u64, u64),
+}
+
+impl<B> Load<'_, B> {
+    fn advance(&mut self, bytes: usize) {
+        self.done += bytes as u64;
+        (self.progress)(self.done, self.total);
+    }
+}
+
+impl<B: Backend> LeafSource for Load<'_, B> {
+    type W = B::Weight;
+    type V = B::Vector;
+    type T = B::Tensor;
+    fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<B::Weight> {
+        let (host, bytes) = match linear_tensors(self.ckpt, self.quant, name, out, inp)? {
+            LinearTensors::Dense(t) => (
+                HostLinear::Dense {
+                    out,
+                    inp,
+                    data: t.to_f32(self.check_finite)?,
+                },
+                t.data.len(),
+            ),
+            LinearTensors::Int4 {
+                packed,
+                scale,
+                group_size,
+            } => (
+                HostLinear::Int4 {
+                    out,
+                    inp,
+                    group_size,
+                    packed: packed.to_u32_words()?,
+                    scales: scale.to_f32(self.check_finite)?,
+                },
+                packed.data.len() + scale.data.len(),
+            ),
+        };
+        self.advance(bytes);
+        self.backend.load_weight(host)
+    }
+    fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
+        let t = float_tensor(self.ckpt, name, &[len])?;
+        let data = t.to_f32(self.check_finite)?;
+        self.advance(t.data.len());
+        self.backend.load_vector(data)
+    }
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<B::Tensor> {
+        let t = float_tensor(self.ckpt, name, &[rows, cols])?;
+        let data = t.to_f32(self.check_finite)?;
+        self.advance(t.data.len());
+        self.backend.load_matrix(Matrix { rows, cols, data })
+    }
+}
+
+/// Options for [`Model::load`].
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Scan every floating-point weight for NaN/infinity while loading (default on).
+    pub check_finite: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { check_finite: true }
+    }
+}
+
+/// Which rows of the forward output get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Every new token (tree verification).
+    All,
+    /// Only the last new token (prefill, plain decoding).
+    Last,
+}
+
+/// The new tokens of one forward call.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardInput<'a> {
+    /// Token ids.
+    pub tokens: &'a [u32],
+    /// Their positions (`start + depth` for tree nodes).
+    pub positions: &'a [u32],
+    /// Tree visibility among the new tokens; `None` is causal.
+    pub mask: Option<&'a AncestorMask>,
+    /// Rows that get logits.
+    pub logits: LogitRows,
+}
+
+/// A loaded model on a backend.
+pub struct Model<B: Backend> {
+    backend: B,
+    config: ModelConfig,
+    weights: Weights<B::Weight, B::Vector, B::Tensor>,
+    rope: Rope,
+    dims: MlaDims,
+    scale: f32,
+}
+
+impl<B: Backend> Model<B> {
+    /// Validates every tensor `config` implies (presence, dtype, shape) from the headers, then
+    /// loads them onto `backend`. `progress(done, total)` is called with bytes as tensors load.
+    pub fn load(
+        backend: B,
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        let prefix = PREFIXES
+            .into_iter()
+            .find(|p| ckpt.contains(&format!("{p}model.embed_tokens.weight")))
+            .ok_or_else(|| EngineError::MissingTensor {
+                location: ckpt.location().to_path_buf(),
+                tensor: "model.embed_tokens.weight".into(),
+            })?;
+        let quant = config.quantization.as_ref();
+        let mut validate = Validate {
+            ckpt,
+            quant,
+            bytes: 0,
+        };
+        build(&config, prefix, &mut validate)?;
+        let mut load = Load {
+            ckpt,
+            quant,
+            backend: &backend,
+            check_finite: options.check_finite,
+            done: 0,
+            total: validate.bytes,
+            progress,
+        };
+        let weights = build(&config, prefix, &mut load)?;
+        let dims = MlaDims {
+            heads: config.num_attention_heads,
+            nope: config.qk_nope_head_dim,
+            rope: config.qk_rope_head_dim,
+            v: config.v_head_dim,
+            kv_lora: config.kv_lora_rank,
+        };
+        Ok(Self {
+            rope: Rope::new(&config),
+            scale: Rope::softmax_scale(&config),
+            backend,
+            config,
+            weights,
+            dims,
+        })
+    }
+
+    /// Reads `config.json` and the checkpoint from `dir` and loads them.
+    pub fn load_dir(
+        backend: B,
+        dir: &Path,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        Self::load(backend, config, &ckpt, options, progress)
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// An empty latent KV cache for up to `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> Result<B::KvCache> {
+        self.backend.new_kv_cache(
+            self.config.num_hidden_layers,
+            self.config.latent_row_width(),
+            capacity,
+        )
+    }
+
+    /// Runs the new tokens through the model, appending their latent rows to `cache` (after the
+    /// rows already there, which every new token sees), and returns logits `[rows, vocab]`.
+    ///
+    /// On error the cache is restored to its length before the call.
+    pub fn forward(&self, cache: &mut B::KvCache, input: ForwardInput<'_>) -> Result<B::Tensor> {
+        self.check_input(&input)?;
+        let prefix_len = self.backend.kv_len(cache);
+        let result = self.forward_inner(cache, input, prefix_len);
+        if result.is_err() {
+            self.backend.kv_truncate(cache, prefix_len)?;
+        }
+        result
+    }
+
+    fn check_input(&self, input: &ForwardInput<'_>) -> Result<()> {
+        let n = input.tokens.len();
+        if n == 0 {
+            return Err(EngineError::Forward("no tokens to run".into()));
+        }
+        if input.positions.len() != n {
+            return Err(EngineError::Forward(format!(
+                "{n} tokens but {} positions",
+                input.positions.len()
+            )));
+        }
+        if let Some(mask) = input.mask {
+            if mask.len() != n {
+                return Err(EngineError::Forward(format!(
+                    "{n} tokens but a mask over {} nodes",
+                    mask.len()
+                )));
+            }
+        }
+        check_tokens(input.tokens, self.config.vocab_size)?;
+        let context = self.config.max_position_embeddings;
+        let max_position = input.positions.iter().copied().max().unwrap_or(0) as usize;
+        if max_position >= context {
+            return Err(EngineError::ContextOverflow {
+                tokens: n,
+                max_position,
+                context,
+            });
+        }
+        Ok(())
+    }
+
+    fn forward_inner(
+        &self,
+        cache: &mut B::KvCache,
+        input: ForwardInput<'_>,
+        prefix_len: usize,
+    ) -> Result<B::Tensor> {
+        let b = &self.backend;
+        let w = &self.weights;
+        let eps = self.config.rms_norm_eps;
+        let span = AttentionSpan {
+            prefix_len,
+            mask: input.mask,
+        };
+        let mut x = b.embedding(&w.embed, input.tokens)?;
+        for (l, layer) in w.layers.iter().enumerate() {
+            let h = b.rms_norm(&x, &layer.input_norm, eps)?;
+            let a = self.attention(l, &layer.attn, &h, cache, input.positions, span)?;
+            b.add_assign(&mut x, &a)?;
+            let h = b.rms_norm(&x, &layer.post_norm, eps)?;
+            let m = self.mlp(&layer.mlp, &h)?;
+            b.add_assign(&mut x, &m)?;
+        }
+        if input.logits == LogitRows::Last {
+            x = b.take_rows(&x, &[input.tokens.len() - 1])?;
+        }
+        let h = b.rms_norm(&x, &w.norm, eps)?;
+        b.linear(&h, &w.lm_head)
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        a: &Attention<B::Weight, B::Vector>,
+        h: &B::Tensor,
+        cache: &mut B::KvCache,
+        positions: &[u32],
+        span: AttentionSpan<'_>,
+    ) -> Result<B::Tensor> {
+        let b = &self.backend;
+        let q = match &a.q {
+            QProj::Lora { a: qa, norm, b: qb } => {
+                b.linear(&b.rms_norm(&b.linear(h, qa)?, norm, MLA_NORM_EPS)?, qb)?
+            }
+            QProj::Full(w) => b.linear(h, w)?,
+        };
+        let kv_a = b.linear(h, &a.kv_a)?;
+        b.mla_append_kv(
+            &kv_a,
+            &a.kv_a_norm,
+            MLA_NORM_EPS,
+            &self.rope,
+            positions,
+            cache,
+            layer,
+        )?;
+        let q_abs = b.mla_query(&q, &a.kv_b, &self.rope, positions, self.dims)?;
+        let o_lat = b.mla_attention(&q_abs, cache, layer, span, self.dims, self.scale)?;
+        let o = b.mla_output(&o_lat, &a.kv_b, self.dims)?;
+        b.linear(&o, &a.o)
+    }
+
+    fn mlp(&self, mlp: &Mlp<B::Weight, B::Vector>, h: &B::Tensor) -> Result<B::Tensor> {
+        let b = &self.backend;
+        match mlp {
+            Mlp::Dense(f) => ffn(b, f, h),
+            Mlp::Moe(m) => {
+                let logits = b.linear(h, &m.router)?;
+                let routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
+                let mut out = b.moe_experts(h, &routing, &m.experts)?;
+                if let Some(shared) = &m.shared {
+                    b.add_assign(&mut out, &ffn(b, shared, h)?)?;
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// `down(silu(gate x) * up x)` on any backend.
+pub fn ffn<B: Backend>(b: &B, f: &Ffn<B::Weight>, x: &B::Tensor) -> Result<B::Tensor> {
+    let act = b.silu_mul(&b.linear(x, &f.gate)?, &b.linear(x, &f.up)?)?;
+    b.linear(&act, &f.down)
+}
+
+/// Fails on the first id that is not below `vocab_size`.
+pub fn check_tokens(tokens: &[u32], vocab_size: usize) -> Result<()> {
+    match tokens.iter().position(|&t| t as usize >= vocab_size) {
+        Some(index) => Err(EngineError::TokenOutOfRange {
+            id: tokens[index],
+            index,
+            vocab_size,
+        }),
+        None => Ok(()),
+    }
+}
