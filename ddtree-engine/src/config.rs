@@ -351,16 +351,17 @@ fn parse_rope_scaling(
         Some(_) => {}
     }
     let s = f.object("rope_scaling")?;
-    let kind = match s.opt_string("rope_type")? {
-        Some(kind) => kind,
-        None => s.string("type")?,
+    // HF reads `rope_type` and falls back to the legacy `type`.
+    let (key, kind) = match s.opt_string("rope_type")? {
+        Some(kind) => ("rope_type", kind),
+        None => ("type", s.string("type")?),
     };
     match kind.as_str() {
         "default" => return Ok(None),
         "yarn" => {}
         other => {
             return Err(s.err(
-                "type",
+                key,
                 format!("unsupported rope scaling {other:?} (only \"yarn\")"),
             ));
         }
