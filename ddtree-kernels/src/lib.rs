@@ -6,9 +6,19 @@
 #![warn(missing_docs)]
 
 pub mod common;
+pub mod embedding;
+pub mod gemm_bf16;
 pub mod rms_norm;
+pub mod rope;
+pub mod silu_mul;
+pub mod topk;
 
+pub use embedding::{Embedding, EmbeddingParams};
+pub use gemm_bf16::{GemmBf16, GemmParams};
 pub use rms_norm::{RmsNorm, RmsNormParams};
+pub use rope::{RopeInterleaved, RopeParams};
+pub use silu_mul::{SiluMul, SiluMulParams};
+pub use topk::{RowTopk, TopkParams};
 
 use ddtree_codegen::{CodegenError, Kernel};
 
@@ -34,5 +44,10 @@ fn variants<K: Kernel>() -> Result<Vec<Variant>, CodegenError> {
 pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     let mut all = Vec::new();
     all.extend(variants::<RmsNorm>()?);
+    all.extend(variants::<SiluMul>()?);
+    all.extend(variants::<RopeInterleaved>()?);
+    all.extend(variants::<Embedding>()?);
+    all.extend(variants::<RowTopk>()?);
+    all.extend(variants::<GemmBf16>()?);
     Ok(all)
 }
