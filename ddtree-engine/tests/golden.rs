@@ -192,3 +192,20 @@ fn stop_token_ends_generation() {
     assert_eq!(out.tokens, p.generated[..=first]);
     assert_eq!(out.stop_reason, ddtree_engine::StopReason::StopToken);
 }
+
+#[test]
+fn embedded_tiny_model_is_the_kimi_fixture() {
+    let model = ddtree_engine::tiny::load(CpuBackend, LoadOptions::default()).unwrap();
+    let (_, golden) = load("tiny-kimi");
+    let p = &golden.prompts[0];
+    let options = GenerateOptions {
+        max_new_tokens: golden.steps,
+        ..Default::default()
+    };
+    assert_eq!(
+        generate_greedy(&model, &p.ids, &options).unwrap().tokens,
+        p.generated
+    );
+    let tok = ddtree_engine::tiny::tokenizer().unwrap();
+    assert_eq!(tok.encode(p.text.as_deref().unwrap()).unwrap(), p.ids);
+}
