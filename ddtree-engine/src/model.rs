@@ -256,6 +256,7 @@ fn linear_tensors<'a>(
     packed.expect_dtype(&[Dtype::I32, Dtype::U32])?;
     packed.expect_shape(&[out, inp.div_ceil(8)])?;
     let scale = ckpt.tensor(&format!("{name}.weight_scale"))?;
+    #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; MSRV is 1.85
     if inp % quant.group_size != 0 {
         return Err(bad(
             &scale,
