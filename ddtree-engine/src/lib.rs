@@ -9,6 +9,8 @@
 //! - [`generate`]: greedy generation; [`tokenizer`]: HF `tokenizer.json` and Kimi `tiktoken.model`;
 //! - [`tiny`]: the tiny model embedded in the binary.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod config;
 pub mod error;
