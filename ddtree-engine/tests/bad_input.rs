@@ -429,4 +429,13 @@ fn kimi_k25_config_reads_text_config() {
         1,
     ));
     assert_mentions(&msg, &["field `text_config.model_type`"]);
+
+    // A flat `kimi_k2` config (K2 / K2-Thinking) reads the same fields from the top level.
+    let flat = tiny_config_json().replacen(
+        "\"model_type\": \"deepseek_v3\"",
+        "\"model_type\": \"kimi_k2\"",
+        1,
+    );
+    let k2 = ModelConfig::from_json(&flat, Path::new("config.json")).unwrap();
+    assert_eq!((k2.model_type.as_str(), k2.moe.n_group), ("kimi_k2", 4));
 }
