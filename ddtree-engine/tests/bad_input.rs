@@ -114,8 +114,62 @@ fn assert_mentions(msg: &str, parts: &[&str]) {
 }
 
 #[test]
-fn pristine_copy_loads() {
-    Scratch::new().load_with(LoadOptions::default()).unwrap();
+fn pristine_copy_loads_with_monotonic_progress() {
+    let s = Scratch::new();
+    let mut calls: Vec<(u64, u64)> = Vec::new();
+    Model::load_dir(
+        CpuBackend,
+        &s.0,
+        LoadOptions::default(),
+        &mut |done, total| calls.push((done, total)),
+    )
+    .unwrap();
+    assert!(calls
+        .windows(2)
+        .all(|w| w[0].0 < w[1].0 && w[0].1 == w[1].1));
+    let &(done, total) = calls.last().unwrap();
+    assert!(total > 0 && done == total);
+}
+
+#[test]
+fn single_unsharded_file_loads() {
+    let s = Scratch::new();
+    let mut owned: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for shard in [SHARD1, SHARD2] {
+        let bytes = std::fs::read(s.path(shard)).unwrap();
+        for (name, view) in SafeTensors::deserialize(&bytes).unwrap().tensors() {
+            owned.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            ));
+        }
+        std::fs::remove_file(s.path(shard)).unwrap();
+    }
+    let views: Vec<(String, TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, sh, b)| (n.clone(), TensorView::new(*d, sh.clone(), b).unwrap()))
+        .collect();
+    std::fs::write(
+        s.path("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    std::fs::remove_file(s.path("model.safetensors.index.json")).unwrap();
+    let model = s.load_with(LoadOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_new_tokens: 4,
+        ..Default::default()
+    };
+    let sharded = generate_greedy(&tiny_model(), &[5, 17], &options).unwrap();
+    let single = generate_greedy(&model, &[5, 17], &options).unwrap();
+    assert_eq!(single.tokens, sharded.tokens);
+    std::fs::remove_file(s.path("model.safetensors")).unwrap();
+    assert_mentions(
+        &s.load_err(),
+        &["model.safetensors.index.json nor model.safetensors"],
+    );
 }
 
 #[test]

@@ -408,6 +408,13 @@ impl Backend for CpuBackend {
         if routing.0.len() != x.rows {
             return Err(fail("moe_experts: routing and input differ in rows".into()));
         }
+        if let Some(e) = routing.0.iter().flatten().find(|c| c.0 >= experts.len()) {
+            return Err(fail(format!(
+                "moe_experts: expert {} of {}",
+                e.0,
+                experts.len()
+            )));
+        }
         let mut out = Matrix::zeros(x.rows, x.cols);
         // Expert by expert in index order, as HF accumulates.
         for (e, expert) in experts.iter().enumerate() {
@@ -427,13 +434,6 @@ impl Backend for CpuBackend {
                     .zip(y.row(i))
                     .for_each(|(o, v)| *o += v * w);
             }
-        }
-        if let Some(e) = routing.0.iter().flatten().find(|c| c.0 >= experts.len()) {
-            return Err(fail(format!(
-                "moe_experts: expert {} of {}",
-                e.0,
-                experts.len()
-            )));
         }
         Ok(out)
     }
