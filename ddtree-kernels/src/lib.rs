@@ -5,6 +5,7 @@
 //! checked against. [`catalogue`] lists every kernel for the snapshot and NVRTC tests.
 #![warn(missing_docs)]
 
+pub mod check;
 pub mod common;
 pub mod embedding;
 pub mod gemm_bf16;

@@ -8,6 +8,7 @@ mod device;
 mod error;
 mod launch;
 pub mod nvrtc;
+pub mod timing;
 
 pub use cudarc;
 pub use device::{arch_name, driver_available, Fingerprint, Gpu};

@@ -1,0 +1,167 @@
+//! GPU check and bench of the DSL kernels, in one run:
+//!
+//! 1. every candidate of every kernel against its CPU reference (fresh random inputs, poisoned
+//!    outputs, ragged sizes and the Kimi K2.6 sizes);
+//! 2. device copy bandwidth;
+//! 3. the bf16 tile GEMM's TFLOP/s for every candidate next to cuBLAS bf16 on the same shapes.
+//!
+//! Usage: `kernel-check [--small] [--seed N] [--skip-bench]`. Exits non-zero if any check fails.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::sys::cublasOperation_t;
+use ddtree_codegen::Kernel;
+use ddtree_kernels::check::{self, Sizes};
+use ddtree_kernels::GemmBf16;
+use ddtree_runtime::timing::median_us;
+use ddtree_runtime::{Gpu, RuntimeError};
+use half::bf16;
+use rand::Rng;
+
+#[derive(Parser)]
+#[command(about = "Check every DSL kernel on the GPU against its CPU reference, then time the tile GEMM against cuBLAS")]
+struct Args {
+    /// Only the small ragged sizes.
+    #[arg(long)]
+    small: bool,
+    /// Seed for the random inputs (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Skip the bandwidth and GEMM timings.
+    #[arg(long)]
+    skip_bench: bool,
+}
+
+fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError + '_ {
+    move |source| RuntimeError::Driver { context: context.to_string(), source }
+}
+
+fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
+    let s = gpu.stream();
+    let n = 1usize << 30; // 1 GiB each way
+    let src = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
+    let mut dst = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
+    let us = median_us(s, 3, 10, |_| s.memcpy_dtod(&src, &mut dst).map_err(drv("copying")))?;
+    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
+}
+
+fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch { kernel: "cublas".into(), reason: format!("{e:?}") })?;
+    let mut rng = rand::rng();
+    println!("\n| shape (m x n x k) | variant | µs | TFLOP/s | vs cuBLAS |");
+    println!("|---|---|---:|---:|---:|");
+    for &(m, n, k) in shapes {
+        let flops = 2.0 * m as f64 * n as f64 * k as f64;
+        // Enough copies of the operands to exceed the 60 MB L2 several times over.
+        let bytes = 2 * (m * k + n * k);
+        let copies = (256usize << 20).div_ceil(bytes).clamp(1, 8);
+        let mut a_bufs = Vec::new();
+        let mut b_bufs = Vec::new();
+        for _ in 0..copies {
+            let a: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(rng.random_range(-1.0..1.0))).collect();
+            let b: Vec<bf16> = (0..n * k).map(|_| bf16::from_f32(rng.random_range(-1.0..1.0))).collect();
+            a_bufs.push(s.clone_htod(&a).map_err(drv("upload"))?);
+            b_bufs.push(s.clone_htod(&b).map_err(drv("upload"))?);
+        }
+        let mut c = s.alloc_zeros::<bf16>(m * n).map_err(drv("allocating"))?;
+        // cuBLAS (column-major): C^T[n, m] = B[n, k] . A[m, k]^T.
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: n as i32,
+            n: m as i32,
+            k: k as i32,
+            alpha: bf16::ONE,
+            lda: k as i32,
+            ldb: k as i32,
+            beta: bf16::ZERO,
+            ldc: n as i32,
+        };
+        let cublas_us = median_us(s, 5, 30, |i| {
+            // SAFETY: shapes and leading dimensions match the buffers.
+            unsafe { blas.gemm(cfg, &b_bufs[i % copies], &a_bufs[i % copies], &mut c) }
+                .map_err(|e| RuntimeError::Launch { kernel: "cublas".into(), reason: format!("{e:?}") })
+        })?;
+        println!("| {m} x {n} x {k} | cuBLAS bf16 | {cublas_us:.1} | {:.1} | 1.00 |", flops / cublas_us / 1e6);
+        for p in GemmBf16::space() {
+            let kern = gpu.compile::<GemmBf16>(&p)?;
+            let grid = ((n as u32).div_ceil(p.bn), (m as u32).div_ceil(p.bm));
+            let us = median_us(s, 5, 30, |i| {
+                // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0.
+                unsafe {
+                    GemmBf16::launch(&kern, s, grid, &a_bufs[i % copies], &b_bufs[i % copies], &mut c, m as u32, n as u32, k as u32)
+                }
+            })?;
+            println!(
+                "| {m} x {n} x {k} | {} | {us:.1} | {:.1} | {:.2} |",
+                GemmBf16::symbol(&p),
+                flops / us / 1e6,
+                cublas_us / us
+            );
+        }
+    }
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<bool, RuntimeError> {
+    let gpu = Gpu::open(0)?;
+    let f = gpu.fingerprint();
+    let (nv_major, nv_minor) = ddtree_runtime::nvrtc::nvrtc_version()?;
+    println!(
+        "device: {} (sm_{}{}, {} SMs, {:.0} GiB), driver {}, NVRTC {nv_major}.{nv_minor}, arch {}",
+        f.name,
+        f.compute_capability.0,
+        f.compute_capability.1,
+        f.sm_count,
+        f.memory_bytes as f64 / (1u64 << 30) as f64,
+        f.driver_version,
+        gpu.arch()
+    );
+    let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
+    println!("seed: {seed}");
+    let results = check::run_all(&gpu, if args.small { Sizes::Small } else { Sizes::Full }, seed)?;
+    for r in results.iter().filter(|r| !r.passed) {
+        println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
+    }
+    println!("\n| kernel | variants | checks | passed | worst rel L2 | worst max abs |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut kernels: Vec<&str> = results.iter().map(|r| r.kernel).collect();
+    kernels.dedup();
+    for k in kernels {
+        let rs: Vec<_> = results.iter().filter(|r| r.kernel == k).collect();
+        let mut variants: Vec<&str> = rs.iter().map(|r| r.symbol.as_str()).collect();
+        variants.dedup();
+        let worst_l2 = rs.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
+        let worst_abs = rs.iter().map(|r| r.comparison.max_abs).fold(0f32, f32::max);
+        println!(
+            "| {k} | {} | {} | {} | {worst_l2:.2e} | {worst_abs:.2e} |",
+            variants.len(),
+            rs.len(),
+            rs.iter().filter(|r| r.passed).count()
+        );
+    }
+    let all_passed = results.iter().all(|r| r.passed);
+    if !args.skip_bench {
+        println!("\ncopy bandwidth (device to device, read + write): {:.0} GB/s", copy_bandwidth(&gpu)?);
+        gemm_bench(&gpu, &[(4096, 4096, 4096), (8192, 8192, 8192), (256, 7168, 2048), (2048, 7168, 7168)])?;
+    }
+    Ok(all_passed)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("some checks FAILED");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

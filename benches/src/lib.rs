@@ -1,1 +1,0 @@
-//! Benchmarks for ddtree kernels (see `benches/`).

@@ -1,0 +1,32 @@
+//! Timing device work with CUDA events.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaStream;
+
+use crate::RuntimeError;
+
+/// Runs `f` `warmup` times, then times `reps` runs one by one with CUDA events on `stream` and
+/// returns the median in microseconds. `f` gets the repetition index (to rotate input buffers).
+pub fn median_us(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> Result<(), RuntimeError>,
+) -> Result<f64, RuntimeError> {
+    for i in 0..warmup {
+        f(i)?;
+    }
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..reps.max(1) {
+        let start = stream.record_event(flags).map_err(RuntimeError::driver("recording an event"))?;
+        f(warmup + i)?;
+        let end = stream.record_event(flags).map_err(RuntimeError::driver("recording an event"))?;
+        end.synchronize().map_err(RuntimeError::driver("waiting for an event"))?;
+        times.push(start.elapsed_ms(&end).map_err(RuntimeError::driver("reading an event timer"))? as f64 * 1e3);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
