@@ -21,12 +21,65 @@ struct Var {
 /// C keywords and names the prelude or CUDA reserve; a DSL variable with such a name gets a
 /// trailing underscore.
 const RESERVED: &[&str] = &[
-    "auto", "break", "case", "char", "const", "continue", "default", "do", "double", "else", "enum",
-    "extern", "float", "for", "goto", "if", "int", "long", "register", "return", "short", "signed",
-    "sizeof", "static", "struct", "switch", "typedef", "union", "unsigned", "void", "volatile",
-    "while", "bool", "true", "false", "class", "new", "delete", "template", "this", "inline",
-    "bf16", "f16", "u32x4", "threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize", "max",
-    "min", "abs", "lop3", "prmt", "smem_addr", "namespace", "operator", "private", "public",
+    "auto",
+    "break",
+    "case",
+    "char",
+    "const",
+    "continue",
+    "default",
+    "do",
+    "double",
+    "else",
+    "enum",
+    "extern",
+    "float",
+    "for",
+    "goto",
+    "if",
+    "int",
+    "long",
+    "register",
+    "return",
+    "short",
+    "signed",
+    "sizeof",
+    "static",
+    "struct",
+    "switch",
+    "typedef",
+    "union",
+    "unsigned",
+    "void",
+    "volatile",
+    "while",
+    "bool",
+    "true",
+    "false",
+    "class",
+    "new",
+    "delete",
+    "template",
+    "this",
+    "inline",
+    "bf16",
+    "f16",
+    "u32x4",
+    "threadIdx",
+    "blockIdx",
+    "blockDim",
+    "gridDim",
+    "warpSize",
+    "max",
+    "min",
+    "abs",
+    "lop3",
+    "prmt",
+    "smem_addr",
+    "namespace",
+    "operator",
+    "private",
+    "public",
 ];
 
 /// Assembles the IR of one kernel (or device function) for one parameter set.
@@ -77,7 +130,12 @@ impl Builder {
 
     /// Wraps an operation error with this kernel's name, file and `loc`.
     pub fn err(&self, loc: Loc, e: OpError) -> CodegenError {
-        CodegenError { kernel: self.name.clone(), file: self.file.clone(), loc, message: e.0 }
+        CodegenError {
+            kernel: self.name.clone(),
+            file: self.file.clone(),
+            loc,
+            message: e.0,
+        }
     }
 
     /// Lifts an [`OpError`] result into a located one.
@@ -108,10 +166,14 @@ impl Builder {
 
     fn declare(&mut self, name: &str, ty: Ty, mutable: bool) -> String {
         let c_name = self.fresh(name);
-        self.scopes
-            .last_mut()
-            .expect("scope stack is never empty")
-            .insert(name.to_string(), Var { c_name: c_name.clone(), ty, mutable });
+        self.scopes.last_mut().expect("scope stack is never empty").insert(
+            name.to_string(),
+            Var {
+                c_name: c_name.clone(),
+                ty,
+                mutable,
+            },
+        );
         c_name
     }
 
@@ -153,7 +215,10 @@ impl Builder {
     /// A variable reference.
     pub fn var(&self, name: &str, loc: Loc) -> Result<Expr> {
         match self.lookup(name) {
-            Some(v) => Ok(Expr { kind: ExprKind::Var(v.c_name.clone()), ty: v.ty.clone() }),
+            Some(v) => Ok(Expr {
+                kind: ExprKind::Var(v.c_name.clone()),
+                ty: v.ty.clone(),
+            }),
             None => self.fail(loc, format!("unknown variable `{name}`")),
         }
     }
@@ -163,7 +228,10 @@ impl Builder {
         let mut init = init;
         let ty = match ty {
             Some(t) => {
-                let place = Expr { kind: ExprKind::Var(String::new()), ty: t.clone() };
+                let place = Expr {
+                    kind: ExprKind::Var(String::new()),
+                    ty: t.clone(),
+                };
                 init = self.at(loc, ops::check_assign(&place, None, init))?;
                 t
             }
@@ -172,19 +240,30 @@ impl Builder {
                 match &init.ty {
                     Ty::Scalar(_) | Ty::U32x4 => init.ty.clone(),
                     Ty::Void => return self.fail(loc, format!("`{name}` would have no value")),
-                    other => {
-                        return self.fail(loc, format!("cannot bind a value of type {other} to a variable"))
-                    }
+                    other => return self.fail(loc, format!("cannot bind a value of type {other} to a variable")),
                 }
             }
         };
         let c_name = self.declare(name, ty.clone(), mutable);
-        self.push(Stmt::Let { name: c_name, ty, mutable, init });
+        self.push(Stmt::Let {
+            name: c_name,
+            ty,
+            mutable,
+            init,
+        });
         Ok(())
     }
 
     /// `let a = [fill; d0]` / `[[fill; d1]; d0]` (registers) or `shared::<T>(n)` (shared memory).
-    pub fn array(&mut self, name: &str, elem: Scalar, dims: Vec<i128>, space: Space, fill: Option<Expr>, loc: Loc) -> Result<()> {
+    pub fn array(
+        &mut self,
+        name: &str,
+        elem: Scalar,
+        dims: Vec<i128>,
+        space: Space,
+        fill: Option<Expr>,
+        loc: Loc,
+    ) -> Result<()> {
         let mut ds = Vec::with_capacity(dims.len());
         for d in dims {
             if !(1..=1 << 20).contains(&d) {
@@ -193,12 +272,32 @@ impl Builder {
             ds.push(d as u32);
         }
         let fill = match fill {
-            Some(f) => Some(self.at(loc, ops::check_assign(&Expr { kind: ExprKind::Var(String::new()), ty: Ty::Scalar(elem) }, None, f))?),
+            Some(f) => Some(self.at(
+                loc,
+                ops::check_assign(
+                    &Expr {
+                        kind: ExprKind::Var(String::new()),
+                        ty: Ty::Scalar(elem),
+                    },
+                    None,
+                    f,
+                ),
+            )?),
             None => None,
         };
-        let ty = Ty::Array { elem, dims: ds.clone(), space };
+        let ty = Ty::Array {
+            elem,
+            dims: ds.clone(),
+            space,
+        };
         let c_name = self.declare(name, ty, true);
-        self.push(Stmt::Array { name: c_name, elem, dims: ds, space, fill });
+        self.push(Stmt::Array {
+            name: c_name,
+            elem,
+            dims: ds,
+            space,
+            fill,
+        });
         Ok(())
     }
 
@@ -212,7 +311,10 @@ impl Builder {
     }
 
     fn is_mut_c_name(&self, c: &str) -> bool {
-        self.scopes.iter().flat_map(|s| s.values()).any(|v| v.c_name == c && v.mutable)
+        self.scopes
+            .iter()
+            .flat_map(|s| s.values())
+            .any(|v| v.c_name == c && v.mutable)
     }
 
     /// Appends statements built in a nested scope (a bare `{ ... }` block).
@@ -268,7 +370,11 @@ impl Builder {
     /// `if cond { then } else { els }`.
     pub fn if_(&mut self, cond: Expr, then_body: Vec<Stmt>, else_body: Vec<Stmt>, loc: Loc) -> Result<()> {
         let cond = self.cond(cond, "if", loc)?;
-        self.push(Stmt::If { cond, then_body, else_body });
+        self.push(Stmt::If {
+            cond,
+            then_body,
+            else_body,
+        });
         Ok(())
     }
 
@@ -282,7 +388,10 @@ impl Builder {
     /// Opens a `for` loop's block and declares its variable; finish with [`Builder::end_for`].
     pub fn begin_for(&mut self, var: &str, start: Expr, end: Expr, step: Option<Expr>, loc: Loc) -> Result<ForHeader> {
         let (mut start, mut end) = (start, end);
-        let mut step = step.unwrap_or_else(|| Expr { kind: ExprKind::Lit(crate::ir::Lit::Int(1)), ty: Ty::UntypedInt });
+        let mut step = step.unwrap_or_else(|| Expr {
+            kind: ExprKind::Lit(crate::ir::Lit::Int(1)),
+            ty: Ty::UntypedInt,
+        });
         let ty = [&start.ty, &end.ty, &step.ty]
             .iter()
             .find_map(|t| t.scalar())
@@ -295,7 +404,13 @@ impl Builder {
                 Ty::UntypedInt => ops::fix_untyped(e, ty),
                 Ty::Scalar(s) if *s == ty => {}
                 other => {
-                    return self.fail(loc, format!("range {what} has type {other}, expected {} (add a cast)", ty.rust_name()))
+                    return self.fail(
+                        loc,
+                        format!(
+                            "range {what} has type {other}, expected {} (add a cast)",
+                            ty.rust_name()
+                        ),
+                    )
                 }
             }
         }
@@ -306,7 +421,13 @@ impl Builder {
         }
         self.open();
         let c_name = self.declare(var, Ty::Scalar(ty), false);
-        Ok(ForHeader { var: c_name, ty, start, end, step })
+        Ok(ForHeader {
+            var: c_name,
+            ty,
+            start,
+            end,
+            step,
+        })
     }
 
     /// Closes a loop opened with [`Builder::begin_for`].
@@ -339,7 +460,10 @@ impl Builder {
         let value = match (value, &ret) {
             (None, Ty::Void) => None,
             (Some(v), Ty::Scalar(_) | Ty::U32x4) => {
-                let place = Expr { kind: ExprKind::Var(String::new()), ty: ret.clone() };
+                let place = Expr {
+                    kind: ExprKind::Var(String::new()),
+                    ty: ret.clone(),
+                };
                 Some(self.at(loc, ops::check_assign(&place, None, v))?)
             }
             (None, t) => return self.fail(loc, format!("`return` needs a value of type {t}")),
@@ -352,7 +476,15 @@ impl Builder {
     /// A call of a `#[device_fn]`; `def` is its IR, built by its own macro expansion.
     pub fn call_device(&mut self, def: DeviceFn, mut args: Vec<Expr>, loc: Loc) -> Result<Expr> {
         if args.len() != def.args.len() {
-            return self.fail(loc, format!("`{}` takes {} argument(s), got {}", def.name, def.args.len(), args.len()));
+            return self.fail(
+                loc,
+                format!(
+                    "`{}` takes {} argument(s), got {}",
+                    def.name,
+                    def.args.len(),
+                    args.len()
+                ),
+            );
         }
         for (a, p) in args.iter_mut().zip(&def.args) {
             let ok = match (&a.ty, &p.ty) {
@@ -364,7 +496,13 @@ impl Builder {
                 (x, y) => x == y,
             };
             if !ok {
-                return self.fail(loc, format!("argument `{}` of `{}` expects {}, found {}", p.name, def.name, p.ty, a.ty));
+                return self.fail(
+                    loc,
+                    format!(
+                        "argument `{}` of `{}` expects {}, found {}",
+                        p.name, def.name, p.ty, a.ty
+                    ),
+                );
             }
         }
         let ret = def.ret.clone();
@@ -376,7 +514,10 @@ impl Builder {
             Some(_) => {}
             None => self.device_fns.push(def),
         }
-        Ok(Expr { kind: ExprKind::Call(crate::ir::Func::Device(name), args), ty: ret })
+        Ok(Expr {
+            kind: ExprKind::Call(crate::ir::Func::Device(name), args),
+            ty: ret,
+        })
     }
 
     /// Finishes a kernel.

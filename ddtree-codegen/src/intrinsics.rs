@@ -169,8 +169,8 @@ impl Intrinsic {
         match self {
             SyncWarp | CpAsyncCommit => 0,
             Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait => 1,
-            ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax
-            | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 => 2,
+            ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
+            | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
             AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | Prmt => 3,
             Lop3 => 4,
@@ -230,9 +230,7 @@ impl Intrinsic {
             F16Lo | F16Hi => Helper::UnpackF16x2,
             MmaBf16 => Helper::MmaBf16,
             MmaF16 => Helper::MmaF16,
-            LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => {
-                Helper::Ldmatrix
-            }
+            LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => Helper::Ldmatrix,
             CpAsync16 | CpAsync16Zfill | CpAsyncCommit | CpAsyncWait => Helper::CpAsync,
             Lop3 => Helper::Lop3,
             Prmt => Helper::Prmt,
@@ -280,10 +278,13 @@ impl Intrinsic {
             }
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let elem = match &args[0].ty {
-                    Ty::Ref { elem, space: Space::Global | Space::Shared, len: None, mutable: true } => *elem,
-                    other => op_bail!(
-                        "`{name}` needs `&mut x[i]` on a global or shared buffer, got {other}"
-                    ),
+                    Ty::Ref {
+                        elem,
+                        space: Space::Global | Space::Shared,
+                        len: None,
+                        mutable: true,
+                    } => *elem,
+                    other => op_bail!("`{name}` needs `&mut x[i]` on a global or shared buffer, got {other}"),
                 };
                 let allowed: &[Scalar] = match self {
                     AtomicAdd => &[Scalar::F32, Scalar::U32, Scalar::I32, Scalar::U64],
@@ -365,10 +366,7 @@ pub(crate) fn expect(e: &mut Expr, s: Scalar, name: &str, pos: usize) -> Result<
             crate::ops::fix_untyped(e, s);
             Ok(())
         }
-        other => op_bail!(
-            "argument {pos} of `{name}` must be {}, found {other}",
-            s.rust_name()
-        ),
+        other => op_bail!("argument {pos} of `{name}` must be {}, found {other}", s.rust_name()),
     }
 }
 
@@ -382,11 +380,12 @@ fn expect_row(
     pos: usize,
 ) -> Result<(), OpError> {
     match &e.ty {
-        Ty::Ref { elem: el, space: sp, len: Some(n), mutable: m }
-            if *el == elem && *n == len && *sp == space && (*m || !mutable) =>
-        {
-            Ok(())
-        }
+        Ty::Ref {
+            elem: el,
+            space: sp,
+            len: Some(n),
+            mutable: m,
+        } if *el == elem && *n == len && *sp == space && (*m || !mutable) => Ok(()),
         other => op_bail!(
             "argument {pos} of `{name}` must be `&{}[{}; {len}]` (a register array row), found {other}",
             if mutable { "mut " } else { "" },
@@ -397,7 +396,12 @@ fn expect_row(
 
 fn expect_elem_ref(e: &Expr, space: Space, mutable: bool, name: &str, pos: usize) -> Result<(), OpError> {
     match &e.ty {
-        Ty::Ref { space: sp, len: None, mutable: m, .. } if *sp == space && (*m || !mutable) => Ok(()),
+        Ty::Ref {
+            space: sp,
+            len: None,
+            mutable: m,
+            ..
+        } if *sp == space && (*m || !mutable) => Ok(()),
         other => {
             let sp = if space == Space::Shared { "shared" } else { "global" };
             op_bail!(

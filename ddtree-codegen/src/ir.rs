@@ -169,7 +169,12 @@ impl fmt::Display for Ty {
                 };
                 write!(f, "{sp}{s}")
             }
-            Ty::Ref { elem, space, len, mutable } => {
+            Ty::Ref {
+                elem,
+                space,
+                len,
+                mutable,
+            } => {
                 let m = if *mutable { "mut " } else { "" };
                 let sp = match space {
                     Space::Global => "global",
@@ -585,10 +590,17 @@ impl KernelIr {
         fn walk(stmts: &[Stmt], acc: &mut u64) {
             for s in stmts {
                 match s {
-                    Stmt::Array { elem, dims, space: Space::Shared, .. } => {
+                    Stmt::Array {
+                        elem,
+                        dims,
+                        space: Space::Shared,
+                        ..
+                    } => {
                         *acc += dims.iter().map(|&d| d as u64).product::<u64>() * elem.size() as u64;
                     }
-                    Stmt::If { then_body, else_body, .. } => {
+                    Stmt::If {
+                        then_body, else_body, ..
+                    } => {
                         walk(then_body, acc);
                         walk(else_body, acc);
                     }

@@ -120,11 +120,17 @@ pub trait Kernel: Send + Sync + 'static {
 
     /// The stable id for one parameter set on one architecture.
     fn id(params: &Self::Params, arch: &str) -> KernelId {
-        KernelId { symbol: Self::symbol(params), arch: arch.to_string() }
+        KernelId {
+            symbol: Self::symbol(params),
+            arch: arch.to_string(),
+        }
     }
 
     /// The safe default: the first candidate.
     fn default_params() -> Self::Params {
-        Self::space().into_iter().next().expect("a kernel's parameter space is never empty")
+        Self::space()
+            .into_iter()
+            .next()
+            .expect("a kernel's parameter space is never empty")
     }
 }

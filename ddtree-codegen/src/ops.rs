@@ -99,8 +99,8 @@ pub(crate) fn fix_untyped(e: &mut Expr, s: Scalar) {
 /// The type an untyped integer defaults to when nothing else fixes it: u32, or i32 if negative.
 pub fn default_int(e: &mut Expr) {
     if e.ty == Ty::UntypedInt {
-        let neg = matches!(e.kind, ExprKind::Lit(Lit::Int(v)) if v < 0)
-            || matches!(e.kind, ExprKind::Unary(UnOp::Neg, _));
+        let neg =
+            matches!(e.kind, ExprKind::Lit(Lit::Int(v)) if v < 0) || matches!(e.kind, ExprKind::Unary(UnOp::Neg, _));
         fix_untyped(e, if neg { Scalar::I32 } else { Scalar::U32 });
     }
 }
@@ -204,10 +204,7 @@ pub fn binary(op: BinOp, mut a: Expr, mut b: Expr) -> R<Expr> {
         Add | Sub | Mul | Div | Rem => match s {
             None => Ty::UntypedInt,
             Some(s) if s.is_int() || s == Scalar::F32 => Ty::Scalar(s),
-            Some(s) if s.is_half() => op_bail!(
-                "no arithmetic on {}: convert with `as f32` first",
-                s.rust_name()
-            ),
+            Some(s) if s.is_half() => op_bail!("no arithmetic on {}: convert with `as f32` first", s.rust_name()),
             Some(s) => op_bail!("`{sym}` is not defined on {}", s.rust_name()),
         },
         BitAnd | BitOr | BitXor => match s {
@@ -221,10 +218,9 @@ pub fn binary(op: BinOp, mut a: Expr, mut b: Expr) -> R<Expr> {
                     default_int(&mut a);
                     default_int(&mut b);
                 }
-                Some(s) if s.is_half() => op_bail!(
-                    "cannot compare {} values: convert with `as f32` first",
-                    s.rust_name()
-                ),
+                Some(s) if s.is_half() => {
+                    op_bail!("cannot compare {} values: convert with `as f32` first", s.rust_name())
+                }
                 Some(Scalar::Bool) if !matches!(op, Eq | Ne) => {
                     op_bail!("`{sym}` is not defined on bool")
                 }
@@ -272,7 +268,14 @@ pub fn unary(op: UnOp, a: Expr) -> R<Expr> {
 pub fn cast(mut a: Expr, to: Scalar) -> R<Expr> {
     let from = match &a.ty {
         Ty::UntypedInt => {
-            fix_untyped(&mut a, if to.is_int() || to == Scalar::F32 { to } else { Scalar::U32 });
+            fix_untyped(
+                &mut a,
+                if to.is_int() || to == Scalar::F32 {
+                    to
+                } else {
+                    Scalar::U32
+                },
+            );
             return if a.ty == Ty::Scalar(to) { Ok(a) } else { cast(a, to) };
         }
         Ty::Scalar(s) => *s,
@@ -282,9 +285,7 @@ pub fn cast(mut a: Expr, to: Scalar) -> R<Expr> {
         return Ok(a);
     }
     let ok = match (from, to) {
-        (f, t) if f.is_half() || t.is_half() => {
-            (f.is_half() && t == Scalar::F32) || (t.is_half() && f == Scalar::F32)
-        }
+        (f, t) if f.is_half() || t.is_half() => (f.is_half() && t == Scalar::F32) || (t.is_half() && f == Scalar::F32),
         (_, Scalar::Bool) => false,
         _ => true,
     };
@@ -294,7 +295,11 @@ pub fn cast(mut a: Expr, to: Scalar) -> R<Expr> {
                 "cannot cast {} to {} directly: {} converts only to and from f32",
                 from.rust_name(),
                 to.rust_name(),
-                if from.is_half() { from.rust_name() } else { to.rust_name() }
+                if from.is_half() {
+                    from.rust_name()
+                } else {
+                    to.rust_name()
+                }
             );
         }
         op_bail!("cannot cast {} to {}", from.rust_name(), to.rust_name());
@@ -335,7 +340,11 @@ pub fn index(base: Expr, mut idx: Expr) -> R<Expr> {
             if dims.len() == 1 {
                 Ty::Scalar(*elem)
             } else {
-                Ty::Array { elem: *elem, dims: dims[1..].to_vec(), space: *space }
+                Ty::Array {
+                    elem: *elem,
+                    dims: dims[1..].to_vec(),
+                    space: *space,
+                }
             }
         }
         other => op_bail!("cannot index a value of type {other}"),
@@ -363,8 +372,8 @@ fn place_root(e: &Expr) -> Option<&Expr> {
 
 /// `&x[i]` / `&mut x[i]` / `&mut arr` / `&mut arr[j]` (a row of a 2-D register array).
 pub fn addr_of(place: Expr, mutable: bool) -> R<Expr> {
-    let root = place_root(&place)
-        .ok_or_else(|| OpError::new("`&` is allowed only on indexed buffers and register arrays"))?;
+    let root =
+        place_root(&place).ok_or_else(|| OpError::new("`&` is allowed only on indexed buffers and register arrays"))?;
     let (space, root_mut) = match &root.ty {
         Ty::Slice { mutable, .. } => (Space::Global, *mutable),
         Ty::Array { space, .. } => (*space, true),
@@ -374,12 +383,18 @@ pub fn addr_of(place: Expr, mutable: bool) -> R<Expr> {
         op_bail!("cannot take `&mut` into a read-only slice (declare it `&mut [T]`)");
     }
     let ty = match &place.ty {
-        Ty::Scalar(elem) if matches!(place.kind, ExprKind::Index(..)) => {
-            Ty::Ref { elem: *elem, space, len: None, mutable }
-        }
-        Ty::Array { elem, dims, space } if dims.len() == 1 => {
-            Ty::Ref { elem: *elem, space: *space, len: Some(dims[0]), mutable }
-        }
+        Ty::Scalar(elem) if matches!(place.kind, ExprKind::Index(..)) => Ty::Ref {
+            elem: *elem,
+            space,
+            len: None,
+            mutable,
+        },
+        Ty::Array { elem, dims, space } if dims.len() == 1 => Ty::Ref {
+            elem: *elem,
+            space: *space,
+            len: Some(dims[0]),
+            mutable,
+        },
         other => op_bail!("cannot take the address of {other}"),
     };
     Ok(mk(ExprKind::AddrOf(Box::new(place)), ty))
@@ -421,8 +436,13 @@ pub fn check_assign(place: &Expr, op: Option<BinOp>, value: Expr) -> R<Expr> {
         }
     } else {
         let mut v = value;
-        crate::intrinsics::expect(&mut v, pty, "=", 1)
-            .map_err(|_| OpError::new(format!("mismatched types: expected {}, found {}", pty.rust_name(), v.ty)))?;
+        crate::intrinsics::expect(&mut v, pty, "=", 1).map_err(|_| {
+            OpError::new(format!(
+                "mismatched types: expected {}, found {}",
+                pty.rust_name(),
+                v.ty
+            ))
+        })?;
         Ok(v)
     }
 }

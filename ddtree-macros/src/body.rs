@@ -125,7 +125,11 @@ impl Cx {
         for r in runtime {
             top.insert(r.clone(), VarKind::Runtime);
         }
-        Cx { errors: Vec::new(), scopes: vec![top], returns_value }
+        Cx {
+            errors: Vec::new(),
+            scopes: vec![top],
+            returns_value,
+        }
     }
 
     fn error(&mut self, tokens: impl ToTokens, msg: impl std::fmt::Display) -> TokenStream {
@@ -157,18 +161,20 @@ impl Cx {
                 Some(name) => match self.kind(&name) {
                     Some(k) => k == VarKind::Comptime,
                     // Unknown single names: SCREAMING_CASE constants are Rust consts.
-                    None => name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'),
+                    None => name
+                        .chars()
+                        .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'),
                 },
                 None => p.path.segments.len() > 1,
             },
             Expr::Field(f) => self.is_comptime(&f.base),
-            Expr::Binary(b) => binop(&b.op).is_some_and(|(_, a)| !a) && self.is_comptime(&b.left) && self.is_comptime(&b.right),
+            Expr::Binary(b) => {
+                binop(&b.op).is_some_and(|(_, a)| !a) && self.is_comptime(&b.left) && self.is_comptime(&b.right)
+            }
             Expr::Unary(u) => !matches!(u.op, syn::UnOp::Deref(_)) && self.is_comptime(&u.expr),
             Expr::Paren(p) => self.is_comptime(&p.expr),
             Expr::Group(g) => self.is_comptime(&g.expr),
-            Expr::Cast(c) => {
-                scalar_of_type(&c.ty).is_some_and(|s| !s.is_half()) && self.is_comptime(&c.expr)
-            }
+            Expr::Cast(c) => scalar_of_type(&c.ty).is_some_and(|s| !s.is_half()) && self.is_comptime(&c.expr),
             Expr::MethodCall(m) => {
                 self.is_comptime(&m.receiver)
                     && m.args.iter().all(|a| self.is_comptime(a))
@@ -255,7 +261,10 @@ impl Cx {
             }
             Expr::Cast(c) => {
                 let Some(s) = scalar_of_type(&c.ty) else {
-                    return self.error(&c.ty, "casts go to a DSL scalar type: f32, bf16, f16, u32, i32, u64 or bool");
+                    return self.error(
+                        &c.ty,
+                        "casts go to a DSL scalar type: f32, bf16, f16, u32, i32, u64 or bool",
+                    );
                 };
                 let a = self.rt(&c.expr);
                 let s = scalar_tokens(s);
@@ -299,7 +308,10 @@ impl Cx {
             Expr::Call(c) => self.call(c),
             Expr::If(i) => {
                 let (Some((_, els)), true) = (&i.else_branch, i.then_branch.stmts.len() == 1) else {
-                    return self.error(i, "an `if` used as a value needs an `else` and one expression per branch");
+                    return self.error(
+                        i,
+                        "an `if` used as a value needs an `else` and one expression per branch",
+                    );
                 };
                 let then_e = match &i.then_branch.stmts[0] {
                     Stmt::Expr(e, None) => e,
@@ -371,7 +383,12 @@ impl Cx {
                             let t = scalar_tokens(sc);
                             quote!(::core::option::Option::Some(#t))
                         }
-                        _ => return self.error(i, format!("integer suffix `{s}` is not a DSL type (use u32, i32, u64 or f32)")),
+                        _ => {
+                            return self.error(
+                                i,
+                                format!("integer suffix `{s}` is not a DSL type (use u32, i32, u64 or f32)"),
+                            )
+                        }
                     },
                 };
                 self.at(i.span(), quote!(::ddtree_codegen::ops::int_lit(#v, #suffix)))
@@ -416,7 +433,10 @@ impl Cx {
                 return self.error(c, "`sync_threads()` is a statement, not a value");
             }
             if matches!(name.as_str(), "shared" | "shared_2d") {
-                return self.error(c, format!("`{name}` declares memory: use it as `let s = {name}::<T>(..);`"));
+                return self.error(
+                    c,
+                    format!("`{name}` declares memory: use it as `let s = {name}::<T>(..);`"),
+                );
             }
             if let Some(i) = Intrinsic::from_dsl(&name) {
                 if args.len() != i.arity() {
@@ -427,7 +447,10 @@ impl Cx {
                 }
                 if let Some(ct) = i.comptime_arg() {
                     if !self.is_comptime(&args[ct]) {
-                        return self.error(&args[ct], format!("argument {} of `{name}` must be a compile-time value", ct + 1));
+                        return self.error(
+                            &args[ct],
+                            format!("argument {} of `{name}` must be a compile-time value", ct + 1),
+                        );
                     }
                 }
                 let a: Vec<TokenStream> = args.iter().map(|x| self.rt(x)).collect();
@@ -445,7 +468,10 @@ impl Cx {
                 return self.error(c, "`f32::from_bits` takes one argument");
             }
             let a = self.rt(&args[0]);
-            let call = self.at(span, quote!(::ddtree_codegen::ops::bitcast(__a, ::ddtree_codegen::Scalar::F32)));
+            let call = self.at(
+                span,
+                quote!(::ddtree_codegen::ops::bitcast(__a, ::ddtree_codegen::Scalar::F32)),
+            );
             return quote!({ let __a = #a; #call });
         }
         // A #[device_fn]: its module carries the IR builder.
@@ -499,7 +525,10 @@ impl Cx {
 
     fn macro_stmt(&mut self, mac: &syn::Macro) -> TokenStream {
         if !mac.path.is_ident("comptime_assert") {
-            self.error(mac, "the only statement macro in kernels is `comptime_assert!(cond, \"message\")`");
+            self.error(
+                mac,
+                "the only statement macro in kernels is `comptime_assert!(cond, \"message\")`",
+            );
             return TokenStream::new();
         }
         let parsed = mac.parse_body_with(syn::punctuated::Punctuated::<Expr, syn::Token![,]>::parse_terminated);
@@ -516,11 +545,18 @@ impl Cx {
             return TokenStream::new();
         };
         if !self.is_comptime(cond) {
-            self.error(cond, "`comptime_assert!` conditions must be compile-time (params, constants, literals)");
+            self.error(
+                cond,
+                "`comptime_assert!` conditions must be compile-time (params, constants, literals)",
+            );
             return TokenStream::new();
         }
         let rest: Vec<&Expr> = it.collect();
-        let msg = if rest.is_empty() { quote!("") } else { quote!(::std::format!(#(#rest),*)) };
+        let msg = if rest.is_empty() {
+            quote!("")
+        } else {
+            quote!(::std::format!(#(#rest),*))
+        };
         let text = cond.to_token_stream().to_string();
         let l = loc(cond.span());
         quote! {
@@ -566,6 +602,9 @@ impl Cx {
                 let last = fp.path.segments.last().expect("path");
                 let fname = last.ident.to_string();
                 if fp.path.segments.len() == 1 && matches!(fname.as_str(), "shared" | "shared_2d") {
+                    // Declared before validation so a rejected size does not cascade into
+                    // "cannot find" errors at every use.
+                    self.define(name.clone(), VarKind::Runtime);
                     let elem = match &last.arguments {
                         syn::PathArguments::AngleBracketed(ab) if ab.args.len() == 1 => match &ab.args[0] {
                             syn::GenericArgument::Type(t) => scalar_of_type(t),
@@ -600,6 +639,7 @@ impl Cx {
 
         // Register arrays: `[v; N]` or `[[v; N]; M]`.
         if let Expr::Repeat(_) = init {
+            self.define(name.clone(), VarKind::Runtime);
             let mut dims = Vec::new();
             let mut cur = init;
             while let Expr::Repeat(r) = cur {
@@ -636,7 +676,10 @@ impl Cx {
                     quote!(::core::option::Option::Some(::ddtree_codegen::Ty::Scalar(#st)))
                 }
                 None => {
-                    self.error(t, "variables have a DSL scalar type (f32, bf16, f16, u32, i32, u64, bool) or u32x4");
+                    self.error(
+                        t,
+                        "variables have a DSL scalar type (f32, bf16, f16, u32, i32, u64, bool) or u32x4",
+                    );
                     return TokenStream::new();
                 }
             },
@@ -816,11 +859,13 @@ impl Cx {
                 other => return self.error(other, "write `(start..end).step_by(step)`"),
             },
             other => {
-                return self.error(other, "`for` loops run over `start..end` or `(start..end).step_by(step)`")
+                return self.error(
+                    other,
+                    "`for` loops run over `start..end` or `(start..end).step_by(step)`",
+                )
             }
         };
-        let (Some(start), Some(end), syn::RangeLimits::HalfOpen(_)) = (&range.start, &range.end, &range.limits)
-        else {
+        let (Some(start), Some(end), syn::RangeLimits::HalfOpen(_)) = (&range.start, &range.end, &range.limits) else {
             return self.error(range, "`for` ranges must be half-open with both ends: `start..end`");
         };
         let s = self.rt(start);

@@ -148,8 +148,7 @@ pub fn check_space(space: &[Expr], param: &str, body: &[Stmt], errors: &mut Vec<
 }
 
 fn check_assert(mac: &syn::Macro, cand: &Expr, env: &HashMap<String, Val>, errors: &mut Vec<syn::Error>) {
-    let Ok(args) = mac.parse_body_with(syn::punctuated::Punctuated::<Expr, syn::Token![,]>::parse_terminated)
-    else {
+    let Ok(args) = mac.parse_body_with(syn::punctuated::Punctuated::<Expr, syn::Token![,]>::parse_terminated) else {
         return;
     };
     let Some(cond) = args.first() else { return };

@@ -66,9 +66,17 @@ fn runtime_arg(ident: &syn::Ident, ty: &Type, errors: &mut Vec<syn::Error>) -> O
         let st = scalar_tokens(s);
         let ir = quote!(::ddtree_codegen::Ty::Slice { elem: #st, mutable: #mutable });
         if mutable {
-            Some((ir, quote!(&mut ::ddtree_runtime::cudarc::driver::CudaSlice<#elem>), quote!(#ident)))
+            Some((
+                ir,
+                quote!(&mut ::ddtree_runtime::cudarc::driver::CudaSlice<#elem>),
+                quote!(#ident),
+            ))
         } else {
-            Some((ir, quote!(&::ddtree_runtime::cudarc::driver::CudaSlice<#elem>), quote!(#ident)))
+            Some((
+                ir,
+                quote!(&::ddtree_runtime::cudarc::driver::CudaSlice<#elem>),
+                quote!(#ident),
+            ))
         }
     };
     let found = match ty {
@@ -78,11 +86,21 @@ fn runtime_arg(ident: &syn::Ident, ty: &Type, errors: &mut Vec<syn::Error>) -> O
         },
         other => scalar_of_type(other).map(|s| {
             let st = scalar_tokens(s);
-            (quote!(::ddtree_codegen::Ty::Scalar(#st)), quote!(#other), quote!(&#ident))
+            (
+                quote!(::ddtree_codegen::Ty::Scalar(#st)),
+                quote!(#other),
+                quote!(&#ident),
+            )
         }),
     };
     match found {
-        Some((ir_ty, host_ty, push)) => Some(RtArg { ident: ident.clone(), ty: ty.clone(), ir_ty, host_ty, push }),
+        Some((ir_ty, host_ty, push)) => Some(RtArg {
+            ident: ident.clone(),
+            ty: ty.clone(),
+            ir_ty,
+            host_ty,
+            push,
+        }),
         None => {
             errors.push(syn::Error::new_spanned(
                 ty,
@@ -98,7 +116,11 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
     let func: ItemFn = match syn::parse2(item.clone()) {
         Ok(f) => f,
         Err(_) => {
-            let what = if kind == Kind::Kernel { "#[kernel]" } else { "#[device_fn]" };
+            let what = if kind == Kind::Kernel {
+                "#[kernel]"
+            } else {
+                "#[device_fn]"
+            };
             let e = syn::Error::new(Span::call_site(), format!("{what} applies to functions only")).to_compile_error();
             return quote!(#e #item);
         }
@@ -106,11 +128,20 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
     let mut errors = Vec::new();
     let attr = parse_attr(args, kind, &mut errors);
     let sig = &func.sig;
-    if let Some(t) = sig.constness.as_ref().map(|c| c.span()).or(sig.asyncness.as_ref().map(|a| a.span())).or(sig.unsafety.as_ref().map(|u| u.span())) {
+    if let Some(t) = sig
+        .constness
+        .as_ref()
+        .map(|c| c.span())
+        .or(sig.asyncness.as_ref().map(|a| a.span()))
+        .or(sig.unsafety.as_ref().map(|u| u.span()))
+    {
         errors.push(syn::Error::new(t, "kernels cannot be const, async or unsafe"));
     }
     if !sig.generics.params.is_empty() {
-        errors.push(syn::Error::new_spanned(&sig.generics, "kernels take compile-time values through a `#[comptime]` params argument, not generics"));
+        errors.push(syn::Error::new_spanned(
+            &sig.generics,
+            "kernels take compile-time values through a `#[comptime]` params argument, not generics",
+        ));
     }
 
     let mut params: Option<(syn::Ident, Type)> = None;
@@ -127,23 +158,35 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
         let is_comptime = pt.attrs.iter().any(|a| a.path().is_ident("comptime"));
         for a in &pt.attrs {
             if !a.path().is_ident("comptime") {
-                errors.push(syn::Error::new_spanned(a, "the only argument attribute is `#[comptime]`"));
+                errors.push(syn::Error::new_spanned(
+                    a,
+                    "the only argument attribute is `#[comptime]`",
+                ));
             }
         }
         if is_comptime {
             if kind == Kind::DeviceFn {
-                errors.push(syn::Error::new_spanned(pt, "device functions take no `#[comptime]` params; pass values as arguments"));
+                errors.push(syn::Error::new_spanned(
+                    pt,
+                    "device functions take no `#[comptime]` params; pass values as arguments",
+                ));
                 continue;
             }
             if params.is_some() {
-                errors.push(syn::Error::new_spanned(pt, "a kernel has one `#[comptime]` params argument; put every parameter in that struct"));
+                errors.push(syn::Error::new_spanned(
+                    pt,
+                    "a kernel has one `#[comptime]` params argument; put every parameter in that struct",
+                ));
                 continue;
             }
             let ty = match &*pt.ty {
                 Type::Reference(r) if r.mutability.is_none() => (*r.elem).clone(),
                 Type::Path(_) => (*pt.ty).clone(),
                 other => {
-                    errors.push(syn::Error::new_spanned(other, "the params argument must be a struct type or a shared reference to one"));
+                    errors.push(syn::Error::new_spanned(
+                        other,
+                        "the params argument must be a struct type or a shared reference to one",
+                    ));
                     continue;
                 }
             };
@@ -162,12 +205,18 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
             }
             None if is_u32x4(t) => quote!(::ddtree_codegen::Ty::U32x4),
             None => {
-                errors.push(syn::Error::new_spanned(t, "device functions return a DSL scalar or u32x4"));
+                errors.push(syn::Error::new_spanned(
+                    t,
+                    "device functions return a DSL scalar or u32x4",
+                ));
                 quote!(::ddtree_codegen::Ty::Void)
             }
         },
         (ReturnType::Type(_, t), Kind::Kernel) => {
-            errors.push(syn::Error::new_spanned(t, "kernels return nothing; write results to a `&mut [T]` argument"));
+            errors.push(syn::Error::new_spanned(
+                t,
+                "kernels return nothing; write results to a `&mut [T]` argument",
+            ));
             quote!(::ddtree_codegen::Ty::Void)
         }
     };
@@ -192,13 +241,17 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
     if kind == Kind::DeviceFn {
         let mod_name = &sig.ident;
         if !errors.is_empty() {
-            return fallback(errors, &func, quote! {
-                #[doc(hidden)]
-                #[allow(non_snake_case, dead_code)]
-                #vis mod #mod_name {
-                    pub fn __ddtree_device_fn() -> ::ddtree_codegen::Result<::ddtree_codegen::ir::DeviceFn> { ::core::unreachable!() }
-                }
-            });
+            return fallback(
+                errors,
+                &func,
+                quote! {
+                    #[doc(hidden)]
+                    #[allow(non_snake_case, dead_code)]
+                    #vis mod #mod_name {
+                        pub fn __ddtree_device_fn() -> ::ddtree_codegen::Result<::ddtree_codegen::ir::DeviceFn> { ::core::unreachable!() }
+                    }
+                },
+            );
         }
         let docs = func.attrs.iter().filter(|a| a.path().is_ident("doc"));
         return quote! {
@@ -227,7 +280,10 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
                     let elems: Vec<Expr> = arr.elems.iter().cloned().collect();
                     eval::check_space(&elems, &ident.to_string(), &func.block.stmts, &mut errors);
                     if elems.is_empty() {
-                        errors.push(syn::Error::new_spanned(arr, "the parameter space needs at least one candidate (index 0 is the default)"));
+                        errors.push(syn::Error::new_spanned(
+                            arr,
+                            "the parameter space needs at least one candidate (index 0 is the default)",
+                        ));
                     }
                     quote!(::std::vec![#(#elems),*])
                 }
@@ -240,18 +296,28 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
                     quote!(::std::vec::Vec::new())
                 }
             };
-            (quote!(#ty), quote!(#[allow(unused_variables)] let #ident: &#ty = __params;), space)
+            (
+                quote!(#ty),
+                quote!(#[allow(unused_variables)] let #ident: &#ty = __params;),
+                space,
+            )
         }
         None => {
             if let Some(s) = &attr.space {
-                errors.push(syn::Error::new_spanned(s, "`space` needs a `#[comptime]` params argument"));
+                errors.push(syn::Error::new_spanned(
+                    s,
+                    "`space` needs a `#[comptime]` params argument",
+                ));
             }
             (quote!(()), quote!(), quote!(::std::vec![()]))
         }
     };
     let block = match &attr.block {
         None => {
-            errors.push(syn::Error::new_spanned(&sig.ident, "`#[kernel]` needs `block = <threads per block>` (or `block = (x, y, z)`)"));
+            errors.push(syn::Error::new_spanned(
+                &sig.ident,
+                "`#[kernel]` needs `block = <threads per block>` (or `block = (x, y, z)`)",
+            ));
             quote!()
         }
         Some(Expr::Tuple(t)) if t.elems.len() == 3 => {
@@ -340,7 +406,9 @@ fn fallback(errors: Vec<syn::Error>, func: &ItemFn, stand_in: TokenStream) -> To
             pt.attrs.retain(|a| !a.path().is_ident("comptime"));
         }
     }
-    f.block = Box::new(syn::parse_quote!({ ::core::unimplemented!("kernel bodies run on the GPU") }));
+    f.block = Box::new(syn::parse_quote!({
+        ::core::unimplemented!("kernel bodies run on the GPU")
+    }));
     quote! {
         #(#errs)*
         #stand_in

@@ -34,9 +34,8 @@ pub fn derive(item: TokenStream) -> TokenStream {
             let mut errors = TokenStream::new();
             let arms = e.variants.iter().map(|v| {
                 if !matches!(v.fields, Fields::Unit) {
-                    errors.extend(
-                        syn::Error::new_spanned(v, "KernelParams enums must be fieldless").to_compile_error(),
-                    );
+                    errors
+                        .extend(syn::Error::new_spanned(v, "KernelParams enums must be fieldless").to_compile_error());
                 }
                 let id = &v.ident;
                 let snake = snake_case(&id.to_string());
@@ -54,8 +53,9 @@ pub fn derive(item: TokenStream) -> TokenStream {
                 }
             }
         }
-        Data::Union(_) => syn::Error::new_spanned(&input.ident, "KernelParams cannot be derived for unions")
-            .to_compile_error(),
+        Data::Union(_) => {
+            syn::Error::new_spanned(&input.ident, "KernelParams cannot be derived for unions").to_compile_error()
+        }
     }
 }
 

@@ -1,0 +1,133 @@
+//! Behaviour of `#[kernel]` expansions: compile-time branches, errors found when the IR is
+//! built (located on the DSL source), the header, launch bounds and the prelude.
+
+use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
+use ddtree_macros::{device_fn, kernel, KernelParams};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub enum Mode {
+    Plain,
+    Scaled,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct Params {
+    pub block: u32,
+    pub mode: Mode,
+    pub unroll: u32,
+}
+
+#[device_fn]
+fn twice(v: f32) -> f32 {
+    v * 2.0
+}
+
+#[kernel(block = p.block, space = [
+    Params { block: 128, mode: Mode::Plain, unroll: 2 },
+    Params { block: 64, mode: Mode::Scaled, unroll: 4 },
+])]
+pub fn scale(#[comptime] p: &Params, x: &[bf16], out: &mut [f32], n: u32) {
+    let i = block_idx_x() * p.block + thread_idx_x();
+    if i < n {
+        let mut v = x[i] as f32;
+        if p.mode == Mode::Scaled {
+            v = twice(v);
+        }
+        #[unroll]
+        for _k in 0..p.unroll {
+            v += 1.0;
+        }
+        out[i] = v;
+    }
+}
+
+#[test]
+fn comptime_if_emits_only_the_taken_branch() {
+    let plain = Scale::source(&Scale::space()[0]).unwrap();
+    let scaled = Scale::source(&Scale::space()[1]).unwrap();
+    assert!(!plain.contains("twice"), "{plain}");
+    assert!(scaled.contains("v = twice(v);"), "{scaled}");
+    assert!(
+        scaled.contains("__device__ __forceinline__ float twice(const float v)"),
+        "{scaled}"
+    );
+}
+
+#[test]
+fn header_symbol_and_launch_bounds() {
+    let p = Scale::space()[1];
+    let src = Scale::source(&p).unwrap();
+    assert!(
+        src.starts_with("// ddtree kernel `scale`\n// params: block = 64, mode = scaled, unroll = 4\n"),
+        "{src}"
+    );
+    assert_eq!(Scale::symbol(&p), "scale__block64_mode_scaled_unroll4");
+    assert!(
+        src.contains("extern \"C\" __global__ void __launch_bounds__(64) scale__block64_mode_scaled_unroll4("),
+        "{src}"
+    );
+    assert_eq!(
+        Scale::id(&p, "sm_90a").to_string(),
+        "scale__block64_mode_scaled_unroll4@sm_90a"
+    );
+    // Only what is used goes into the prelude: bf16 conversion, no mma/cp.async helpers.
+    assert!(
+        src.contains("bf16_to_f32") && !src.contains("mma_m16n8k16") && !src.contains("cp_async"),
+        "{src}"
+    );
+    assert!(src.contains("#pragma unroll\n"), "{src}");
+}
+
+#[test]
+fn same_params_give_identical_source() {
+    let p = Scale::space()[0];
+    assert_eq!(Scale::source(&p).unwrap(), Scale::source(&p).unwrap());
+    assert_ne!(Scale::source(&p).unwrap(), Scale::source(&Scale::space()[1]).unwrap());
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct Block {
+    pub block: u32,
+}
+
+#[kernel(block = p.block, space = [Block { block: 32 }])]
+pub fn writes_input(#[comptime] p: &Block, x: &[f32]) {
+    x[thread_idx_x()] = 1.0;
+}
+
+#[kernel(block = p.block, space = [Block { block: 32 }])]
+pub fn mixes_types(#[comptime] p: &Block, out: &mut [f32], n: u32) {
+    out[thread_idx_x()] = n;
+}
+
+#[kernel(block = p.block, space = vec![Block { block: 32 }])]
+pub fn needs_warp_multiple(#[comptime] p: &Block, out: &mut [f32]) {
+    comptime_assert!(p.block % 32 == 0, "block {} is not a multiple of 32", p.block);
+    out[thread_idx_x()] = 0.0;
+}
+
+#[kernel(block = p.block, space = [Block { block: 2048 }])]
+pub fn too_many_threads(#[comptime] p: &Block, out: &mut [f32]) {
+    out[thread_idx_x()] = 0.0;
+}
+
+#[test]
+fn ir_errors_name_the_kernel_and_the_dsl_location() {
+    let e = WritesInput::ir(&Block { block: 32 }).unwrap_err();
+    assert!(e.message.contains("cannot write through a `&[T]` slice"), "{e}");
+    assert!(e.file.ends_with("dsl.rs") && e.kernel == "writes_input", "{e}");
+    assert!(e.loc.line > 80, "location should point into this file: {e}");
+
+    let e = MixesTypes::ir(&Block { block: 32 }).unwrap_err();
+    assert!(e.message.contains("mismatched types: expected f32, found u32"), "{e}");
+    assert!(e.to_string().contains("dsl.rs:"), "{e}");
+
+    // A candidate outside the listed space is still checked when its IR is built.
+    let e = NeedsWarpMultiple::ir(&Block { block: 48 }).unwrap_err();
+    assert!(e.message.contains("block 48 is not a multiple of 32"), "{e}");
+    assert!(NeedsWarpMultiple::ir(&Block { block: 32 }).is_ok());
+
+    let e = TooManyThreads::ir(&Block { block: 2048 }).unwrap_err();
+    assert!(e.message.contains("outside 1..=1024"), "{e}");
+}

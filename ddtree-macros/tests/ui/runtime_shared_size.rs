@@ -1,0 +1,16 @@
+use ddtree_macros::{kernel, KernelParams};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct P {
+    pub block: u32,
+    pub vec: bool,
+}
+
+#[kernel(block = p.block, space = [P { block: 256, vec: true }])]
+pub fn k(#[comptime] p: &P, x: &mut [f32], n: u32) {
+    let tile = shared::<f32>(n);
+    tile[0] = 1.0;
+    x[0] = tile[0];
+}
+
+fn main() {}
