@@ -250,6 +250,7 @@ impl Builder {
             ty,
             mutable,
             init,
+            loc,
         });
         Ok(())
     }
@@ -297,6 +298,7 @@ impl Builder {
             dims: ds,
             space,
             fill,
+            loc,
         });
         Ok(())
     }
@@ -306,7 +308,7 @@ impl Builder {
         let is_mut_var = root_var(&place).is_some_and(|c| self.is_mut_c_name(c));
         self.at(loc, ops::check_writable(&place, is_mut_var))?;
         let value = self.at(loc, ops::check_assign(&place, op, value))?;
-        self.push(Stmt::Assign { place, op, value });
+        self.push(Stmt::Assign { place, op, value, loc });
         Ok(())
     }
 
@@ -334,18 +336,18 @@ impl Builder {
         if value.ty != Ty::U32x4 {
             return self.fail(loc, format!("`vstore` stores a u32x4, found {}", value.ty));
         }
-        self.push(Stmt::VecStore { place, value });
+        self.push(Stmt::VecStore { place, value, loc });
         Ok(())
     }
 
-    /// An expression statement.
-    pub fn expr_stmt(&mut self, e: Expr) {
-        self.push(Stmt::Expr(e));
+    /// An expression statement at `loc`.
+    pub fn expr_stmt(&mut self, e: Expr, loc: Loc) {
+        self.push(Stmt::Expr(e, loc));
     }
 
-    /// `__syncthreads()`.
-    pub fn sync_threads(&mut self) {
-        self.push(Stmt::SyncThreads);
+    /// `__syncthreads()` at `loc`.
+    pub fn sync_threads(&mut self, loc: Loc) {
+        self.push(Stmt::SyncThreads(loc));
     }
 
     /// Opens a nested block (and variable scope).
@@ -374,6 +376,7 @@ impl Builder {
             cond,
             then_body,
             else_body,
+            loc,
         });
         Ok(())
     }
@@ -381,7 +384,7 @@ impl Builder {
     /// `while cond { body }`.
     pub fn while_(&mut self, cond: Expr, body: Vec<Stmt>, loc: Loc) -> Result<()> {
         let cond = self.cond(cond, "while", loc)?;
-        self.push(Stmt::While { cond, body });
+        self.push(Stmt::While { cond, body, loc });
         Ok(())
     }
 
@@ -427,6 +430,7 @@ impl Builder {
             start,
             end,
             step,
+            loc,
         })
     }
 
@@ -441,6 +445,7 @@ impl Builder {
             step: h.step,
             unroll: if unroll { Unroll::Full } else { Unroll::No },
             body,
+            loc: h.loc,
         });
     }
 
@@ -469,7 +474,7 @@ impl Builder {
             (None, t) => return self.fail(loc, format!("`return` needs a value of type {t}")),
             (Some(_), _) => return self.fail(loc, "kernels return no value"),
         };
-        self.push(Stmt::Return(value));
+        self.push(Stmt::Return(value, loc));
         Ok(())
     }
 
@@ -566,4 +571,5 @@ pub struct ForHeader {
     start: Expr,
     end: Expr,
     step: Expr,
+    loc: Loc,
 }

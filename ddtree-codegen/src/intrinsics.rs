@@ -76,6 +76,8 @@ pub enum Intrinsic {
     Lop3,
     /// `prmt(a, b, selector) -> u32`: PTX byte permute.
     Prmt,
+    /// `fma_bf16x2(a, b, c) -> u32`: `a * b + c` on two packed bf16 lanes (`fma.rn.bf16x2`).
+    FmaBf16x2,
 }
 
 use Intrinsic::*;
@@ -116,6 +118,7 @@ pub const ALL: &[Intrinsic] = &[
     CpAsyncWait,
     Lop3,
     Prmt,
+    FmaBf16x2,
 ];
 
 impl Intrinsic {
@@ -156,6 +159,7 @@ impl Intrinsic {
             CpAsyncWait => "cp_async_wait",
             Lop3 => "lop3",
             Prmt => "prmt",
+            FmaBf16x2 => "fma_bf16x2",
         }
     }
 
@@ -172,7 +176,7 @@ impl Intrinsic {
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
-            AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | Prmt => 3,
+            AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | Prmt | FmaBf16x2 => 3,
             Lop3 => 4,
         }
     }
@@ -234,6 +238,7 @@ impl Intrinsic {
             CpAsync16 | CpAsync16Zfill | CpAsyncCommit | CpAsyncWait => Helper::CpAsync,
             Lop3 => Helper::Lop3,
             Prmt => Helper::Prmt,
+            FmaBf16x2 => Helper::FmaBf16x2,
             _ => return None,
         })
     }
@@ -340,7 +345,7 @@ impl Intrinsic {
                 }
                 u32t
             }
-            Prmt => {
+            Prmt | FmaBf16x2 => {
                 for (k, a) in args.iter_mut().enumerate() {
                     expect(a, Scalar::U32, name, k + 1)?;
                 }
@@ -447,6 +452,8 @@ pub enum Helper {
     Lop3,
     /// prmt.
     Prmt,
+    /// fma.rn.bf16x2.
+    FmaBf16x2,
 }
 
 impl Helper {
@@ -589,6 +596,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
                 "__device__ __forceinline__ unsigned int prmt(unsigned int a, unsigned int b, unsigned int s) {
     unsigned int d;
     asm(\"prmt.b32 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(s));
+    return d;
+}
+"
+            }
+            Helper::FmaBf16x2 => {
+                "__device__ __forceinline__ unsigned int fma_bf16x2(unsigned int a, unsigned int b, unsigned int c) {
+    unsigned int d;
+    asm(\"fma.rn.bf16x2 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(c));
     return d;
 }
 "

@@ -461,6 +461,8 @@ pub enum Stmt {
         mutable: bool,
         /// Initial value.
         init: Expr,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
     /// A shared or register array.
     Array {
@@ -474,6 +476,8 @@ pub enum Stmt {
         space: Space,
         /// Value every element starts with (local arrays only).
         fill: Option<Expr>,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
     /// `place = value` or `place op= value`.
     Assign {
@@ -483,6 +487,8 @@ pub enum Stmt {
         op: Option<BinOp>,
         /// The value.
         value: Expr,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
     /// A 128-bit store of `value` at `&slice[i]` (`place` is the indexed element).
     VecStore {
@@ -490,9 +496,11 @@ pub enum Stmt {
         place: Expr,
         /// The `u32x4` value.
         value: Expr,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
-    /// An expression evaluated for its effect.
-    Expr(Expr),
+    /// An expression evaluated for its effect, and where it is in the DSL source.
+    Expr(Expr, Loc),
     /// `if`.
     If {
         /// Condition (`bool`).
@@ -501,6 +509,8 @@ pub enum Stmt {
         then_body: Vec<Stmt>,
         /// Else branch (empty: none).
         else_body: Vec<Stmt>,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
     /// `while`.
     While {
@@ -508,6 +518,8 @@ pub enum Stmt {
         cond: Expr,
         /// Body.
         body: Vec<Stmt>,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
     /// `for var in (start..end).step_by(step)`.
     For {
@@ -525,15 +537,17 @@ pub enum Stmt {
         unroll: Unroll,
         /// Body.
         body: Vec<Stmt>,
+        /// Where it is in the DSL source.
+        loc: Loc,
     },
     /// `break`.
     Break,
     /// `continue`.
     Continue,
-    /// `return` (with a value only in device functions).
-    Return(Option<Expr>),
-    /// `__syncthreads()`.
-    SyncThreads,
+    /// `return` (with a value only in device functions), and where it is in the DSL source.
+    Return(Option<Expr>, Loc),
+    /// `__syncthreads()`, and where it is in the DSL source.
+    SyncThreads(Loc),
 }
 
 /// A kernel or device-function argument.

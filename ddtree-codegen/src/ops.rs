@@ -567,3 +567,63 @@ impl Comptime for f64 {
         float_lit(*self as f32)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::render::expr as render;
+
+    fn var(name: &str, s: Scalar) -> Expr {
+        mk(ExprKind::Var(name.into()), Ty::Scalar(s))
+    }
+
+    #[test]
+    fn untyped_literals_adopt_the_other_side() {
+        let e = binary(BinOp::Add, var("n", Scalar::U32), int_lit(3, None).unwrap()).unwrap();
+        assert_eq!(e.ty, Ty::Scalar(Scalar::U32));
+        assert_eq!(render(&e), "n + 3u");
+        let f = binary(BinOp::Mul, var("x", Scalar::F32), int_lit(2, None).unwrap()).unwrap();
+        assert_eq!(render(&f), "x * 2.0f");
+    }
+
+    #[test]
+    fn mismatched_and_half_arithmetic_are_errors() {
+        let e = binary(BinOp::Add, var("n", Scalar::U32), var("i", Scalar::I32)).unwrap_err();
+        assert!(e.0.contains("mismatched types"), "{}", e.0);
+        let e = binary(BinOp::Add, var("h", Scalar::Bf16), var("g", Scalar::Bf16)).unwrap_err();
+        assert!(e.0.contains("convert with `as f32`"), "{}", e.0);
+        assert!(cast(var("h", Scalar::Bf16), Scalar::U32).is_err());
+        assert!(int_lit(-1, Some(Scalar::U32)).is_err());
+    }
+
+    #[test]
+    fn precedence_gets_parentheses_only_where_needed() {
+        let a = var("a", Scalar::U32);
+        let b = var("b", Scalar::U32);
+        let sum = binary(BinOp::Add, a.clone(), b.clone()).unwrap();
+        let prod = binary(BinOp::Mul, sum.clone(), b.clone()).unwrap();
+        assert_eq!(render(&prod), "(a + b) * b");
+        let and = binary(BinOp::BitAnd, a.clone(), b.clone()).unwrap();
+        let cmp = binary(BinOp::Eq, and, int_lit(0, None).unwrap()).unwrap();
+        assert_eq!(render(&cmp), "(a & b) == 0u");
+        let sub = binary(BinOp::Sub, a.clone(), binary(BinOp::Sub, b.clone(), a).unwrap()).unwrap();
+        assert_eq!(render(&sub), "a - (b - a)");
+    }
+
+    #[test]
+    fn indexing_checks_constant_bounds() {
+        let arr = mk(ExprKind::Var("r".into()), Ty::Array { elem: Scalar::F32, dims: vec![4], space: Space::Local });
+        assert!(index(arr.clone(), int_lit(3, None).unwrap()).is_ok());
+        assert!(index(arr, int_lit(4, None).unwrap()).unwrap_err().0.contains("out of bounds"));
+    }
+
+    #[test]
+    fn f32_literals_round_trip() {
+        for v in [0.1f32, 1.0, 1e-6, 3.4028235e38, -2.5, 1.17549435e-38] {
+            let s = crate::render::f32_lit(v);
+            let parsed: f32 = s.trim_end_matches('f').parse().unwrap();
+            assert_eq!(parsed, v, "{s}");
+        }
+        assert_eq!(crate::render::f32_lit(f32::INFINITY), "__int_as_float(0x7f800000)");
+    }
+}

@@ -137,22 +137,23 @@ fn stmts_helpers(body: &[Stmt], h: &mut BTreeSet<Helper>) {
                 expr_helpers(place, h);
                 expr_helpers(value, h);
             }
-            Stmt::VecStore { place, value } => {
+            Stmt::VecStore { place, value, .. } => {
                 h.insert(Helper::U32x4Type);
                 expr_helpers(place, h);
                 expr_helpers(value, h);
             }
-            Stmt::Expr(e) => expr_helpers(e, h),
+            Stmt::Expr(e, _) => expr_helpers(e, h),
             Stmt::If {
                 cond,
                 then_body,
                 else_body,
+                ..
             } => {
                 expr_helpers(cond, h);
                 stmts_helpers(then_body, h);
                 stmts_helpers(else_body, h);
             }
-            Stmt::While { cond, body } => {
+            Stmt::While { cond, body, .. } => {
                 expr_helpers(cond, h);
                 stmts_helpers(body, h);
             }
@@ -164,8 +165,8 @@ fn stmts_helpers(body: &[Stmt], h: &mut BTreeSet<Helper>) {
                 expr_helpers(step, h);
                 stmts_helpers(body, h);
             }
-            Stmt::Return(Some(e)) => expr_helpers(e, h),
-            Stmt::Return(None) | Stmt::Break | Stmt::Continue | Stmt::SyncThreads => {}
+            Stmt::Return(Some(e), _) => expr_helpers(e, h),
+            Stmt::Return(None, _) | Stmt::Break | Stmt::Continue | Stmt::SyncThreads(_) => {}
         }
     }
 }
@@ -266,6 +267,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             ty,
             mutable,
             init,
+            ..
         } => {
             indent(out, level);
             let c = if *mutable { "" } else { "const " };
@@ -277,6 +279,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             dims,
             space,
             fill,
+            ..
         } => {
             indent(out, level);
             let dims_s: String = dims.iter().map(|d| format!("[{d}]")).collect();
@@ -311,16 +314,16 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
                 },
             }
         }
-        Stmt::Assign { place, op, value } => {
+        Stmt::Assign { place, op, value, .. } => {
             indent(out, level);
             let o = op.map(|o| o.c_str()).unwrap_or("");
             let _ = writeln!(out, "{} {o}= {};", expr(place), expr(value));
         }
-        Stmt::VecStore { place, value } => {
+        Stmt::VecStore { place, value, .. } => {
             indent(out, level);
             let _ = writeln!(out, "*reinterpret_cast<u32x4*>(&{}) = {};", expr(place), expr(value));
         }
-        Stmt::Expr(e) => {
+        Stmt::Expr(e, _) => {
             indent(out, level);
             let _ = writeln!(out, "{};", expr(e));
         }
@@ -328,6 +331,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             cond,
             then_body,
             else_body,
+            ..
         } => {
             indent(out, level);
             let _ = writeln!(out, "if ({}) {{", expr(cond));
@@ -338,6 +342,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
                 cond,
                 then_body,
                 else_body,
+                ..
             }] = els.as_slice()
             {
                 indent(out, level);
@@ -353,7 +358,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             indent(out, level);
             out.push_str("}\n");
         }
-        Stmt::While { cond, body } => {
+        Stmt::While { cond, body, .. } => {
             indent(out, level);
             let _ = writeln!(out, "while ({}) {{", expr(cond));
             block(out, body, level + 1);
@@ -368,6 +373,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             step,
             unroll,
             body,
+            ..
         } => {
             if *unroll == Unroll::Full {
                 indent(out, level);
@@ -397,7 +403,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             indent(out, level);
             out.push_str("continue;\n");
         }
-        Stmt::Return(v) => {
+        Stmt::Return(v, _) => {
             indent(out, level);
             match v {
                 Some(e) => {
@@ -406,7 +412,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
                 None => out.push_str("return;\n"),
             }
         }
-        Stmt::SyncThreads => {
+        Stmt::SyncThreads(_) => {
             indent(out, level);
             out.push_str("__syncthreads();\n");
         }
