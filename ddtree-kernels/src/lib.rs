@@ -13,6 +13,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
 pub mod topk;
+pub mod tree;
 
 pub use embedding::{Embedding, EmbeddingParams};
 pub use gemm_bf16::{GemmBf16, GemmParams};

@@ -1,0 +1,13 @@
+//! DDTree step kernels: the GPU tree builder, tree-verify MLA attention (absorbed form),
+//! greedy / sampling accept and KV compaction, with their CPU references in [`reference`].
+//!
+//! Public CPU API (used by the engine's CPU backend and as the GPU oracle):
+//! [`build_reference`], [`accept_reference`], [`sample_rows`], [`argmax_rows`],
+//! [`verify_attention_reference`], [`chain_mask`], and the [`DraftTree`] / [`Acceptance`] types.
+
+pub mod reference;
+
+pub use reference::{
+    accept_reference, argmax_rows, build_reference, build_with_lse, chain_mask, sample_rows,
+    verify_attention_reference, Acceptance, DraftTree, LATENT, ROPE, ROW,
+};
