@@ -1,5 +1,7 @@
 //! Runtime errors.
 
+use std::path::PathBuf;
+
 use ddtree_codegen::CodegenError;
 
 /// Everything that can go wrong between a kernel's source and its launch.
@@ -43,7 +45,7 @@ pub enum RuntimeError {
         /// Numbered source lines around each error line (the whole source if none is named).
         excerpt: String,
     },
-    /// A launch would exceed the device's or the kernel's resources.
+    /// A launch failed for a reason outside the resource checks (e.g. a library call).
     #[error("cannot launch `{kernel}`: {reason}")]
     Launch {
         /// Kernel symbol.
@@ -51,11 +53,77 @@ pub enum RuntimeError {
         /// Why.
         reason: String,
     },
+    /// A variant or launch would exceed the device's or the compiled kernel's resources.
+    #[error("cannot launch `{kernel}`: {limit}")]
+    Resources {
+        /// Kernel symbol.
+        kernel: String,
+        /// Which limit, with the numbers.
+        #[source]
+        limit: ResourceLimit,
+    },
+    /// Reading or writing a cache file failed.
+    #[error("{context} `{}`: {source}", path.display())]
+    Io {
+        /// What was being done.
+        context: &'static str,
+        /// The file or folder.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A launch resource that a kernel variant or a grid exceeds.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ResourceLimit {
+    /// More threads per block than the compiled kernel allows (its register use limits it).
+    #[error("{threads} threads per block, but the compiled kernel allows {max} ({registers} registers per thread)")]
+    Threads {
+        /// Threads per block requested.
+        threads: u32,
+        /// The kernel's maximum.
+        max: u32,
+        /// Registers per thread.
+        registers: u32,
+    },
+    /// More static shared memory per block than the device offers.
+    #[error("{bytes} B of shared memory per block, but the device allows {max} B")]
+    SharedMemory {
+        /// Bytes per block.
+        bytes: u32,
+        /// The device's maximum per block.
+        max: u32,
+    },
+    /// More registers per block than the device's register file holds.
+    #[error("{registers} registers per thread x {threads} threads = {} per block, but the device has {max}", *registers as u64 * *threads as u64)]
+    Registers {
+        /// Registers per thread.
+        registers: u32,
+        /// Threads per block.
+        threads: u32,
+        /// Registers per block on the device.
+        max: u32,
+    },
+    /// An empty grid or one beyond the device's grid limits.
+    #[error("grid {grid:?} is empty or exceeds the device limits {max:?}")]
+    Grid {
+        /// The grid requested.
+        grid: [u32; 3],
+        /// The device's maximum per dimension.
+        max: [u32; 3],
+    },
 }
 
 impl RuntimeError {
     pub(crate) fn driver(context: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError {
         let context = context.into();
         move |source| RuntimeError::Driver { context, source }
+    }
+
+    pub(crate) fn io(context: &'static str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> RuntimeError {
+        let path = path.to_path_buf();
+        move |source| RuntimeError::Io { context, path, source }
     }
 }

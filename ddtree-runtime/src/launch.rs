@@ -4,9 +4,11 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
-use ddtree_codegen::{Kernel, KernelId};
+use cudarc::nvrtc::Ptx;
+use ddtree_codegen::{Kernel, KernelId, KernelIr};
 
-use crate::{nvrtc, Gpu, RuntimeError};
+use crate::jit::KernelSource;
+use crate::{DeviceLimits, Gpu, ResourceLimit, RuntimeError};
 
 /// A grid shape (x, y, z).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,35 +42,134 @@ pub struct CompiledKernel<K: Kernel> {
     block: [u32; 3],
     shared_bytes: u32,
     registers: i32,
+    spill_bytes: i32,
+    max_grid: [u32; 3],
     _kernel: PhantomData<K>,
 }
 
+/// Checks a block against the compiled kernel's and the device's limits: threads per block
+/// (`kernel_max_threads` is what the driver allows for the kernel's register use), static
+/// shared memory and the register file.
+pub fn check_block(
+    threads: u32,
+    shared_bytes: u32,
+    registers: u32,
+    kernel_max_threads: u32,
+    limits: &DeviceLimits,
+) -> Result<(), ResourceLimit> {
+    if shared_bytes > limits.max_shared_per_block {
+        return Err(ResourceLimit::SharedMemory {
+            bytes: shared_bytes,
+            max: limits.max_shared_per_block,
+        });
+    }
+    if registers as u64 * threads as u64 > limits.max_registers_per_block as u64 {
+        return Err(ResourceLimit::Registers {
+            registers,
+            threads,
+            max: limits.max_registers_per_block,
+        });
+    }
+    let max = kernel_max_threads.min(limits.max_threads_per_block);
+    if threads > max {
+        return Err(ResourceLimit::Threads {
+            threads,
+            max,
+            registers,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a grid against the device's limits; an empty grid is refused too.
+pub fn check_grid(grid: [u32; 3], max: [u32; 3]) -> Result<(), ResourceLimit> {
+    if grid.iter().zip(&max).any(|(&g, &m)| g == 0 || g > m) {
+        return Err(ResourceLimit::Grid { grid, max });
+    }
+    Ok(())
+}
+
 impl Gpu {
-    /// Generates, compiles (NVRTC, this GPU's arch) and loads the variant of `K` for `params`.
+    /// Generates, compiles (NVRTC for this GPU's arch, through the disk cache) and loads the
+    /// variant of `K` for `params`, checking its launch resources.
     pub fn compile<K: Kernel>(&self, params: &K::Params) -> Result<CompiledKernel<K>, RuntimeError> {
         let ir = K::ir(params)?;
-        let source = ddtree_codegen::render(&ir);
-        let arch = self.arch();
-        let ptx = nvrtc::compile_ptx(&source, &ir.symbol, &arch)?;
-        let module = self.context().load_module(ptx).map_err(RuntimeError::driver(format!("loading `{}`", ir.symbol)))?;
-        let func = module.load_function(&ir.symbol).map_err(RuntimeError::driver(format!("finding `{}`", ir.symbol)))?;
-        let registers = func.num_regs().map_err(RuntimeError::driver("reading register use"))?;
-        let max_threads = func.max_threads_per_block().map_err(RuntimeError::driver("reading max threads"))?;
-        if (ir.threads() as i32) > max_threads {
-            let reason = format!(
-                "{} threads per block, but the compiled kernel allows {max_threads} ({registers} registers per thread)",
-                ir.threads()
-            );
-            return Err(RuntimeError::Launch { kernel: ir.symbol, reason });
-        }
+        let src = KernelSource {
+            source: ddtree_codegen::render(&ir),
+            symbol: ir.symbol.clone(),
+        };
+        let cubin = self.jit().cubin(&src)?;
+        self.load(params, &ir, cubin.bytes)
+    }
+
+    /// Compiles many variants of `K` at once: the NVRTC work runs in parallel on the rayon
+    /// pool, loading follows in order. One result per parameter set, in order.
+    pub fn compile_many<K: Kernel>(&self, params: &[K::Params]) -> Vec<Result<CompiledKernel<K>, RuntimeError>> {
+        let irs: Vec<Result<KernelIr, RuntimeError>> =
+            params.iter().map(|p| K::ir(p).map_err(RuntimeError::from)).collect();
+        let sources: Vec<KernelSource> = irs
+            .iter()
+            .flatten()
+            .map(|ir| KernelSource {
+                source: ddtree_codegen::render(ir),
+                symbol: ir.symbol.clone(),
+            })
+            .collect();
+        let mut cubins = self.jit().cubins(&sources).into_iter();
+        params
+            .iter()
+            .zip(irs)
+            .map(|(p, ir)| {
+                let ir = ir?;
+                let cubin = cubins.next().expect("one cubin per IR")?;
+                self.load(p, &ir, cubin.bytes)
+            })
+            .collect()
+    }
+
+    /// Loads a cubin of `K`'s variant `params` (whose IR is `ir`) and checks its resources.
+    fn load<K: Kernel>(
+        &self,
+        params: &K::Params,
+        ir: &KernelIr,
+        cubin: Vec<u8>,
+    ) -> Result<CompiledKernel<K>, RuntimeError> {
+        let symbol = &ir.symbol;
+        let module = self
+            .context()
+            .load_module(Ptx::from_binary(cubin))
+            .map_err(RuntimeError::driver(format!("loading `{symbol}`")))?;
+        let func = module
+            .load_function(symbol)
+            .map_err(RuntimeError::driver(format!("finding `{symbol}`")))?;
+        let attr = |v: Result<i32, cudarc::driver::DriverError>, what: &str| {
+            v.map_err(RuntimeError::driver(format!("reading {what} of `{symbol}`")))
+        };
+        let registers = attr(func.num_regs(), "register use")?;
+        let max_threads = attr(func.max_threads_per_block(), "max threads")?;
+        let shared = attr(func.shared_size_bytes(), "shared memory")?;
+        let spill_bytes = attr(func.local_size_bytes(), "local memory")?;
+        check_block(
+            ir.threads(),
+            shared.max(0) as u32,
+            registers.max(0) as u32,
+            max_threads.max(0) as u32,
+            self.limits(),
+        )
+        .map_err(|limit| RuntimeError::Resources {
+            kernel: symbol.clone(),
+            limit,
+        })?;
         Ok(CompiledKernel {
             func,
             _module: module,
             params: params.clone(),
-            id: K::id(params, &arch),
+            id: K::id(params, &self.arch()),
             block: ir.block,
-            shared_bytes: ir.shared_bytes() as u32,
+            shared_bytes: shared.max(0) as u32,
             registers,
+            spill_bytes,
+            max_grid: self.limits().max_grid,
             _kernel: PhantomData,
         })
     }
@@ -95,17 +196,34 @@ impl<K: Kernel> CompiledKernel<K> {
         self.shared_bytes
     }
 
-    /// Starts a launch over `grid`; the generated `launch` functions push the arguments.
+    /// Local memory per thread in bytes (register spills).
+    pub fn spill_bytes(&self) -> i32 {
+        self.spill_bytes
+    }
+
+    /// Threads per block.
+    pub fn block(&self) -> [u32; 3] {
+        self.block
+    }
+
+    /// Starts a launch over `grid` (checked against the device's grid limits); the generated
+    /// `launch` functions push the arguments.
     pub fn launcher<'a>(&'a self, stream: &'a Arc<CudaStream>, grid: Grid) -> Result<Launcher<'a>, RuntimeError> {
+        check_grid(grid.0, self.max_grid).map_err(|limit| RuntimeError::Resources {
+            kernel: self.id.symbol.clone(),
+            limit,
+        })?;
         let [x, y, z] = grid.0;
-        if x == 0 || y == 0 || z == 0 || y > 65535 || z > 65535 || x > i32::MAX as u32 {
-            return Err(RuntimeError::Launch {
-                kernel: self.id.symbol.clone(),
-                reason: format!("grid {:?} is empty or exceeds the limits (x < 2^31, y and z <= 65535)", grid.0),
-            });
-        }
-        let cfg = LaunchConfig { grid_dim: (x, y, z), block_dim: (self.block[0], self.block[1], self.block[2]), shared_mem_bytes: 0 };
-        Ok(Launcher { args: stream.launch_builder(&self.func), cfg, symbol: &self.id.symbol })
+        let cfg = LaunchConfig {
+            grid_dim: (x, y, z),
+            block_dim: (self.block[0], self.block[1], self.block[2]),
+            shared_mem_bytes: 0,
+        };
+        Ok(Launcher {
+            args: stream.launch_builder(&self.func),
+            cfg,
+            symbol: &self.id.symbol,
+        })
     }
 }
 
@@ -136,5 +254,74 @@ impl<'a> Launcher<'a> {
         unsafe { self.args.launch(self.cfg) }
             .map(|_| ())
             .map_err(RuntimeError::driver(format!("launching `{}`", self.symbol)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200: DeviceLimits = DeviceLimits {
+        max_threads_per_block: 1024,
+        max_shared_per_block: 49152,
+        max_registers_per_block: 65536,
+        max_grid: [2147483647, 65535, 65535],
+        l2_bytes: 62914560,
+        clock_khz: 1980000,
+    };
+
+    #[test]
+    fn block_checks_name_the_limit() {
+        assert_eq!(check_block(256, 16384, 64, 1024, &H200), Ok(()));
+        assert_eq!(
+            check_block(1024, 0, 128, 512, &H200),
+            Err(ResourceLimit::Registers {
+                registers: 128,
+                threads: 1024,
+                max: 65536
+            })
+        );
+        assert_eq!(
+            check_block(1024, 0, 40, 768, &H200),
+            Err(ResourceLimit::Threads {
+                threads: 1024,
+                max: 768,
+                registers: 40
+            })
+        );
+        assert_eq!(
+            check_block(2048, 0, 16, 2048, &H200),
+            Err(ResourceLimit::Threads {
+                threads: 2048,
+                max: 1024,
+                registers: 16
+            })
+        );
+        assert_eq!(
+            check_block(128, 65536, 32, 1024, &H200),
+            Err(ResourceLimit::SharedMemory {
+                bytes: 65536,
+                max: 49152
+            })
+        );
+        let e = RuntimeError::Resources {
+            kernel: "k".into(),
+            limit: ResourceLimit::SharedMemory {
+                bytes: 65536,
+                max: 49152,
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot launch `k`: 65536 B of shared memory per block, but the device allows 49152 B"
+        );
+    }
+
+    #[test]
+    fn grid_checks() {
+        assert_eq!(check_grid([1, 1, 1], H200.max_grid), Ok(()));
+        assert!(check_grid([0, 1, 1], H200.max_grid).is_err());
+        assert!(check_grid([1, 65536, 1], H200.max_grid).is_err());
+        assert!(check_grid([u32::MAX, 1, 1], H200.max_grid).is_err());
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::RuntimeError;
 
@@ -13,6 +13,19 @@ pub fn median_us(
     stream: &Arc<CudaStream>,
     warmup: usize,
     reps: usize,
+    f: impl FnMut(usize) -> Result<(), RuntimeError>,
+) -> Result<f64, RuntimeError> {
+    median_us_flushed(stream, warmup, reps, None, f)
+}
+
+/// [`median_us`], but when `flush` is given it is overwritten before each timed run, outside
+/// the timed span, so that the run starts with a cold L2 (pass a buffer of about twice the L2
+/// size).
+pub fn median_us_flushed(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    mut flush: Option<&mut CudaSlice<u8>>,
     mut f: impl FnMut(usize) -> Result<(), RuntimeError>,
 ) -> Result<f64, RuntimeError> {
     for i in 0..warmup {
@@ -21,11 +34,26 @@ pub fn median_us(
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let mut times = Vec::with_capacity(reps);
     for i in 0..reps.max(1) {
-        let start = stream.record_event(flags).map_err(RuntimeError::driver("recording an event"))?;
+        if let Some(buf) = flush.as_deref_mut() {
+            stream
+                .memset_zeros(buf)
+                .map_err(RuntimeError::driver("flushing the L2"))?;
+        }
+        let start = stream
+            .record_event(flags)
+            .map_err(RuntimeError::driver("recording an event"))?;
         f(warmup + i)?;
-        let end = stream.record_event(flags).map_err(RuntimeError::driver("recording an event"))?;
-        end.synchronize().map_err(RuntimeError::driver("waiting for an event"))?;
-        times.push(start.elapsed_ms(&end).map_err(RuntimeError::driver("reading an event timer"))? as f64 * 1e3);
+        let end = stream
+            .record_event(flags)
+            .map_err(RuntimeError::driver("recording an event"))?;
+        end.synchronize()
+            .map_err(RuntimeError::driver("waiting for an event"))?;
+        times.push(
+            start
+                .elapsed_ms(&end)
+                .map_err(RuntimeError::driver("reading an event timer"))? as f64
+                * 1e3,
+        );
     }
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])

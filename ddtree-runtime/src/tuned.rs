@@ -1,0 +1,142 @@
+//! The startup API: "the tuned variant of kernel K at key X", from the tune cache, compiled on
+//! first use (or eagerly with [`TunedKernels::preload`]) and shared afterwards; the default
+//! variant where nothing valid is tuned.
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use crate::{CompiledKernel, Gpu, Lookup, RuntimeError, Tunable, TuneCache};
+
+/// Set to `1` to ignore the tune cache and run every kernel's default variant (debugging,
+/// bisecting a numerical difference).
+pub const FORCE_DEFAULT_ENV: &str = "DDTREE_FORCE_DEFAULT";
+
+/// Which variant serves a key, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Choice<P> {
+    /// Its parameters.
+    pub params: P,
+    /// Whether it is a tuned winner (else the default).
+    pub tuned: bool,
+}
+
+/// Tuned kernels of one GPU: the tune cache plus every variant compiled so far.
+pub struct TunedKernels {
+    gpu: Gpu,
+    cache: TuneCache,
+    force_default: bool,
+    /// Loaded variants by symbol, each a `CompiledKernel<K>`.
+    compiled: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
+    /// Keys already reported as untuned, by `kernel key`.
+    reported: Mutex<HashSet<String>>,
+}
+
+impl TunedKernels {
+    /// Opens the tune cache of `gpu`'s fingerprint ([`TuneCache::open`]).
+    pub fn new(gpu: Gpu) -> TunedKernels {
+        let cache = TuneCache::open(gpu.fingerprint());
+        TunedKernels::with_cache(gpu, cache)
+    }
+
+    /// Uses `cache` as the tune cache.
+    pub fn with_cache(gpu: Gpu, cache: TuneCache) -> TunedKernels {
+        let force_default = std::env::var(FORCE_DEFAULT_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+        if force_default {
+            tracing::info!("{FORCE_DEFAULT_ENV} is set: every kernel runs its default variant");
+        }
+        TunedKernels {
+            gpu,
+            cache,
+            force_default,
+            compiled: Mutex::new(HashMap::new()),
+            reported: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The tune cache.
+    pub fn cache(&self) -> &TuneCache {
+        &self.cache
+    }
+
+    /// The variant for `K` at `key`: the tuned winner of its bucket, else the default
+    /// (candidate 0), with a log hint to run `autotune` (the first untuned key at `info`, the
+    /// others at `debug`).
+    pub fn choose<K: Tunable>(&self, key: &K::Key) -> Choice<K::Params> {
+        let bucket = K::bucket(key);
+        let reason = match self.cache.lookup::<K>(&bucket) {
+            Lookup::Hit { params, .. } if !self.force_default => return Choice { params, tuned: true },
+            Lookup::Hit { .. } => None,
+            Lookup::Stale(why) => Some(why),
+            Lookup::Miss => Some("not tuned".to_string()),
+        };
+        let params = K::candidates(&bucket)
+            .into_iter()
+            .next()
+            .unwrap_or_else(K::default_params);
+        if let Some(reason) = reason {
+            let mut reported = self.reported.lock().expect("not poisoned");
+            let first = reported.is_empty();
+            if reported.insert(format!("{} {bucket}", K::NAME)) {
+                let symbol = K::symbol(&params);
+                if first {
+                    tracing::info!(
+                        "`{}` at {bucket}: {reason} on this GPU, using the default `{symbol}`; run `autotune` to tune (tune cache {})",
+                        K::NAME,
+                        self.cache.path().display()
+                    );
+                } else {
+                    tracing::debug!("`{}` at {bucket}: {reason}, using the default `{symbol}`", K::NAME);
+                }
+            }
+        }
+        Choice { params, tuned: false }
+    }
+
+    /// The compiled variant for `K` at `key` ([`TunedKernels::choose`]), compiling it on first
+    /// use (through the disk cache) and sharing it afterwards.
+    pub fn get<K: Tunable>(&self, key: &K::Key) -> Result<Arc<CompiledKernel<K>>, RuntimeError> {
+        let params = self.choose::<K>(key).params;
+        let symbol = K::symbol(&params);
+        if let Some(k) = self.loaded::<K>(&symbol) {
+            return Ok(k);
+        }
+        let kernel = Arc::new(self.gpu.compile::<K>(&params)?);
+        self.compiled
+            .lock()
+            .expect("not poisoned")
+            .entry(symbol)
+            .or_insert_with(|| kernel.clone());
+        Ok(kernel)
+    }
+
+    /// Compiles the variants for all `keys` now, in parallel, so that later [`TunedKernels::get`]
+    /// calls return at once.
+    pub fn preload<K: Tunable>(&self, keys: &[K::Key]) -> Result<(), RuntimeError> {
+        let mut params: Vec<K::Params> = Vec::new();
+        for key in keys {
+            let p = self.choose::<K>(key).params;
+            if self.loaded::<K>(&K::symbol(&p)).is_none() && !params.contains(&p) {
+                params.push(p);
+            }
+        }
+        let compiled = self.gpu.compile_many::<K>(&params);
+        let mut map = self.compiled.lock().expect("not poisoned");
+        for (p, k) in params.iter().zip(compiled) {
+            map.entry(K::symbol(p)).or_insert(Arc::new(k?));
+        }
+        Ok(())
+    }
+
+    fn loaded<K: Tunable>(&self, symbol: &str) -> Option<Arc<CompiledKernel<K>>> {
+        let map = self.compiled.lock().expect("not poisoned");
+        map.get(symbol)
+            .cloned()
+            .and_then(|k| k.downcast::<CompiledKernel<K>>().ok())
+    }
+}
