@@ -7,6 +7,7 @@
 
 mod builder;
 mod error;
+pub mod interp;
 pub mod intrinsics;
 pub mod ir;
 mod kernel;

@@ -713,7 +713,7 @@ impl Cx {
             Expr::Assign(a) => {
                 if let Expr::Infer(_) = &*a.left {
                     let v = self.rt(&a.right);
-                    return quote!({ let __v = #v; #b.expr_stmt(__v); });
+                    return quote!({ let __v = #v; #b.expr_stmt(__v, #lc); });
                 }
                 let p = self.rt(&a.left);
                 let v = self.rt(&a.right);
@@ -777,7 +777,7 @@ impl Cx {
                 if !c.args.is_empty() {
                     return self.error(&c.args, "`sync_threads()` takes no arguments");
                 }
-                quote!(#b.sync_threads();)
+                quote!(#b.sync_threads(#lc);)
             }
             Expr::MethodCall(m) if m.method == "vstore" => {
                 if m.args.len() != 2 {
@@ -790,7 +790,7 @@ impl Cx {
             }
             other => {
                 let v = self.rt(other);
-                quote!({ let __v = #v; #b.expr_stmt(__v); })
+                quote!({ let __v = #v; #b.expr_stmt(__v, #lc); })
             }
         }
     }

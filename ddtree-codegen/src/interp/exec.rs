@@ -1,0 +1,1073 @@
+//! The scheduler and memories: threads as resumable states, barriers, warp collectives, and the
+//! shadow state behind the shared-memory hazard checks.
+
+use super::compile::{is_collective, CExpr, Lowered, Op, Place, Ref, Slot, Val};
+use super::numeric::{
+    bf16_to_f32, binary, cast, f16_to_f32, f32_to_bf16, f32_to_f16, lop3, math, mma_m16n8k16, prmt, unary,
+};
+use super::{check_args, Buffer, Hazard, HostArg, InterpError, RaceKind, Value};
+use crate::intrinsics::Intrinsic;
+use crate::ir::{Builtin, Loc, Scalar, Space};
+
+/// Most interpreted steps one launch may take.
+pub(super) const STEP_LIMIT: u64 = 1 << 32;
+
+/// A global buffer as the kernel sees it (scalar arguments leave a hole).
+enum GBuf<'a> {
+    Ro(&'a Buffer),
+    Rw(&'a mut Buffer),
+    Scalar,
+}
+
+impl GBuf<'_> {
+    fn buffer(&self) -> &Buffer {
+        match self {
+            GBuf::Ro(b) => b,
+            GBuf::Rw(b) => b,
+            GBuf::Scalar => unreachable!("a scalar argument used as a buffer"),
+        }
+    }
+}
+
+/// Per shared element: initialisation and the last writer and readers since the last barrier.
+#[derive(Clone, Copy, Default)]
+struct Shadow {
+    init: bool,
+    /// A `cp.async` to it has been issued but not waited for.
+    pending: bool,
+    w_epoch: u32,
+    w_thread: u32,
+    w_wsync: u32,
+    r_epoch: u32,
+    r_first: u32,
+    r_other: u32,
+    r_many: bool,
+    /// Warp of every reader, or `MANY`.
+    r_warp: u32,
+    r_wsync: u32,
+}
+
+const MANY: u32 = u32::MAX;
+
+struct SharedMem {
+    esize: usize,
+    bytes: Vec<u8>,
+    shadow: Vec<Shadow>,
+}
+
+struct Frame {
+    func: u32,
+    pc: usize,
+    slots: Vec<Val>,
+    arrays: Vec<Vec<Val>>,
+    dst: Option<Slot>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Running,
+    Barrier,
+    Warp,
+    Exited,
+}
+
+/// A 16-byte `cp.async` in flight.
+struct Copy16 {
+    arr: u32,
+    byte: usize,
+    data: [u8; 16],
+}
+
+struct Thread {
+    tid: [u32; 3],
+    linear: u32,
+    frames: Vec<Frame>,
+    status: Status,
+    /// Committed cp.async groups, oldest first, and the group being built.
+    groups: Vec<Vec<Copy16>>,
+    open: Vec<Copy16>,
+}
+
+impl Thread {
+    fn top(&self) -> &Frame {
+        self.frames.last().expect("a live thread has a frame")
+    }
+
+    fn top_mut(&mut self) -> &mut Frame {
+        self.frames.last_mut().expect("a live thread has a frame")
+    }
+}
+
+struct Exec<'k, 'a> {
+    k: &'k Lowered,
+    globals: Vec<GBuf<'a>>,
+    shared: Vec<SharedMem>,
+    grid: [u32; 3],
+    block: [u32; 3],
+    epoch: u32,
+    wsync: Vec<u32>,
+    steps: u64,
+}
+
+/// Runs `k` over `grid`.
+pub(super) fn launch(k: &Lowered, grid: [u32; 3], args: &mut [HostArg<'_>]) -> Result<(), InterpError> {
+    let at_launch = |hazard| InterpError {
+        kernel: k.symbol.clone(),
+        function: "kernel".to_string(),
+        loc: Loc::default(),
+        block: [0; 3],
+        thread: [0; 3],
+        hazard,
+    };
+    check_args(k, args).map_err(at_launch)?;
+    if grid.contains(&0) {
+        return Err(at_launch(Hazard::InvalidLaunch(format!("empty grid {grid:?}"))));
+    }
+    let mut init = Vec::with_capacity(args.len());
+    let mut globals = Vec::with_capacity(args.len());
+    for (i, a) in args.iter_mut().enumerate() {
+        match a {
+            HostArg::In(b) => {
+                globals.push(GBuf::Ro(b));
+                init.push(Val::Buf(i as u32));
+            }
+            HostArg::Out(b) => {
+                globals.push(GBuf::Rw(b));
+                init.push(Val::Buf(i as u32));
+            }
+            HostArg::Scalar(v) => {
+                globals.push(GBuf::Scalar);
+                init.push(match *v {
+                    Value::F32(x) => Val::F(x),
+                    Value::U32(x) => Val::U(x),
+                    Value::I32(x) => Val::I(x),
+                    Value::U64(x) => Val::U64(x),
+                    Value::Bool(x) => Val::B(x),
+                    Value::Bf16(x) => Val::H(x.to_bits()),
+                    Value::F16(x) => Val::H(x.to_bits()),
+                });
+            }
+        }
+    }
+    let mut ex = Exec {
+        k,
+        globals,
+        shared: Vec::new(),
+        grid,
+        block: [0; 3],
+        epoch: 1,
+        wsync: Vec::new(),
+        steps: 0,
+    };
+    for z in 0..grid[2] {
+        for y in 0..grid[1] {
+            for x in 0..grid[0] {
+                ex.run_block([x, y, z], &init)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The element value of `bytes` (little-endian) as type `elem`.
+fn decode(elem: Scalar, b: &[u8]) -> Val {
+    match elem {
+        Scalar::F32 => Val::F(f32::from_le_bytes(b[..4].try_into().expect("4 bytes"))),
+        Scalar::U32 => Val::U(u32::from_le_bytes(b[..4].try_into().expect("4 bytes"))),
+        Scalar::I32 => Val::I(i32::from_le_bytes(b[..4].try_into().expect("4 bytes"))),
+        Scalar::U64 => Val::U64(u64::from_le_bytes(b[..8].try_into().expect("8 bytes"))),
+        Scalar::Bf16 | Scalar::F16 => Val::H(u16::from_le_bytes(b[..2].try_into().expect("2 bytes"))),
+        Scalar::Bool => Val::B(b[0] != 0),
+    }
+}
+
+/// Writes `v` as type `elem` into `out` (little-endian).
+fn encode(elem: Scalar, v: Val, out: &mut [u8]) {
+    match elem {
+        Scalar::F32 => out[..4].copy_from_slice(&v.f32().to_le_bytes()),
+        Scalar::U32 | Scalar::I32 => out[..4].copy_from_slice(&v.u32().to_le_bytes()),
+        Scalar::U64 => out[..8].copy_from_slice(&v.u64().to_le_bytes()),
+        Scalar::Bf16 | Scalar::F16 => out[..2].copy_from_slice(&(v.u32() as u16).to_le_bytes()),
+        Scalar::Bool => out[0] = v.bool() as u8,
+    }
+}
+
+fn v4_bytes(v: [u32; 4]) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    for (i, x) in v.iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes());
+    }
+    b
+}
+
+fn bytes_v4(b: &[u8]) -> [u32; 4] {
+    std::array::from_fn(|i| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes")))
+}
+
+/// An index value as a signed number (so negative i32 indices are reported as such).
+fn index_of(v: Val) -> i64 {
+    match v {
+        Val::I(x) => x as i64,
+        Val::U64(x) => x.min(i64::MAX as u64) as i64,
+        other => other.u32() as i64,
+    }
+}
+
+impl<'k> Exec<'k, '_> {
+    fn thread_xyz(&self, linear: u32) -> [u32; 3] {
+        let [bx, by, _] = self.k.block;
+        [linear % bx, (linear / bx) % by, linear / (bx * by)]
+    }
+
+    fn error(&self, th: &Thread, func: u32, loc: Loc, hazard: Hazard) -> InterpError {
+        InterpError {
+            kernel: self.k.symbol.clone(),
+            function: self.k.funcs[func as usize].label.clone(),
+            loc,
+            block: self.block,
+            thread: th.tid,
+            hazard,
+        }
+    }
+
+    /// Where a thread stands: its function, pc and the op's location.
+    fn position(&self, th: &Thread) -> (u32, usize, Loc) {
+        let f = th.top();
+        (f.func, f.pc, self.k.funcs[f.func as usize].ops[f.pc].loc)
+    }
+
+    fn run_block(&mut self, block: [u32; 3], init: &[Val]) -> Result<(), InterpError> {
+        self.block = block;
+        let n = self.k.block.iter().product::<u32>();
+        self.shared = self
+            .k
+            .shared
+            .iter()
+            .map(|d| {
+                let esize = d.elem.size() as usize;
+                // Garbage, as on the GPU; the shadow state catches reads of it.
+                SharedMem {
+                    esize,
+                    bytes: vec![0xa5; d.len as usize * esize],
+                    shadow: vec![Shadow::default(); d.len as usize],
+                }
+            })
+            .collect();
+        self.epoch = 1;
+        self.wsync = vec![0; n.div_ceil(32) as usize];
+        let nslots = self.k.funcs[0].nslots;
+        let mut threads: Vec<Thread> = (0..n)
+            .map(|linear| {
+                let mut slots = init.to_vec();
+                slots.resize(nslots, Val::Void);
+                Thread {
+                    tid: self.thread_xyz(linear),
+                    linear,
+                    frames: vec![Frame {
+                        func: 0,
+                        pc: 0,
+                        slots,
+                        arrays: Vec::new(),
+                        dst: None,
+                    }],
+                    status: Status::Running,
+                    groups: Vec::new(),
+                    open: Vec::new(),
+                }
+            })
+            .collect();
+        loop {
+            for th in threads.iter_mut() {
+                if th.status == Status::Running {
+                    self.run_thread(th)?;
+                }
+            }
+            let mut progressed = false;
+            for (w, lanes) in threads.chunks_mut(32).enumerate() {
+                if lanes.iter().all(|t| t.status == Status::Warp) {
+                    self.collective(w, lanes)?;
+                    progressed = true;
+                }
+            }
+            if progressed {
+                continue;
+            }
+            if threads.iter().all(|t| t.status == Status::Exited) {
+                return Ok(());
+            }
+            if let Some(t) = threads.iter().find(|t| t.status == Status::Warp) {
+                let (func, _, loc) = self.position(t);
+                let w = t.linear / 32;
+                let other = threads[(w * 32) as usize..]
+                    .iter()
+                    .take(32)
+                    .find(|o| o.status != Status::Warp)
+                    .expect("a lane is not at the collective");
+                let why = match other.status {
+                    Status::Exited => format!("thread {:?} of the warp has exited", other.tid),
+                    _ => format!(
+                        "thread {:?} of the warp waits at the barrier at {}",
+                        other.tid,
+                        self.position(other).2
+                    ),
+                };
+                let msg = format!("a warp collective needs all 32 lanes, but {why}");
+                return Err(self.error(t, func, loc, Hazard::WarpDivergence(msg)));
+            }
+            // Every thread is at a barrier or gone: release it, or report the divergence.
+            let first = threads
+                .iter()
+                .find(|t| t.status == Status::Barrier)
+                .expect("someone waits");
+            let (func, pc, loc) = self.position(first);
+            for t in &threads {
+                let msg = match t.status {
+                    Status::Exited => format!("thread {:?} exited while thread {:?} waits here", t.tid, first.tid),
+                    _ if (t.top().func, t.top().pc) != (func, pc) => format!(
+                        "thread {:?} waits at the barrier at {} while thread {:?} waits here",
+                        t.tid,
+                        self.position(t).2,
+                        first.tid
+                    ),
+                    _ => continue,
+                };
+                return Err(self.error(first, func, loc, Hazard::BarrierDivergence(msg)));
+            }
+            self.epoch += 1;
+            for t in threads.iter_mut() {
+                t.status = Status::Running;
+                t.top_mut().pc += 1;
+            }
+        }
+    }
+
+    /// Runs one thread until it waits at a barrier or collective, or exits.
+    fn run_thread(&mut self, th: &mut Thread) -> Result<(), InterpError> {
+        let k: &'k Lowered = self.k;
+        loop {
+            let (func, pc) = (th.top().func, th.top().pc);
+            let at = &k.funcs[func as usize].ops[pc];
+            self.steps += 1;
+            if self.steps > STEP_LIMIT {
+                return Err(self.error(th, func, at.loc, Hazard::StepLimit));
+            }
+            let r: Result<(), Hazard> = (|| {
+                let mut next = pc + 1;
+                match &at.op {
+                    Op::Set(s, e) => {
+                        let v = self.eval(th, e)?;
+                        th.top_mut().slots[*s as usize] = v;
+                    }
+                    Op::SetLane(s, lane, e) => {
+                        let v = self.eval(th, e)?.u32();
+                        if let Val::V4(x) = &mut th.top_mut().slots[*s as usize] {
+                            x[*lane as usize] = v;
+                        }
+                    }
+                    Op::LocalArray { slot, len, fill } => {
+                        let v = self.eval(th, fill)?;
+                        let f = th.top_mut();
+                        match f.slots[*slot as usize] {
+                            Val::Local(i) => f.arrays[i as usize] = vec![v; *len as usize],
+                            _ => {
+                                f.arrays.push(vec![v; *len as usize]);
+                                f.slots[*slot as usize] = Val::Local(f.arrays.len() as u32 - 1);
+                            }
+                        }
+                    }
+                    Op::SharedArray { slot, id } => th.top_mut().slots[*slot as usize] = Val::Shared(*id),
+                    Op::Store(p, e) => {
+                        let v = self.eval(th, e)?;
+                        let (arr, idx) = self.resolve(th, p, true)?;
+                        self.store(th, p, arr, idx, v)?;
+                    }
+                    Op::VecStore(p, e) => {
+                        let Val::V4(v) = self.eval(th, e)? else {
+                            unreachable!("vstore of a non-u32x4")
+                        };
+                        let (arr, idx) = self.resolve(th, p, true)?;
+                        self.vec_access(th, p, arr, idx, Some(v4_bytes(v)))?;
+                    }
+                    Op::Eval(e) => {
+                        self.eval(th, e)?;
+                    }
+                    Op::Jump(t) => next = *t,
+                    Op::JumpIfNot(c, t) => {
+                        if !self.eval(th, c)?.bool() {
+                            next = *t;
+                        }
+                    }
+                    Op::Call {
+                        func: callee,
+                        args,
+                        dst,
+                    } => {
+                        let mut slots = Vec::with_capacity(k.funcs[*callee as usize].nslots);
+                        for a in args {
+                            slots.push(self.eval(th, a)?);
+                        }
+                        slots.resize(k.funcs[*callee as usize].nslots, Val::Void);
+                        th.top_mut().pc = next;
+                        th.frames.push(Frame {
+                            func: *callee,
+                            pc: 0,
+                            slots,
+                            arrays: Vec::new(),
+                            dst: *dst,
+                        });
+                        return Ok(());
+                    }
+                    Op::Ret(v) => {
+                        let v = match v {
+                            Some(e) => self.eval(th, e)?,
+                            None => Val::Void,
+                        };
+                        let f = th.frames.pop().expect("a frame to return from");
+                        match th.frames.last_mut() {
+                            Some(caller) => {
+                                if let Some(d) = f.dst {
+                                    caller.slots[d as usize] = v;
+                                }
+                            }
+                            None => {
+                                // The kernel is done: its copies in flight land.
+                                let pending: Vec<Copy16> =
+                                    th.groups.drain(..).flatten().chain(th.open.drain(..)).collect();
+                                self.land(pending);
+                                th.frames.push(f);
+                                th.status = Status::Exited;
+                            }
+                        }
+                        return Ok(());
+                    }
+                    Op::Barrier => {
+                        th.status = Status::Barrier;
+                        return Ok(());
+                    }
+                    Op::Warp { .. } => {
+                        th.status = Status::Warp;
+                        return Ok(());
+                    }
+                }
+                th.top_mut().pc = next;
+                Ok(())
+            })();
+            if let Err(h) = r {
+                return Err(self.error(th, func, at.loc, h));
+            }
+            if th.status != Status::Running {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The buffer/array and flat element index of a place, bounds-checked.
+    fn resolve(&mut self, th: &mut Thread, p: &Place, write: bool) -> Result<(u32, u64), Hazard> {
+        let arr = match th.top().slots[p.root as usize] {
+            Val::Buf(i) | Val::Shared(i) | Val::Local(i) => i,
+            other => unreachable!("indexing a non-buffer {other:?}"),
+        };
+        let oob = |index: i64, len: u64| Hazard::OutOfBounds {
+            buffer: p.name.clone(),
+            space: p.space,
+            index,
+            len,
+            write,
+        };
+        if p.dims.is_empty() {
+            let i = index_of(self.eval(th, &p.indices[0])?);
+            let len = self.globals[arr as usize].buffer().len() as u64;
+            if i < 0 || i as u64 >= len {
+                return Err(oob(i, len));
+            }
+            return Ok((arr, i as u64));
+        }
+        let mut flat = 0u64;
+        for (ie, &d) in p.indices.iter().zip(&p.dims) {
+            let i = index_of(self.eval(th, ie)?);
+            if i < 0 || i >= d as i64 {
+                return Err(oob(i, d as u64));
+            }
+            flat = flat * d as u64 + i as u64;
+        }
+        let rest: u64 = p.dims[p.indices.len()..].iter().map(|&d| d as u64).product();
+        Ok((arr, flat * rest))
+    }
+
+    fn load(&mut self, th: &mut Thread, p: &Place, arr: u32, idx: u64) -> Result<Val, Hazard> {
+        Ok(match p.space {
+            Space::Global => {
+                let b = self.globals[arr as usize].buffer();
+                let es = p.elem.size() as usize;
+                decode(p.elem, &b.bytes[idx as usize * es..])
+            }
+            Space::Shared => {
+                let es = p.elem.size() as usize;
+                let bytes = self.shared_access(th.linear, arr, idx as usize * es, es, None)?;
+                decode(p.elem, &bytes)
+            }
+            Space::Local => th.top().arrays[arr as usize][idx as usize],
+        })
+    }
+
+    fn store(&mut self, th: &mut Thread, p: &Place, arr: u32, idx: u64, v: Val) -> Result<(), Hazard> {
+        let es = p.elem.size() as usize;
+        match p.space {
+            Space::Global => match &mut self.globals[arr as usize] {
+                GBuf::Rw(b) => encode(p.elem, v, &mut b.bytes[idx as usize * es..]),
+                _ => unreachable!("the type checker rejects writes to read-only slices"),
+            },
+            Space::Shared => {
+                let mut bytes = [0u8; 16];
+                encode(p.elem, v, &mut bytes);
+                self.shared_access(th.linear, arr, idx as usize * es, es, Some(&bytes[..es]))?;
+            }
+            Space::Local => th.top_mut().arrays[arr as usize][idx as usize] = v,
+        }
+        Ok(())
+    }
+
+    /// A 16-byte load (`data == None`) or store at element `idx` of a place.
+    fn vec_access(
+        &mut self,
+        th: &mut Thread,
+        p: &Place,
+        arr: u32,
+        idx: u64,
+        data: Option<[u8; 16]>,
+    ) -> Result<[u8; 16], Hazard> {
+        let es = p.elem.size() as u64;
+        let byte = idx * es;
+        let len = match p.space {
+            Space::Global => self.globals[arr as usize].buffer().len() as u64,
+            Space::Shared => self.shared[arr as usize].shadow.len() as u64,
+            Space::Local => {
+                if p.elem != Scalar::U32 {
+                    return Err(Hazard::Unsupported("128-bit access to a non-u32 register array".into()));
+                }
+                th.top().arrays[arr as usize].len() as u64
+            }
+        };
+        if byte % 16 != 0 {
+            return Err(Hazard::Misaligned {
+                buffer: p.name.clone(),
+                index: idx,
+            });
+        }
+        let last = idx + 16 / es - 1;
+        if last >= len {
+            let write = data.is_some();
+            return Err(Hazard::OutOfBounds {
+                buffer: p.name.clone(),
+                space: p.space,
+                index: last as i64,
+                len,
+                write,
+            });
+        }
+        match p.space {
+            Space::Global => match (&mut self.globals[arr as usize], data) {
+                (GBuf::Rw(b), Some(d)) => {
+                    b.bytes[byte as usize..byte as usize + 16].copy_from_slice(&d);
+                    Ok(d)
+                }
+                (g, _) => Ok(g.buffer().bytes[byte as usize..byte as usize + 16]
+                    .try_into()
+                    .expect("16 bytes")),
+            },
+            Space::Shared => self.shared_access(th.linear, arr, byte as usize, 16, data.as_ref().map(|d| &d[..])),
+            Space::Local => {
+                let a = &mut th.top_mut().arrays[arr as usize][idx as usize..idx as usize + 4];
+                match data {
+                    Some(d) => {
+                        for (x, v) in a.iter_mut().zip(bytes_v4(&d)) {
+                            *x = Val::U(v);
+                        }
+                        Ok(d)
+                    }
+                    None => Ok(v4_bytes(std::array::from_fn(|i| a[i].u32()))),
+                }
+            }
+        }
+    }
+
+    /// Whether thread `t` is ordered after `other`'s access made at warp-sync count `at` (same
+    /// warp, `sync_warp` since).
+    fn warp_synced(&self, other: u32, t: u32, at: u32) -> bool {
+        other / 32 == t / 32 && self.wsync[(t / 32) as usize] > at
+    }
+
+    /// Reads (`data == None`) or writes `n` bytes at `byte` of shared array `arr` on behalf of
+    /// thread `t`, checking and recording the hazard state of every element touched.
+    fn shared_access(
+        &mut self,
+        t: u32,
+        arr: u32,
+        byte: usize,
+        n: usize,
+        data: Option<&[u8]>,
+    ) -> Result<[u8; 16], Hazard> {
+        let (epoch, w) = (self.epoch, t / 32);
+        let wsync = self.wsync[w as usize];
+        let es = self.shared[arr as usize].esize;
+        for e in byte / es..(byte + n).div_ceil(es) {
+            let s = self.shared[arr as usize].shadow[e];
+            let found = if data.is_none() {
+                if s.pending {
+                    Some((None, 0))
+                } else if !s.init {
+                    Some((Some(None), 0))
+                } else if s.w_epoch == epoch && s.w_thread != t && !self.warp_synced(s.w_thread, t, s.w_wsync) {
+                    Some((Some(Some(RaceKind::ReadAfterWrite)), s.w_thread))
+                } else {
+                    None
+                }
+            } else if s.w_epoch == epoch && s.w_thread != t && !self.warp_synced(s.w_thread, t, s.w_wsync) {
+                Some((Some(Some(RaceKind::WriteWrite)), s.w_thread))
+            } else {
+                let other = if s.r_first != t { s.r_first } else { s.r_other };
+                let foreign = s.r_first != t || s.r_many;
+                let ordered = s.r_warp == w && wsync > s.r_wsync;
+                (s.r_epoch == epoch && foreign && !ordered).then_some((Some(Some(RaceKind::WriteAfterRead)), other))
+            };
+            if let Some((what, other)) = found {
+                let (buffer, index) = (self.k.shared[arr as usize].name.clone(), e as u64);
+                return Err(match what {
+                    None => Hazard::ReadBeforeWait { buffer, index },
+                    Some(None) => Hazard::UninitializedRead { buffer, index },
+                    Some(Some(kind)) => Hazard::Race {
+                        kind,
+                        buffer,
+                        index,
+                        other: self.thread_xyz(other),
+                    },
+                });
+            }
+            let s = &mut self.shared[arr as usize].shadow[e];
+            if data.is_none() {
+                if s.r_epoch != epoch {
+                    *s = Shadow {
+                        r_epoch: epoch,
+                        r_first: t,
+                        r_other: t,
+                        r_many: false,
+                        r_warp: w,
+                        r_wsync: wsync,
+                        ..*s
+                    };
+                } else {
+                    if t != s.r_first {
+                        s.r_many = true;
+                        s.r_other = t;
+                    }
+                    if s.r_warp != w {
+                        s.r_warp = MANY;
+                    }
+                    s.r_wsync = wsync;
+                }
+            } else {
+                s.init = true;
+                s.w_epoch = epoch;
+                s.w_thread = t;
+                s.w_wsync = wsync;
+            }
+        }
+        let mem = &mut self.shared[arr as usize].bytes[byte..byte + n];
+        let mut out = [0u8; 16];
+        match data {
+            Some(d) => mem.copy_from_slice(d),
+            None => out[..n].copy_from_slice(mem),
+        }
+        Ok(out)
+    }
+
+    /// Delivers `cp.async` copies to shared memory.
+    fn land(&mut self, copies: Vec<Copy16>) {
+        for c in copies {
+            let m = &mut self.shared[c.arr as usize];
+            m.bytes[c.byte..c.byte + 16].copy_from_slice(&c.data);
+            for e in c.byte / m.esize..(c.byte + 16) / m.esize {
+                m.shadow[e].pending = false;
+                m.shadow[e].init = true;
+            }
+        }
+    }
+
+    fn eval(&mut self, th: &mut Thread, e: &CExpr) -> Result<Val, Hazard> {
+        Ok(match e {
+            CExpr::Const(v) => *v,
+            CExpr::Slot(s) => th.top().slots[*s as usize],
+            CExpr::Builtin(b) => Val::U(match b {
+                Builtin::ThreadIdxX => th.tid[0],
+                Builtin::ThreadIdxY => th.tid[1],
+                Builtin::ThreadIdxZ => th.tid[2],
+                Builtin::BlockIdxX => self.block[0],
+                Builtin::BlockIdxY => self.block[1],
+                Builtin::BlockIdxZ => self.block[2],
+                Builtin::BlockDimX => self.k.block[0],
+                Builtin::BlockDimY => self.k.block[1],
+                Builtin::BlockDimZ => self.k.block[2],
+                Builtin::GridDimX => self.grid[0],
+                Builtin::GridDimY => self.grid[1],
+                Builtin::GridDimZ => self.grid[2],
+                Builtin::LaneId => th.tid[0] & 31,
+                Builtin::WarpId => th.tid[0] >> 5,
+            }),
+            CExpr::Unary(op, ty, a) => unary(*op, *ty, self.eval(th, a)?),
+            CExpr::Binary(op, ty, a, b) => {
+                let (x, y) = (self.eval(th, a)?, self.eval(th, b)?);
+                binary(*op, *ty, x, y)?
+            }
+            CExpr::And(a, b) => Val::B(self.eval(th, a)?.bool() && self.eval(th, b)?.bool()),
+            CExpr::Or(a, b) => Val::B(self.eval(th, a)?.bool() || self.eval(th, b)?.bool()),
+            CExpr::Cast(a, from, to) => cast(self.eval(th, a)?, *from, *to),
+            CExpr::Bitcast(a, to) => {
+                let bits = self.eval(th, a)?.u32();
+                if *to == Scalar::F32 {
+                    Val::F(f32::from_bits(bits))
+                } else {
+                    Val::U(bits)
+                }
+            }
+            CExpr::Load(p) => {
+                let (arr, idx) = self.resolve(th, p, false)?;
+                self.load(th, p, arr, idx)?
+            }
+            CExpr::VecLoad(p) => {
+                let (arr, idx) = self.resolve(th, p, false)?;
+                Val::V4(bytes_v4(&self.vec_access(th, p, arr, idx, None)?))
+            }
+            CExpr::Field(a, l) => match self.eval(th, a)? {
+                Val::V4(v) => Val::U(v[*l as usize]),
+                other => unreachable!("lane of a non-u32x4 {other:?}"),
+            },
+            CExpr::AddrOf(p) => {
+                let (arr, idx) = self.resolve(th, p, false)?;
+                Val::Ref(Ref {
+                    space: p.space,
+                    arr,
+                    idx,
+                })
+            }
+            CExpr::Select(c, a, b) => {
+                if self.eval(th, c)?.bool() {
+                    self.eval(th, a)?
+                } else {
+                    self.eval(th, b)?
+                }
+            }
+            CExpr::Math(name, ty, args) => {
+                let mut v = [Val::Void; 3];
+                for (slot, a) in v.iter_mut().zip(args) {
+                    *slot = self.eval(th, a)?;
+                }
+                math(name, *ty, &v[..args.len()])
+            }
+            CExpr::Intrinsic(i, args) => {
+                let mut v = [Val::Void; 4];
+                for (slot, a) in v.iter_mut().zip(args) {
+                    *slot = self.eval(th, a)?;
+                }
+                self.intrinsic(th, *i, &v[..args.len()], args)?
+            }
+        })
+    }
+
+    /// A per-thread intrinsic on evaluated arguments (`exprs` gives the places of references).
+    fn intrinsic(&mut self, th: &mut Thread, i: Intrinsic, a: &[Val], exprs: &[CExpr]) -> Result<Val, Hazard> {
+        use Intrinsic::*;
+        let place = |k: usize| match &exprs[k] {
+            CExpr::AddrOf(p) => p,
+            _ => unreachable!("intrinsic reference argument is `&x[i]`"),
+        };
+        let r = |k: usize| match a[k] {
+            Val::Ref(r) => r,
+            other => unreachable!("expected a reference, got {other:?}"),
+        };
+        Ok(match i {
+            PackBf16x2 => Val::U((f32_to_bf16(a[1].f32()) as u32) << 16 | f32_to_bf16(a[0].f32()) as u32),
+            PackF16x2 => Val::U((f32_to_f16(a[1].f32()) as u32) << 16 | f32_to_f16(a[0].f32()) as u32),
+            Bf16Lo => Val::F(bf16_to_f32(a[0].u32() as u16)),
+            Bf16Hi => Val::F(bf16_to_f32((a[0].u32() >> 16) as u16)),
+            F16Lo => Val::F(f16_to_f32(a[0].u32() as u16)),
+            F16Hi => Val::F(f16_to_f32((a[0].u32() >> 16) as u16)),
+            Lop3 => Val::U(lop3(a[0].u32(), a[1].u32(), a[2].u32(), a[3].u32())),
+            Prmt => Val::U(prmt(a[0].u32(), a[1].u32(), a[2].u32())),
+            AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
+                let (p, dst) = (place(0), r(0));
+                let old = self.atomic_load(th, p, dst)?;
+                let new = match (i, old) {
+                    (AtomicAdd, Val::F(x)) => Val::F(x + a[1].f32()),
+                    (AtomicAdd, Val::U64(x)) => Val::U64(x.wrapping_add(a[1].u64())),
+                    (AtomicAdd, Val::I(x)) => Val::I(x.wrapping_add(a[1].i32())),
+                    (AtomicAdd, x) => Val::U(x.u32().wrapping_add(a[1].u32())),
+                    (AtomicMax | AtomicMin, x) => {
+                        let lt = binary(crate::ir::BinOp::Lt, p.elem, x, a[1])?.bool();
+                        if lt == (i == AtomicMax) {
+                            a[1]
+                        } else {
+                            x
+                        }
+                    }
+                    (AtomicOr, x) => binary(crate::ir::BinOp::BitOr, p.elem, x, a[1])?,
+                    (AtomicAnd, x) => binary(crate::ir::BinOp::BitAnd, p.elem, x, a[1])?,
+                    (AtomicExch, _) => a[1],
+                    (_, x) => {
+                        if x == a[1] {
+                            a[2]
+                        } else {
+                            x
+                        }
+                    }
+                };
+                self.atomic_store(p, dst, new);
+                old
+            }
+            CpAsync16 | CpAsync16Zfill => {
+                let (dp, sp) = (place(0), place(1));
+                let (dst, src) = (r(0), r(1));
+                let pred = i == CpAsync16 || a[2].bool();
+                let data = if pred {
+                    let mut sth = [0u8; 16];
+                    sth.copy_from_slice(&self.vec_access(th, sp, src.arr, src.idx, None)?);
+                    sth
+                } else {
+                    [0u8; 16]
+                };
+                let es = dp.elem.size() as u64;
+                let len = self.shared[dst.arr as usize].shadow.len() as u64;
+                if dst.idx * es % 16 != 0 {
+                    return Err(Hazard::Misaligned {
+                        buffer: dp.name.clone(),
+                        index: dst.idx,
+                    });
+                }
+                if dst.idx + 16 / es > len {
+                    let index = (dst.idx + 16 / es - 1) as i64;
+                    return Err(Hazard::OutOfBounds {
+                        buffer: dp.name.clone(),
+                        space: Space::Shared,
+                        index,
+                        len,
+                        write: true,
+                    });
+                }
+                let byte = (dst.idx * es) as usize;
+                // Check and record the write now (it may land any time until the wait)...
+                let old = self.shared[dst.arr as usize].bytes[byte..byte + 16].to_vec();
+                self.shared_access(th.linear, dst.arr, byte, 16, Some(&old))?;
+                // ...but deliver the data only at the wait.
+                let m = &mut self.shared[dst.arr as usize];
+                for e in byte / m.esize..(byte + 16) / m.esize {
+                    m.shadow[e].pending = true;
+                }
+                th.open.push(Copy16 {
+                    arr: dst.arr,
+                    byte,
+                    data,
+                });
+                Val::Void
+            }
+            CpAsyncCommit => {
+                let g = std::mem::take(&mut th.open);
+                th.groups.push(g);
+                Val::Void
+            }
+            CpAsyncWait => {
+                let keep = a[0].u32() as usize;
+                while th.groups.len() > keep {
+                    let g = th.groups.remove(0);
+                    self.land(g);
+                }
+                Val::Void
+            }
+            other => unreachable!("collective `{}` evaluated per thread", other.dsl_name()),
+        })
+    }
+
+    fn atomic_load(&mut self, th: &mut Thread, p: &Place, r: Ref) -> Result<Val, Hazard> {
+        let es = p.elem.size() as usize;
+        Ok(match r.space {
+            Space::Shared => {
+                let s = self.shared[r.arr as usize].shadow[r.idx as usize];
+                if !s.init {
+                    return Err(Hazard::UninitializedRead {
+                        buffer: p.name.clone(),
+                        index: r.idx,
+                    });
+                }
+                decode(p.elem, &self.shared[r.arr as usize].bytes[r.idx as usize * es..])
+            }
+            _ => self.load(th, p, r.arr, r.idx)?,
+        })
+    }
+
+    fn atomic_store(&mut self, p: &Place, r: Ref, v: Val) {
+        let es = p.elem.size() as usize;
+        match r.space {
+            // Atomics never race with each other: no hazard bookkeeping.
+            Space::Shared => encode(p.elem, v, &mut self.shared[r.arr as usize].bytes[r.idx as usize * es..]),
+            _ => {
+                if let GBuf::Rw(b) = &mut self.globals[r.arr as usize] {
+                    encode(p.elem, v, &mut b.bytes[r.idx as usize * es..]);
+                }
+            }
+        }
+    }
+
+    /// Executes the warp collective every lane of warp `w` waits at.
+    fn collective(&mut self, w: usize, lanes: &mut [Thread]) -> Result<(), InterpError> {
+        let k: &'k Lowered = self.k;
+        let (func, pc, loc) = self.position(&lanes[0]);
+        for t in lanes.iter() {
+            let (f2, p2, l2) = self.position(t);
+            if (f2, p2) != (func, pc) {
+                let msg = format!(
+                    "thread {:?} is at the collective at {l2} while thread {:?} is at the one at {loc}",
+                    t.tid, lanes[0].tid
+                );
+                return Err(self.error(&lanes[0], func, loc, Hazard::WarpDivergence(msg)));
+            }
+        }
+        let Op::Warp { op, args, dst } = &k.funcs[func as usize].ops[pc].op else {
+            unreachable!("lanes wait at a collective")
+        };
+        debug_assert!(is_collective(*op));
+        if lanes.len() < 32 {
+            let msg = format!("`{}` in a partial warp of {} threads", op.dsl_name(), lanes.len());
+            return Err(self.error(&lanes[0], func, loc, Hazard::WarpDivergence(msg)));
+        }
+        let mut vals = [[Val::Void; 3]; 32];
+        for (l, th) in lanes.iter_mut().enumerate() {
+            for (j, a) in args.iter().enumerate() {
+                vals[l][j] = self.eval(th, a).map_err(|h| self.error(th, func, loc, h))?;
+            }
+        }
+        let mut out = [Val::Void; 32];
+        use Intrinsic::*;
+        match op {
+            SyncWarp => self.wsync[w] += 1,
+            ShflXor | ShflDown | ShflUp | ShflIdx => {
+                for (l, o) in out.iter_mut().enumerate() {
+                    let x = vals[l][1].u32() as usize;
+                    let src = match op {
+                        ShflXor => (l ^ x) & 31,
+                        ShflDown if l + x < 32 => l + x,
+                        ShflUp if l >= x => l - x,
+                        ShflIdx => x & 31,
+                        _ => l,
+                    };
+                    *o = vals[src][0];
+                }
+            }
+            Ballot | VoteAny | VoteAll => {
+                let mask = (0..32).filter(|&l| vals[l][0].bool()).fold(0u32, |m, l| m | 1 << l);
+                let v = match op {
+                    Ballot => Val::U(mask),
+                    VoteAny => Val::B(mask != 0),
+                    _ => Val::B(mask == u32::MAX),
+                };
+                out = [v; 32];
+            }
+            MmaBf16 | MmaF16 => {
+                let row = |th: &Thread, v: Val, n: usize| -> Vec<Val> {
+                    let Val::Ref(r) = v else {
+                        unreachable!("mma operands are register rows")
+                    };
+                    th.top().arrays[r.arr as usize][r.idx as usize..r.idx as usize + n].to_vec()
+                };
+                let mut d = [[0f32; 4]; 32];
+                let mut a = [[0u32; 4]; 32];
+                let mut b = [[0u32; 2]; 32];
+                for (l, th) in lanes.iter().enumerate() {
+                    for (j, x) in row(th, vals[l][0], 4).into_iter().enumerate() {
+                        d[l][j] = x.f32();
+                    }
+                    for (j, x) in row(th, vals[l][1], 4).into_iter().enumerate() {
+                        a[l][j] = x.u32();
+                    }
+                    for (j, x) in row(th, vals[l][2], 2).into_iter().enumerate() {
+                        b[l][j] = x.u32();
+                    }
+                }
+                mma_m16n8k16(&mut d, &a, &b, *op == MmaBf16);
+                for (l, th) in lanes.iter_mut().enumerate() {
+                    let Val::Ref(r) = vals[l][0] else { unreachable!() };
+                    for (j, x) in d[l].iter().enumerate() {
+                        th.top_mut().arrays[r.arr as usize][r.idx as usize + j] = Val::F(*x);
+                    }
+                }
+            }
+            _ => {
+                // ldmatrix: lanes 8j..8j+7 give the row addresses of matrix j.
+                let (n, trans) = match op {
+                    LdmatrixX1 => (1, false),
+                    LdmatrixX2 => (2, false),
+                    LdmatrixX4 => (4, false),
+                    LdmatrixX2Trans => (2, true),
+                    _ => (4, true),
+                };
+                let CExpr::AddrOf(src) = &args[1] else {
+                    unreachable!("ldmatrix reads `&shared[i]`")
+                };
+                let mut m = [[[0u16; 8]; 8]; 4];
+                for (j, mat) in m.iter_mut().enumerate().take(n) {
+                    for (rr, row) in mat.iter_mut().enumerate() {
+                        let l = 8 * j + rr;
+                        let Val::Ref(r) = vals[l][1] else { unreachable!() };
+                        let bytes = self
+                            .ldmatrix_row(lanes[l].linear, src, r)
+                            .map_err(|h| self.error(&lanes[l], func, loc, h))?;
+                        for (c, x) in row.iter_mut().enumerate() {
+                            *x = u16::from_le_bytes([bytes[2 * c], bytes[2 * c + 1]]);
+                        }
+                    }
+                }
+                for (l, th) in lanes.iter_mut().enumerate() {
+                    let (g, t) = (l / 4, l % 4);
+                    let Val::Ref(r) = vals[l][0] else { unreachable!() };
+                    for (j, mat) in m.iter().enumerate().take(n) {
+                        let (lo, hi) = if trans {
+                            (mat[2 * t][g], mat[2 * t + 1][g])
+                        } else {
+                            (mat[g][2 * t], mat[g][2 * t + 1])
+                        };
+                        th.top_mut().arrays[r.arr as usize][r.idx as usize + j] = Val::U((hi as u32) << 16 | lo as u32);
+                    }
+                }
+            }
+        }
+        for (l, th) in lanes.iter_mut().enumerate() {
+            let f = th.top_mut();
+            if let Some(d) = dst {
+                f.slots[*d as usize] = out[l];
+            }
+            f.pc += 1;
+            th.status = Status::Running;
+        }
+        Ok(())
+    }
+
+    /// One 16-byte `ldmatrix` row read by thread `t`.
+    fn ldmatrix_row(&mut self, t: u32, p: &Place, r: Ref) -> Result<[u8; 16], Hazard> {
+        let es = p.elem.size() as u64;
+        let len = self.shared[r.arr as usize].shadow.len() as u64;
+        if r.idx * es % 16 != 0 {
+            return Err(Hazard::Misaligned {
+                buffer: p.name.clone(),
+                index: r.idx,
+            });
+        }
+        if r.idx + 16 / es > len {
+            let index = (r.idx + 16 / es - 1) as i64;
+            return Err(Hazard::OutOfBounds {
+                buffer: p.name.clone(),
+                space: Space::Shared,
+                index,
+                len,
+                write: false,
+            });
+        }
+        self.shared_access(t, r.arr, (r.idx * es) as usize, 16, None)
+    }
+}
