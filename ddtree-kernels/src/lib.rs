@@ -51,5 +51,14 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<Embedding>()?);
     all.extend(variants::<RowTopk>()?);
     all.extend(variants::<GemmBf16>()?);
+    all.extend(variants::<tree::TreeTopk>()?);
+    all.extend(variants::<tree::TreeExpand>()?);
+    all.extend(variants::<tree::TreeMask>()?);
+    all.extend(variants::<tree::MlaVerifySplit>()?);
+    all.extend(variants::<tree::MlaVerifyCombine>()?);
+    all.extend(variants::<tree::MlaVerifyNaive>()?);
+    all.extend(variants::<tree::TreeAccept>()?);
+    all.extend(variants::<tree::TreeSample>()?);
+    all.extend(variants::<tree::CompactRows>()?);
     Ok(all)
 }

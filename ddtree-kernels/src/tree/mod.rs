@@ -11,3 +11,11 @@ pub use reference::{
     accept_reference, argmax_rows, build_reference, build_with_lse, chain_mask, sample_rows,
     verify_attention_reference, Acceptance, DraftTree, LATENT, ROPE, ROW,
 };
+
+pub mod accept;
+pub mod build;
+pub mod verify_attn;
+
+pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample};
+pub use build::{TreeExpand, TreeMask, TreeTopk, TreeTopkParams};
+pub use verify_attn::{MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, VerifyParams};

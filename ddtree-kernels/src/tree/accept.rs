@@ -1,0 +1,153 @@
+//! Accept and compaction kernels: the greedy walk, per-node sampling for temperature > 0
+//! (Gumbel-max with the counter-based noise of [`super::reference::uniform`]), and the copy of
+//! accepted rows (latent cache of every layer, drafter hidden states) to contiguous slots.
+
+use ddtree_codegen::dsl::*;
+use ddtree_macros::{device_fn, kernel, KernelParams};
+
+/// Walks from the root along the child whose token equals `target[cur]` (one thread; grid 1).
+/// Writes the accepted node indices (root first) to `accepted`, their count to
+/// `accept_len[0]` and the next bonus token to `bonus[0]` (which may be the next build's root
+/// buffer).
+#[kernel(block = 32)]
+pub fn tree_accept(
+    token: &[u32],
+    first_child: &[i32],
+    next_sibling: &[i32],
+    target: &[u32],
+    accepted: &mut [u32],
+    accept_len: &mut [u32],
+    bonus: &mut [u32],
+) {
+    if thread_idx_x() == 0 {
+        let mut cur = 0u32;
+        let mut len = 1u32;
+        accepted[0] = 0u32;
+        let mut moving = true;
+        while moving {
+            let want = target[cur];
+            let mut c = first_child[cur];
+            moving = false;
+            while c >= 0 {
+                let cu = c as u32;
+                if token[cu] == want {
+                    accepted[len] = cu;
+                    len += 1;
+                    cur = cu;
+                    moving = true;
+                    c = -1;
+                } else {
+                    c = next_sibling[cu];
+                }
+            }
+        }
+        accept_len[0] = len;
+        bonus[0] = target[cur];
+    }
+}
+
+/// The murmur3 finalizer (as [`super::reference::fmix32`]).
+#[device_fn]
+fn fmix32(x: u32) -> u32 {
+    let mut h = x;
+    h = h ^ (h >> 16);
+    h = h * 0x85ebca6bu32;
+    h = h ^ (h >> 13);
+    h = h * 0xc2b2ae35u32;
+    h ^ (h >> 16)
+}
+
+/// Compile-time parameters of [`TreeSample`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct SampleParams {
+    /// Threads per block (one block per node).
+    pub block: u32,
+}
+
+/// One sample per row of `logits` (`[rows, vocab]`, grid = rows) from
+/// `softmax(logits / temperature)`: the argmax of `x / temperature + Gumbel(seed, row, id)`,
+/// equal scores by smaller id (as [`super::reference::sample_rows`]).
+#[kernel(block = p.block, space = [SampleParams { block: 1024 }, SampleParams { block: 512 }])]
+pub fn tree_sample(
+    #[comptime] p: &SampleParams,
+    logits: &[f32],
+    out: &mut [u32],
+    vocab: u32,
+    temperature: f32,
+    seed: u32,
+) {
+    comptime_assert!(
+        p.block % 32 == 0 && p.block <= 1024,
+        "block must be a multiple of 32, at most 1024"
+    );
+    let row = block_idx_x();
+    let tid = thread_idx_x();
+    let mut bv = f32::NEG_INFINITY;
+    let mut bi = u32::MAX;
+    let hr = row * 0x9e3779b9u32;
+    for i in (tid..vocab).step_by(p.block) {
+        let h = fmix32(fmix32(fmix32(i) ^ hr) ^ seed);
+        let u = (((h >> 8) as f32) + 0.5f32) * 0.000000059604645f32;
+        let g = logits[row * vocab + i] / temperature - (-(u.ln())).ln();
+        if g > bv || bi == u32::MAX {
+            bv = g;
+            bi = i;
+        }
+    }
+    let wv = shared::<f32>(32);
+    let wi = shared::<u32>(32);
+    #[unroll]
+    for o in 0..5u32 {
+        let ov = shfl_xor(bv, 16u32 >> o);
+        let oi = shfl_xor(bi, 16u32 >> o);
+        if ov > bv || (ov == bv && oi < bi) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if lane_id() == 0 {
+        wv[warp_id()] = bv;
+        wi[warp_id()] = bi;
+    }
+    sync_threads();
+    if tid == 0 {
+        let mut v = wv[0];
+        let mut ix = wi[0];
+        for w in 1..p.block / 32 {
+            if wv[w] > v || (wv[w] == v && wi[w] < ix) {
+                v = wv[w];
+                ix = wi[w];
+            }
+        }
+        out[row] = ix;
+    }
+}
+
+/// Compaction (grid = layers, 128 threads): in every layer `l`, row `base + accepted[i]` is
+/// copied to row `base + i` for `i < accept_len[0]`, rows of `row_len` bf16 (a multiple of 8)
+/// at `l * layer_stride`. Rows are copied in order, so the in-place copy is safe
+/// (`accepted[i] >= i`). Used for the latent cache (row_len 576) and the drafter hidden states.
+#[kernel(block = 128)]
+pub fn compact_rows(
+    buf: &mut [bf16],
+    accepted: &[u32],
+    accept_len: &[u32],
+    base: u32,
+    row_len: u32,
+    layer_stride: u32,
+) {
+    let lbase = block_idx_x() * layer_stride;
+    let len = accept_len[0];
+    for i in 1..len {
+        let src = accepted[i];
+        if src != i {
+            let from = lbase + (base + src) * row_len;
+            let to = lbase + (base + i) * row_len;
+            for c in (thread_idx_x()..row_len / 8).step_by(128) {
+                let v = buf.vload(from + c * 8);
+                buf.vstore(to + c * 8, v);
+            }
+        }
+        sync_threads();
+    }
+}

@@ -1,0 +1,377 @@
+//! Tree-verify attention in MLA absorbed form (FlashMLA-style split-KV + combine), and a naive
+//! per-(node, head) kernel for comparison.
+//!
+//! Query rows are `(node, head)` pairs, `rows = nodes * heads`, each 576 wide (512 latent +
+//! 64 rope). Keys are the `prefix + nodes` cache rows; row `r` sees every prefix row and the
+//! tree rows `prefix + t` whose bit `t` is set in its node's mask row. The value of a key is
+//! its first 512 entries. The KV range is cut into `splits` chunks (grid y); each block reads
+//! its chunk once for `16 * rg` query rows with `mma.sync` bf16 tensor cores: the score
+//! `Q K^T` is split over four warps by the 576-dim reduction, summed through shared memory,
+//! and each warp then owns 128 of the 512 output columns for `P V`. [`MlaVerifyCombine`]
+//! merges the split partials by their log-sum-exp.
+
+use ddtree_codegen::dsl::*;
+use ddtree_macros::{kernel, KernelParams};
+
+use crate::common::warp_sum;
+
+/// Compile-time parameters of [`MlaVerifySplit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct VerifyParams {
+    /// Row groups of 16 query rows per block (4 warps each).
+    pub rg: u32,
+    /// KV tile (keys per step): 16 or 32.
+    pub bn: u32,
+}
+
+/// Split-KV pass. Grid: `(ceil(rows / (16 rg)), splits)`; split `s` covers keys
+/// `[s * chunk, min((s + 1) * chunk, prefix + nodes))` (`chunk` a multiple of `bn`).
+/// Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and partial natural
+/// log-sum-exp `part_lse` (`[splits, rows]`, -inf when the split saw no key).
+#[kernel(block = p.rg * 128, space = [
+    VerifyParams { rg: 1, bn: 32 },
+    VerifyParams { rg: 1, bn: 16 },
+    VerifyParams { rg: 2, bn: 16 },
+])]
+pub fn mla_verify_split(
+    #[comptime] p: &VerifyParams,
+    q: &[bf16],
+    cache: &[bf16],
+    mask: &[u32],
+    part_o: &mut [f32],
+    part_lse: &mut [f32],
+    rows: u32,
+    heads: u32,
+    prefix: u32,
+    nodes: u32,
+    words: u32,
+    chunk: u32,
+    scale: f32,
+) {
+    comptime_assert!(p.bn == 16 || p.bn == 32, "bn must be 16 or 32");
+    comptime_assert!(p.rg >= 1 && p.rg <= 4, "rg must be 1..=4");
+    comptime_assert!(
+        p.bn * 576 * 2 + p.rg * 4 * 16 * p.bn * 4 <= 49152,
+        "static shared memory is limited to 48 KiB"
+    );
+    let threads = p.rg * 128;
+    let nt = p.bn / 8;
+    let sk = shared::<bf16>(p.bn * 576);
+    let sp = shared::<f32>(p.rg * 4 * 16 * p.bn);
+    let tid = thread_idx_x();
+    let lane = lane_id();
+    let warp = warp_id();
+    let rgi = warp / 4;
+    let cg = warp % 4;
+    let g = lane / 4;
+    let qd = lane % 4;
+    let row0 = block_idx_x() * 16 * p.rg + rgi * 16;
+    let ra = row0 + g;
+    let rb = row0 + g + 8;
+    let total = prefix + nodes;
+    let kv0 = block_idx_y() * chunk;
+    let kv1 = (kv0 + chunk).min(total);
+    let scale_log2 = scale * 1.4426950408889634f32;
+    let node_a = (ra / heads).min(nodes - 1);
+    let node_b = (rb / heads).min(nodes - 1);
+
+    // This warp's 16 query rows over its 144 dims of the score reduction, as A fragments.
+    let mut qf = [[0u32; 4]; 9];
+    #[unroll]
+    for kk in 0..9 {
+        let d = cg * 144 + kk * 16 + qd * 2;
+        if ra < rows {
+            qf[kk][0] = pack_bf16x2(q[ra * 576 + d] as f32, q[ra * 576 + d + 1] as f32);
+            qf[kk][2] = pack_bf16x2(q[ra * 576 + d + 8] as f32, q[ra * 576 + d + 9] as f32);
+        }
+        if rb < rows {
+            qf[kk][1] = pack_bf16x2(q[rb * 576 + d] as f32, q[rb * 576 + d + 1] as f32);
+            qf[kk][3] = pack_bf16x2(q[rb * 576 + d + 8] as f32, q[rb * 576 + d + 9] as f32);
+        }
+    }
+    let mut acc = [[0.0f32; 4]; 16];
+    let mut s = [[0.0f32; 4]; nt];
+    let mut bq = [0u32; 4];
+    let mut b = [0u32; 2];
+    let mut pa = [0u32; 4];
+    let mut m_a = f32::NEG_INFINITY;
+    let mut m_b = f32::NEG_INFINITY;
+    let mut l_a = 0.0f32;
+    let mut l_b = 0.0f32;
+
+    for kt in (kv0..kv1).step_by(p.bn) {
+        sync_threads();
+        for ch in (tid..p.bn * 72).step_by(threads) {
+            let r = ch / 72;
+            let c = ch % 72;
+            let ok = kt + r < kv1;
+            let src = if ok { (kt + r) * 576 + c * 8 } else { 0u32 };
+            cp_async_16_zfill(&mut sk[r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+        }
+        cp_async_commit();
+        cp_async_wait(0);
+        sync_threads();
+
+        // Partial scores over this warp's 144 dims.
+        #[unroll]
+        for j in 0..nt {
+            #[unroll]
+            for e in 0..4 {
+                s[j][e] = 0.0f32;
+            }
+        }
+        #[unroll]
+        for kk in 0..9 {
+            #[unroll]
+            for jp in 0..nt / 2 {
+                let r = jp * 16 + (lane / 16) * 8 + lane % 8;
+                let c = cg * 18 + kk * 2 + (lane / 8) % 2;
+                ldmatrix_x4(&mut bq, &sk[r * 576 + (c ^ (r % 8)) * 8]);
+                b[0] = bq[0];
+                b[1] = bq[1];
+                mma_m16n8k16_bf16(&mut s[2 * jp], &qf[kk], &b);
+                b[0] = bq[2];
+                b[1] = bq[3];
+                mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qf[kk], &b);
+            }
+        }
+        let mine = (rgi * 4 + cg) * 16 * p.bn;
+        #[unroll]
+        for j in 0..nt {
+            let col = j * 8 + qd * 2;
+            sp[mine + g * p.bn + col] = s[j][0];
+            sp[mine + g * p.bn + col + 1] = s[j][1];
+            sp[mine + (g + 8) * p.bn + col] = s[j][2];
+            sp[mine + (g + 8) * p.bn + col + 1] = s[j][3];
+        }
+        sync_threads();
+
+        // Full scores (summed in a fixed order, so all four warps agree), mask, online softmax.
+        let mut mx_a = f32::NEG_INFINITY;
+        let mut mx_b = f32::NEG_INFINITY;
+        #[unroll]
+        for j in 0..nt {
+            #[unroll]
+            for e in 0..4 {
+                let rl = g + (e / 2) * 8;
+                let col = j * 8 + qd * 2 + e % 2;
+                let base = rgi * 4 * 16 * p.bn + rl * p.bn + col;
+                let v = sp[base] + sp[base + 16 * p.bn] + sp[base + 32 * p.bn] + sp[base + 48 * p.bn];
+                let key = kt + col;
+                let node = if e < 2 { node_a } else { node_b };
+                let t = key - prefix;
+                let vis = key < kv1 && (key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1);
+                s[j][e] = if vis { v * scale_log2 } else { f32::NEG_INFINITY };
+            }
+            mx_a = mx_a.max(s[j][0].max(s[j][1]));
+            mx_b = mx_b.max(s[j][2].max(s[j][3]));
+        }
+        mx_a = mx_a.max(shfl_xor(mx_a, 1u32));
+        mx_a = mx_a.max(shfl_xor(mx_a, 2u32));
+        mx_b = mx_b.max(shfl_xor(mx_b, 1u32));
+        mx_b = mx_b.max(shfl_xor(mx_b, 2u32));
+        let mn_a = m_a.max(mx_a);
+        let mn_b = m_b.max(mx_b);
+        // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+        let base_a = if mn_a == f32::NEG_INFINITY { 0.0f32 } else { mn_a };
+        let base_b = if mn_b == f32::NEG_INFINITY { 0.0f32 } else { mn_b };
+        let alpha_a = (m_a - base_a).exp2();
+        let alpha_b = (m_b - base_b).exp2();
+        m_a = mn_a;
+        m_b = mn_b;
+        l_a *= alpha_a;
+        l_b *= alpha_b;
+        #[unroll]
+        for t in 0..16 {
+            acc[t][0] *= alpha_a;
+            acc[t][1] *= alpha_a;
+            acc[t][2] *= alpha_b;
+            acc[t][3] *= alpha_b;
+        }
+        #[unroll]
+        for j in 0..nt {
+            s[j][0] = (s[j][0] - base_a).exp2();
+            s[j][1] = (s[j][1] - base_a).exp2();
+            s[j][2] = (s[j][2] - base_b).exp2();
+            s[j][3] = (s[j][3] - base_b).exp2();
+            l_a += s[j][0] + s[j][1];
+            l_b += s[j][2] + s[j][3];
+        }
+        // P V over this warp's 128 output columns.
+        #[unroll]
+        for kk in 0..nt / 2 {
+            pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            #[unroll]
+            for t2 in 0..8 {
+                let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+                let c = cg * 16 + t2 * 2 + lane / 16;
+                ldmatrix_x4_trans(&mut bq, &sk[r * 576 + (c ^ (r % 8)) * 8]);
+                b[0] = bq[0];
+                b[1] = bq[1];
+                mma_m16n8k16_bf16(&mut acc[2 * t2], &pa, &b);
+                b[0] = bq[2];
+                b[1] = bq[3];
+                mma_m16n8k16_bf16(&mut acc[2 * t2 + 1], &pa, &b);
+            }
+        }
+    }
+
+    l_a += shfl_xor(l_a, 1u32);
+    l_a += shfl_xor(l_a, 2u32);
+    l_b += shfl_xor(l_b, 1u32);
+    l_b += shfl_xor(l_b, 2u32);
+    let inv_a = if l_a > 0.0f32 { 1.0f32 / l_a } else { 0.0f32 };
+    let inv_b = if l_b > 0.0f32 { 1.0f32 / l_b } else { 0.0f32 };
+    let split = block_idx_y();
+    #[unroll]
+    for t in 0..16 {
+        let col = cg * 128 + t * 8 + qd * 2;
+        if ra < rows {
+            part_o[(split * rows + ra) * 512 + col] = acc[t][0] * inv_a;
+            part_o[(split * rows + ra) * 512 + col + 1] = acc[t][1] * inv_a;
+        }
+        if rb < rows {
+            part_o[(split * rows + rb) * 512 + col] = acc[t][2] * inv_b;
+            part_o[(split * rows + rb) * 512 + col + 1] = acc[t][3] * inv_b;
+        }
+    }
+    if cg == 0 && qd == 0 {
+        let ln2 = 0.6931471805599453f32;
+        if ra < rows {
+            part_lse[split * rows + ra] = if l_a > 0.0f32 {
+                (m_a + l_a.log2()) * ln2
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        if rb < rows {
+            part_lse[split * rows + rb] = if l_b > 0.0f32 {
+                (m_b + l_b.log2()) * ln2
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+    }
+}
+
+/// Merges the split partials: grid = rows, 128 threads (4 columns each). Writes `out`
+/// (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
+#[kernel(block = 128)]
+pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
+    let r = block_idx_x();
+    let tid = thread_idx_x();
+    let mut m = f32::NEG_INFINITY;
+    for sidx in 0..splits {
+        m = m.max(part_lse[sidx * rows + r]);
+    }
+    let mut wsum = 0.0f32;
+    let mut o = [0.0f32; 4];
+    for sidx in 0..splits {
+        let ls = part_lse[sidx * rows + r];
+        if ls != f32::NEG_INFINITY {
+            let w = (ls - m).exp();
+            wsum += w;
+            #[unroll]
+            for c in 0..4 {
+                o[c] += w * part_o[(sidx * rows + r) * 512 + tid * 4 + c];
+            }
+        }
+    }
+    let inv = if wsum > 0.0f32 { 1.0f32 / wsum } else { 0.0f32 };
+    #[unroll]
+    for c in 0..4 {
+        out[r * 512 + tid * 4 + c] = (o[c] * inv) as bf16;
+    }
+    if tid == 0 {
+        lse[r] = m + wsum.ln();
+    }
+}
+
+/// The naive per-(node, head) kernel: grid = rows, 128 threads; every row re-reads its keys.
+/// Same inputs and outputs as split + combine.
+#[kernel(block = 128)]
+pub fn mla_verify_naive(
+    q: &[bf16],
+    cache: &[bf16],
+    mask: &[u32],
+    out: &mut [bf16],
+    lse: &mut [f32],
+    heads: u32,
+    prefix: u32,
+    nodes: u32,
+    words: u32,
+    scale: f32,
+) {
+    let r = block_idx_x();
+    let node = r / heads;
+    let lane = lane_id();
+    let warp = warp_id();
+    let mut qv = [0.0f32; 18];
+    #[unroll]
+    for c in 0..9 {
+        qv[2 * c] = q[r * 576 + c * 64 + lane * 2] as f32;
+        qv[2 * c + 1] = q[r * 576 + c * 64 + lane * 2 + 1] as f32;
+    }
+    let mut o = [0.0f32; 16];
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0.0f32;
+    for key in (warp..prefix + nodes).step_by(4) {
+        let t = key - prefix;
+        let vis = key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1;
+        if vis {
+            let mut d = 0.0f32;
+            #[unroll]
+            for c in 0..9 {
+                d += qv[2 * c] * (cache[key * 576 + c * 64 + lane * 2] as f32);
+                d += qv[2 * c + 1] * (cache[key * 576 + c * 64 + lane * 2 + 1] as f32);
+            }
+            let sc = warp_sum(d) * scale;
+            let mn = m.max(sc);
+            let alpha = (m - mn).exp();
+            let pr = (sc - mn).exp();
+            l = l * alpha + pr;
+            #[unroll]
+            for c in 0..8 {
+                o[2 * c] = o[2 * c] * alpha + pr * (cache[key * 576 + c * 64 + lane * 2] as f32);
+                o[2 * c + 1] = o[2 * c + 1] * alpha + pr * (cache[key * 576 + c * 64 + lane * 2 + 1] as f32);
+            }
+            m = mn;
+        }
+    }
+    let so = shared::<f32>(4 * 512);
+    let sm = shared::<f32>(4);
+    let sl = shared::<f32>(4);
+    #[unroll]
+    for c in 0..8 {
+        so[warp * 512 + c * 64 + lane * 2] = o[2 * c];
+        so[warp * 512 + c * 64 + lane * 2 + 1] = o[2 * c + 1];
+    }
+    if lane == 0 {
+        sm[warp] = m;
+        sl[warp] = l;
+    }
+    sync_threads();
+    let mt = sm[0].max(sm[1]).max(sm[2].max(sm[3]));
+    let mut lt = 0.0f32;
+    let mut w = [0.0f32; 4];
+    #[unroll]
+    for k in 0..4 {
+        if sm[k] != f32::NEG_INFINITY {
+            w[k] = (sm[k] - mt).exp();
+        }
+        lt += w[k] * sl[k];
+    }
+    let tid = thread_idx_x();
+    #[unroll]
+    for c in 0..4 {
+        let col = tid * 4 + c;
+        let v = w[0] * so[col] + w[1] * so[512 + col] + w[2] * so[1024 + col] + w[3] * so[1536 + col];
+        out[r * 512 + col] = (v / lt) as bf16;
+    }
+    if tid == 0 {
+        lse[r] = mt + lt.ln();
+    }
+}
