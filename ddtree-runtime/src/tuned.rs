@@ -17,8 +17,43 @@ pub const FORCE_DEFAULT_ENV: &str = "DDTREE_FORCE_DEFAULT";
 pub struct Choice<P> {
     /// Its parameters.
     pub params: P,
+    /// `None` for a tuned winner; for the default, why no tuned winner was used.
+    pub default_reason: Option<String>,
+}
+
+impl<P> Choice<P> {
     /// Whether it is a tuned winner (else the default).
-    pub tuned: bool,
+    pub fn is_tuned(&self) -> bool {
+        self.default_reason.is_none()
+    }
+}
+
+impl TuneCache {
+    /// The variant for `K` at `key`: the valid tuned winner of its bucket, else the default
+    /// (candidate 0 of the bucket, or the kernel's default where no candidate fits) with the
+    /// reason. `force_default` ignores tuned winners.
+    pub fn choose<K: Tunable>(&self, key: &K::Key, force_default: bool) -> Choice<K::Params> {
+        let bucket = K::bucket(key);
+        let reason = match self.lookup::<K>(&bucket) {
+            Lookup::Hit { params, .. } if !force_default => {
+                return Choice {
+                    params,
+                    default_reason: None,
+                }
+            }
+            Lookup::Hit { .. } => format!("{FORCE_DEFAULT_ENV} is set"),
+            Lookup::Stale(why) => why,
+            Lookup::Miss => "not tuned".to_string(),
+        };
+        let params = K::candidates(&bucket)
+            .into_iter()
+            .next()
+            .unwrap_or_else(K::default_params);
+        Choice {
+            params,
+            default_reason: Some(reason),
+        }
+    }
 }
 
 /// Tuned kernels of one GPU: the tune cache plus every variant compiled so far.
@@ -64,29 +99,19 @@ impl TunedKernels {
         &self.cache
     }
 
-    /// The variant for `K` at `key`: the tuned winner of its bucket, else the default
-    /// (candidate 0), with a log hint to run `autotune` (the first untuned key at `info`, the
-    /// others at `debug`).
+    /// The variant for `K` at `key` ([`TuneCache::choose`]), logging a hint to run `autotune`
+    /// for an untuned key (the first one at `info`, later ones at `debug`, each key once).
     pub fn choose<K: Tunable>(&self, key: &K::Key) -> Choice<K::Params> {
-        let bucket = K::bucket(key);
-        let reason = match self.cache.lookup::<K>(&bucket) {
-            Lookup::Hit { params, .. } if !self.force_default => return Choice { params, tuned: true },
-            Lookup::Hit { .. } => None,
-            Lookup::Stale(why) => Some(why),
-            Lookup::Miss => Some("not tuned".to_string()),
-        };
-        let params = K::candidates(&bucket)
-            .into_iter()
-            .next()
-            .unwrap_or_else(K::default_params);
-        if let Some(reason) = reason {
+        let choice = self.cache.choose::<K>(key, self.force_default);
+        if let Some(reason) = &choice.default_reason {
+            let bucket = K::bucket(key);
             let mut reported = self.reported.lock().expect("not poisoned");
             let first = reported.is_empty();
             if reported.insert(format!("{} {bucket}", K::NAME)) {
-                let symbol = K::symbol(&params);
+                let symbol = K::symbol(&choice.params);
                 if first {
                     tracing::info!(
-                        "`{}` at {bucket}: {reason} on this GPU, using the default `{symbol}`; run `autotune` to tune (tune cache {})",
+                        "`{}` at {bucket}: {reason}, using the default `{symbol}`; run `autotune` to tune this GPU (tune cache {})",
                         K::NAME,
                         self.cache.path().display()
                     );
@@ -95,7 +120,7 @@ impl TunedKernels {
                 }
             }
         }
-        Choice { params, tuned: false }
+        choice
     }
 
     /// The compiled variant for `K` at `key` ([`TunedKernels::choose`]), compiling it on first

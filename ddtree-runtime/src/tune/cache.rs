@@ -276,3 +276,47 @@ impl TuneCache {
         crate::cache::write_atomic(&self.path, text.as_bytes())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(variant: &str, us: Option<f64>, status: TrialStatus) -> Trial {
+        Trial {
+            variant: variant.into(),
+            us,
+            status,
+            detail: None,
+        }
+    }
+
+    #[test]
+    fn winner_is_the_fastest_correct_with_near_ties_to_the_earlier() {
+        let cost = Cost { bytes: 1e6, flops: 0.0 };
+        let trials = vec![
+            t("a", Some(10.0), TrialStatus::Ok),
+            t("b", Some(5.0), TrialStatus::Wrong),
+            t("c", None, TrialStatus::Failed),
+            t("d", Some(9.9), TrialStatus::Ok),
+            t("e", Some(9.0), TrialStatus::Ok),
+        ];
+        let e = TuneEntry::new("k", "x".into(), "h".into(), cost, trials.clone(), 0.02, None);
+        assert_eq!(
+            (e.winner.as_deref(), e.winner_us, e.default_us),
+            (Some("e"), Some(9.0), Some(10.0))
+        );
+        assert_eq!(e.gbps, Some(1e6 / 9.0 / 1e3));
+        let e = TuneEntry::new("k", "x".into(), "h".into(), cost, trials[..4].to_vec(), 0.02, None);
+        assert_eq!(
+            e.winner.as_deref(),
+            Some("a"),
+            "9.9 is within 2% of 10: the default keeps it"
+        );
+        let e = TuneEntry::new("k", "x".into(), "h".into(), cost, trials[1..3].to_vec(), 0.02, None);
+        assert_eq!(
+            (e.winner.clone(), e.default_us, e.speedup()),
+            (None, None, None),
+            "a wrong result is never chosen"
+        );
+    }
+}
