@@ -14,6 +14,7 @@ pub mod rope;
 pub mod silu_mul;
 pub mod topk;
 pub mod tree;
+pub mod w4a16;
 
 pub use embedding::{Embedding, EmbeddingParams};
 pub use gemm_bf16::{GemmBf16, GemmParams};
@@ -51,6 +52,11 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<Embedding>()?);
     all.extend(variants::<RowTopk>()?);
     all.extend(variants::<GemmBf16>()?);
+    all.extend(variants::<w4a16::W4a16Gemm>()?);
+    all.extend(variants::<w4a16::W4a16Reduce>()?);
+    all.extend(variants::<w4a16::W4a16Repack>()?);
+    all.extend(variants::<w4a16::MoeAlign>()?);
+    all.extend(variants::<w4a16::MoeSum>()?);
     all.extend(variants::<tree::TreeTopk>()?);
     all.extend(variants::<tree::TreeExpand>()?);
     all.extend(variants::<tree::TreeMask>()?);

@@ -1,0 +1,298 @@
+//! Host side of the INT4 formats: the compressed-tensors `pack-quantized` checkpoint layout,
+//! Kimi's quantizer, the CPU model of the interleaved repack, and the f32 reference GEMM.
+//!
+//! Checkpoint rule (compressed-tensors `pack_to_int32`): `weight_packed` is int32 `[N, K/8]`,
+//! element `8m + j` of a row sits in bits `[4j, 4j + 4)` of word `m`, stored as the unsigned
+//! nibble `q + 8`; `weight_scale` is bf16 `[N, K/group]`; `w[r, k] = q * scale[r, k / group]`.
+
+use ddtree_macros::{kernel, KernelParams};
+use half::bf16;
+
+/// Words per interleaved tile: 8 rows x 128 k = 32 lanes x 4 words.
+pub const TILE_WORDS: usize = 128;
+
+/// Nibble position of element `j` (0..8) of a word in the interleaved order: the word holds
+/// elements `0, 2, 4, 6, 1, 3, 5, 7` at nibbles `0..8`, so nibbles `(i, i + 4)` are the
+/// consecutive elements `(2i, 2i + 1)` that one lop3 turns into a bf16 pair.
+pub const INTERLEAVED_POS: [u32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+/// One INT4 matrix (or a stack of `experts` matrices) in the checkpoint layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedInt4 {
+    /// `weight_packed` as u32 words, `[experts * n, k / 8]`.
+    pub packed: Vec<u32>,
+    /// `weight_scale`, `[experts * n, k / group]`.
+    pub scales: Vec<bf16>,
+    /// Output rows per expert (`weight_shape[0]`).
+    pub n: usize,
+    /// Input columns (`weight_shape[1]`); a multiple of 32 and of `group`.
+    pub k: usize,
+    /// Group size along K.
+    pub group: usize,
+    /// Number of stacked matrices (1 for a dense layer).
+    pub experts: usize,
+}
+
+/// Packs signed codes `q` (row-major `[rows, k]`, each in -8..=7) into checkpoint words.
+pub fn pack(q: &[i8], k: usize) -> Vec<u32> {
+    assert!(k % 8 == 0 && q.len() % k == 0, "pack: k must be a multiple of 8");
+    q.chunks(8)
+        .map(|c| {
+            c.iter()
+                .enumerate()
+                .fold(0u32, |w, (j, &v)| w | (((v as i32 + 8) as u32 & 0xf) << (4 * j)))
+        })
+        .collect()
+}
+
+/// Inverse of [`pack`]: signed codes of every element.
+pub fn unpack(packed: &[u32]) -> Vec<i8> {
+    packed
+        .iter()
+        .flat_map(|&w| (0..8).map(move |j| ((w >> (4 * j)) & 0xf) as i8 - 8))
+        .collect()
+}
+
+/// Kimi's QAT rule for one group: `scale = bf16(amax / 7)`, `q = clamp(round(w / scale), -7, 7)`
+/// (round half away from zero, as `torch.round` is not used by the rule's reference code; ties
+/// are measure-zero for real weights). An all-zero group gets scale 0 and codes 0.
+fn quantize_group(w: &[f32]) -> (bf16, Vec<i8>) {
+    let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = bf16::from_f32(amax / 7.0);
+    let s = scale.to_f32();
+    let q = w
+        .iter()
+        .map(|&v| {
+            if s == 0.0 {
+                0
+            } else {
+                (v / s).round().clamp(-7.0, 7.0) as i8
+            }
+        })
+        .collect();
+    (scale, q)
+}
+
+/// Quantizes bf16 weights `[experts * n, k]` to INT4 with per-`group` bf16 scales (Kimi's rule,
+/// see [`PackedInt4`]).
+pub fn quantize(w: &[bf16], n: usize, k: usize, group: usize, experts: usize) -> PackedInt4 {
+    assert!(
+        k % 32 == 0 && k % group == 0 && w.len() == experts * n * k,
+        "quantize: bad shape"
+    );
+    let mut q = Vec::with_capacity(w.len());
+    let mut scales = Vec::with_capacity(w.len() / group);
+    for g in w.chunks(group) {
+        let f: Vec<f32> = g.iter().map(|v| v.to_f32()).collect();
+        let (s, qs) = quantize_group(&f);
+        scales.push(s);
+        q.extend(qs);
+    }
+    PackedInt4 {
+        packed: pack(&q, k),
+        scales,
+        n,
+        k,
+        group,
+        experts,
+    }
+}
+
+impl PackedInt4 {
+    /// Random codes in -7..=7 and random positive scales: test and bench data.
+    pub fn random(rng: &mut impl rand::Rng, n: usize, k: usize, group: usize, experts: usize, scale_max: f32) -> Self {
+        assert!(
+            k % 32 == 0 && k % group == 0,
+            "random: k must be a multiple of 32 and of the group"
+        );
+        let q: Vec<i8> = (0..experts * n * k).map(|_| rng.random_range(-7i8..=7)).collect();
+        let scales = (0..experts * n * k / group)
+            .map(|_| bf16::from_f32(rng.random_range(0.1 * scale_max..scale_max)))
+            .collect();
+        PackedInt4 {
+            packed: pack(&q, k),
+            scales,
+            n,
+            k,
+            group,
+            experts,
+        }
+    }
+
+    /// Dequantized weights in f32, `[experts * n, k]` (exact: code times bf16 scale).
+    pub fn dequantize(&self) -> Vec<f32> {
+        unpack(&self.packed)
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| q as f32 * self.scales[i / self.group].to_f32())
+            .collect()
+    }
+
+    /// Bytes the kernels read for weights and scales of one expert.
+    pub fn bytes_per_expert(&self) -> usize {
+        self.n * self.k / 2 + self.n * self.k / self.group * 2
+    }
+}
+
+/// Words of one expert in the interleaved tiled layout (`n` padded to 8 rows, `k` to 128).
+pub fn interleaved_words(n: usize, k: usize) -> usize {
+    n.div_ceil(8) * k.div_ceil(128) * TILE_WORDS
+}
+
+/// CPU model of the GPU repack into the interleaved layout: tile `(n / 8, k / 128)` of each
+/// expert holds 32 lanes x 4 words; lane `(g, q)` = `(lane / 4, lane % 4)` word `j` is checkpoint
+/// word `k/8 = 16 kb + 4q + j` of row `8 t + g`, nibbles in [`INTERLEAVED_POS`] order. Padding
+/// words hold code 0 (`0x88888888`).
+pub fn repack_interleaved(p: &PackedInt4) -> Vec<u32> {
+    let (n, kw) = (p.n, p.k / 8);
+    let per = interleaved_words(n, p.k);
+    let kb_n = p.k.div_ceil(128);
+    let mut out = vec![0u32; per * p.experts];
+    for (i, o) in out.iter_mut().enumerate() {
+        let (e, r) = (i / per, i % per);
+        let (tile, rest) = (r / (kb_n * TILE_WORDS), r % (kb_n * TILE_WORDS));
+        let (kb, lane, j) = (rest / TILE_WORDS, (rest % TILE_WORDS) / 4, rest % 4);
+        let (row, word) = (tile * 8 + lane / 4, kb * 16 + (lane % 4) * 4 + j);
+        *o = if row < n && word < kw {
+            interleave_word(p.packed[(e * n + row) * kw + word])
+        } else {
+            0x8888_8888
+        };
+    }
+    out
+}
+
+/// Moves element `j` of a checkpoint word to nibble [`INTERLEAVED_POS`]`[j]`.
+pub fn interleave_word(w: u32) -> u32 {
+    (0..8).fold(0, |acc, j| {
+        acc | (((w >> (4 * j)) & 0xf) << (4 * INTERLEAVED_POS[j as usize]))
+    })
+}
+
+/// Compile-time parameters of [`W4a16Repack`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct RepackParams {
+    /// Threads per block.
+    pub block: u32,
+}
+
+/// GPU repack at load time: checkpoint words `src` (`[experts * n, k / 8]`) into the
+/// interleaved tiled layout `dst` (`experts * interleaved_words(n, k)` words), exactly as
+/// [`repack_interleaved`]. Any grid: the kernel strides over the output words.
+#[kernel(block = p.block, space = [RepackParams { block: 256 }])]
+pub fn w4a16_repack(#[comptime] p: &RepackParams, src: &[u32], dst: &mut [u32], n: u32, k: u32, experts: u32) {
+    let kw = k / 8;
+    let kbs = (k + 127u32) / 128u32;
+    let per = (n + 7u32) / 8u32 * kbs * 128u32;
+    let stride = grid_dim_x() * p.block;
+    for i in (block_idx_x() * p.block + thread_idx_x()..experts * per).step_by(stride) {
+        let e = i / per;
+        let r = i % per;
+        let tile = r / (kbs * 128);
+        let rest = r % (kbs * 128);
+        let lane = (rest % 128) / 4;
+        let row = tile * 8 + lane / 4;
+        let word = (rest / 128) * 16 + (lane % 4) * 4 + rest % 4;
+        let mut v = 0x8888_8888u32;
+        if row < n && word < kw {
+            let x = src[(e * n + row) * kw + word];
+            v = 0u32;
+            #[unroll]
+            for t in 0..8u32 {
+                v |= ((x >> (4 * t)) & 0xfu32) << (4 * (t / 2 + 4 * (t % 2)));
+            }
+        }
+        dst[i] = v;
+    }
+}
+
+/// CPU reference GEMM: `a` `[m, k]` times `w` `[n, k]` transposed, in f32.
+pub fn matmul(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        let ar = &a[i * k..(i + 1) * k];
+        for j in 0..n {
+            c[i * n + j] = ar.iter().zip(&w[j * k..(j + 1) * k]).map(|(x, y)| x * y).sum();
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn pack_unpack_round_trip(q in prop::collection::vec(-8i8..=7, 8..256)) {
+            let k = q.len() / 8 * 8;
+            let q = &q[..k];
+            prop_assert_eq!(unpack(&pack(q, k)), q.to_vec());
+        }
+
+        #[test]
+        fn quantized_codes_stay_in_range_and_dequantize_near(vals in prop::collection::vec(-4.0f32..4.0, 64)) {
+            let w: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
+            let p = quantize(&w, 2, 32, 32, 1);
+            prop_assert!(unpack(&p.packed).iter().all(|&q| (-7..=7).contains(&q)));
+            let d = p.dequantize();
+            for (g, s) in p.scales.iter().enumerate() {
+                for i in g * 32..(g + 1) * 32 {
+                    // Round to nearest: error at most half a step (plus the scale's bf16 rounding).
+                    prop_assert!((d[i] - w[i].to_f32()).abs() <= 0.5 * s.to_f32() * 1.02 + 1e-6);
+                }
+            }
+        }
+
+        #[test]
+        fn dequantized_weights_are_a_fixed_point(vals in prop::collection::vec(-4.0f32..4.0, 128)) {
+            let w: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
+            let p = quantize(&w, 1, 128, 32, 1);
+            let d: Vec<bf16> = p.dequantize().iter().map(|&v| bf16::from_f32(v)).collect();
+            let again = quantize(&d, 1, 128, 32, 1);
+            prop_assert_eq!(again.dequantize(), p.dequantize());
+        }
+
+        #[test]
+        fn interleave_moves_pairs_into_nibbles_i_and_i_plus_4(w in any::<u32>()) {
+            let x = interleave_word(w);
+            for i in 0..4 {
+                prop_assert_eq!((x >> (4 * i)) & 0xf, (w >> (8 * i)) & 0xf);
+                prop_assert_eq!((x >> (4 * (i + 4))) & 0xf, (w >> (8 * i + 4)) & 0xf);
+            }
+        }
+
+        #[test]
+        fn matmul_is_linear_in_a(m in 1usize..4, n in 1usize..5, k in 1usize..9, s in -3.0f32..3.0) {
+            let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.91).cos()).collect();
+            let sa: Vec<f32> = a.iter().map(|v| v * s).collect();
+            let c = matmul(&a, &w, m, n, k);
+            for (x, y) in matmul(&sa, &w, m, n, k).iter().zip(&c) {
+                prop_assert!((x - s * y).abs() <= 1e-4 * (1.0 + y.abs()));
+            }
+        }
+    }
+
+    #[test]
+    fn repack_keeps_every_element() {
+        let mut rng = rand::rng();
+        let p = PackedInt4::random(&mut rng, 13, 160, 32, 2);
+        let r = repack_interleaved(&p);
+        let kb_n = p.k.div_ceil(128);
+        let per = interleaved_words(p.n, p.k);
+        let q = unpack(&p.packed);
+        for e in 0..p.experts {
+            for row in 0..p.n {
+                for kk in 0..p.k {
+                    let (tile, g, kb) = (row / 8, row % 8, kk / 128);
+                    let (qq, j, el) = ((kk % 128) / 32, (kk % 32) / 8, kk % 8);
+                    let word = r[e * per + (tile * kb_n + kb) * TILE_WORDS + (g * 4 + qq) * 4 + j];
+                    let nib = (word >> (4 * INTERLEAVED_POS[el])) & 0xf;
+                    assert_eq!(nib as i8 - 8, q[(e * p.n + row) * p.k + kk]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! W4A16: bf16 activations times symmetric INT4 weights with bf16 group scales (the Kimi K2.x
+//! routed experts), dense and grouped (MoE), with the host-side formats they read.
+//!
+//! - [`layout`]: the compressed-tensors checkpoint rule, Kimi's quantizer, the interleaved
+//!   repack (CPU model) and the f32 reference;
+//! - [`gemm`]: the `w4a16_gemm` tensor-core kernel, its split-K reduce, and the GPU repack;
+//! - [`moe`]: token-expert alignment, the grouped expert block and its reference;
+//! - [`check`]: GPU-versus-CPU checks of every candidate.
+
+pub mod check;
+pub mod gemm;
+pub mod layout;
+pub mod moe;
+
+pub use gemm::{Epilogue, Layout, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
+pub use layout::{PackedInt4, RepackParams, W4a16Repack};
+pub use moe::{AlignParams, MoeAlign, MoeKernels, MoeSum, SumParams};

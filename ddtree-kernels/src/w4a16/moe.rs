@@ -1,0 +1,344 @@
+//! `moe_w4a16`: the routed-expert block for `T` tokens with top-k routing, on INT4 experts.
+//!
+//! 1. `moe_align` sorts the token-expert pairs by expert and pads each expert to blocks of
+//!    `16 mt` slots (the per-expert block size), so each touched expert's weights are read
+//!    once per n tile when its pairs fit one block;
+//! 2. grouped gate_up `w4a16_gemm` (`N = 2 I`, SiLU-and-mul fused) into `act[pair, I]`;
+//! 3. grouped down `w4a16_gemm` with the router weight applied into `y[pair, H]`;
+//! 4. `moe_sum` adds the top-k rows of each token.
+//!
+//! Expert ids `>= experts` (experts on other ranks under expert parallelism) are skipped.
+
+use std::sync::Arc;
+
+use ddtree_codegen::dsl::*;
+use ddtree_macros::{kernel, KernelParams};
+use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
+use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
+
+use super::gemm::{self, GemmArgs, Routing, Scratch};
+use super::layout::{matmul, PackedInt4};
+use super::{Epilogue, W4a16Gemm, W4a16Params};
+
+/// Compile-time parameters of [`MoeAlign`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct AlignParams {
+    /// Threads of the single block; also the most experts it handles.
+    pub block: u32,
+}
+
+/// Groups `pairs` token-expert pairs (`topk_ids`, pair `i` = token `i / topk`, slot `i % topk`)
+/// by expert into blocks of `bm` slots: `block_expert[b]` is block `b`'s expert and
+/// `sorted[b * bm + s]` its pair ids (`u32::MAX` padding and unused blocks). Needs
+/// `experts <= block` and `max_blocks >= ceil(pairs / bm) + min(experts, pairs)`. Grid: 1.
+#[kernel(block = p.block, space = [AlignParams { block: 1024 }])]
+pub fn moe_align(
+    #[comptime] p: &AlignParams,
+    topk_ids: &[u32],
+    sorted: &mut [u32],
+    block_expert: &mut [u32],
+    pairs: u32,
+    experts: u32,
+    bm: u32,
+    max_blocks: u32,
+) {
+    comptime_assert!(
+        p.block % 32 == 0 && p.block <= 1024,
+        "block must be a multiple of 32, at most 1024"
+    );
+    let count = shared::<u32>(p.block);
+    let cursor = shared::<u32>(p.block);
+    let wsum = shared::<u32>(32);
+    let tid = thread_idx_x();
+    count[tid] = 0u32;
+    for b in (tid..max_blocks).step_by(p.block) {
+        block_expert[b] = u32::MAX;
+    }
+    for s in (tid..max_blocks * bm).step_by(p.block) {
+        sorted[s] = u32::MAX;
+    }
+    sync_threads();
+    for i in (tid..pairs).step_by(p.block) {
+        let e = topk_ids[i];
+        if e < experts {
+            count.atomic_add(e, 1u32);
+        }
+    }
+    sync_threads();
+    // Exclusive scan of the blocks per expert (thread = expert).
+    let nb = if tid < experts {
+        (count[tid] + bm - 1) / bm
+    } else {
+        0u32
+    };
+    let mut x = nb;
+    #[unroll]
+    for s in 0..5u32 {
+        let y = shfl_up(x, 1u32 << s);
+        if lane_id() >= (1u32 << s) {
+            x += y;
+        }
+    }
+    if lane_id() == 31 {
+        wsum[warp_id()] = x;
+    }
+    sync_threads();
+    let mut first = x - nb;
+    for w in 0..warp_id() {
+        first += wsum[w];
+    }
+    for b in 0..nb {
+        block_expert[first + b] = tid;
+    }
+    cursor[tid] = first * bm;
+    sync_threads();
+    for i in (tid..pairs).step_by(p.block) {
+        let e = topk_ids[i];
+        if e < experts {
+            sorted[cursor.atomic_add(e, 1u32)] = i;
+        }
+    }
+}
+
+/// Compile-time parameters of [`MoeSum`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct SumParams {
+    /// Threads per block.
+    pub block: u32,
+}
+
+/// `out[t, h] = sum_j y[t * topk + j, h]` over the slots whose expert is local
+/// (`topk_ids < experts`). Any grid.
+#[kernel(block = p.block, space = [SumParams { block: 256 }])]
+pub fn moe_sum(
+    #[comptime] p: &SumParams,
+    y: &[bf16],
+    topk_ids: &[u32],
+    out: &mut [bf16],
+    tokens: u32,
+    hidden: u32,
+    topk: u32,
+    experts: u32,
+) {
+    let stride = grid_dim_x() * p.block;
+    for e in (block_idx_x() * p.block + thread_idx_x()..tokens * hidden).step_by(stride) {
+        let t = e / hidden;
+        let h = e % hidden;
+        let mut s = 0.0f32;
+        for j in 0..topk {
+            let pr = t * topk + j;
+            if topk_ids[pr] < experts {
+                s += y[pr * hidden + h] as f32;
+            }
+        }
+        out[e] = s as bf16;
+    }
+}
+
+/// CPU reference of the routed-expert block: `x` `[T, H]`, `ids` / `weights` `[T, topk]`,
+/// `w13` the fused gate_up experts (`n = 2 I`, `k = H`), `w2` the down experts (`n = H`,
+/// `k = I`). Returns `[T, H]`.
+pub fn reference(x: &[f32], ids: &[u32], weights: &[f32], topk: usize, w13: &PackedInt4, w2: &PackedInt4) -> Vec<f32> {
+    let (h, inter) = (w13.k, w2.k);
+    let (d13, d2) = (w13.dequantize(), w2.dequantize());
+    let tokens = x.len() / h;
+    let mut out = vec![0f32; tokens * h];
+    for t in 0..tokens {
+        for j in 0..topk {
+            let e = ids[t * topk + j] as usize;
+            if e >= w13.experts {
+                continue;
+            }
+            let gu = matmul(
+                &x[t * h..(t + 1) * h],
+                &d13[e * 2 * inter * h..(e + 1) * 2 * inter * h],
+                1,
+                2 * inter,
+                h,
+            );
+            let act: Vec<f32> = (0..inter)
+                .map(|c| gu[c] / (1.0 + (-gu[c]).exp()) * gu[inter + c])
+                .collect();
+            let y = matmul(&act, &d2[e * h * inter..(e + 1) * h * inter], 1, h, inter);
+            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
+                *o += weights[t * topk + j] * v;
+            }
+        }
+    }
+    out
+}
+
+/// The compiled kernels of one MoE configuration: gate_up and down variants must be grouped,
+/// with [`Epilogue::SiluMul`] and [`Epilogue::RouteScale`], the same `mt`, and layouts matching
+/// the expert weights they are given.
+#[derive(Debug)]
+pub struct MoeKernels {
+    align: CompiledKernel<MoeAlign>,
+    gate_up: CompiledKernel<W4a16Gemm>,
+    down: CompiledKernel<W4a16Gemm>,
+    sum: CompiledKernel<MoeSum>,
+}
+
+/// Device buffers of one MoE step for up to `max_tokens` tokens.
+#[derive(Debug)]
+pub struct MoeBuffers {
+    sorted: CudaSlice<u32>,
+    block_expert: CudaSlice<u32>,
+    act: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    scratch: Scratch,
+}
+
+/// Upper bound on the blocks `moe_align` makes.
+pub fn max_blocks(pairs: usize, experts: usize, bm: usize) -> usize {
+    pairs.div_ceil(bm) + experts.min(pairs)
+}
+
+/// Expert weights on the device, in the layout of the kernels that read them.
+#[derive(Debug)]
+pub struct DeviceExperts<'a> {
+    /// Packed gate_up words.
+    pub w13: &'a CudaSlice<u32>,
+    /// gate_up scales.
+    pub s13: &'a CudaSlice<bf16>,
+    /// Packed down words.
+    pub w2: &'a CudaSlice<u32>,
+    /// down scales.
+    pub s2: &'a CudaSlice<bf16>,
+    /// Number of local experts.
+    pub experts: u32,
+    /// Hidden size H.
+    pub hidden: u32,
+    /// Expert intermediate size I.
+    pub inter: u32,
+}
+
+impl MoeKernels {
+    /// Compiles the four kernels. `gate_up` and `down` must share `layout` and `mt`.
+    pub fn new(gpu: &Gpu, gate_up: &W4a16Params, down: &W4a16Params) -> Result<MoeKernels, RuntimeError> {
+        let ok = gate_up.moe
+            && down.moe
+            && gate_up.epilogue == Epilogue::SiluMul
+            && down.epilogue == Epilogue::RouteScale
+            && gate_up.mt == down.mt
+            && gate_up.layout == down.layout;
+        if !ok {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_w4a16".into(),
+                reason: format!("incompatible variants: {gate_up:?} / {down:?}"),
+            });
+        }
+        Ok(MoeKernels {
+            align: gpu.compile::<MoeAlign>(&AlignParams { block: 1024 })?,
+            gate_up: gpu.compile::<W4a16Gemm>(gate_up)?,
+            down: gpu.compile::<W4a16Gemm>(down)?,
+            sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
+        })
+    }
+
+    /// Slots per block (the per-expert block size).
+    pub fn block_m(&self) -> u32 {
+        16 * self.gate_up.params().mt
+    }
+
+    /// Buffers for `tokens` tokens of `topk` slots.
+    pub fn buffers(
+        &self,
+        s: &Arc<CudaStream>,
+        tokens: usize,
+        topk: usize,
+        ex: &DeviceExperts,
+    ) -> Result<MoeBuffers, RuntimeError> {
+        let pairs = tokens * topk;
+        let mb = max_blocks(pairs, ex.experts as usize, self.block_m() as usize);
+        let drv = |source| RuntimeError::Driver {
+            context: "allocating MoE buffers".into(),
+            source,
+        };
+        Ok(MoeBuffers {
+            sorted: s.alloc_zeros::<u32>(mb * self.block_m() as usize).map_err(drv)?,
+            block_expert: s.alloc_zeros::<u32>(mb).map_err(drv)?,
+            act: s.alloc_zeros::<bf16>(pairs * ex.inter as usize).map_err(drv)?,
+            y: s.alloc_zeros::<bf16>(pairs * ex.hidden as usize).map_err(drv)?,
+            scratch: Scratch::new(s, 1)?,
+        })
+    }
+
+    /// Runs the block: `x` `[T, H]`, `topk_ids` / `topk_w` `[T, topk]`, `out` `[T, H]`.
+    ///
+    /// # Safety
+    /// Buffers must have the documented shapes, `bufs` made by [`MoeKernels::buffers`] for at
+    /// least `tokens` tokens, and the experts stored in the variants' layout.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        s: &Arc<CudaStream>,
+        ex: &DeviceExperts,
+        x: &CudaSlice<bf16>,
+        topk_ids: &CudaSlice<u32>,
+        topk_w: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+        bufs: &mut MoeBuffers,
+        tokens: u32,
+        topk: u32,
+    ) -> Result<(), RuntimeError> {
+        let pairs = tokens * topk;
+        let bm = self.block_m();
+        let mb = max_blocks(pairs as usize, ex.experts as usize, bm as usize) as u32;
+        if ex.experts > self.align.params().block {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_align".into(),
+                reason: format!("{} experts > 1024", ex.experts),
+            });
+        }
+        // SAFETY: forwarded to the caller; the buffers were sized by `buffers`.
+        unsafe {
+            MoeAlign::launch(
+                &self.align,
+                s,
+                1,
+                topk_ids,
+                &mut bufs.sorted,
+                &mut bufs.block_expert,
+                pairs,
+                ex.experts,
+                bm,
+                mb,
+            )?;
+            let routing = |a_div, route_w| Routing {
+                sorted: &bufs.sorted,
+                block_expert: &bufs.block_expert,
+                route_w,
+                max_blocks: mb,
+                a_div,
+            };
+            let up = GemmArgs {
+                a: x,
+                w: ex.w13,
+                scales: ex.s13,
+                residual: None,
+                routing: Some(routing(topk, None)),
+                m: pairs,
+                n: 2 * ex.inter,
+                k: ex.hidden,
+            };
+            gemm::launch(&self.gate_up, None, s, &up, &mut bufs.scratch, &mut bufs.act, 1)?;
+            let down = GemmArgs {
+                a: &bufs.act,
+                w: ex.w2,
+                scales: ex.s2,
+                residual: None,
+                routing: Some(routing(1, Some(topk_w))),
+                m: pairs,
+                n: ex.hidden,
+                k: ex.inter,
+            };
+            gemm::launch(&self.down, None, s, &down, &mut bufs.scratch, &mut bufs.y, 1)?;
+            let total = tokens * ex.hidden;
+            let g = total.div_ceil(self.sum.params().block).clamp(1, 65535);
+            MoeSum::launch(
+                &self.sum, s, g, &bufs.y, topk_ids, out, tokens, ex.hidden, topk, ex.experts,
+            )
+        }
+    }
+}
