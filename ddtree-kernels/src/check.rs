@@ -1,14 +1,22 @@
-//! GPU-versus-CPU checks of every kernel: fresh random inputs, outputs poisoned with NaN before
-//! the launch, comparison against the module's CPU reference with a tolerance by precision.
+//! Kernel-versus-CPU-reference checks of every kernel: fresh random inputs, outputs poisoned
+//! with NaN before the launch, comparison against the module's CPU reference with a tolerance by
+//! precision.
 //!
-//! Shared by the GPU tests (`tests/gpu.rs`) and the `ddtree-kernel-check` binary, which runs
-//! every candidate of every kernel at several sizes, ragged edges included.
+//! Every check runs on a [`Target`]: the CPU interpreter ([`Target::Interp`], what CI uses; it
+//! also reports out-of-bounds accesses, shared-memory races and barrier divergence) or a GPU
+//! ([`Target::Gpu`]). A check uploads with [`Target::upload`], launches with [`Target::launch`]
+//! (arguments in signature order: [`Arg::In`], [`Arg::Out`], [`Arg::from`] a scalar) and
+//! downloads with [`Target::download`]; [`on_each_target`] runs a test body on the interpreter
+//! and, when one is present, on the GPU. Shared by the tests (`tests/interp.rs`, `tests/gpu.rs`)
+//! and the `kernel-check` binary, which runs every candidate of every kernel at several sizes,
+//! ragged edges included.
 
-use std::sync::Arc;
+use std::marker::PhantomData;
 
-use ddtree_codegen::Kernel;
-use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
-use ddtree_runtime::{Gpu, RuntimeError};
+use ddtree_codegen::interp::{Buffer, Element, HostArg, InterpError, LoadError, Program, Value};
+use ddtree_codegen::{CodegenError, Kernel, Scalar, Ty};
+use ddtree_runtime::cudarc::driver::{CudaSlice, DeviceRepr};
+use ddtree_runtime::{Gpu, Grid, Launcher, RuntimeError};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -17,6 +25,291 @@ use crate::{
     embedding, gemm_bf16, rms_norm, rope, silu_mul, topk, Embedding, EmbeddingParams, GemmBf16, GemmParams, RmsNorm,
     RmsNormParams, RopeInterleaved, RopeParams, RowTopk, SiluMul, SiluMulParams, TopkParams,
 };
+
+/// Where checks run.
+#[derive(Clone, Copy, Debug)]
+pub enum Target<'g> {
+    /// The CPU interpreter of `ddtree-codegen` (no GPU needed; hazards are errors).
+    Interp,
+    /// A GPU.
+    Gpu(&'g Gpu),
+}
+
+/// A buffer on a [`Target`].
+#[derive(Debug)]
+pub enum DevBuf<T: DeviceRepr> {
+    /// Host memory for the interpreter.
+    Host(Buffer, PhantomData<T>),
+    /// Device memory.
+    Gpu(CudaSlice<T>),
+}
+
+/// Element types checks move to and from a target (the DSL scalars).
+pub trait Elem: Element + DeviceRepr + Default + Clone {}
+impl<T: Element + DeviceRepr + Default + Clone> Elem for T {}
+
+/// A [`DevBuf`] of any element type, as a launch argument.
+pub trait Operand {
+    /// The DSL element type.
+    fn elem(&self) -> Scalar;
+    /// The host buffer (interpreter targets).
+    fn host(&self) -> Option<&Buffer>;
+    /// The host buffer, writable.
+    fn host_mut(&mut self) -> Option<&mut Buffer>;
+    /// Pushes the device pointer as a read-only argument.
+    fn push<'a>(&'a self, l: &mut Launcher<'a>) -> Result<(), CheckError>;
+    /// Pushes the device pointer as a writable argument.
+    fn push_mut<'a>(&'a mut self, l: &mut Launcher<'a>) -> Result<(), CheckError>;
+}
+
+fn wrong_target() -> CheckError {
+    CheckError::Args("a buffer was uploaded to a different target".into())
+}
+
+impl<T: Elem> Operand for DevBuf<T> {
+    fn elem(&self) -> Scalar {
+        T::SCALAR
+    }
+    fn host(&self) -> Option<&Buffer> {
+        match self {
+            DevBuf::Host(b, _) => Some(b),
+            DevBuf::Gpu(_) => None,
+        }
+    }
+    fn host_mut(&mut self) -> Option<&mut Buffer> {
+        match self {
+            DevBuf::Host(b, _) => Some(b),
+            DevBuf::Gpu(_) => None,
+        }
+    }
+    fn push<'a>(&'a self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
+        match self {
+            DevBuf::Gpu(s) => {
+                l.arg(s);
+                Ok(())
+            }
+            DevBuf::Host(..) => Err(wrong_target()),
+        }
+    }
+    fn push_mut<'a>(&'a mut self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
+        match self {
+            DevBuf::Gpu(s) => {
+                l.arg(s);
+                Ok(())
+            }
+            DevBuf::Host(..) => Err(wrong_target()),
+        }
+    }
+}
+
+/// One launch argument, in kernel-signature order.
+pub enum Arg<'b> {
+    /// A `&[T]` slice.
+    In(&'b dyn Operand),
+    /// A `&mut [T]` slice.
+    Out(&'b mut dyn Operand),
+    /// A scalar (`Arg::from(n as u32)`).
+    Val(Value),
+}
+
+impl<V: Into<Value>> From<V> for Arg<'_> {
+    fn from(v: V) -> Self {
+        Arg::Val(v.into())
+    }
+}
+
+/// Why a check could not run (a failed comparison is a [`CheckResult`], not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// GPU runtime error.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// The interpreter found a hazard (out-of-bounds access, race, divergence, ...).
+    #[error(transparent)]
+    Interp(#[from] InterpError),
+    /// Building or lowering the kernel failed.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The arguments do not match the kernel signature.
+    #[error("bad launch arguments: {0}")]
+    Args(String),
+}
+
+/// For GPU-only callers (the tuner): interpreter hazards and argument errors become launch errors.
+impl From<CheckError> for RuntimeError {
+    fn from(e: CheckError) -> Self {
+        match e {
+            CheckError::Runtime(e) => e,
+            CheckError::Load(LoadError::Codegen(e)) => RuntimeError::Codegen(e),
+            other => RuntimeError::Launch {
+                kernel: String::new(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<CodegenError> for CheckError {
+    fn from(e: CodegenError) -> Self {
+        CheckError::Load(e.into())
+    }
+}
+
+impl Target<'_> {
+    /// `interpreter` or the GPU's name.
+    pub fn name(&self) -> String {
+        match self {
+            Target::Interp => "interpreter".to_string(),
+            Target::Gpu(g) => g.fingerprint().name.clone(),
+        }
+    }
+
+    /// Copies `v` to the target.
+    pub fn upload<T: Elem>(&self, v: &[T]) -> Result<DevBuf<T>, CheckError> {
+        Ok(match self {
+            Target::Interp => DevBuf::Host(Buffer::from_slice(v), PhantomData),
+            Target::Gpu(g) => DevBuf::Gpu(g.stream().clone_htod(v).map_err(|source| RuntimeError::Driver {
+                context: "copying to the GPU".into(),
+                source,
+            })?),
+        })
+    }
+
+    /// Copies a buffer back.
+    pub fn download<T: Elem>(&self, b: &DevBuf<T>) -> Result<Vec<T>, CheckError> {
+        match (self, b) {
+            (Target::Interp, DevBuf::Host(h, _)) => Ok(h.to_vec()),
+            (Target::Gpu(g), DevBuf::Gpu(d)) => {
+                Ok(g.stream().clone_dtoh(d).map_err(|source| RuntimeError::Driver {
+                    context: "copying from the GPU".into(),
+                    source,
+                })?)
+            }
+            _ => Err(wrong_target()),
+        }
+    }
+
+    /// Launches the variant of `K` for `p` over `grid`. The argument list is checked against
+    /// the kernel signature on every target.
+    ///
+    /// # Safety
+    /// On a GPU the kernel trusts its scalar arguments: sizes and counts must describe the
+    /// buffers passed, as the kernel's documentation states. (The interpreter checks every
+    /// access and reports violations as [`CheckError::Interp`].)
+    pub unsafe fn launch<K: Kernel>(
+        &self,
+        p: &K::Params,
+        grid: impl Into<Grid>,
+        args: &mut [Arg<'_>],
+    ) -> Result<(), CheckError> {
+        let grid = grid.into();
+        match self {
+            Target::Interp => {
+                let prog = Program::of::<K>(p)?;
+                let mut host = Vec::with_capacity(args.len());
+                for a in args.iter_mut() {
+                    host.push(match a {
+                        Arg::In(b) => HostArg::In(b.host().ok_or_else(wrong_target)?),
+                        Arg::Out(b) => HostArg::Out(b.host_mut().ok_or_else(wrong_target)?),
+                        Arg::Val(v) => HostArg::Scalar(*v),
+                    });
+                }
+                prog.launch(grid.0, &mut host)?;
+            }
+            Target::Gpu(gpu) => {
+                let ir = K::ir(p)?;
+                check_signature(&ir.args, args)?;
+                let k = gpu.compile::<K>(p)?;
+                let mut l = k.launcher(gpu.stream(), grid)?;
+                for a in args.iter_mut() {
+                    match a {
+                        Arg::In(b) => b.push(&mut l)?,
+                        Arg::Out(b) => b.push_mut(&mut l)?,
+                        Arg::Val(v) => push_value(&mut l, v),
+                    }
+                }
+                // SAFETY: the argument types match the C signature (checked above); the caller
+                // upholds the size contract.
+                unsafe { l.launch()? };
+            }
+        }
+        Ok(())
+    }
+}
+
+fn push_value<'a>(l: &mut Launcher<'a>, v: &'a Value) {
+    match v {
+        Value::F32(x) => l.arg(x),
+        Value::U32(x) => l.arg(x),
+        Value::I32(x) => l.arg(x),
+        Value::U64(x) => l.arg(x),
+        Value::Bool(x) => l.arg(x),
+        Value::Bf16(x) => l.arg(x),
+        Value::F16(x) => l.arg(x),
+    };
+}
+
+/// Checks an argument list against a kernel's signature (the GPU has no other check).
+fn check_signature(params: &[ddtree_codegen::ir::Arg], args: &[Arg<'_>]) -> Result<(), CheckError> {
+    if params.len() != args.len() {
+        return Err(CheckError::Args(format!(
+            "the kernel takes {} arguments, got {}",
+            params.len(),
+            args.len()
+        )));
+    }
+    for (p, a) in params.iter().zip(args) {
+        let ok = match (&p.ty, a) {
+            (Ty::Slice { elem, mutable: false }, Arg::In(b)) => b.elem() == *elem,
+            (Ty::Slice { elem, .. }, Arg::Out(b)) => b.elem() == *elem,
+            (Ty::Scalar(s), Arg::Val(v)) => v.scalar() == *s,
+            _ => false,
+        };
+        if !ok {
+            return Err(CheckError::Args(format!("argument `{}` must be {}", p.name, p.ty)));
+        }
+    }
+    Ok(())
+}
+
+/// Runs `body` on the interpreter, then on GPU 0 when there is one (saying so when there is
+/// not), and panics listing every failed check or error. `body` gets the target and a random
+/// generator seeded from the clock (the seed is printed on failure).
+pub fn on_each_target(mut body: impl FnMut(&Target<'_>, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>) {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let mut run = |t: &Target<'_>| {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let results = body(t, &mut rng).unwrap_or_else(|e| panic!("{} (seed {seed}): {e}", t.name()));
+        assert_passed(t, seed, &results);
+    };
+    run(&Target::Interp);
+    match Gpu::open(0) {
+        Ok(gpu) => run(&Target::Gpu(&gpu)),
+        Err(e @ (RuntimeError::NoDriver | RuntimeError::NoDevice { .. })) => eprintln!("GPU run skipped: {e}"),
+        Err(e) => panic!("opening the GPU failed: {e}"),
+    }
+}
+
+/// Panics listing the failed checks, if any.
+pub fn assert_passed(t: &Target<'_>, seed: u64, results: &[CheckResult]) {
+    assert!(!results.is_empty(), "no check ran");
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|r| !r.passed)
+        .map(|r| format!("{} {}: {:?}", r.symbol, r.case, r.comparison))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} (seed {seed}): {} of {} checks failed:\n{}",
+        t.name(),
+        failed.len(),
+        results.len(),
+        failed.join("\n")
+    );
+}
 
 /// Element-wise tolerance `|got - want| <= atol + rtol * |want|`, plus a bound on the relative
 /// L2 error over the whole output.
@@ -32,9 +325,17 @@ pub struct Tolerance {
 
 impl Tolerance {
     /// bf16 outputs computed in f32: one bf16 rounding (2^-9 relative) plus f32 reordering.
-    pub const BF16: Tolerance = Tolerance { rtol: 1e-2, atol: 1e-3, rel_l2: 1e-2 };
+    pub const BF16: Tolerance = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-3,
+        rel_l2: 1e-2,
+    };
     /// Exact results (indices, copies).
-    pub const EXACT: Tolerance = Tolerance { rtol: 0.0, atol: 0.0, rel_l2: 0.0 };
+    pub const EXACT: Tolerance = Tolerance {
+        rtol: 0.0,
+        atol: 0.0,
+        rel_l2: 0.0,
+    };
 }
 
 /// How a GPU output compares with its reference.
@@ -74,9 +375,21 @@ pub fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Comparison {
         num += (d as f64).powi(2);
         den += (w as f64).powi(2);
     }
-    let rel_l2 = if den > 0.0 { (num / den).sqrt() as f32 } else if num > 0.0 { f32::INFINITY } else { 0.0 };
+    let rel_l2 = if den > 0.0 {
+        (num / den).sqrt() as f32
+    } else if num > 0.0 {
+        f32::INFINITY
+    } else {
+        0.0
+    };
     let rel_l2 = if rel_l2.is_nan() { f32::INFINITY } else { rel_l2 };
-    Comparison { len: got.len(), max_abs, rel_l2, bad, first_bad }
+    Comparison {
+        len: got.len(),
+        max_abs,
+        rel_l2,
+        bad,
+        first_bad,
+    }
 }
 
 /// One check: a kernel variant at one problem size.
@@ -105,22 +418,21 @@ fn to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-fn upload<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<T>, RuntimeError> {
-    s.clone_htod(v).map_err(|e| RuntimeError::Driver { context: "copying to the GPU".into(), source: e })
-}
-
-fn download<T: DeviceRepr + Default + Clone>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> Result<Vec<T>, RuntimeError> {
-    s.clone_dtoh(d).map_err(|e| RuntimeError::Driver { context: "copying from the GPU".into(), source: e })
-}
-
 /// A bf16 output buffer poisoned with NaN.
-fn poisoned_bf16(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, RuntimeError> {
-    upload(s, &vec![bf16::NAN; n])
+pub fn poisoned_bf16<'g>(t: &Target<'g>, n: usize) -> Result<DevBuf<bf16>, CheckError> {
+    t.upload(&vec![bf16::NAN; n])
 }
 
-fn result<K: Kernel>(p: &K::Params, case: String, got: &[f32], want: &[f32], tol: Tolerance) -> CheckResult {
+/// Compares `got` with `want` for variant `p` of `K` and records the result.
+pub fn result<K: Kernel>(p: &K::Params, case: String, got: &[f32], want: &[f32], tol: Tolerance) -> CheckResult {
     let comparison = compare(got, want, tol);
-    CheckResult { kernel: K::NAME, symbol: K::symbol(p), passed: comparison.passed(tol), case, comparison }
+    CheckResult {
+        kernel: K::NAME,
+        symbol: K::symbol(p),
+        passed: comparison.passed(tol),
+        case,
+        comparison,
+    }
 }
 
 /// Problem sizes: `small` for quick tests, otherwise up to the engine's real sizes.
@@ -133,73 +445,157 @@ pub enum Sizes {
 }
 
 /// Checks RMSNorm.
-pub fn rms_norm(gpu: &Gpu, p: &RmsNormParams, rows: usize, n: usize, rng: &mut StdRng) -> Result<CheckResult, RuntimeError> {
-    let s = gpu.stream();
-    let k = gpu.compile::<RmsNorm>(p)?;
+pub fn rms_norm(
+    t: &Target<'_>,
+    p: &RmsNormParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
     let (x, xf) = random_bf16(rng, rows * n, -2.0, 2.0);
     let (w, wf) = random_bf16(rng, n, 0.5, 1.5);
-    let (dx, dw) = (upload(s, &x)?, upload(s, &w)?);
-    let mut out = poisoned_bf16(s, rows * n)?;
+    let (dx, dw) = (t.upload(&x)?, t.upload(&w)?);
+    let mut out = poisoned_bf16(t, rows * n)?;
     let eps = 1e-6f32;
+    let mut args = [
+        Arg::In(&dx),
+        Arg::In(&dw),
+        Arg::Out(&mut out),
+        Arg::from(n as u32),
+        Arg::from(eps),
+    ];
     // SAFETY: x and out hold rows * n elements, weight n; vec variants are only run with n % 8 == 0.
-    unsafe { RmsNorm::launch(&k, s, rows as u32, &dx, &dw, &mut out, n as u32, eps)? };
-    let got = to_f32(&download(s, &out)?);
-    Ok(result::<RmsNorm>(p, format!("rows={rows} n={n}"), &got, &rms_norm::reference(&xf, &wf, n, eps), Tolerance::BF16))
+    unsafe { t.launch::<RmsNorm>(p, rows as u32, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    Ok(result::<RmsNorm>(
+        p,
+        format!("rows={rows} n={n}"),
+        &got,
+        &rms_norm::reference(&xf, &wf, n, eps),
+        Tolerance::BF16,
+    ))
 }
 
 /// Checks SiLU-and-mul.
-pub fn silu_mul(gpu: &Gpu, p: &SiluMulParams, rows: usize, d: usize, rng: &mut StdRng) -> Result<CheckResult, RuntimeError> {
-    let s = gpu.stream();
-    let k = gpu.compile::<SiluMul>(p)?;
+pub fn silu_mul(
+    t: &Target<'_>,
+    p: &SiluMulParams,
+    rows: usize,
+    d: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
     let (x, xf) = random_bf16(rng, rows * 2 * d, -4.0, 4.0);
-    let dx = upload(s, &x)?;
-    let mut out = poisoned_bf16(s, rows * d)?;
+    let dx = t.upload(&x)?;
+    let mut out = poisoned_bf16(t, rows * d)?;
     let grid = ((rows * d).div_ceil(p.block as usize * if p.vec { 8 } else { 1 })).clamp(1, 4096) as u32;
+    let mut args = [
+        Arg::In(&dx),
+        Arg::Out(&mut out),
+        Arg::from(rows as u32),
+        Arg::from(d as u32),
+    ];
     // SAFETY: gate_up holds rows * 2d elements and out rows * d; vec variants need d % 8 == 0.
-    unsafe { SiluMul::launch(&k, s, grid, &dx, &mut out, rows as u32, d as u32)? };
-    let got = to_f32(&download(s, &out)?);
-    Ok(result::<SiluMul>(p, format!("rows={rows} d={d}"), &got, &silu_mul::reference(&xf, d), Tolerance::BF16))
+    unsafe { t.launch::<SiluMul>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    Ok(result::<SiluMul>(
+        p,
+        format!("rows={rows} d={d}"),
+        &got,
+        &silu_mul::reference(&xf, d),
+        Tolerance::BF16,
+    ))
 }
 
 /// Checks interleaved RoPE (in place).
-pub fn rope(gpu: &Gpu, p: &RopeParams, tokens: usize, heads: usize, stride: usize, offset: usize, rng: &mut StdRng) -> Result<CheckResult, RuntimeError> {
-    let s = gpu.stream();
-    let k = gpu.compile::<RopeInterleaved>(p)?;
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    t: &Target<'_>,
+    p: &RopeParams,
+    tokens: usize,
+    heads: usize,
+    stride: usize,
+    offset: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
     let (dim, half, max_pos) = (p.dim as usize, p.dim as usize / 2, 4096usize);
     let (x, mut xf) = random_bf16(rng, tokens * heads * stride, -2.0, 2.0);
     let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..max_pos as u32)).collect();
-    let angles: Vec<f32> = (0..max_pos * half).map(|i| (i / half) as f32 * 10000f32.powf(-2.0 * (i % half) as f32 / dim as f32)).collect();
+    let angles: Vec<f32> = (0..max_pos * half)
+        .map(|i| (i / half) as f32 * 10000f32.powf(-2.0 * (i % half) as f32 / dim as f32))
+        .collect();
     let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
     let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
-    let mut dx = upload(s, &x)?;
-    let (dp, dc, ds) = (upload(s, &positions)?, upload(s, &cos)?, upload(s, &sin)?);
+    let mut dx = t.upload(&x)?;
+    let (dp, dc, ds) = (t.upload(&positions)?, t.upload(&cos)?, t.upload(&sin)?);
     let rows = tokens * heads;
     let grid = (rows * half).div_ceil(p.block as usize) as u32;
+    let mut args = [
+        Arg::Out(&mut dx),
+        Arg::In(&dp),
+        Arg::In(&dc),
+        Arg::In(&ds),
+        Arg::from(rows as u32),
+        Arg::from(heads as u32),
+        Arg::from(stride as u32),
+        Arg::from(offset as u32),
+    ];
     // SAFETY: x holds rows * stride elements with offset + dim <= stride; tables hold max_pos * dim/2.
-    unsafe { RopeInterleaved::launch(&k, s, grid, &mut dx, &dp, &dc, &ds, rows as u32, heads as u32, stride as u32, offset as u32)? };
-    let got = to_f32(&download(s, &dx)?);
+    unsafe { t.launch::<RopeInterleaved>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&dx)?);
     rope::reference(&mut xf, &positions, &cos, &sin, heads, stride, offset, dim);
-    Ok(result::<RopeInterleaved>(p, format!("tokens={tokens} heads={heads} stride={stride} offset={offset}"), &got, &xf, Tolerance::BF16))
+    let case = format!("tokens={tokens} heads={heads} stride={stride} offset={offset}");
+    Ok(result::<RopeInterleaved>(p, case, &got, &xf, Tolerance::BF16))
 }
 
 /// Checks the embedding gather (some ids out of range on purpose).
-pub fn embedding(gpu: &Gpu, p: &EmbeddingParams, tokens: usize, vocab: usize, hidden: usize, rng: &mut StdRng) -> Result<CheckResult, RuntimeError> {
-    let s = gpu.stream();
-    let k = gpu.compile::<Embedding>(p)?;
-    let (t, tf) = random_bf16(rng, vocab * hidden, -1.0, 1.0);
-    let ids: Vec<u32> = (0..tokens).map(|i| if i % 7 == 3 { vocab as u32 + i as u32 } else { rng.random_range(0..vocab as u32) }).collect();
-    let (dt, di) = (upload(s, &t)?, upload(s, &ids)?);
-    let mut out = poisoned_bf16(s, tokens * hidden)?;
+pub fn embedding(
+    t: &Target<'_>,
+    p: &EmbeddingParams,
+    tokens: usize,
+    vocab: usize,
+    hidden: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let (tab, tf) = random_bf16(rng, vocab * hidden, -1.0, 1.0);
+    let ids: Vec<u32> = (0..tokens)
+        .map(|i| {
+            if i % 7 == 3 {
+                vocab as u32 + i as u32
+            } else {
+                rng.random_range(0..vocab as u32)
+            }
+        })
+        .collect();
+    let (dt, di) = (t.upload(&tab)?, t.upload(&ids)?);
+    let mut out = poisoned_bf16(t, tokens * hidden)?;
+    let mut args = [
+        Arg::In(&di),
+        Arg::In(&dt),
+        Arg::Out(&mut out),
+        Arg::from(hidden as u32),
+        Arg::from(vocab as u32),
+    ];
     // SAFETY: table holds vocab * hidden elements, out tokens * hidden; vec variants need hidden % 8 == 0.
-    unsafe { Embedding::launch(&k, s, tokens as u32, &di, &dt, &mut out, hidden as u32, vocab as u32)? };
-    let got = to_f32(&download(s, &out)?);
-    Ok(result::<Embedding>(p, format!("tokens={tokens} vocab={vocab} hidden={hidden}"), &got, &embedding::reference(&ids, &tf, hidden), Tolerance::EXACT))
+    unsafe { t.launch::<Embedding>(p, tokens as u32, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    let case = format!("tokens={tokens} vocab={vocab} hidden={hidden}");
+    Ok(result::<Embedding>(
+        p,
+        case,
+        &got,
+        &embedding::reference(&ids, &tf, hidden),
+        Tolerance::EXACT,
+    ))
 }
 
 /// Checks row top-k (rows seeded with repeated values to exercise the tie rule).
-pub fn topk(gpu: &Gpu, p: &TopkParams, rows: usize, n: usize, rng: &mut StdRng) -> Result<CheckResult, RuntimeError> {
-    let s = gpu.stream();
-    let k = gpu.compile::<RowTopk>(p)?;
+pub fn topk(
+    t: &Target<'_>,
+    p: &TopkParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
     let kk = p.k as usize;
     let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
     for r in 0..rows {
@@ -209,112 +605,192 @@ pub fn topk(gpu: &Gpu, p: &TopkParams, rows: usize, n: usize, rng: &mut StdRng) 
             logits[r * n + rng.random_range(0..n)] = top;
         }
     }
-    let dl = upload(s, &logits)?;
-    let mut vals = upload(s, &vec![f32::NAN; rows * kk])?;
-    let mut idx = upload(s, &vec![u32::MAX; rows * kk])?;
+    let dl = t.upload(&logits)?;
+    let mut vals = t.upload(&vec![f32::NAN; rows * kk])?;
+    let mut idx = t.upload(&vec![u32::MAX; rows * kk])?;
+    let mut args = [
+        Arg::In(&dl),
+        Arg::Out(&mut vals),
+        Arg::Out(&mut idx),
+        Arg::from(n as u32),
+    ];
     // SAFETY: logits hold rows * n values with n >= k; outputs hold rows * k.
-    unsafe { RowTopk::launch(&k, s, rows as u32, &dl, &mut vals, &mut idx, n as u32)? };
-    let (gv, gi) = (download(s, &vals)?, download(s, &idx)?);
+    unsafe { t.launch::<RowTopk>(p, rows as u32, &mut args)? };
+    let (gv, gi) = (t.download(&vals)?, t.download(&idx)?);
     let want = topk::reference(&logits, n, kk);
     // Compare values and indices as one exact vector.
     let got: Vec<f32> = gv.iter().zip(&gi).flat_map(|(v, i)| [*v, *i as f32]).collect();
     let want: Vec<f32> = want.iter().flat_map(|(v, i)| [*v, *i as f32]).collect();
-    Ok(result::<RowTopk>(p, format!("rows={rows} n={n}"), &got, &want, Tolerance::EXACT))
+    Ok(result::<RowTopk>(
+        p,
+        format!("rows={rows} n={n}"),
+        &got,
+        &want,
+        Tolerance::EXACT,
+    ))
 }
 
 /// Checks the tile GEMM.
-pub fn gemm(gpu: &Gpu, p: &GemmParams, m: usize, n: usize, kd: usize, rng: &mut StdRng) -> Result<CheckResult, RuntimeError> {
-    let s = gpu.stream();
-    let k = gpu.compile::<GemmBf16>(p)?;
+pub fn gemm(
+    t: &Target<'_>,
+    p: &GemmParams,
+    m: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
     let (a, af) = random_bf16(rng, m * kd, -1.0, 1.0);
     let (b, bf) = random_bf16(rng, n * kd, -1.0, 1.0);
-    let (da, db) = (upload(s, &a)?, upload(s, &b)?);
-    let mut c = poisoned_bf16(s, m * n)?;
+    let (da, db) = (t.upload(&a)?, t.upload(&b)?);
+    let mut c = poisoned_bf16(t, m * n)?;
     let grid = ((n as u32).div_ceil(p.bn), (m as u32).div_ceil(p.bm));
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&db),
+        Arg::Out(&mut c),
+        Arg::from(m as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
     // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0 (callers pick such k).
-    unsafe { GemmBf16::launch(&k, s, grid, &da, &db, &mut c, m as u32, n as u32, kd as u32)? };
-    let got = to_f32(&download(s, &c)?);
+    unsafe { t.launch::<GemmBf16>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&c)?);
     let want = gemm_bf16::reference(&af, &bf, m, n, kd);
     // Sums of k products: scale the absolute tolerance with the typical output size.
     let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
-    let tol = Tolerance { rtol: 1e-2, atol: 1e-2 * rms, rel_l2: 1e-2 };
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
     Ok(result::<GemmBf16>(p, format!("m={m} n={n} k={kd}"), &got, &want, tol))
 }
 
-/// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.
-/// Variants that cannot take a size (vector paths need multiples of 8) skip it.
-pub fn run_all(gpu: &Gpu, sizes: Sizes, seed: u64) -> Result<Vec<CheckResult>, RuntimeError> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let full = sizes == Sizes::Full;
+/// Every candidate of [`RmsNorm`] at the sizes of `sizes`.
+pub fn rms_norm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
     for p in RmsNorm::space() {
         let mut ns = vec![(1, 64), (3, 136), (5, 1000)];
-        if full {
+        if sizes == Sizes::Full {
             ns.extend([(7, 7168), (64, 1536), (33, 512)]);
         }
         for (rows, n) in ns {
             if p.vec && n % 8 != 0 {
                 continue;
             }
-            out.push(rms_norm(gpu, &p, rows, n, &mut rng)?);
+            out.push(rms_norm(t, &p, rows, n, rng)?);
         }
     }
+    Ok(out)
+}
+
+/// Every candidate of [`SiluMul`] at the sizes of `sizes`.
+pub fn silu_mul_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
     for p in SiluMul::space() {
         let mut ds = vec![(1, 64), (3, 200), (7, 37)];
-        if full {
+        if sizes == Sizes::Full {
             ds.extend([(16, 2048), (9, 18432)]);
         }
         for (rows, d) in ds {
             if p.vec && d % 8 != 0 {
                 continue;
             }
-            out.push(silu_mul(gpu, &p, rows, d, &mut rng)?);
+            out.push(silu_mul(t, &p, rows, d, rng)?);
         }
     }
+    Ok(out)
+}
+
+/// Every candidate of [`RopeInterleaved`] at the sizes of `sizes`.
+pub fn rope_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
     for p in RopeInterleaved::space() {
         let dim = p.dim as usize;
         // (tokens, heads, stride, offset): q rows [tokens, heads, 128 + dim] with rope last, and
         // k_pe rows [tokens, 1, 512 + dim].
         let mut cases = vec![(1, 1, dim, 0), (3, 4, 128 + dim, 128), (5, 1, 512 + dim, 512)];
-        if full {
+        if sizes == Sizes::Full {
             cases.extend([(17, 64, 128 + dim, 128), (64, 1, 512 + dim, 512)]);
         }
-        for (t, h, st, off) in cases {
-            out.push(rope(gpu, &p, t, h, st, off, &mut rng)?);
+        for (tk, h, st, off) in cases {
+            out.push(rope(t, &p, tk, h, st, off, rng)?);
         }
     }
+    Ok(out)
+}
+
+/// Every candidate of [`Embedding`] at the sizes of `sizes`.
+pub fn embedding_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
     for p in Embedding::space() {
         let mut cases = vec![(1, 50, 64), (9, 300, 72), (5, 40, 100)];
-        if full {
+        if sizes == Sizes::Full {
             cases.push((33, 163840, 7168));
         }
-        for (t, v, h) in cases {
+        for (tk, v, h) in cases {
             if p.vec && h % 8 != 0 {
                 continue;
             }
-            out.push(embedding(gpu, &p, t, v, h, &mut rng)?);
+            out.push(embedding(t, &p, tk, v, h, rng)?);
         }
     }
+    Ok(out)
+}
+
+/// Every candidate of [`RowTopk`] at the sizes of `sizes`.
+pub fn topk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
     for p in RowTopk::space() {
         let mut cases = vec![(1, 100), (3, 1000), (2, 4099)];
-        if full {
+        if sizes == Sizes::Full {
             cases.extend([(4, 163840), (17, 163840)]);
         }
         for (rows, n) in cases {
             if n < p.k as usize {
                 continue;
             }
-            out.push(topk(gpu, &p, rows, n, &mut rng)?);
+            out.push(topk(t, &p, rows, n, rng)?);
         }
     }
+    Ok(out)
+}
+
+/// Every candidate of [`GemmBf16`] at the sizes of `sizes`.
+pub fn gemm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
     for p in GemmBf16::space() {
         let mut cases = vec![(1, 8, 16), (37, 50, 72), (128, 128, 64), (130, 200, 264)];
-        if full {
+        if sizes == Sizes::Full {
             cases.extend([(256, 7168, 2048), (16, 4096, 7168), (513, 1000, 1032)]);
         }
         for (m, n, k) in cases {
-            out.push(gemm(gpu, &p, m, n, k, &mut rng)?);
+            out.push(gemm(t, &p, m, n, k, rng)?);
         }
+    }
+    Ok(out)
+}
+
+/// A kernel's checks: every candidate at the sizes given.
+pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
+
+/// Every kernel's suite, in catalogue order.
+pub const SUITES: &[Suite] = &[
+    rms_norm_suite,
+    silu_mul_suite,
+    rope_suite,
+    embedding_suite,
+    topk_suite,
+    gemm_suite,
+];
+
+/// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.
+/// Variants that cannot take a size (vector paths need multiples of 8) skip it.
+pub fn run_all(t: &Target<'_>, sizes: Sizes, seed: u64) -> Result<Vec<CheckResult>, CheckError> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    for suite in SUITES {
+        out.extend(suite(t, sizes, &mut rng)?);
     }
     Ok(out)
 }

@@ -122,7 +122,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     );
     let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     println!("seed: {seed}");
-    let results = check::run_all(&gpu, if args.small { Sizes::Small } else { Sizes::Full }, seed)?;
+    let results = check::run_all(&check::Target::Gpu(&gpu), if args.small { Sizes::Small } else { Sizes::Full }, seed)?;
     for r in results.iter().filter(|r| !r.passed) {
         println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
     }

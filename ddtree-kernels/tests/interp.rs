@@ -1,0 +1,74 @@
+//! Every candidate of every kernel on the CPU interpreter (and on the GPU when one is present)
+//! against its CPU reference, at small ragged sizes; plus the interpreter's speed on a tile GEMM.
+
+use std::time::Instant;
+
+use ddtree_codegen::Kernel;
+use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
+use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+/// Runs `suite` on every target and checks it covered every candidate of `K`.
+fn every_candidate<K: Kernel>(suite: Suite) {
+    check::on_each_target(|t, rng| {
+        let results = suite(t, Sizes::Small, rng)?;
+        assert_covers::<K>(&results);
+        Ok(results)
+    });
+}
+
+fn assert_covers<K: Kernel>(results: &[CheckResult]) {
+    for p in K::space() {
+        let s = K::symbol(&p);
+        assert!(results.iter().any(|r| r.symbol == s), "candidate {s} was not checked");
+    }
+}
+
+#[test]
+fn rms_norm() {
+    every_candidate::<RmsNorm>(check::rms_norm_suite);
+}
+
+#[test]
+fn silu_mul() {
+    every_candidate::<SiluMul>(check::silu_mul_suite);
+}
+
+#[test]
+fn rope() {
+    every_candidate::<RopeInterleaved>(check::rope_suite);
+}
+
+#[test]
+fn embedding() {
+    every_candidate::<Embedding>(check::embedding_suite);
+}
+
+#[test]
+fn topk() {
+    every_candidate::<RowTopk>(check::topk_suite);
+}
+
+#[test]
+fn gemm_bf16() {
+    every_candidate::<GemmBf16>(check::gemm_suite);
+}
+
+/// The budget: a 64x64x64 tile GEMM interprets in a few seconds in a debug build.
+#[test]
+fn a_64_cubed_tile_gemm_interprets_in_seconds() {
+    let p = GemmBf16::space()
+        .into_iter()
+        .find(|p| p.bm == 64 && p.bn == 64 && p.bk == 64)
+        .expect("a 64x64x64 tile");
+    let start = Instant::now();
+    let r = check::gemm(&Target::Interp, &p, 64, 64, 64, &mut StdRng::seed_from_u64(1)).expect("runs");
+    let secs = start.elapsed().as_secs_f64();
+    assert!(r.passed, "{:?}", r.comparison);
+    eprintln!(
+        "64x64x64 tile GEMM ({}) on the interpreter: {secs:.2} s",
+        GemmBf16::symbol(&p)
+    );
+    assert!(secs < 10.0, "interpreting a 64x64x64 GEMM took {secs:.1} s");
+}
