@@ -1,0 +1,303 @@
+//! A planted bug of each hazard class, caught by the interpreter with its DSL location.
+
+use ddtree_codegen::dsl::*;
+use ddtree_codegen::interp::{Buffer, Hazard, HostArg, InterpError, Program, RaceKind};
+use ddtree_codegen::{Kernel, Space};
+use ddtree_macros::kernel;
+
+/// Reads one element past the end: no `i < n` guard.
+#[kernel(block = 64)]
+pub fn oob_global(x: &[f32], out: &mut [f32]) {
+    let i = block_idx_x() * 64 + thread_idx_x();
+    out[i] = x[i] * 2.0f32; // HAZARD oob_global
+}
+
+/// Indexes a 32-element shared array with a 64-thread block.
+#[kernel(block = 64)]
+pub fn oob_shared(out: &mut [f32]) {
+    let s = shared::<f32>(32);
+    s[thread_idx_x()] = 1.0f32; // HAZARD oob_shared
+    sync_threads();
+    out[thread_idx_x()] = s[0];
+}
+
+/// Only half the threads fill the shared array everyone reads.
+#[kernel(block = 64)]
+pub fn uninit_shared(out: &mut [f32]) {
+    let s = shared::<f32>(64);
+    let t = thread_idx_x();
+    if t < 32 {
+        s[t] = t as f32;
+    }
+    sync_threads();
+    out[t] = s[63 - t]; // HAZARD uninit_shared
+}
+
+/// Every thread writes the same element.
+#[kernel(block = 64)]
+pub fn write_write(out: &mut [f32]) {
+    let s = shared::<f32>(1);
+    s[0] = thread_idx_x() as f32; // HAZARD write_write
+    sync_threads();
+    out[thread_idx_x()] = s[0];
+}
+
+/// Reads the neighbour's element with no barrier after writing.
+#[kernel(block = 64)]
+pub fn read_after_write(out: &mut [f32]) {
+    let s = shared::<f32>(64);
+    let t = thread_idx_x();
+    s[t] = 0.0f32;
+    sync_threads();
+    s[t] = t as f32;
+    out[t] = s[(t + 63) % 64]; // HAZARD read_after_write
+}
+
+/// Overwrites an element a neighbour reads, with no barrier between.
+#[kernel(block = 64)]
+pub fn write_after_read(out: &mut [f32]) {
+    let s = shared::<f32>(64);
+    let t = thread_idx_x();
+    s[t] = t as f32;
+    sync_threads();
+    let v = s[(t + 1) % 64];
+    s[t] = v; // HAZARD write_after_read
+    out[t] = v;
+}
+
+/// Half the block skips the barrier and exits.
+#[kernel(block = 64)]
+pub fn barrier_exit(out: &mut [f32]) {
+    let t = thread_idx_x();
+    if t < 32 {
+        sync_threads(); // HAZARD barrier_exit
+    }
+    out[t] = 1.0f32;
+}
+
+/// The two halves of the block wait at different barriers.
+#[kernel(block = 64)]
+pub fn barrier_mismatch(out: &mut [f32]) {
+    let t = thread_idx_x();
+    if t < 32 {
+        sync_threads(); // HAZARD barrier_mismatch
+        out[t] = 1.0f32;
+    } else {
+        sync_threads();
+        out[t] = 2.0f32;
+    }
+}
+
+/// A shuffle only half the warp reaches.
+#[kernel(block = 32)]
+pub fn partial_shuffle(out: &mut [f32]) {
+    let t = thread_idx_x();
+    let mut v = t as f32;
+    if t < 16 {
+        v = shfl_xor(v, 1u32); // HAZARD partial_shuffle
+    }
+    out[t] = v;
+}
+
+/// Reads a cp.async destination before waiting for it.
+#[kernel(block = 32)]
+pub fn cp_async_no_wait(x: &[bf16], out: &mut [f32]) {
+    let s = shared::<bf16>(256);
+    let t = thread_idx_x();
+    cp_async_16(&mut s[t * 8], &x[t * 8]);
+    cp_async_commit();
+    out[t] = s[t * 8] as f32; // HAZARD cp_async_no_wait
+    cp_async_wait(0);
+}
+
+/// A 128-bit load at an odd element.
+#[kernel(block = 32)]
+pub fn misaligned_vload(x: &[bf16], out: &mut [u32]) {
+    let t = thread_idx_x();
+    let v = x.vload(t * 8 + 1); // HAZARD misaligned_vload
+    out[t] = v.x;
+}
+
+/// The same pipeline with the wait and barrier in place: no hazard, right values.
+#[kernel(block = 32)]
+pub fn cp_async_ok(x: &[bf16], out: &mut [f32]) {
+    let s = shared::<bf16>(256);
+    let t = thread_idx_x();
+    cp_async_16(&mut s[t * 8], &x[t * 8]);
+    cp_async_commit();
+    cp_async_wait(0);
+    sync_threads();
+    out[t] = s[((t + 1) % 32) * 8] as f32;
+}
+
+/// The 1-based line of the statement marked `// HAZARD name` in this file.
+fn marked_line(name: &str) -> u32 {
+    let marker = format!("// HAZARD {name}");
+    let i = include_str!("hazards.rs")
+        .lines()
+        .position(|l| l.trim_end().ends_with(&marker))
+        .expect("marker");
+    i as u32 + 1
+}
+
+/// Runs kernel `K` over `grid` with `args` and returns its hazard.
+fn hazard_of<K: Kernel<Params = ()>>(grid: u32, args: &mut [HostArg<'_>]) -> InterpError {
+    let prog = Program::of::<K>(&()).expect("lowers");
+    let e = prog.launch([grid, 1, 1], args).expect_err("the planted bug is caught");
+    assert_eq!(e.loc.line, marked_line(K::NAME), "{e}");
+    eprintln!("{e}");
+    e
+}
+
+#[test]
+fn out_of_bounds_global_read() {
+    let x = Buffer::from_slice(&[1.0f32; 100]);
+    let mut out = Buffer::from_slice(&[0.0f32; 128]);
+    let e = hazard_of::<OobGlobal>(2, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
+    assert_eq!(e.block, [1, 0, 0]);
+    assert_eq!(e.thread, [36, 0, 0]);
+    let want = Hazard::OutOfBounds {
+        buffer: "x".into(),
+        space: Space::Global,
+        index: 100,
+        len: 100,
+        write: false,
+    };
+    assert_eq!(e.hazard, want);
+}
+
+#[test]
+fn out_of_bounds_shared_write() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<OobShared>(1, &mut [HostArg::Out(&mut out)]);
+    assert_eq!(e.thread, [32, 0, 0]);
+    let want = Hazard::OutOfBounds {
+        buffer: "s".into(),
+        space: Space::Shared,
+        index: 32,
+        len: 32,
+        write: true,
+    };
+    assert_eq!(e.hazard, want);
+}
+
+#[test]
+fn uninitialised_shared_read() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<UninitShared>(1, &mut [HostArg::Out(&mut out)]);
+    assert_eq!(e.thread, [0, 0, 0]);
+    assert_eq!(
+        e.hazard,
+        Hazard::UninitializedRead {
+            buffer: "s".into(),
+            index: 63
+        }
+    );
+}
+
+#[test]
+fn two_threads_write_one_shared_element() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<WriteWrite>(1, &mut [HostArg::Out(&mut out)]);
+    let want = Hazard::Race {
+        kind: RaceKind::WriteWrite,
+        buffer: "s".into(),
+        index: 0,
+        other: [0, 0, 0],
+    };
+    assert_eq!((e.thread, e.hazard), ([1, 0, 0], want));
+}
+
+#[test]
+fn read_of_another_threads_write_without_barrier() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<ReadAfterWrite>(1, &mut [HostArg::Out(&mut out)]);
+    let want = Hazard::Race {
+        kind: RaceKind::ReadAfterWrite,
+        buffer: "s".into(),
+        index: 0,
+        other: [0, 0, 0],
+    };
+    assert_eq!((e.thread, e.hazard), ([1, 0, 0], want));
+}
+
+#[test]
+fn write_over_another_threads_read_without_barrier() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<WriteAfterRead>(1, &mut [HostArg::Out(&mut out)]);
+    let want = Hazard::Race {
+        kind: RaceKind::WriteAfterRead,
+        buffer: "s".into(),
+        index: 1,
+        other: [0, 0, 0],
+    };
+    assert_eq!((e.thread, e.hazard), ([1, 0, 0], want));
+}
+
+#[test]
+fn barrier_with_exited_threads() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<BarrierExit>(1, &mut [HostArg::Out(&mut out)]);
+    assert!(
+        matches!(&e.hazard, Hazard::BarrierDivergence(m) if m.contains("exited")),
+        "{e}"
+    );
+}
+
+#[test]
+fn threads_at_different_barriers() {
+    let mut out = Buffer::from_slice(&[0.0f32; 64]);
+    let e = hazard_of::<BarrierMismatch>(1, &mut [HostArg::Out(&mut out)]);
+    assert!(
+        matches!(&e.hazard, Hazard::BarrierDivergence(m) if m.contains("different") || m.contains("waits at the barrier at")),
+        "{e}"
+    );
+}
+
+#[test]
+fn shuffle_reached_by_half_a_warp() {
+    let mut out = Buffer::from_slice(&[0.0f32; 32]);
+    let e = hazard_of::<PartialShuffle>(1, &mut [HostArg::Out(&mut out)]);
+    assert!(matches!(e.hazard, Hazard::WarpDivergence(_)), "{e}");
+}
+
+#[test]
+fn read_of_a_cp_async_destination_before_the_wait() {
+    let x = Buffer::from_slice(&[bf16::ONE; 256]);
+    let mut out = Buffer::from_slice(&[0.0f32; 32]);
+    let e = hazard_of::<CpAsyncNoWait>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
+    assert_eq!(
+        e.hazard,
+        Hazard::ReadBeforeWait {
+            buffer: "s".into(),
+            index: 0
+        }
+    );
+}
+
+#[test]
+fn misaligned_vector_load() {
+    let x = Buffer::from_slice(&[bf16::ONE; 512]);
+    let mut out = Buffer::from_slice(&[0u32; 32]);
+    let e = hazard_of::<MisalignedVload>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
+    assert_eq!(
+        e.hazard,
+        Hazard::Misaligned {
+            buffer: "x".into(),
+            index: 1
+        }
+    );
+}
+
+#[test]
+fn a_correct_cp_async_pipeline_passes() {
+    let xs: Vec<bf16> = (0..256).map(|i| bf16::from_f32(i as f32)).collect();
+    let x = Buffer::from_slice(&xs);
+    let mut out = Buffer::from_slice(&[f32::NAN; 32]);
+    Program::of::<CpAsyncOk>(&())
+        .expect("lowers")
+        .launch([1, 1, 1], &mut [HostArg::In(&x), HostArg::Out(&mut out)])
+        .expect("no hazard");
+    let want: Vec<f32> = (0..32).map(|t| (((t + 1) % 32) * 8) as f32).collect();
+    assert_eq!(out.to_vec::<f32>(), want);
+}
