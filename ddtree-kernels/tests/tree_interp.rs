@@ -1,0 +1,314 @@
+//! The tree kernels run on the CPU interpreter at small sizes against the CPU references:
+//! builder (top-K + expansion + mask) identical, verify attention (split + combine, naive)
+//! within bf16 tolerance, accept / sampling identical, compaction exact.
+
+use ddtree_codegen::interp::{Buffer, Element, HostArg, Program};
+use ddtree_codegen::Kernel;
+use ddtree_kernels::tree::reference::{build_with_lse, fill_mask, DraftTree};
+use ddtree_kernels::tree::{
+    accept_reference, sample_rows, verify_attention_reference, CompactRows, MlaVerifyCombine, MlaVerifyNaive,
+    MlaVerifySplit, TreeAccept, TreeExpand, TreeMask, TreeSample, TreeTopk, LATENT, ROW,
+};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn run<K: Kernel>(p: &K::Params, grid: [u32; 3], args: &mut [HostArg<'_>]) {
+    Program::of::<K>(p)
+        .expect("lowers")
+        .launch(grid, args)
+        .unwrap_or_else(|e| panic!("{}: {e:?}", K::NAME));
+}
+
+fn buf<T: Element>(v: &[T]) -> Buffer {
+    Buffer::from_slice(v)
+}
+
+fn u(v: u32) -> HostArg<'static> {
+    HostArg::Scalar(v.into())
+}
+
+/// Builds a tree with the three builder kernels; returns it and the kernels' lse.
+fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (DraftTree, Vec<f32>) {
+    let k = budget.min(v);
+    let cap = budget + 1;
+    let lg = buf(logits);
+    let (mut lse, mut lp, mut tok) = (
+        buf(&vec![f32::NAN; l]),
+        buf(&vec![f32::NAN; l * k]),
+        buf(&vec![u32::MAX; l * k]),
+    );
+    let p = TreeTopk::space()[1];
+    run::<TreeTopk>(
+        &p,
+        [l as u32, 1, 1],
+        &mut [
+            HostArg::In(&lg),
+            HostArg::Out(&mut lse),
+            HostArg::Out(&mut lp),
+            HostArg::Out(&mut tok),
+            u(v as u32),
+            u(k as u32),
+        ],
+    );
+    let rootb = buf(&[root]);
+    let mut outs = [
+        buf(&vec![0u32; cap]),
+        buf(&vec![0i32; cap]),
+        buf(&vec![0u32; cap]),
+        buf(&vec![0i32; cap]),
+        buf(&vec![0i32; cap]),
+        buf(&vec![0f32; cap]),
+        buf(&[0u32]),
+        buf(&vec![0u32; cap * 8]),
+    ];
+    {
+        let [tk, par, dep, fc, ns, plp, n, tup] = &mut outs;
+        run::<TreeExpand>(
+            &(),
+            [1, 1, 1],
+            &mut [
+                HostArg::In(&lp),
+                HostArg::In(&tok),
+                HostArg::In(&rootb),
+                HostArg::Out(tk),
+                HostArg::Out(par),
+                HostArg::Out(dep),
+                HostArg::Out(fc),
+                HostArg::Out(ns),
+                HostArg::Out(plp),
+                HostArg::Out(n),
+                HostArg::Out(tup),
+                u(l as u32),
+                u(k as u32),
+                u(budget as u32),
+            ],
+        );
+    }
+    let n = outs[6].to_vec::<u32>()[0] as usize;
+    let mut mask = buf(&vec![0u32; cap * cap.div_ceil(32)]);
+    run::<TreeMask>(
+        &(),
+        [cap.div_ceil(128) as u32, 1, 1],
+        &mut [HostArg::In(&outs[1]), HostArg::In(&outs[6]), HostArg::Out(&mut mask)],
+    );
+    let words = n.div_ceil(32);
+    let t = DraftTree {
+        token: outs[0].to_vec::<u32>()[..n].to_vec(),
+        parent: outs[1].to_vec::<i32>()[..n].to_vec(),
+        depth: outs[2].to_vec::<u32>()[..n].to_vec(),
+        first_child: outs[3].to_vec::<i32>()[..n].to_vec(),
+        next_sibling: outs[4].to_vec::<i32>()[..n].to_vec(),
+        mask: mask.to_vec::<u32>()[..n * words].to_vec(),
+        words,
+        path_logprob: outs[5].to_vec::<f32>()[..n].to_vec(),
+    };
+    (t, lse.to_vec())
+}
+
+#[test]
+fn builder_kernels_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for &(l, v, budget, ties) in &[
+        (3usize, 300usize, 20usize, false),
+        (2, 50, 40, true),
+        (4, 9, 30, true),
+        (1, 700, 64, false),
+    ] {
+        let logits: Vec<f32> = (0..l * v)
+            .map(|_| {
+                if ties {
+                    rng.random_range(-3i32..3) as f32 * 0.5
+                } else {
+                    rng.random_range(-8.0f32..8.0)
+                }
+            })
+            .collect();
+        let (t, lse) = gpu_build(&logits, l, v, budget, 17);
+        let want = build_with_lse(&logits, v, budget, 17, &lse);
+        assert_eq!(t, want, "l={l} v={v} budget={budget}");
+    }
+}
+
+#[test]
+fn verify_attention_kernels_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let (prefix, nodes, heads) = (37usize, 6usize, 3usize);
+    let rows = nodes * heads;
+    let qh: Vec<bf16> = (0..rows * ROW)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    let ch: Vec<bf16> = (0..(prefix + nodes) * ROW)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    let mut tree = DraftTree {
+        token: vec![0; nodes],
+        parent: vec![-1, 0, 0, 1, 3, 2],
+        depth: vec![0; nodes],
+        first_child: vec![-1; nodes],
+        next_sibling: vec![-1; nodes],
+        mask: vec![],
+        words: 0,
+        path_logprob: vec![0.0; nodes],
+    };
+    fill_mask(&mut tree);
+    let scale = 0.05f32;
+    let qf: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let cf: Vec<f32> = ch.iter().map(|x| x.to_f32()).collect();
+    let (want, want_lse) = verify_attention_reference(&qf, &cf, &tree.mask, tree.words, nodes, heads, prefix, scale);
+    let (q, c, m) = (buf(&qh), buf(&ch), buf(&tree.mask));
+    let check = |out: &Buffer, lse: &Buffer, what: &str| {
+        let o: Vec<f32> = out.to_vec::<bf16>().iter().map(|x| x.to_f32()).collect();
+        for (i, (g, w)) in o.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 2e-2 + 2e-2 * w.abs(),
+                "{what}: out[{i}] = {g}, want {w}"
+            );
+        }
+        for (g, w) in lse.to_vec::<f32>().iter().zip(&want_lse) {
+            assert!((g - w).abs() <= 1e-3 * (1.0 + w.abs()), "{what}: lse {g} vs {w}");
+        }
+    };
+    for p in MlaVerifySplit::space() {
+        let splits = 2usize;
+        let chunk = (prefix + nodes).div_ceil(splits).div_ceil(p.bn as usize) * p.bn as usize;
+        let (mut po, mut pl) = (
+            buf(&vec![f32::NAN; splits * rows * LATENT]),
+            buf(&vec![f32::NAN; splits * rows]),
+        );
+        let grid = [(rows as u32).div_ceil(16 * p.rg), splits as u32, 1];
+        run::<MlaVerifySplit>(
+            &p,
+            grid,
+            &mut [
+                HostArg::In(&q),
+                HostArg::In(&c),
+                HostArg::In(&m),
+                HostArg::Out(&mut po),
+                HostArg::Out(&mut pl),
+                u(rows as u32),
+                u(heads as u32),
+                u(prefix as u32),
+                u(nodes as u32),
+                u(tree.words as u32),
+                u(chunk as u32),
+                HostArg::Scalar(scale.into()),
+            ],
+        );
+        let (mut out, mut lse) = (buf(&vec![bf16::NAN; rows * LATENT]), buf(&vec![f32::NAN; rows]));
+        run::<MlaVerifyCombine>(
+            &(),
+            [rows as u32, 1, 1],
+            &mut [
+                HostArg::In(&po),
+                HostArg::In(&pl),
+                HostArg::Out(&mut out),
+                HostArg::Out(&mut lse),
+                u(rows as u32),
+                u(splits as u32),
+            ],
+        );
+        check(&out, &lse, &MlaVerifySplit::symbol(&p));
+    }
+    let (mut out, mut lse) = (buf(&vec![bf16::NAN; rows * LATENT]), buf(&vec![f32::NAN; rows]));
+    run::<MlaVerifyNaive>(
+        &(),
+        [rows as u32, 1, 1],
+        &mut [
+            HostArg::In(&q),
+            HostArg::In(&c),
+            HostArg::In(&m),
+            HostArg::Out(&mut out),
+            HostArg::Out(&mut lse),
+            u(heads as u32),
+            u(prefix as u32),
+            u(nodes as u32),
+            u(tree.words as u32),
+            HostArg::Scalar(scale.into()),
+        ],
+    );
+    check(&out, &lse, "naive");
+}
+
+#[test]
+fn accept_sample_and_compaction_kernels_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (l, v, budget) = (3usize, 6usize, 30usize);
+    let logits: Vec<f32> = (0..l * v).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let tree = ddtree_kernels::tree::build_reference(&logits, l, v, budget, 2);
+    let n = tree.len();
+    let target_logits: Vec<f32> = (0..n * v).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let mut samples = buf(&vec![u32::MAX; n]);
+    let tl = buf(&target_logits);
+    let sp = TreeSample::space()[1];
+    run::<TreeSample>(
+        &sp,
+        [n as u32, 1, 1],
+        &mut [
+            HostArg::In(&tl),
+            HostArg::Out(&mut samples),
+            u(v as u32),
+            HostArg::Scalar(0.7f32.into()),
+            u(1234),
+        ],
+    );
+    let want_s = sample_rows(&target_logits, v, 0.7, 1234);
+    assert_eq!(samples.to_vec::<u32>(), want_s);
+    // Accept with a target that follows the tree for a while.
+    let mut target = want_s.clone();
+    if let Some(&c) = tree.children(0).get(1) {
+        target[0] = tree.token[c];
+    }
+    let want = accept_reference(&tree, &target);
+    let (tk, fc, ns, tg) = (
+        buf(&tree.token),
+        buf(&tree.first_child),
+        buf(&tree.next_sibling),
+        buf(&target),
+    );
+    let (mut acc, mut len, mut bonus) = (buf(&vec![u32::MAX; l + 1]), buf(&[0u32]), buf(&[0u32]));
+    run::<TreeAccept>(
+        &(),
+        [1, 1, 1],
+        &mut [
+            HostArg::In(&tk),
+            HostArg::In(&fc),
+            HostArg::In(&ns),
+            HostArg::In(&tg),
+            HostArg::Out(&mut acc),
+            HostArg::Out(&mut len),
+            HostArg::Out(&mut bonus),
+        ],
+    );
+    let len = len.to_vec::<u32>()[0] as usize;
+    assert_eq!(acc.to_vec::<u32>()[..len], want.indices[..]);
+    assert_eq!(bonus.to_vec::<u32>()[0], want.bonus);
+    // Compaction of 2 layers of 24-wide rows after a prefix of 3.
+    let (layers, width, base, cap) = (2usize, 24usize, 3usize, 3 + n);
+    let data: Vec<bf16> = (0..layers * cap * width).map(|i| bf16::from_f32(i as f32)).collect();
+    let mut b = buf(&data);
+    let idx = buf(&want.indices);
+    let lenb = buf(&[want.indices.len() as u32]);
+    run::<CompactRows>(
+        &(),
+        [layers as u32, 1, 1],
+        &mut [
+            HostArg::Out(&mut b),
+            HostArg::In(&idx),
+            HostArg::In(&lenb),
+            u(base as u32),
+            u(width as u32),
+            u((cap * width) as u32),
+        ],
+    );
+    let got = b.to_vec::<bf16>();
+    for layer in 0..layers {
+        for (i, &src) in want.indices.iter().enumerate() {
+            let off = layer * cap * width;
+            assert_eq!(
+                got[off + (base + i) * width..][..width],
+                data[off + (base + src as usize) * width..][..width]
+            );
+        }
+    }
+}
