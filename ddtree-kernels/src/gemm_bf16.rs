@@ -153,6 +153,11 @@ pub fn gemm_bf16(#[comptime] p: &GemmParams, a: &[bf16], b: &[bf16], c: &mut [bf
     }
 }
 
+/// The launch grid for `c[m, n]`: `(ceil(n / bn), ceil(m / bm))`.
+pub fn grid(p: &GemmParams, m: usize, n: usize) -> (u32, u32) {
+    ((n as u32).div_ceil(p.bn), (m as u32).div_ceil(p.bm))
+}
+
 /// CPU reference in f32: `a` is `[m, k]`, `b` is `[n, k]`; returns `[m, n]`.
 pub fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut c = vec![0.0f32; m * n];

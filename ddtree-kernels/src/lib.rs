@@ -13,6 +13,7 @@ pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
 pub mod topk;
+pub mod tune;
 pub mod tree;
 pub mod w4a16;
 

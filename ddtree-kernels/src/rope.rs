@@ -55,6 +55,11 @@ pub fn rope_interleaved(
     }
 }
 
+/// The launch grid for `rows` rows (tokens x heads): one thread per rotated pair.
+pub fn grid(p: &RopeParams, rows: usize) -> u32 {
+    (rows * p.dim as usize / 2).div_ceil(p.block as usize) as u32
+}
+
 /// CPU reference, in place on f32 rows (same layout and tables as the kernel).
 #[allow(clippy::too_many_arguments)]
 pub fn reference(

@@ -60,6 +60,12 @@ pub fn silu_mul(#[comptime] p: &SiluMulParams, gate_up: &[bf16], out: &mut [bf16
     }
 }
 
+/// The launch grid for `rows` rows of width `d`: enough blocks for one element (or one
+/// 8-wide chunk) per thread, capped at 4096 (the kernel grid-strides past that).
+pub fn grid(p: &SiluMulParams, rows: usize, d: usize) -> u32 {
+    ((rows * d).div_ceil(p.block as usize * if p.vec { 8 } else { 1 })).clamp(1, 4096) as u32
+}
+
 /// CPU reference: `gate_up` is `[rows, 2 * d]`.
 pub fn reference(gate_up: &[f32], d: usize) -> Vec<f32> {
     gate_up

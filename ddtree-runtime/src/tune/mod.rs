@@ -227,26 +227,36 @@ impl<'g> Tuner<'g> {
         &self.opts
     }
 
+    /// The options, to change between keys (e.g. to add the roofline once measured).
+    pub fn options_mut(&mut self) -> &mut TuneOptions {
+        &mut self.opts
+    }
+
+    /// The valid cache entry that [`Tuner::tune`] would return for `K` at `key` without
+    /// measuring (none when [`TuneOptions::force`] is on).
+    pub fn cached<K: Tunable>(&self, key: &K::Key) -> Option<&TuneEntry> {
+        if self.opts.force {
+            return None;
+        }
+        let key = K::bucket(key);
+        let entry = self.cache.entry(K::NAME, &key.to_string())?;
+        (entry.source_hash == source_hash::<K>(&K::candidates(&key))).then_some(entry)
+    }
+
     /// Tunes `K` at the bucket of `key`, unless the cache holds a valid entry (and
     /// [`TuneOptions::force`] is off). Each candidate is compiled (in parallel), checked against
     /// the CPU reference, and timed only if it passed; failures score +inf and wrong results are
     /// reported and never chosen. Errors only where no input could be built for the key.
     pub fn tune<K: Tunable>(&mut self, key: &K::Key) -> Result<Tuned, RuntimeError> {
+        if let Some(entry) = self.cached::<K>(key) {
+            return Ok(Tuned {
+                entry: entry.clone(),
+                from_cache: true,
+            });
+        }
         let key = K::bucket(key);
         let candidates = K::candidates(&key);
         let hash = source_hash::<K>(&candidates);
-        if !self.opts.force {
-            if let Some(entry) = self
-                .cache
-                .entry(K::NAME, &key.to_string())
-                .filter(|e| e.source_hash == hash)
-            {
-                return Ok(Tuned {
-                    entry: entry.clone(),
-                    from_cache: true,
-                });
-            }
-        }
         let compiled = self.gpu.compile_many::<K>(&candidates);
         let cost = K::cost(&key);
         let l2 = self.gpu.limits().l2_bytes.max(1) as f64;

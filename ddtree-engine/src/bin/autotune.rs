@@ -1,0 +1,528 @@
+//! `autotune`: tunes every kernel variant the engine will launch for a model on this GPU and
+//! stores the winners in the per-GPU tune cache, which the engine reads at startup.
+//!
+//! ```text
+//! autotune [--model DIR | --preset kimi-k2.6] [--kernels PATTERN] [--force]
+//! autotune --preset kimi-k2.6 --compile-report   # NVRTC time per variant, cold vs warm cache
+//! autotune --preset kimi-k2.6 --startup          # warm startup to the first launch
+//! ```
+//!
+//! The problem keys come from the model's dimensions (hidden size, vocab, MLA ranks and head
+//! dims, dense and shared-expert MLP widths) for the kernels that exist, with the token count M
+//! in powers of two up to `--max-m`. A re-run with a warm cache measures nothing and only
+//! prints the table. Caches live under `$DDTREE_CACHE_DIR` (default `~/.cache/ddtree`).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use ddtree_engine::ModelConfig;
+use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey};
+use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
+use ddtree_runtime::{
+    CubinCache, Gpu, Jit, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache, TuneOptions, Tuned,
+    TunedKernels, Tuner,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser)]
+#[command(about = "Tune the GPU kernel variants a model needs and store the winners in the per-GPU tune cache")]
+struct Args {
+    /// Model folder with config.json (DeepSeek-V3 / Kimi K2.x).
+    #[arg(long, conflicts_with = "preset")]
+    model: Option<PathBuf>,
+    /// Built-in model dimensions: kimi-k2.6.
+    #[arg(long)]
+    preset: Option<String>,
+    /// Only kernels whose name contains one of these comma-separated substrings.
+    #[arg(long)]
+    kernels: Option<String>,
+    /// Largest token count M (rounded up to a power of two); keys use M = 1, 2, 4, ...
+    #[arg(long, default_value_t = 256)]
+    max_m: usize,
+    /// Re-measure keys that already have a valid entry.
+    #[arg(long)]
+    force: bool,
+    /// Timed launches per candidate (the median is kept).
+    #[arg(long, default_value_t = 25)]
+    reps: usize,
+    /// Print the problem keys and exit (no GPU needed).
+    #[arg(long)]
+    list: bool,
+    /// Compile every candidate variant one by one with NVRTC into an empty cache and again from
+    /// it, printing the time of each (no GPU needed; arch from the GPU, else sm_90a).
+    #[arg(long)]
+    compile_report: bool,
+    /// Measure a warm startup: open the GPU, load the tune cache, load every tuned variant of
+    /// the keys (from the compile cache), launch one kernel.
+    #[arg(long)]
+    startup: bool,
+}
+
+/// The dimensions that decide the problem keys.
+#[derive(Clone, Debug, PartialEq)]
+struct ModelDims {
+    name: String,
+    hidden: usize,
+    vocab: usize,
+    intermediate: usize,
+    moe_intermediate: usize,
+    shared_experts: usize,
+    routed_experts: usize,
+    heads: usize,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: usize,
+    qk_nope: usize,
+    qk_rope: usize,
+    v_head: usize,
+}
+
+impl ModelDims {
+    /// Kimi K2.6 (DeepSeek-V3 architecture with 64 heads and 384 experts).
+    fn kimi_k26() -> ModelDims {
+        ModelDims {
+            name: "kimi-k2.6".into(),
+            hidden: 7168,
+            vocab: 163840,
+            intermediate: 18432,
+            moe_intermediate: 2048,
+            shared_experts: 1,
+            routed_experts: 384,
+            heads: 64,
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope: 128,
+            qk_rope: 64,
+            v_head: 128,
+        }
+    }
+
+    fn from_config(name: String, c: &ModelConfig) -> ModelDims {
+        ModelDims {
+            name,
+            hidden: c.hidden_size,
+            vocab: c.vocab_size,
+            intermediate: c.intermediate_size,
+            moe_intermediate: c.moe.moe_intermediate_size,
+            shared_experts: c.moe.n_shared_experts,
+            routed_experts: c.moe.n_routed_experts,
+            heads: c.num_attention_heads,
+            q_lora_rank: c.q_lora_rank,
+            kv_lora_rank: c.kv_lora_rank,
+            qk_nope: c.qk_nope_head_dim,
+            qk_rope: c.qk_rope_head_dim,
+            v_head: c.v_head_dim,
+        }
+    }
+}
+
+/// One (kernel, key) to tune, whatever the kernel.
+trait Job {
+    fn kernel(&self) -> &'static str;
+    fn key(&self) -> String;
+    fn cached(&self, tuner: &Tuner<'_>) -> bool;
+    fn sources(&self) -> Vec<KernelSource>;
+    fn tune(&self, tuner: &mut Tuner<'_>) -> Result<Tuned, RuntimeError>;
+    fn preload(&self, kernels: &TunedKernels) -> Result<(), RuntimeError>;
+}
+
+struct KeyJob<K: Tunable>(K::Key);
+
+impl<K: Tunable> Job for KeyJob<K> {
+    fn kernel(&self) -> &'static str {
+        K::NAME
+    }
+    fn key(&self) -> String {
+        K::bucket(&self.0).to_string()
+    }
+    fn cached(&self, tuner: &Tuner<'_>) -> bool {
+        tuner.cached::<K>(&self.0).is_some()
+    }
+    fn sources(&self) -> Vec<KernelSource> {
+        K::candidates(&K::bucket(&self.0))
+            .iter()
+            .filter_map(|p| KernelSource::of::<K>(p).ok())
+            .collect()
+    }
+    fn tune(&self, tuner: &mut Tuner<'_>) -> Result<Tuned, RuntimeError> {
+        tuner.tune::<K>(&self.0)
+    }
+    fn preload(&self, kernels: &TunedKernels) -> Result<(), RuntimeError> {
+        kernels.preload::<K>(std::slice::from_ref(&self.0))
+    }
+}
+
+fn job<K: Tunable>(key: K::Key) -> Box<dyn Job> {
+    Box::new(KeyJob::<K>(key))
+}
+
+/// Every (kernel, key) the engine launches for `d`, M = 1, 2, 4, ..., `max_m`.
+fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
+    let ms: Vec<usize> = std::iter::successors(Some(1usize), |m| Some(m * 2))
+        .take_while(|&m| m <= max_m.max(1))
+        .collect();
+    let shared = d.moe_intermediate * d.shared_experts.max(1);
+    let qk = d.qk_nope + d.qk_rope;
+    let mut norms = vec![d.hidden, d.kv_lora_rank];
+    norms.extend(d.q_lora_rank);
+    let mut linears = vec![
+        (d.kv_lora_rank + d.qk_rope, d.hidden), // kv_a_proj_with_mqa
+        (d.hidden, d.heads * d.v_head),         // o_proj
+        (2 * d.intermediate, d.hidden),         // dense MLP gate+up (layer 0)
+        (d.hidden, d.intermediate),             // dense MLP down
+        (2 * shared, d.hidden),                 // shared expert gate+up
+        (d.hidden, shared),                     // shared expert down
+        (d.routed_experts, d.hidden),           // router
+        (d.vocab, d.hidden),                    // lm_head
+    ];
+    match d.q_lora_rank {
+        Some(r) => linears.extend([(r, d.hidden), (d.heads * qk, r)]), // q_a_proj, q_b_proj
+        None => linears.push((d.heads * qk, d.hidden)),                // q_proj
+    }
+    let mut jobs: Vec<Box<dyn Job>> = Vec::new();
+    for &m in &ms {
+        for &n in &norms {
+            jobs.push(job::<RmsNorm>(RowsKey { rows: m, n }));
+        }
+        for n in [d.intermediate, shared] {
+            jobs.push(job::<SiluMul>(RowsKey { rows: m, n }));
+        }
+        let q = RopeKey {
+            tokens: m,
+            heads: d.heads,
+            stride: qk,
+            offset: d.qk_nope,
+            dim: d.qk_rope,
+        };
+        let k_pe = RopeKey {
+            tokens: m,
+            heads: 1,
+            stride: d.kv_lora_rank + d.qk_rope,
+            offset: d.kv_lora_rank,
+            dim: d.qk_rope,
+        };
+        jobs.push(job::<RopeInterleaved>(q));
+        jobs.push(job::<RopeInterleaved>(k_pe));
+        jobs.push(job::<Embedding>(EmbeddingKey {
+            tokens: m,
+            vocab: d.vocab,
+            hidden: d.hidden,
+        }));
+        // Greedy verification takes the argmax; the drafter's tree expansion the top 8.
+        for k in [1, 8] {
+            jobs.push(job::<RowTopk>(TopkKey { rows: m, n: d.vocab, k }));
+        }
+        for &(n, k) in &linears {
+            jobs.push(job::<GemmBf16>(GemmKey { m, n, k }));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    jobs.retain(|j| seen.insert((j.kernel(), j.key())));
+    jobs
+}
+
+fn selected(jobs: Vec<Box<dyn Job>>, pattern: Option<&str>) -> Vec<Box<dyn Job>> {
+    let Some(pattern) = pattern else { return jobs };
+    let parts: Vec<&str> = pattern.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    jobs.into_iter()
+        .filter(|j| parts.iter().any(|p| j.kernel().contains(p)))
+        .collect()
+}
+
+fn dims(args: &Args) -> Result<ModelDims, String> {
+    match (&args.model, args.preset.as_deref()) {
+        (Some(dir), _) => {
+            let path = if dir.is_dir() {
+                dir.join("config.json")
+            } else {
+                dir.clone()
+            };
+            let cfg = ModelConfig::from_file(&path).map_err(|e| e.to_string())?;
+            Ok(ModelDims::from_config(dir.display().to_string(), &cfg))
+        }
+        (None, Some("kimi-k2.6") | None) => Ok(ModelDims::kimi_k26()),
+        (None, Some(other)) => Err(format!("unknown preset `{other}` (known: kimi-k2.6)")),
+    }
+}
+
+/// Log lines go above the progress bar instead of through it.
+#[derive(Clone)]
+struct BarWriter(ProgressBar);
+
+impl Write for BarWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.suspend(|| std::io::stderr().write_all(buf))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+fn init_logging(bar: &ProgressBar) {
+    let bar = bar.clone();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(move || BarWriter(bar.clone()))
+        .init();
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("-".to_string(), |v| format!("{v:.digits$}"))
+}
+
+/// NVRTC time per variant: into an empty cache (cold), then from it (warm).
+fn compile_report(jobs: &[Box<dyn Job>]) -> Result<(), RuntimeError> {
+    let arch = Gpu::open(0).map(|g| g.arch()).unwrap_or_else(|_| "sm_90a".to_string());
+    let dir = std::env::temp_dir().join(format!("ddtree-compile-report-{}", std::process::id()));
+    let jit = Jit::new(arch.clone(), Some(CubinCache::new(&dir)));
+    let mut sources: Vec<KernelSource> = jobs.iter().flat_map(|j| j.sources()).collect();
+    sources.sort_by(|a, b| a.symbol.cmp(&b.symbol));
+    sources.dedup_by(|a, b| a.symbol == b.symbol);
+    let (nv_major, nv_minor) = jit.nvrtc_version().ok_or(RuntimeError::NoNvrtc)?;
+    println!(
+        "NVRTC {nv_major}.{nv_minor}, arch {arch}, {} variants, one at a time\n",
+        sources.len()
+    );
+    println!("| variant | cold ms (NVRTC + cache write) | warm ms (cache read) | cubin KiB |");
+    println!("|---|---:|---:|---:|");
+    let (mut cold_total, mut warm_total) = (Duration::ZERO, Duration::ZERO);
+    for s in &sources {
+        let cold = jit.cubin(s)?;
+        let warm = jit.cubin(s)?;
+        assert!(!cold.cached && warm.cached, "the report's cache folder was fresh");
+        cold_total += cold.time;
+        warm_total += warm.time;
+        println!(
+            "| {} | {:.1} | {:.3} | {:.1} |",
+            s.symbol,
+            ms(cold.time),
+            ms(warm.time),
+            cold.bytes.len() as f64 / 1024.0
+        );
+    }
+    println!("| total (serial) | {:.0} | {:.1} | |", ms(cold_total), ms(warm_total));
+    std::fs::remove_dir_all(&dir).map_err(|e| RuntimeError::Io {
+        context: "removing",
+        path: dir.clone(),
+        source: e,
+    })?;
+    let par = Instant::now();
+    let results = jit.cubins(&sources);
+    let cold_par = par.elapsed();
+    let failed = results.iter().filter(|r| r.is_err()).count();
+    println!(
+        "\nparallel cold compile of all {} variants on {} threads: {:.0} ms ({failed} failed)",
+        sources.len(),
+        threads(),
+        ms(cold_par)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Warm startup: from process start to the first kernel launch finished.
+fn startup(process_start: Instant, jobs: &[Box<dyn Job>]) -> Result<(), RuntimeError> {
+    let t = Instant::now();
+    let gpu = Gpu::open(0)?;
+    let open = t.elapsed();
+    let t = Instant::now();
+    let kernels = TunedKernels::new(gpu.clone());
+    let load = t.elapsed();
+    let t = Instant::now();
+    for j in jobs {
+        j.preload(&kernels)?;
+    }
+    let preload = t.elapsed();
+    let t = Instant::now();
+    let key = RowsKey { rows: 1, n: 7168 };
+    let k = kernels.get::<RmsNorm>(&key)?;
+    let mut w = RmsNorm::workload(&gpu, &key, 1, 1)?;
+    let inputs = t.elapsed();
+    let t = Instant::now();
+    RmsNorm::run(&gpu, &k, &mut w, 0)?;
+    gpu.stream().synchronize().map_err(|e| RuntimeError::Driver {
+        context: "synchronizing".into(),
+        source: e,
+    })?;
+    let launch = t.elapsed();
+    let tuned = kernels.cache().entries().len();
+    println!(
+        "warm startup ({} keys, {tuned} tune entries, {} tune cache):",
+        jobs.len(),
+        kernels.cache().path().display()
+    );
+    println!("  open GPU (driver init, context, stream): {:8.1} ms", ms(open));
+    println!("  load tune cache:                          {:8.1} ms", ms(load));
+    println!(
+        "  load the tuned variant of every key:      {:8.1} ms (compile cache reads + module loads)",
+        ms(preload)
+    );
+    println!("  first-launch inputs (rms_norm 1 x 7168):  {:8.1} ms", ms(inputs));
+    println!("  first launch + synchronize:               {:8.1} ms", ms(launch));
+    println!(
+        "  process start to first launch done:       {:8.1} ms",
+        ms(process_start.elapsed())
+    );
+    Ok(())
+}
+
+fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
+    let d = dims(args)?;
+    let jobs = selected(plan(&d, args.max_m), args.kernels.as_deref());
+    if jobs.is_empty() {
+        return Err(format!("no kernel matches `{}`", args.kernels.as_deref().unwrap_or("")));
+    }
+    if args.list {
+        for j in &jobs {
+            println!("{} {}", j.kernel(), j.key());
+        }
+        return Ok(true);
+    }
+    let bar = ProgressBar::hidden();
+    init_logging(&bar);
+    if args.compile_report {
+        return compile_report(&jobs).map(|()| true).map_err(|e| e.to_string());
+    }
+    if args.startup {
+        return startup(process_start, &jobs).map(|()| true).map_err(|e| e.to_string());
+    }
+    let start = Instant::now();
+    let gpu = Gpu::discover(0).map_err(|e| format!("{e}; autotune needs a GPU"))?;
+    let cache = TuneCache::open(gpu.fingerprint());
+    let cache_path = cache.path().to_path_buf();
+    let mut tuner = Tuner::new(
+        &gpu,
+        cache,
+        TuneOptions {
+            force: args.force,
+            reps: args.reps,
+            ..Default::default()
+        },
+    );
+    let todo: Vec<&Box<dyn Job>> = jobs.iter().filter(|j| !j.cached(&tuner)).collect();
+    println!(
+        "{}: {} keys for {} on {}; {} cached, {} to tune",
+        d.name,
+        jobs.len(),
+        d.name,
+        gpu.fingerprint(),
+        jobs.len() - todo.len(),
+        todo.len()
+    );
+    if !todo.is_empty() {
+        let t = Instant::now();
+        let mut sources: Vec<KernelSource> = todo.iter().flat_map(|j| j.sources()).collect();
+        sources.sort_by(|a, b| a.symbol.cmp(&b.symbol));
+        sources.dedup_by(|a, b| a.symbol == b.symbol);
+        let cubins = gpu.jit().cubins(&sources);
+        let cached = cubins.iter().filter(|c| c.as_ref().is_ok_and(|c| c.cached)).count();
+        let failed = cubins.iter().filter(|c| c.is_err()).count();
+        println!(
+            "compiled {} variants in {:.2} s ({cached} from the compile cache, {failed} failed)",
+            sources.len(),
+            t.elapsed().as_secs_f64()
+        );
+        let r = Roofline::measure(&gpu).map_err(|e| e.to_string())?;
+        println!(
+            "roofline: copy bandwidth {:.0} GB/s, bf16 tensor estimate {:.0} TFLOP/s",
+            r.bytes_per_s / 1e9,
+            r.flops_per_s / 1e12
+        );
+        tuner.options_mut().roofline = Some(r);
+    }
+    bar.set_length(jobs.len() as u64);
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}").expect("a valid template"),
+    );
+    let mut rows = Vec::new();
+    let mut errors = Vec::new();
+    for j in &jobs {
+        bar.set_message(format!("{} {}", j.kernel(), j.key()));
+        match j.tune(&mut tuner) {
+            Ok(t) => rows.push(t),
+            Err(e) => errors.push(format!("{} {}: {e}", j.kernel(), j.key())),
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    print_table(&rows);
+    for e in &errors {
+        println!("ERROR {e}");
+    }
+    let measured = rows.iter().filter(|r| !r.from_cache).count();
+    println!(
+        "\n{} keys ({measured} measured, {} from the tune cache) in {:.1} s; tune cache: {}",
+        rows.len(),
+        rows.len() - measured,
+        start.elapsed().as_secs_f64(),
+        cache_path.display()
+    );
+    Ok(errors.is_empty())
+}
+
+fn print_table(rows: &[Tuned]) {
+    println!("\n| kernel | key | winner | µs | default µs | vs default | GB/s | TFLOP/s | % of floor |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|");
+    for t in rows {
+        let e = &t.entry;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            e.kernel,
+            e.key,
+            e.winner.as_deref().unwrap_or("NONE PASSED"),
+            opt(e.winner_us, 2),
+            opt(e.default_us, 2),
+            e.speedup().map_or("-".to_string(), |x| format!("{x:.2}x")),
+            opt(e.gbps, 0),
+            if e.flops > 0.0 { opt(e.tflops, 1) } else { "-".into() },
+            opt(e.percent_of_floor(), 0)
+        );
+    }
+    let rejected: Vec<String> = rows
+        .iter()
+        .flat_map(|t| t.entry.trials.iter().map(move |tr| (t, tr)))
+        .filter(|(_, tr)| tr.status != TrialStatus::Ok)
+        .map(|(t, tr)| {
+            format!(
+                "{:?} {} at {}: {}",
+                tr.status,
+                tr.variant,
+                t.entry.key,
+                tr.detail.as_deref().unwrap_or("").lines().next().unwrap_or("")
+            )
+        })
+        .collect();
+    if !rejected.is_empty() {
+        println!("\n{} candidate runs rejected (never chosen):", rejected.len());
+        for r in rejected {
+            println!("  {r}");
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let process_start = Instant::now();
+    let args = Args::parse();
+    match run(&args, process_start) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

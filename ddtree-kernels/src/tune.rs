@@ -1,0 +1,760 @@
+//! [`Tunable`] for the kernels of this crate: problem keys, candidate filters, timing inputs
+//! and costs. Candidates are checked with the GPU-versus-CPU checks of [`crate::check`] (fresh
+//! random inputs, poisoned outputs, the module's CPU reference), at a reduced key where the
+//! reference would be slow.
+//!
+//! Timing inputs hold random values tiled from a small host block (content does not change
+//! the speed of these kernels, and filling GiB-sized weights with fresh random numbers would
+//! dominate the tuning time).
+
+use std::fmt;
+
+use ddtree_codegen::Kernel;
+use ddtree_runtime::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use ddtree_runtime::{bucket_pow2, CompiledKernel, Cost, Gpu, RuntimeError, Tunable, Verdict};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::check::{self, CheckResult};
+use crate::{gemm_bf16, rope, silu_mul, Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul, TopkParams};
+
+fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
+    move |source| RuntimeError::Driver {
+        context: context.to_string(),
+        source,
+    }
+}
+
+/// A device buffer of `n` elements filled by tiling `block` (at most 1 Mi elements are copied
+/// per transfer).
+fn tiled<T: DeviceRepr + ValidAsZeroBits + Copy>(
+    gpu: &Gpu,
+    n: usize,
+    block: &[T],
+) -> Result<CudaSlice<T>, RuntimeError> {
+    let s = gpu.stream();
+    let mut buf = s
+        .alloc_zeros::<T>(n.max(1))
+        .map_err(drv("allocating a timing buffer"))?;
+    let mut at = 0;
+    while at < n {
+        let len = block.len().min(n - at);
+        let mut view = buf.slice_mut(at..at + len);
+        s.memcpy_htod(&block[..len], &mut view)
+            .map_err(drv("filling a timing buffer"))?;
+        at += len;
+    }
+    Ok(buf)
+}
+
+/// `copies` buffers of `n` elements each, tiled from `block`.
+fn sets<T: DeviceRepr + ValidAsZeroBits + Copy>(
+    gpu: &Gpu,
+    copies: usize,
+    n: usize,
+    block: &[T],
+) -> Result<Vec<CudaSlice<T>>, RuntimeError> {
+    (0..copies.max(1)).map(|_| tiled(gpu, n, block)).collect()
+}
+
+/// A block of random bf16 in `[lo, hi)` for tiling.
+fn bf16_block(rng: &mut StdRng, lo: f32, hi: f32) -> Vec<bf16> {
+    check::random_bf16(rng, 1 << 20, lo, hi).0
+}
+
+fn verdict(r: CheckResult) -> Verdict {
+    Verdict {
+        passed: r.passed,
+        detail: format!("{}: {:?}", r.case, r.comparison),
+    }
+}
+
+/// A row-wise problem: `rows` rows of width `n` (for SiLU-and-mul, `n` is the output width
+/// `d`). Rows are bucketed to powers of two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RowsKey {
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Row width.
+    pub n: usize,
+}
+
+impl fmt::Display for RowsKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rows={} n={}", self.rows, self.n)
+    }
+}
+
+impl RowsKey {
+    fn bucketed(&self) -> RowsKey {
+        RowsKey {
+            rows: bucket_pow2(self.rows),
+            n: self.n,
+        }
+    }
+
+    fn fewer_rows(&self, max: usize) -> RowsKey {
+        RowsKey {
+            rows: self.rows.min(max),
+            n: self.n,
+        }
+    }
+}
+
+/// RMSNorm timing buffers.
+pub struct RmsNormWorkload {
+    key: RowsKey,
+    x: Vec<CudaSlice<bf16>>,
+    w: CudaSlice<bf16>,
+    out: Vec<CudaSlice<bf16>>,
+}
+
+impl Tunable for RmsNorm {
+    type Key = RowsKey;
+    type Workload = RmsNormWorkload;
+
+    fn bucket(key: &RowsKey) -> RowsKey {
+        key.bucketed()
+    }
+
+    fn candidates(key: &RowsKey) -> Vec<Self::Params> {
+        Self::space().into_iter().filter(|p| !p.vec || key.n % 8 == 0).collect()
+    }
+
+    fn cost(key: &RowsKey) -> Cost {
+        Cost {
+            bytes: 2.0 * (2 * key.rows * key.n + key.n) as f64,
+            flops: 0.0,
+        }
+    }
+
+    fn workload(gpu: &Gpu, key: &RowsKey, copies: usize, seed: u64) -> Result<RmsNormWorkload, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n = key.rows * key.n;
+        Ok(RmsNormWorkload {
+            key: *key,
+            x: sets(gpu, copies, n, &bf16_block(&mut rng, -2.0, 2.0))?,
+            w: tiled(gpu, key.n, &bf16_block(&mut rng, 0.5, 1.5))?,
+            out: sets(gpu, copies, n, &[bf16::ZERO])?,
+        })
+    }
+
+    fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut RmsNormWorkload, i: usize) -> Result<(), RuntimeError> {
+        let RowsKey { rows, n } = w.key;
+        let (x, out) = (&w.x[i % w.x.len()], &mut w.out[i % w.x.len()]);
+        // SAFETY: x and out hold rows * n elements, weight n; candidates with vec need n % 8 == 0.
+        unsafe { RmsNorm::launch(k, gpu.stream(), rows as u32, x, &w.w, out, n as u32, 1e-6) }
+    }
+
+    fn check_key(key: &RowsKey) -> RowsKey {
+        key.fewer_rows(4)
+    }
+
+    fn check(gpu: &Gpu, p: &Self::Params, key: &RowsKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        check::rms_norm(
+            &check::Target::Gpu(gpu),
+            p,
+            key.rows,
+            key.n,
+            &mut StdRng::seed_from_u64(seed),
+        )
+        .map(verdict)
+        .map_err(Into::into)
+    }
+}
+
+/// SiLU-and-mul timing buffers.
+pub struct SiluMulWorkload {
+    key: RowsKey,
+    gate_up: Vec<CudaSlice<bf16>>,
+    out: Vec<CudaSlice<bf16>>,
+}
+
+impl Tunable for SiluMul {
+    type Key = RowsKey;
+    type Workload = SiluMulWorkload;
+
+    fn bucket(key: &RowsKey) -> RowsKey {
+        key.bucketed()
+    }
+
+    fn candidates(key: &RowsKey) -> Vec<Self::Params> {
+        Self::space().into_iter().filter(|p| !p.vec || key.n % 8 == 0).collect()
+    }
+
+    fn cost(key: &RowsKey) -> Cost {
+        Cost {
+            bytes: 2.0 * (3 * key.rows * key.n) as f64,
+            flops: 0.0,
+        }
+    }
+
+    fn workload(gpu: &Gpu, key: &RowsKey, copies: usize, seed: u64) -> Result<SiluMulWorkload, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        Ok(SiluMulWorkload {
+            key: *key,
+            gate_up: sets(gpu, copies, 2 * key.rows * key.n, &bf16_block(&mut rng, -4.0, 4.0))?,
+            out: sets(gpu, copies, key.rows * key.n, &[bf16::ZERO])?,
+        })
+    }
+
+    fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut SiluMulWorkload, i: usize) -> Result<(), RuntimeError> {
+        let RowsKey { rows, n } = w.key;
+        let grid = silu_mul::grid(k.params(), rows, n);
+        let (x, out) = (&w.gate_up[i % w.gate_up.len()], &mut w.out[i % w.gate_up.len()]);
+        // SAFETY: gate_up holds rows * 2n elements and out rows * n; vec candidates need n % 8 == 0.
+        unsafe { SiluMul::launch(k, gpu.stream(), grid, x, out, rows as u32, n as u32) }
+    }
+
+    fn check_key(key: &RowsKey) -> RowsKey {
+        key.fewer_rows(4)
+    }
+
+    fn check(gpu: &Gpu, p: &Self::Params, key: &RowsKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        check::silu_mul(
+            &check::Target::Gpu(gpu),
+            p,
+            key.rows,
+            key.n,
+            &mut StdRng::seed_from_u64(seed),
+        )
+        .map(verdict)
+        .map_err(Into::into)
+    }
+}
+
+/// Interleaved RoPE over `tokens` x `heads` rows of `stride` bf16, rotating `dim` values from
+/// `offset` (Kimi: q rows `heads=64 stride=192 offset=128`, the k_pe row `heads=1 stride=576
+/// offset=512`, `dim=64`). Tokens are bucketed to powers of two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RopeKey {
+    /// Tokens.
+    pub tokens: usize,
+    /// Heads per token.
+    pub heads: usize,
+    /// Elements per row.
+    pub stride: usize,
+    /// First rotated element of a row.
+    pub offset: usize,
+    /// Rotated elements per row.
+    pub dim: usize,
+}
+
+impl fmt::Display for RopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let RopeKey {
+            tokens,
+            heads,
+            stride,
+            offset,
+            dim,
+        } = self;
+        write!(
+            f,
+            "tokens={tokens} heads={heads} stride={stride} offset={offset} dim={dim}"
+        )
+    }
+}
+
+/// Positions in the timing tables (as in the check).
+const ROPE_MAX_POS: usize = 4096;
+
+/// RoPE timing buffers (rotated in place, which does not change the speed).
+pub struct RopeWorkload {
+    key: RopeKey,
+    x: Vec<CudaSlice<bf16>>,
+    positions: CudaSlice<u32>,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+impl Tunable for RopeInterleaved {
+    type Key = RopeKey;
+    type Workload = RopeWorkload;
+
+    fn bucket(key: &RopeKey) -> RopeKey {
+        RopeKey {
+            tokens: bucket_pow2(key.tokens),
+            ..*key
+        }
+    }
+
+    fn candidates(key: &RopeKey) -> Vec<Self::Params> {
+        Self::space()
+            .into_iter()
+            .filter(|p| p.dim as usize == key.dim)
+            .collect()
+    }
+
+    fn cost(key: &RopeKey) -> Cost {
+        let rotated = 2.0 * 2.0 * (key.tokens * key.heads * key.dim) as f64;
+        let tables = 2.0 * 4.0 * (key.tokens * key.dim / 2) as f64 + 4.0 * key.tokens as f64;
+        Cost {
+            bytes: rotated + tables,
+            flops: 0.0,
+        }
+    }
+
+    fn workload(gpu: &Gpu, key: &RopeKey, copies: usize, seed: u64) -> Result<RopeWorkload, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let positions: Vec<u32> = (0..key.tokens)
+            .map(|_| rng.random_range(0..ROPE_MAX_POS as u32))
+            .collect();
+        let table: Vec<f32> = (0..1 << 16).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        Ok(RopeWorkload {
+            key: *key,
+            x: sets(
+                gpu,
+                copies,
+                key.tokens * key.heads * key.stride,
+                &bf16_block(&mut rng, -2.0, 2.0),
+            )?,
+            positions: tiled(gpu, key.tokens, &positions)?,
+            cos: tiled(gpu, ROPE_MAX_POS * key.dim / 2, &table)?,
+            sin: tiled(gpu, ROPE_MAX_POS * key.dim / 2, &table)?,
+        })
+    }
+
+    fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut RopeWorkload, i: usize) -> Result<(), RuntimeError> {
+        let RopeKey {
+            tokens,
+            heads,
+            stride,
+            offset,
+            ..
+        } = w.key;
+        let rows = tokens * heads;
+        let copies = w.x.len();
+        let (x, pos, cos, sin) = (&mut w.x[i % copies], &w.positions, &w.cos, &w.sin);
+        let grid = rope::grid(k.params(), rows);
+        // SAFETY: x holds rows * stride elements with offset + dim <= stride (the key's layout);
+        // the tables hold ROPE_MAX_POS * dim / 2 values and positions are below ROPE_MAX_POS.
+        unsafe {
+            RopeInterleaved::launch(
+                k,
+                gpu.stream(),
+                grid,
+                x,
+                pos,
+                cos,
+                sin,
+                rows as u32,
+                heads as u32,
+                stride as u32,
+                offset as u32,
+            )
+        }
+    }
+
+    fn check_key(key: &RopeKey) -> RopeKey {
+        RopeKey {
+            tokens: key.tokens.min(4),
+            ..*key
+        }
+    }
+
+    fn check(gpu: &Gpu, p: &Self::Params, key: &RopeKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        check::rope(
+            &check::Target::Gpu(gpu),
+            p,
+            key.tokens,
+            key.heads,
+            key.stride,
+            key.offset,
+            &mut rng,
+        )
+        .map(verdict)
+        .map_err(Into::into)
+    }
+}
+
+/// An embedding gather of `tokens` ids from a `vocab` x `hidden` table. Tokens are bucketed to
+/// powers of two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EmbeddingKey {
+    /// Tokens gathered.
+    pub tokens: usize,
+    /// Table rows.
+    pub vocab: usize,
+    /// Row width.
+    pub hidden: usize,
+}
+
+impl fmt::Display for EmbeddingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tokens={} vocab={} hidden={}", self.tokens, self.vocab, self.hidden)
+    }
+}
+
+/// Embedding timing buffers: one table (the real one is far larger than L2), rotated ids.
+pub struct EmbeddingWorkload {
+    key: EmbeddingKey,
+    table: CudaSlice<bf16>,
+    ids: Vec<CudaSlice<u32>>,
+    out: Vec<CudaSlice<bf16>>,
+}
+
+impl Tunable for Embedding {
+    type Key = EmbeddingKey;
+    type Workload = EmbeddingWorkload;
+
+    fn bucket(key: &EmbeddingKey) -> EmbeddingKey {
+        EmbeddingKey {
+            tokens: bucket_pow2(key.tokens),
+            ..*key
+        }
+    }
+
+    fn candidates(key: &EmbeddingKey) -> Vec<Self::Params> {
+        Self::space()
+            .into_iter()
+            .filter(|p| !p.vec || key.hidden % 8 == 0)
+            .collect()
+    }
+
+    fn cost(key: &EmbeddingKey) -> Cost {
+        Cost {
+            bytes: 2.0 * 2.0 * (key.tokens * key.hidden) as f64 + 4.0 * key.tokens as f64,
+            flops: 0.0,
+        }
+    }
+
+    fn workload(gpu: &Gpu, key: &EmbeddingKey, copies: usize, seed: u64) -> Result<EmbeddingWorkload, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let ids: Vec<Vec<u32>> = (0..copies.max(1))
+            .map(|_| (0..key.tokens).map(|_| rng.random_range(0..key.vocab as u32)).collect())
+            .collect();
+        Ok(EmbeddingWorkload {
+            key: *key,
+            table: tiled(gpu, key.vocab * key.hidden, &bf16_block(&mut rng, -1.0, 1.0))?,
+            ids: ids.iter().map(|v| tiled(gpu, v.len(), v)).collect::<Result<_, _>>()?,
+            out: sets(gpu, copies, key.tokens * key.hidden, &[bf16::ZERO])?,
+        })
+    }
+
+    fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut EmbeddingWorkload, i: usize) -> Result<(), RuntimeError> {
+        let EmbeddingKey { tokens, vocab, hidden } = w.key;
+        let copies = w.ids.len();
+        let (ids, out) = (&w.ids[i % copies], &mut w.out[i % copies]);
+        // SAFETY: the table holds vocab * hidden elements, out tokens * hidden; ids < vocab;
+        // vec candidates need hidden % 8 == 0.
+        unsafe {
+            Embedding::launch(
+                k,
+                gpu.stream(),
+                tokens as u32,
+                ids,
+                &w.table,
+                out,
+                hidden as u32,
+                vocab as u32,
+            )
+        }
+    }
+
+    fn check_key(key: &EmbeddingKey) -> EmbeddingKey {
+        // The gather does not depend on the table's length; a small table keeps the check fast.
+        EmbeddingKey {
+            tokens: key.tokens.min(8),
+            vocab: key.vocab.min(4096),
+            hidden: key.hidden,
+        }
+    }
+
+    fn check(gpu: &Gpu, p: &Self::Params, key: &EmbeddingKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        check::embedding(&check::Target::Gpu(gpu), p, key.tokens, key.vocab, key.hidden, &mut rng)
+            .map(verdict)
+            .map_err(Into::into)
+    }
+}
+
+/// Top-`k` of `rows` rows of `n` f32 logits (Kimi: `n = 163840`). Rows are bucketed to powers
+/// of two; only variants built for this `k` are candidates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TopkKey {
+    /// Rows.
+    pub rows: usize,
+    /// Row length.
+    pub n: usize,
+    /// Entries kept per row.
+    pub k: usize,
+}
+
+impl fmt::Display for TopkKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rows={} n={} k={}", self.rows, self.n, self.k)
+    }
+}
+
+/// Top-k timing buffers.
+pub struct TopkWorkload {
+    key: TopkKey,
+    logits: Vec<CudaSlice<f32>>,
+    values: Vec<CudaSlice<f32>>,
+    indices: Vec<CudaSlice<u32>>,
+}
+
+impl Tunable for RowTopk {
+    type Key = TopkKey;
+    type Workload = TopkWorkload;
+
+    fn bucket(key: &TopkKey) -> TopkKey {
+        TopkKey {
+            rows: bucket_pow2(key.rows),
+            ..*key
+        }
+    }
+
+    fn candidates(key: &TopkKey) -> Vec<TopkParams> {
+        Self::space()
+            .into_iter()
+            .filter(|p| p.k as usize == key.k && key.n >= key.k)
+            .collect()
+    }
+
+    fn cost(key: &TopkKey) -> Cost {
+        Cost {
+            bytes: 4.0 * (key.rows * key.n) as f64 + 8.0 * (key.rows * key.k) as f64,
+            flops: 0.0,
+        }
+    }
+
+    fn workload(gpu: &Gpu, key: &TopkKey, copies: usize, seed: u64) -> Result<TopkWorkload, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let block: Vec<f32> = (0..1 << 20).map(|_| rng.random_range(-20.0f32..20.0)).collect();
+        Ok(TopkWorkload {
+            key: *key,
+            logits: sets(gpu, copies, key.rows * key.n, &block)?,
+            values: sets(gpu, copies, key.rows * key.k, &[0.0f32])?,
+            indices: sets(gpu, copies, key.rows * key.k, &[0u32])?,
+        })
+    }
+
+    fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut TopkWorkload, i: usize) -> Result<(), RuntimeError> {
+        let TopkKey { rows, n, .. } = w.key;
+        let c = i % w.logits.len();
+        let (logits, values, indices) = (&w.logits[c], &mut w.values[c], &mut w.indices[c]);
+        // SAFETY: logits hold rows * n values with n >= k; the outputs hold rows * k.
+        unsafe { RowTopk::launch(k, gpu.stream(), rows as u32, logits, values, indices, n as u32) }
+    }
+
+    fn check_key(key: &TopkKey) -> TopkKey {
+        TopkKey {
+            rows: key.rows.min(2),
+            ..*key
+        }
+    }
+
+    fn check(gpu: &Gpu, p: &TopkParams, key: &TopkKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        check::topk(
+            &check::Target::Gpu(gpu),
+            p,
+            key.rows,
+            key.n,
+            &mut StdRng::seed_from_u64(seed),
+        )
+        .map(verdict)
+        .map_err(Into::into)
+    }
+}
+
+/// `c[m, n] = a[m, k] . b[n, k]^T` in bf16 (a Linear layer: `m` tokens, `n` outputs, `k`
+/// inputs). `m` is bucketed to powers of two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmKey {
+    /// Rows of A and C (tokens).
+    pub m: usize,
+    /// Rows of B, columns of C (output features).
+    pub n: usize,
+    /// The reduction length (input features).
+    pub k: usize,
+}
+
+impl fmt::Display for GemmKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "m={} n={} k={}", self.m, self.n, self.k)
+    }
+}
+
+/// GEMM timing buffers.
+pub struct GemmWorkload {
+    key: GemmKey,
+    a: Vec<CudaSlice<bf16>>,
+    b: Vec<CudaSlice<bf16>>,
+    c: Vec<CudaSlice<bf16>>,
+}
+
+impl Tunable for GemmBf16 {
+    type Key = GemmKey;
+    type Workload = GemmWorkload;
+
+    fn bucket(key: &GemmKey) -> GemmKey {
+        GemmKey {
+            m: bucket_pow2(key.m),
+            ..*key
+        }
+    }
+
+    fn candidates(key: &GemmKey) -> Vec<Self::Params> {
+        // Every tile shape handles any m and n; the cp.async loads need k % 8 == 0.
+        if key.k % 8 == 0 {
+            Self::space()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn cost(key: &GemmKey) -> Cost {
+        let GemmKey { m, n, k } = *key;
+        Cost {
+            bytes: 2.0 * (m * k + n * k + m * n) as f64,
+            flops: 2.0 * (m * n * k) as f64,
+        }
+    }
+
+    fn workload(gpu: &Gpu, key: &GemmKey, copies: usize, seed: u64) -> Result<GemmWorkload, RuntimeError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let block = bf16_block(&mut rng, -1.0, 1.0);
+        Ok(GemmWorkload {
+            key: *key,
+            a: sets(gpu, copies, key.m * key.k, &block)?,
+            b: sets(gpu, copies, key.n * key.k, &block[1..])?,
+            c: sets(gpu, copies, key.m * key.n, &[bf16::ZERO])?,
+        })
+    }
+
+    fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut GemmWorkload, i: usize) -> Result<(), RuntimeError> {
+        let GemmKey { m, n, k: kd } = w.key;
+        let c = i % w.a.len();
+        let grid = gemm_bf16::grid(k.params(), m, n);
+        // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0 (the candidate filter).
+        unsafe {
+            GemmBf16::launch(
+                k,
+                gpu.stream(),
+                grid,
+                &w.a[c],
+                &w.b[c],
+                &mut w.c[c],
+                m as u32,
+                n as u32,
+                kd as u32,
+            )
+        }
+    }
+
+    fn check_key(key: &GemmKey) -> GemmKey {
+        // Ragged in m and n against every tile (one 128-wide tile plus 8), full reduction length.
+        GemmKey {
+            m: key.m.min(40),
+            n: key.n.min(136),
+            k: key.k,
+        }
+    }
+
+    fn check(gpu: &Gpu, p: &Self::Params, key: &GemmKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        check::gemm(
+            &check::Target::Gpu(gpu),
+            p,
+            key.m,
+            key.n,
+            key.k,
+            &mut StdRng::seed_from_u64(seed),
+        )
+        .map(verdict)
+        .map_err(Into::into)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_bucket_rows_to_powers_of_two_and_keep_shapes() {
+        assert_eq!(
+            RmsNorm::bucket(&RowsKey { rows: 3, n: 7168 }),
+            RowsKey { rows: 4, n: 7168 }
+        );
+        assert_eq!(
+            GemmBf16::bucket(&GemmKey {
+                m: 130,
+                n: 7168,
+                k: 2048
+            }),
+            GemmKey {
+                m: 256,
+                n: 7168,
+                k: 2048
+            }
+        );
+        let rope = RopeKey {
+            tokens: 17,
+            heads: 64,
+            stride: 192,
+            offset: 128,
+            dim: 64,
+        };
+        assert_eq!(RopeInterleaved::bucket(&rope).tokens, 32);
+        assert_eq!(rope.to_string(), "tokens=17 heads=64 stride=192 offset=128 dim=64");
+    }
+
+    #[test]
+    fn candidates_fit_the_key_and_keep_the_default_first() {
+        let topk: Vec<u32> = RowTopk::candidates(&TopkKey {
+            rows: 1,
+            n: 163840,
+            k: 8,
+        })
+        .iter()
+        .map(|p| p.k)
+        .collect();
+        assert!(!topk.is_empty() && topk.iter().all(|&k| k == 8));
+        assert!(RowTopk::candidates(&TopkKey { rows: 1, n: 4, k: 8 }).is_empty());
+        let rope = RopeInterleaved::candidates(&RopeKey {
+            tokens: 1,
+            heads: 1,
+            stride: 576,
+            offset: 512,
+            dim: 64,
+        });
+        assert!(rope.iter().all(|p| p.dim == 64));
+        assert_eq!(rope[0], RopeInterleaved::default_params());
+        let ragged = RmsNorm::candidates(&RowsKey { rows: 1, n: 1001 });
+        assert!(!ragged.is_empty() && ragged.iter().all(|p| !p.vec));
+        assert_eq!(
+            RmsNorm::candidates(&RowsKey { rows: 1, n: 7168 })[0],
+            RmsNorm::default_params()
+        );
+        assert!(GemmBf16::candidates(&GemmKey { m: 1, n: 8, k: 12 }).is_empty());
+    }
+
+    #[test]
+    fn check_keys_stay_small_but_keep_the_reduction() {
+        let g = GemmBf16::check_key(&GemmKey {
+            m: 256,
+            n: 163840,
+            k: 7168,
+        });
+        assert_eq!(g, GemmKey { m: 40, n: 136, k: 7168 });
+        assert_eq!(
+            Embedding::check_key(&EmbeddingKey {
+                tokens: 256,
+                vocab: 163840,
+                hidden: 7168
+            })
+            .vocab,
+            4096
+        );
+    }
+
+    #[test]
+    fn costs() {
+        let c = GemmBf16::cost(&GemmKey { m: 2, n: 3, k: 4 });
+        assert_eq!((c.bytes, c.flops), (2.0 * (8 + 12 + 6) as f64, 48.0));
+        assert_eq!(RmsNorm::cost(&RowsKey { rows: 1, n: 8 }).bytes, 2.0 * 24.0);
+    }
+}
