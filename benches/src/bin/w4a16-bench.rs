@@ -1,0 +1,379 @@
+//! W4A16 check and bench on the GPU, in one run:
+//!
+//! 1. every W4A16 candidate (dense, fused, grouped) and the GPU repack against the CPU
+//!    reference (fresh random data, poisoned outputs, ragged sizes);
+//! 2. device copy bandwidth;
+//! 3. per shape and M: cuBLAS bf16, every W4A16 candidate (split-K ones at several splits), the
+//!    best and the default, as µs, GB/s, % of copy bandwidth and speedup over cuBLAS;
+//! 4. the MoE block on a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8).
+//!
+//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--full-checks] [--reps N]`.
+//! Exits non-zero if any check fails.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{CudaSlice, CudaStream};
+use ddtree_codegen::Kernel;
+use ddtree_kernels::w4a16::check::{self, device_weights, moe_pairs, random_routing, upload};
+use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, DENSE_SPACE};
+use ddtree_kernels::w4a16::layout::PackedInt4;
+use ddtree_kernels::w4a16::moe::DeviceExperts;
+use ddtree_kernels::w4a16::{Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
+use ddtree_runtime::timing::median_us;
+use ddtree_runtime::{Gpu, RuntimeError};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(Parser)]
+#[command(about = "Check every W4A16 kernel on the GPU, then time it against cuBLAS bf16 and copy bandwidth")]
+struct Args {
+    /// Seed for the random inputs (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Skip the correctness checks.
+    #[arg(long)]
+    skip_checks: bool,
+    /// Add Kimi-sized check cases.
+    #[arg(long)]
+    full_checks: bool,
+    /// Timed repetitions per measurement.
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+}
+
+fn drv(context: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
+    move |source| RuntimeError::Driver {
+        context: context.into(),
+        source,
+    }
+}
+
+fn blas_err(e: cudarc::cublas::result::CublasError) -> RuntimeError {
+    RuntimeError::Launch {
+        kernel: "cublas".into(),
+        reason: format!("{e:?}"),
+    }
+}
+
+const L2_BYTES: usize = 60 << 20;
+
+/// Copies needed so one rotation of buffers of `bytes` each exceeds L2 three times over.
+fn copies(bytes: usize) -> usize {
+    (3 * L2_BYTES).div_ceil(bytes).clamp(2, 16)
+}
+
+fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
+    let s = gpu.stream();
+    let n = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
+    let mut dst = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
+    let us = median_us(s, 3, 10, |_| s.memcpy_dtod(&src, &mut dst).map_err(drv("copying")))?;
+    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
+}
+
+/// Random INT4 weights (any nibble) and scales, fast: timing data only.
+fn random_weights(rng: &mut StdRng, n: usize, k: usize, experts: usize) -> PackedInt4 {
+    let packed = (0..experts * n * k / 8).map(|_| rng.random::<u32>()).collect();
+    let scales = (0..experts * n * k / 32)
+        .map(|_| bf16::from_f32(rng.random_range(0.001f32..0.01)))
+        .collect();
+    PackedInt4 {
+        packed,
+        scales,
+        n,
+        k,
+        group: 32,
+        experts,
+    }
+}
+
+fn random_bf16_dev(s: &Arc<CudaStream>, rng: &mut StdRng, len: usize) -> Result<CudaSlice<bf16>, RuntimeError> {
+    let v: Vec<bf16> = (0..len)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect();
+    upload(s, &v)
+}
+
+struct Timed {
+    label: String,
+    us: f64,
+}
+
+/// One dense shape: weights in both layouts, rotated; every candidate at every M.
+fn bench_shape(
+    gpu: &Gpu,
+    k: usize,
+    n: usize,
+    ms: &[usize],
+    bw: f64,
+    reps: usize,
+    rng: &mut StdRng,
+) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let q_bytes = n * k / 2 + n * k / 32 * 2;
+    let nq = copies(q_bytes);
+    let mut wts = Vec::new();
+    for _ in 0..nq {
+        let p = random_weights(rng, n, k, 1);
+        wts.push((
+            device_weights(gpu, &p, Layout::Checkpoint)?,
+            device_weights(gpu, &p, Layout::Interleaved)?,
+            upload(s, &p.scales)?,
+        ));
+    }
+    let nb = copies(n * k * 2);
+    let bws: Vec<CudaSlice<bf16>> = (0..nb)
+        .map(|_| random_bf16_dev(s, rng, n * k))
+        .collect::<Result<_, _>>()?;
+    let blas = CudaBlas::new(s.clone()).map_err(blas_err)?;
+    let mut kernels = Vec::new();
+    for p in DENSE_SPACE {
+        let red = if p.splitk {
+            Some(gpu.compile::<W4a16Reduce>(&ReduceParams {
+                block: 256,
+                epilogue: p.epilogue,
+            })?)
+        } else {
+            None
+        };
+        kernels.push((*p, gpu.compile::<W4a16Gemm>(p)?, red));
+    }
+    for &m in ms {
+        let na = 4;
+        let acts: Vec<CudaSlice<bf16>> = (0..na)
+            .map(|_| random_bf16_dev(s, rng, m * k))
+            .collect::<Result<_, _>>()?;
+        let mut out = s.alloc_zeros::<bf16>(m * n).map_err(drv("allocating"))?;
+        let mut scratch = Scratch::new(s, 8 * m * n)?;
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: n as i32,
+            n: m as i32,
+            k: k as i32,
+            alpha: bf16::ONE,
+            lda: k as i32,
+            ldb: k as i32,
+            beta: bf16::ZERO,
+            ldc: n as i32,
+        };
+        let cublas = median_us(s, 3, reps, |i| {
+            // SAFETY: b is n x k, a is m x k, c is m x n (column-major C^T = B . A^T).
+            unsafe { blas.gemm(cfg, &bws[i % nb], &acts[i % na], &mut out) }.map_err(blas_err)
+        })?;
+        let kbs = k.div_ceil(128) as u32;
+        let (dp, dsplits) = default_dense(m as u32, n as u32, k as u32);
+        let mut timed: Vec<Timed> = Vec::new();
+        let mut default_us = f64::NAN;
+        for (p, gk, red) in &kernels {
+            if p.mt > 1 && m <= 16 * (p.mt as usize - 1) {
+                continue; // more m tiles than rows: never the best
+            }
+            let splits: Vec<u32> = if p.splitk {
+                [1, 2, 3, 4, 6, 8].into_iter().filter(|&x| x <= kbs).collect()
+            } else {
+                vec![1]
+            };
+            for sp in splits {
+                let us = median_us(s, 3, reps, |i| {
+                    let (wc, wi, sc) = &wts[i % nq];
+                    let w = if p.layout == Layout::Interleaved { wi } else { wc };
+                    let args = GemmArgs {
+                        a: &acts[i % na],
+                        w,
+                        scales: sc,
+                        residual: None,
+                        routing: None,
+                        m: m as u32,
+                        n: n as u32,
+                        k: k as u32,
+                    };
+                    // SAFETY: shapes as documented; k is a multiple of the group.
+                    unsafe { gemm::launch(gk, red.as_ref(), s, &args, &mut scratch, &mut out, sp) }
+                })?;
+                if *p == dp && sp == dsplits {
+                    default_us = us;
+                }
+                timed.push(Timed {
+                    label: format!("{} x{sp}", short(p)),
+                    us,
+                });
+            }
+        }
+        timed.sort_by(|a, b| a.us.total_cmp(&b.us));
+        let best = &timed[0];
+        let bytes = (q_bytes + 2 * m * k + 2 * m * n) as f64;
+        let gbs = bytes / (best.us * 1e-6) / 1e9;
+        println!(
+            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} |",
+            best.us,
+            100.0 * gbs / bw,
+            cublas / best.us,
+            best.label
+        );
+    }
+    Ok(())
+}
+
+/// A compact variant label.
+fn short(p: &W4a16Params) -> String {
+    let l = if p.layout == Layout::Interleaved { "il" } else { "ck" };
+    format!(
+        "g{} {l} w{} nt{} mt{} st{}{}",
+        p.group,
+        p.warps,
+        p.nt,
+        p.mt,
+        p.stages,
+        if p.splitk { " sk" } else { "" }
+    )
+}
+
+fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let (experts, hidden, inter, topk) = (48usize, 7168usize, 2048usize, 8usize);
+    // One random expert repeated: the same traffic as distinct experts, far faster to make.
+    let one13 = random_weights(rng, 2 * inter, hidden, 1);
+    let one2 = random_weights(rng, hidden, inter, 1);
+    let rep = |p: &PackedInt4| PackedInt4 {
+        packed: p.packed.repeat(experts),
+        scales: p.scales.repeat(experts),
+        experts,
+        ..p.clone()
+    };
+    let (w13, w2) = (rep(&one13), rep(&one2));
+    let per_expert = w13.bytes_per_expert() + w2.bytes_per_expert();
+    let (s13, s2) = (upload(s, &w13.scales)?, upload(s, &w2.scales)?);
+    let mut layouts = Vec::new();
+    for l in [Layout::Interleaved, Layout::Checkpoint] {
+        layouts.push((l, device_weights(gpu, &w13, l)?, device_weights(gpu, &w2, l)?));
+    }
+    println!("\nMoE W4A16, Kimi K2.6 EP8 slice: {experts} local experts, hidden {hidden}, inter {inter}, top-{topk} routed among the local experts; {:.1} MB per expert", per_expert as f64 / 1e6);
+    println!("| T | touched experts | touched MB | µs | GB/s | % of copy | best pair |");
+    println!("|---:|---:|---:|---:|---:|---:|---|");
+    let pairs = moe_pairs();
+    let kernels: Vec<MoeKernels> = pairs
+        .iter()
+        .map(|(u, d)| MoeKernels::new(gpu, u, d))
+        .collect::<Result<_, _>>()?;
+    for tokens in [1usize, 8, 16, 32, 64] {
+        let sets = 8;
+        let mut routes = Vec::new();
+        let mut touched = 0usize;
+        for _ in 0..sets {
+            let (ids, w) = random_routing(rng, tokens, topk, experts);
+            let mut t: Vec<u32> = ids.clone();
+            t.sort_unstable();
+            t.dedup();
+            touched += t.len();
+            routes.push((upload(s, &ids)?, upload(s, &w)?));
+        }
+        let x = random_bf16_dev(s, rng, tokens * hidden)?;
+        let mut out = s.alloc_zeros::<bf16>(tokens * hidden).map_err(drv("allocating"))?;
+        let mut best: Option<(f64, String)> = None;
+        for (kern, (up, down)) in kernels.iter().zip(&pairs) {
+            let (_, d13, d2) = layouts
+                .iter()
+                .find(|(l, ..)| *l == up.layout)
+                .expect("both layouts made");
+            let ex = DeviceExperts {
+                w13: d13,
+                s13: &s13,
+                w2: d2,
+                s2: &s2,
+                experts: experts as u32,
+                hidden: hidden as u32,
+                inter: inter as u32,
+            };
+            let mut bufs = kern.buffers(s, tokens, topk, &ex)?;
+            let us = median_us(s, 3, reps, |i| {
+                let (ids, w) = &routes[i % sets];
+                // SAFETY: shapes as documented; weights in the pair's layout.
+                unsafe { kern.run(s, &ex, &x, ids, w, &mut out, &mut bufs, tokens as u32, topk as u32) }
+            })?;
+            let label = format!("{} / {}", short(up), short(down));
+            if best.as_ref().is_none_or(|(b, _)| us < *b) {
+                best = Some((us, label));
+            }
+        }
+        let (us, label) = best.expect("at least one pair");
+        let avg_touched = touched as f64 / sets as f64;
+        let bytes = avg_touched * per_expert as f64;
+        let gbs = bytes / (us * 1e-6) / 1e9;
+        println!(
+            "| {tokens} | {avg_touched:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} |",
+            bytes / 1e6,
+            100.0 * gbs / bw
+        );
+    }
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<bool, RuntimeError> {
+    let gpu = Gpu::open(0)?;
+    let f = gpu.fingerprint();
+    println!(
+        "device: {} ({} SMs), driver {}, arch {}",
+        f.name,
+        f.sm_count,
+        f.driver_version,
+        gpu.arch()
+    );
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    println!("seed: {seed}");
+    let mut all_passed = true;
+    if !args.skip_checks {
+        let results = check::run_all(&gpu, args.full_checks, seed)?;
+        for r in results.iter().filter(|r| !r.passed) {
+            println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
+        }
+        let worst = results.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
+        let passed = results.iter().filter(|r| r.passed).count();
+        println!(
+            "checks: {passed} of {} passed (worst rel L2 {worst:.2e})",
+            results.len()
+        );
+        all_passed = passed == results.len();
+    }
+    let bw = copy_bandwidth(&gpu)?;
+    println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
+    println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick");
+    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let ms = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+    for (k, n) in [(7168, 4096), (2048, 7168), (7168, 36864), (1536, 12288)] {
+        bench_shape(&gpu, k, n, &ms, bw, args.reps, &mut rng)?;
+    }
+    bench_moe(&gpu, bw, args.reps, &mut rng)?;
+    println!(
+        "\nW4A16 candidates: {}",
+        DENSE_SPACE.iter().map(W4a16Gemm::symbol).collect::<Vec<_>>().join(", ")
+    );
+    Ok(all_passed)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("some checks FAILED");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
