@@ -458,7 +458,7 @@ impl Tunable for Embedding {
         // The gather does not depend on the table's length; a small table keeps the check fast.
         EmbeddingKey {
             tokens: key.tokens.min(8),
-            vocab: key.vocab.min(4096),
+            vocab: key.vocab.min(512),
             hidden: key.hidden,
         }
     }
@@ -747,7 +747,7 @@ mod tests {
                 hidden: 7168
             })
             .vocab,
-            4096
+            512
         );
     }
 

@@ -96,9 +96,9 @@ pub struct DeviceLimits {
     pub max_registers_per_block: u32,
     /// Grid size per dimension.
     pub max_grid: [u32; 3],
-    /// L2 cache size in bytes.
+    /// L2 cache size in bytes (0 if the driver does not say).
     pub l2_bytes: u32,
-    /// SM clock in kHz.
+    /// SM clock in kHz (0 if the driver does not say).
     pub clock_khz: u32,
 }
 
@@ -157,8 +157,9 @@ impl Gpu {
                 attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y, "max grid y")?,
                 attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z, "max grid z")?,
             ],
-            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "the L2 size")?,
-            clock_khz: attr(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE, "the SM clock")?,
+            // Only used for measuring: an unsupported attribute must not make the GPU unusable.
+            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, "the L2 size").unwrap_or(0),
+            clock_khz: attr(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE, "the SM clock").unwrap_or(0),
         };
         let fingerprint = Fingerprint {
             name: ctx.name().map_err(RuntimeError::driver("reading the device name"))?,

@@ -8,8 +8,10 @@
 
 mod cache;
 
+use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::CudaSlice;
 use ddtree_codegen::Kernel;
@@ -94,8 +96,16 @@ pub fn bucket_pow2(n: usize) -> usize {
 
 /// A hash of the candidates' generated sources (their symbols and CUDA C, in order): a tune
 /// entry is valid only while this is unchanged, so editing a kernel's body, its parameter
-/// space or the code generator re-tunes it.
+/// space or the code generator re-tunes it. Memoized per process (generating the sources is
+/// the slow part of a startup lookup).
 pub fn source_hash<K: Kernel>(candidates: &[K::Params]) -> String {
+    static MEMO: OnceLock<Mutex<HashMap<(TypeId, String), String>>> = OnceLock::new();
+    let symbols: Vec<String> = candidates.iter().map(K::symbol).collect();
+    let memo_key = (TypeId::of::<K>(), symbols.join("\0"));
+    let memo = MEMO.get_or_init(Default::default);
+    if let Some(h) = memo.lock().expect("not poisoned").get(&memo_key) {
+        return h.clone();
+    }
     let mut h = Sha256::new();
     h.update(b"ddtree-tune-source-v1\0");
     for p in candidates {
@@ -106,7 +116,9 @@ pub fn source_hash<K: Kernel>(candidates: &[K::Params]) -> String {
         h.update((text.len() as u64).to_le_bytes());
         h.update(text.as_bytes());
     }
-    crate::cache::hex(&h.finalize()[..16])
+    let hash = crate::cache::hex(&h.finalize()[..16]);
+    memo.lock().expect("not poisoned").insert(memo_key, hash.clone());
+    hash
 }
 
 /// The device's roofline: the floor of a key is `max(bytes / bandwidth, flops / tensor rate)`.
@@ -135,6 +147,10 @@ impl Roofline {
             s.memcpy_dtod(&src, &mut dst).map_err(RuntimeError::driver("copying"))
         })?;
         let fp = gpu.fingerprint();
+        let clock_hz = match gpu.limits().clock_khz {
+            0 => 1.755e9,
+            khz => khz as f64 * 1e3,
+        };
         let per_sm_clock = match fp.compute_capability {
             (m, _) if m >= 10 => 8192.0,
             (9, _) => 4096.0,
@@ -143,7 +159,8 @@ impl Roofline {
         };
         Ok(Roofline {
             bytes_per_s: 2.0 * n as f64 / (us * 1e-6),
-            flops_per_s: fp.sm_count as f64 * gpu.limits().clock_khz as f64 * 1e3 * per_sm_clock,
+            // 1.755 GHz (the H100/H200 SXM boost clock) where the driver does not report one.
+            flops_per_s: fp.sm_count as f64 * clock_hz * per_sm_clock,
         })
     }
 
@@ -259,7 +276,12 @@ impl<'g> Tuner<'g> {
         let hash = source_hash::<K>(&candidates);
         let compiled = self.gpu.compile_many::<K>(&candidates);
         let cost = K::cost(&key);
-        let l2 = self.gpu.limits().l2_bytes.max(1) as f64;
+        // 50 MiB where the driver does not report the L2 size.
+        let l2_bytes = match self.gpu.limits().l2_bytes as usize {
+            0 => 50 << 20,
+            b => b,
+        };
+        let l2 = l2_bytes as f64;
         let copies = (2.0 * l2 / cost.bytes.max(1.0)).ceil().clamp(1.0, 32.0) as usize;
         let mut workload = if compiled.iter().any(|c| c.is_ok()) {
             Some(K::workload(self.gpu, &key, copies, self.opts.seed)?)
@@ -268,7 +290,7 @@ impl<'g> Tuner<'g> {
         };
         let cold = copies as f64 * cost.bytes >= 2.0 * l2;
         if !cold && self.flush.is_none() {
-            let n = 2 * self.gpu.limits().l2_bytes as usize;
+            let n = 2 * l2_bytes;
             self.flush = Some(
                 self.gpu
                     .stream()
