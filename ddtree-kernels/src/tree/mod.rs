@@ -19,3 +19,5 @@ pub mod verify_attn;
 pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample};
 pub use build::{TreeExpand, TreeMask, TreeTopk, TreeTopkParams};
 pub use verify_attn::{MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, VerifyParams};
+pub mod check;
+pub mod gpu;

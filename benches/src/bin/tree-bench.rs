@@ -1,0 +1,314 @@
+//! DDTree step kernels on the GPU, in one run: checks against the CPU references (builder,
+//! verify attention, sampling, accept, compaction), then timings: build + accept at
+//! B = 16/64/256/1024 (L = 7, V = 163840) and verify attention at ctx 1K/4K/16K/32K x nodes
+//! 1/8/16/32/64 x heads 8/64 against the floor (measured copy bandwidth and cuBLAS bf16 rate)
+//! and the naive kernel. Prints a compact table at the end; exits non-zero if a check fails.
+//!
+//! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench]`.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use ddtree_codegen::Kernel;
+use ddtree_kernels::check::CheckResult;
+use ddtree_kernels::tree::check::{self, random_logits, random_mask};
+use ddtree_kernels::tree::gpu::{upload, zeros, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
+use ddtree_kernels::tree::{MlaVerifySplit, TreeTopk, LATENT, ROW};
+use ddtree_runtime::timing::median_us;
+use ddtree_runtime::{Gpu, RuntimeError};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+#[derive(Parser)]
+#[command(about = "Check and time the DDTree step kernels on the GPU")]
+struct Args {
+    /// Seed for the random inputs (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Skip the checks.
+    #[arg(long)]
+    skip_checks: bool,
+    /// Skip the timings.
+    #[arg(long)]
+    skip_bench: bool,
+}
+
+fn drv(context: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError {
+    move |source| RuntimeError::Driver {
+        context: context.into(),
+        source,
+    }
+}
+
+fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
+    let mut all = Vec::new();
+    let mut push = |what: String, r: Result<Vec<CheckResult>, RuntimeError>| match r {
+        Ok(v) => all.extend(v),
+        Err(e) => {
+            println!("ERROR {what}: {e}");
+            all.push(CheckResult {
+                kernel: "error",
+                symbol: what,
+                case: e.to_string(),
+                comparison: ddtree_kernels::check::compare(
+                    &[f32::NAN],
+                    &[0.0],
+                    ddtree_kernels::check::Tolerance::EXACT,
+                ),
+                passed: false,
+            });
+        }
+    };
+    for p in TreeTopk::space() {
+        for &(l, v, b) in &[
+            (7, 163840, 16),
+            (7, 163840, 64),
+            (7, 163840, 256),
+            (15, 163840, 1024),
+            (7, 163840, 1024),
+            (15, 163840, 64),
+            (3, 1000, 300),
+            (2, 50, 40),
+        ] {
+            if b.min(v) > p.block as usize {
+                continue;
+            }
+            push(format!("builder {l} {v} {b}"), check::builder(gpu, &p, l, v, b, rng));
+        }
+    }
+    for p in MlaVerifySplit::space() {
+        for &(ctx, n, h, chain) in &[
+            (1, 1, 8, true),
+            (100, 7, 8, false),
+            (1000, 16, 8, false),
+            (1000, 8, 64, false),
+            (4096, 64, 8, false),
+            (32768, 8, 8, false),
+            (32768, 1, 8, true),
+            (513, 33, 8, true),
+            (2000, 64, 64, false),
+        ] {
+            push(
+                format!("verify {ctx} {n} {h}"),
+                check::verify(gpu, &p, ctx, n, h, chain, rng),
+            );
+        }
+    }
+    for &(l, v, b) in &[(7, 163840, 64), (15, 163840, 256), (7, 1000, 1024)] {
+        push(format!("accept {l} {v} {b}"), check::accept(gpu, l, v, b, rng));
+    }
+    all
+}
+
+fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
+    let s = gpu.stream();
+    let n = 1usize << 30;
+    let src = zeros::<u8>(s, n)?;
+    let mut dst = zeros::<u8>(s, n)?;
+    let us = median_us(s, 3, 10, |_| s.memcpy_dtod(&src, &mut dst).map_err(drv("copying")))?;
+    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
+}
+
+fn bf16_rate(gpu: &Gpu) -> Result<f64, RuntimeError> {
+    let s = gpu.stream();
+    let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch {
+        kernel: "cublas".into(),
+        reason: format!("{e:?}"),
+    })?;
+    let n = 8192usize;
+    let a = upload(s, &vec![bf16::from_f32(0.01); n * n])?;
+    let mut c = zeros::<bf16>(s, n * n)?;
+    let cfg = GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: n as i32,
+        n: n as i32,
+        k: n as i32,
+        alpha: bf16::ONE,
+        lda: n as i32,
+        ldb: n as i32,
+        beta: bf16::ZERO,
+        ldc: n as i32,
+    };
+    let us = median_us(s, 2, 5, |_| {
+        // SAFETY: a and c hold n * n elements.
+        unsafe { blas.gemm(cfg, &a, &a, &mut c) }.map_err(|e| RuntimeError::Launch {
+            kernel: "cublas".into(),
+            reason: format!("{e:?}"),
+        })
+    })?;
+    Ok(2.0 * (n as f64).powi(3) / (us * 1e-6) / 1e12)
+}
+
+fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let (l, v) = (7usize, 163840usize);
+    println!("\n| B | build µs | accept µs | compact 61 layers µs | build+accept µs |");
+    println!("|---:|---:|---:|---:|---:|");
+    let copies: Vec<_> = (0..8)
+        .map(|_| upload(s, &random_logits(rng, l, v)))
+        .collect::<Result<_, _>>()?;
+    for b in [16usize, 64, 256, 1024] {
+        let tp = TreeTopk::default_params();
+        let mut bld = GpuBuilder::new(gpu, &tp, l, v, b)?;
+        let mut acc = GpuAccept::new(gpu, l)?;
+        let mut root = upload(s, &[5u32])?;
+        let target = upload(s, &vec![0u32; b + 1])?;
+        let build = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
+        let accept = median_us(s, 5, 50, |_| acc.accept(s, &bld, &target, &mut root))?;
+        let mut cache = zeros::<bf16>(s, 61 * 4096 * ROW)?;
+        let compact = median_us(s, 3, 20, |_| acc.compact(s, &mut cache, 61, 3000, ROW, 4096 * ROW))?;
+        let both = median_us(s, 5, 50, |i| {
+            bld.build(s, &copies[i % copies.len()], &root)?;
+            acc.accept(s, &bld, &target, &mut root)
+        })?;
+        println!("| {b} | {build:.1} | {accept:.1} | {compact:.1} | {both:.1} |");
+        rows.push(format!("build B={b:<5} build {build:>8.1} µs  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs"));
+    }
+    Ok(())
+}
+
+fn bench_verify(
+    gpu: &Gpu,
+    rng: &mut StdRng,
+    bw: f64,
+    tflops: f64,
+    rows_out: &mut Vec<String>,
+) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let sms = 132;
+    println!("\n| ctx | nodes | heads | best variant | splits | µs | GB/s | TFLOP/s | % floor | naive µs | speedup |");
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    for ctx in [1024usize, 4096, 16384, 32768] {
+        for nodes in [1usize, 8, 16, 32, 64] {
+            for heads in [8usize, 64] {
+                let rows = nodes * heads;
+                let keys = ctx + nodes;
+                let bytes = keys * ROW * 2;
+                let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
+                let (one, _) = ddtree_kernels::check::random_bf16(rng, keys * ROW, -1.0, 1.0);
+                let caches: Vec<_> = (0..copies).map(|_| upload(s, &one)).collect::<Result<_, _>>()?;
+                let (qh, _) = ddtree_kernels::check::random_bf16(rng, rows * ROW, -1.0, 1.0);
+                let q = upload(s, &qh)?;
+                let (mask, words) = random_mask(rng, nodes, false);
+                let visible: usize = (0..nodes)
+                    .map(|i| {
+                        ctx + mask[i * words..][..words]
+                            .iter()
+                            .map(|w| w.count_ones() as usize)
+                            .sum::<usize>()
+                    })
+                    .sum::<usize>()
+                    * heads;
+                let flops = visible as f64 * 2.0 * (ROW + LATENT) as f64;
+                let dm = upload(s, &mask)?;
+                let mut out = zeros::<bf16>(s, rows * LATENT)?;
+                let mut lse = zeros::<f32>(s, rows)?;
+                let sh = VerifyShape {
+                    nodes,
+                    heads,
+                    prefix: ctx,
+                    words,
+                    scale: 0.1,
+                };
+                let mut best: Option<(f64, String, usize)> = None;
+                for p in MlaVerifySplit::space() {
+                    let mut v = GpuVerify::new(gpu, &p, rows * 64)?;
+                    let auto = v.auto_splits(sms, &sh);
+                    for splits in [auto, (auto * 2).min(64), (auto / 2).max(1)] {
+                        if rows * splits > rows * 64 {
+                            continue;
+                        }
+                        let us = median_us(s, 3, 20, |i| {
+                            v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &mut out, &mut lse)
+                        })?;
+                        if best.as_ref().is_none_or(|b| us < b.0) {
+                            best = Some((us, MlaVerifySplit::symbol(&p), splits));
+                        }
+                    }
+                }
+                let (us, sym, splits) = best.expect("at least one variant");
+                let v = GpuVerify::new(gpu, &MlaVerifySplit::default_params(), rows)?;
+                let naive = median_us(s, 1, 3, |i| {
+                    v.run_naive(s, &sh, &q, &caches[i % copies], &dm, &mut out, &mut lse)
+                })?;
+                let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+                let tf = flops / (us * 1e-6) / 1e12;
+                let floor_us = (bytes as f64 / (bw * 1e9)).max(flops / (tflops * 1e12)) * 1e6;
+                let pct = 100.0 * floor_us / us;
+                println!("| {ctx} | {nodes} | {heads} | {sym} | {splits} | {us:.1} | {gbs:.0} | {tf:.1} | {pct:.0}% | {naive:.1} | {:.1}x |", naive / us);
+                rows_out.push(format!(
+                    "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads:<2} {us:>8.1} µs {gbs:>6.0} GB/s {tf:>6.1} TF/s {pct:>4.0}% floor  naive {naive:>9.1} µs ({:.1}x)  [{sym} s={splits}]",
+                    naive / us
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("no GPU: {e}");
+            return ExitCode::SUCCESS;
+        }
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    println!("tree-bench on {} (seed {seed})", gpu.arch());
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut failed = 0;
+    let mut total = 0;
+    if !args.skip_checks {
+        let results = checks(&gpu, &mut rng);
+        total = results.len();
+        for r in &results {
+            if !r.passed {
+                failed += 1;
+                println!("FAIL {} {} {}: {:?}", r.kernel, r.symbol, r.case, r.comparison);
+            }
+        }
+        println!("checks: {} of {total} passed", total - failed);
+    }
+    let mut summary = Vec::new();
+    if !args.skip_bench {
+        let bw = copy_bandwidth(&gpu).unwrap_or_else(|e| {
+            println!("copy bandwidth failed: {e}; assuming 4200 GB/s");
+            4200.0
+        });
+        let tf = bf16_rate(&gpu).unwrap_or_else(|e| {
+            println!("cuBLAS bf16 rate failed: {e}; assuming 700 TFLOP/s");
+            700.0
+        });
+        println!("copy bandwidth {bw:.0} GB/s, cuBLAS bf16 8192^3 {tf:.0} TFLOP/s");
+        summary.push(format!("floor: copy {bw:.0} GB/s, bf16 {tf:.0} TFLOP/s"));
+        if let Err(e) = bench_build(&gpu, &mut rng, &mut summary) {
+            println!("build bench failed: {e}");
+        }
+        if let Err(e) = bench_verify(&gpu, &mut rng, bw, tf, &mut summary) {
+            println!("verify bench failed: {e}");
+        }
+    }
+    println!("\n=== summary (seed {seed}) ===");
+    if !args.skip_checks {
+        println!("checks: {} of {total} passed", total - failed);
+    }
+    for l in &summary {
+        println!("{l}");
+    }
+    if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,303 @@
+//! GPU-versus-CPU checks of the tree kernels (fresh random inputs, poisoned outputs), in the
+//! style of [`crate::check`], whose comparison types they reuse.
+
+use ddtree_codegen::Kernel;
+use ddtree_runtime::{Gpu, RuntimeError};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::gpu::{download, upload, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
+use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
+use super::{
+    accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifySplit, TreeSample,
+    TreeTopk, TreeTopkParams, VerifyParams, LATENT, ROW,
+};
+use crate::check::{compare, random_bf16, CheckResult, Comparison, Tolerance};
+
+/// A tree flattened to exact f32 values (mask words as two 16-bit halves, log-probs as is).
+fn flatten(t: &DraftTree) -> Vec<f32> {
+    let mut v: Vec<f32> = t.token.iter().map(|&x| x as f32).collect();
+    v.extend(
+        t.parent
+            .iter()
+            .chain(&t.first_child)
+            .chain(&t.next_sibling)
+            .map(|&x| x as f32),
+    );
+    v.extend(t.depth.iter().map(|&x| x as f32));
+    v.extend(t.mask.iter().flat_map(|&w| [(w & 0xffff) as f32, (w >> 16) as f32]));
+    v.extend(&t.path_logprob);
+    v
+}
+
+fn exact(kernel: &'static str, symbol: String, case: String, got: &[f32], want: &[f32]) -> CheckResult {
+    let comparison = if got.len() == want.len() {
+        compare(got, want, Tolerance::EXACT)
+    } else {
+        Comparison {
+            len: got.len(),
+            max_abs: f32::INFINITY,
+            rel_l2: f32::INFINITY,
+            bad: got.len().max(want.len()),
+            first_bad: None,
+        }
+    };
+    CheckResult {
+        kernel,
+        symbol,
+        case,
+        passed: comparison.passed(Tolerance::EXACT),
+        comparison,
+    }
+}
+
+/// Random drafter logits `[depth, vocab]`, with a few exact ties near the top of each row.
+pub fn random_logits(rng: &mut StdRng, depth: usize, vocab: usize) -> Vec<f32> {
+    let mut l: Vec<f32> = (0..depth * vocab).map(|_| rng.random_range(-12.0f32..12.0)).collect();
+    for d in 0..depth {
+        let top = 14.0 + rng.random_range(0..3) as f32;
+        for _ in 0..3 {
+            l[d * vocab + rng.random_range(0..vocab)] = top;
+        }
+    }
+    l
+}
+
+/// Checks the builder: the tree must equal the CPU builder's fed with the GPU's per-depth
+/// log-sum-exp (identical arithmetic), and that log-sum-exp must match the CPU's (1e-5).
+pub fn builder(
+    gpu: &Gpu,
+    p: &TreeTopkParams,
+    depth: usize,
+    vocab: usize,
+    budget: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, RuntimeError> {
+    let s = gpu.stream();
+    let logits = random_logits(rng, depth, vocab);
+    let root = rng.random_range(0..vocab as u32);
+    let mut b = GpuBuilder::new(gpu, p, depth, vocab, budget)?;
+    // Poison the outputs.
+    b.token = upload(s, &vec![u32::MAX; budget + 1])?;
+    b.path_lp = upload(s, &vec![f32::NAN; budget + 1])?;
+    b.mask = upload(s, &vec![0xdead_beef; (budget + 1) * (budget + 1).div_ceil(32)])?;
+    b.build(s, &upload(s, &logits)?, &upload(s, &[root])?)?;
+    let (tree, lse) = b.download(s)?;
+    let want = build_with_lse(&logits, vocab, budget, root, &lse);
+    let case = format!("depth={depth} vocab={vocab} budget={budget}");
+    let sym = TreeTopk::symbol(p);
+    let cpu_lse = logsumexp_rows(&logits, vocab);
+    let tol = Tolerance {
+        rtol: 1e-5,
+        atol: 1e-5,
+        rel_l2: 1e-5,
+    };
+    let c = compare(&lse, &cpu_lse, tol);
+    Ok(vec![
+        exact(
+            "tree_build",
+            sym.clone(),
+            case.clone(),
+            &flatten(&tree),
+            &flatten(&want),
+        ),
+        CheckResult {
+            kernel: "tree_build_lse",
+            symbol: sym,
+            case,
+            passed: c.passed(tol),
+            comparison: c,
+        },
+    ])
+}
+
+/// A random tree of `nodes` nodes (random earlier parents) as mask rows, or a chain.
+pub fn random_mask(rng: &mut StdRng, nodes: usize, chain: bool) -> (Vec<u32>, usize) {
+    if chain {
+        return chain_mask(nodes);
+    }
+    let parent = (0..nodes)
+        .map(|t| if t == 0 { -1 } else { rng.random_range(0..t) as i32 })
+        .collect();
+    let mut t = DraftTree {
+        token: vec![0; nodes],
+        parent,
+        depth: vec![0; nodes],
+        first_child: vec![-1; nodes],
+        next_sibling: vec![-1; nodes],
+        mask: vec![],
+        words: 0,
+        path_logprob: vec![0.0; nodes],
+    };
+    fill_mask(&mut t);
+    (t.mask, t.words)
+}
+
+/// Checks verify attention (variant `p` with automatic splits, and the naive kernel) at one
+/// shape against the f64 CPU reference (bf16 tolerance on the output, 1e-3 on the LSE).
+pub fn verify(
+    gpu: &Gpu,
+    p: &VerifyParams,
+    prefix: usize,
+    nodes: usize,
+    heads: usize,
+    chain: bool,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, RuntimeError> {
+    let s = gpu.stream();
+    let rows = nodes * heads;
+    let (qh, qf) = random_bf16(rng, rows * ROW, -1.0, 1.0);
+    let (ch, cf) = random_bf16(rng, (prefix + nodes) * ROW, -1.0, 1.0);
+    let (mask, words) = random_mask(rng, nodes, chain);
+    let scale = 2.0047 / (192f32).sqrt();
+    let (want, want_lse) = verify_attention_reference(&qf, &cf, &mask, words, nodes, heads, prefix, scale);
+    let (dq, dc, dm) = (upload(s, &qh)?, upload(s, &ch)?, upload(s, &mask)?);
+    let sh = VerifyShape {
+        nodes,
+        heads,
+        prefix,
+        words,
+        scale,
+    };
+    let mut v = GpuVerify::new(gpu, p, rows * 64)?;
+    let splits = v.auto_splits(132, &sh);
+    let case = format!(
+        "ctx={prefix} nodes={nodes} heads={heads} {} splits={splits}",
+        if chain { "chain" } else { "tree" }
+    );
+    let mut out = Vec::new();
+    for naive in [false, true] {
+        let mut o = upload(s, &vec![bf16::NAN; rows * LATENT])?;
+        let mut l = upload(s, &vec![f32::NAN; rows])?;
+        if naive {
+            v.run_naive(s, &sh, &dq, &dc, &dm, &mut o, &mut l)?;
+        } else {
+            v.run(s, &sh, splits, &dq, &dc, &dm, &mut o, &mut l)?;
+        }
+        let got: Vec<f32> = download(s, &o)?.iter().map(|x| x.to_f32()).collect();
+        let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
+        let tol = Tolerance {
+            rtol: 1e-2,
+            atol: 1e-2 * rms,
+            rel_l2: 1e-2,
+        };
+        let c = compare(&got, &want, tol);
+        let (kernel, symbol) = if naive {
+            ("mla_verify_naive", "mla_verify_naive".to_string())
+        } else {
+            ("mla_verify", MlaVerifySplit::symbol(p))
+        };
+        out.push(CheckResult {
+            kernel,
+            symbol: symbol.clone(),
+            case: case.clone(),
+            passed: c.passed(tol),
+            comparison: c,
+        });
+        let ltol = Tolerance {
+            rtol: 1e-3,
+            atol: 1e-3,
+            rel_l2: 1e-3,
+        };
+        let c = compare(&download(s, &l)?, &want_lse, ltol);
+        out.push(CheckResult {
+            kernel: "mla_verify_lse",
+            symbol,
+            case: case.clone(),
+            passed: c.passed(ltol),
+            comparison: c,
+        });
+    }
+    Ok(out)
+}
+
+/// Checks sampling (GPU samples == CPU samples), greedy accept on those samples and the
+/// compaction of 61 layers of 576-wide rows, on a tree built on the GPU.
+pub fn accept(
+    gpu: &Gpu,
+    depth: usize,
+    vocab: usize,
+    budget: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, RuntimeError> {
+    let s = gpu.stream();
+    let tp = TreeTopk::default_params();
+    let mut b = GpuBuilder::new(gpu, &tp, depth, vocab, budget)?;
+    let logits = random_logits(rng, depth, vocab);
+    let mut root = upload(s, &[1u32])?;
+    b.build(s, &upload(s, &logits)?, &root)?;
+    let (tree, _) = b.download(s)?;
+    let n = tree.len();
+    // Target logits that mostly agree with the draft's first children, sampled at T = 0.8.
+    let mut tl: Vec<f32> = (0..n * vocab).map(|_| rng.random_range(-4.0f32..4.0)).collect();
+    for i in 0..n {
+        if let Some(&c) = tree.children(i).first() {
+            tl[i * vocab + tree.token[c] as usize] = 30.0;
+        }
+    }
+    let (temp, seed) = (0.8f32, rng.random::<u32>());
+    let sp = TreeSample::default_params();
+    let sk = gpu.compile::<TreeSample>(&sp)?;
+    let mut samples = upload(s, &vec![u32::MAX; n])?;
+    // SAFETY: logits hold n * vocab values, samples n.
+    unsafe {
+        TreeSample::launch(
+            &sk,
+            s,
+            n as u32,
+            &upload(s, &tl)?,
+            &mut samples,
+            vocab as u32,
+            temp,
+            seed,
+        )?
+    };
+    let got_s = download(s, &samples)?;
+    let want_s = sample_rows(&tl, vocab, temp, seed);
+    let case = format!("depth={depth} vocab={vocab} budget={budget} nodes={n}");
+    let f = |v: &[u32]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let mut out = vec![exact(
+        "tree_sample",
+        TreeSample::symbol(&sp),
+        case.clone(),
+        &f(&got_s),
+        &f(&want_s),
+    )];
+    let mut a = GpuAccept::new(gpu, depth)?;
+    a.accept(s, &b, &samples, &mut root)?;
+    let want = accept_reference(&tree, &got_s);
+    let len = download(s, &a.len)?[0] as usize;
+    let mut got = download(s, &a.accepted)?[..len.min(depth + 1)].to_vec();
+    got.push(download(s, &root)?[0]);
+    let mut w = want.indices.clone();
+    w.push(want.bonus);
+    out.push(exact(
+        "tree_accept",
+        "tree_accept".into(),
+        case.clone(),
+        &f(&got),
+        &f(&w),
+    ));
+    // Compaction: 61 layers, prefix 100, rows of 576.
+    let (layers, base) = (61usize, 100usize);
+    let cap = base + n;
+    let (data, _) = random_bf16(rng, layers * cap * ROW, -1.0, 1.0);
+    let mut d = upload(s, &data)?;
+    a.compact(s, &mut d, layers, base, ROW, cap * ROW)?;
+    let gotc = download(s, &d)?;
+    let mut g = Vec::new();
+    let mut wv = Vec::new();
+    for l in 0..layers {
+        for (i, &src) in want.indices.iter().enumerate() {
+            g.extend(gotc[(l * cap + base + i) * ROW..][..ROW].iter().map(|x| x.to_f32()));
+            wv.extend(
+                data[(l * cap + base + src as usize) * ROW..][..ROW]
+                    .iter()
+                    .map(|x| x.to_f32()),
+            );
+        }
+    }
+    out.push(exact("compact_rows", "compact_rows".into(), case, &g, &wv));
+    Ok(out)
+}

@@ -1,0 +1,400 @@
+//! Host drivers of the tree kernels on a [`Gpu`]: the builder (three launches into device
+//! buffers, no host copy), the verify attention (split + combine, or naive), accept and
+//! compaction. Used by the GPU checks and the bench; the engine can hold the same objects.
+
+use std::sync::Arc;
+
+use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
+use half::bf16;
+
+use super::{
+    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeExpand, TreeMask,
+    TreeTopk, TreeTopkParams, VerifyParams, LATENT,
+};
+
+fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
+    move |source| RuntimeError::Driver {
+        context: context.into(),
+        source,
+    }
+}
+
+/// A zeroed device buffer.
+pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>, RuntimeError> {
+    s.alloc_zeros(n.max(1)).map_err(drv("allocating"))
+}
+
+/// Copies `v` to the device.
+pub fn upload<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<T>, RuntimeError> {
+    s.clone_htod(v).map_err(drv("copying to the GPU"))
+}
+
+/// Copies `d` to the host.
+pub fn download<T: DeviceRepr + Default + Clone>(
+    s: &Arc<CudaStream>,
+    d: &CudaSlice<T>,
+) -> Result<Vec<T>, RuntimeError> {
+    s.clone_dtoh(d).map_err(drv("copying from the GPU"))
+}
+
+/// The GPU tree builder for fixed `depth`, `vocab` and `budget`, with its device buffers.
+pub struct GpuBuilder {
+    topk: CompiledKernel<TreeTopk>,
+    expand: CompiledKernel<TreeExpand>,
+    mask_k: CompiledKernel<TreeMask>,
+    depth: usize,
+    vocab: usize,
+    budget: usize,
+    k: usize,
+    /// Per-depth log-sum-exp `[depth]`.
+    pub lse: CudaSlice<f32>,
+    lp: CudaSlice<f32>,
+    tok: CudaSlice<u32>,
+    /// Node tokens (capacity `budget + 1`).
+    pub token: CudaSlice<u32>,
+    /// Parents.
+    pub parent: CudaSlice<i32>,
+    /// Depths.
+    pub depth_out: CudaSlice<u32>,
+    /// First children.
+    pub first_child: CudaSlice<i32>,
+    /// Next siblings.
+    pub next_sibling: CudaSlice<i32>,
+    /// Path log-probs.
+    pub path_lp: CudaSlice<f32>,
+    /// Node count `[1]`.
+    pub n: CudaSlice<u32>,
+    tuples: CudaSlice<u32>,
+    /// Mask rows `[n, ceil(n / 32)]` (capacity for `budget + 1` nodes).
+    pub mask: CudaSlice<u32>,
+}
+
+impl GpuBuilder {
+    /// Compiles the kernels and allocates the buffers. Needs `budget <= 1024`, `depth <= 16`.
+    pub fn new(
+        gpu: &Gpu,
+        p: &TreeTopkParams,
+        depth: usize,
+        vocab: usize,
+        budget: usize,
+    ) -> Result<GpuBuilder, RuntimeError> {
+        assert!(
+            (1..=1024).contains(&budget) && (1..=16).contains(&depth),
+            "budget 1..=1024, depth 1..=16"
+        );
+        let s = gpu.stream();
+        let k = budget.min(vocab);
+        assert!(
+            k <= p.block as usize,
+            "k = min(budget, vocab) must not exceed the top-k block"
+        );
+        let cap = budget + 1;
+        Ok(GpuBuilder {
+            topk: gpu.compile::<TreeTopk>(p)?,
+            expand: gpu.compile::<TreeExpand>(&())?,
+            mask_k: gpu.compile::<TreeMask>(&())?,
+            depth,
+            vocab,
+            budget,
+            k,
+            lse: zeros(s, depth)?,
+            lp: zeros(s, depth * k)?,
+            tok: zeros(s, depth * k)?,
+            token: zeros(s, cap)?,
+            parent: zeros(s, cap)?,
+            depth_out: zeros(s, cap)?,
+            first_child: zeros(s, cap)?,
+            next_sibling: zeros(s, cap)?,
+            path_lp: zeros(s, cap)?,
+            n: zeros(s, 1)?,
+            tuples: zeros(s, cap * 8)?,
+            mask: zeros(s, cap * cap.div_ceil(32))?,
+        })
+    }
+
+    /// Builds the tree from `logits` (`[depth, vocab]` on the device) and the root token
+    /// `root[0]`: three launches, no host synchronisation.
+    pub fn build(
+        &mut self,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        root: &CudaSlice<u32>,
+    ) -> Result<(), RuntimeError> {
+        let (v, k) = (self.vocab as u32, self.k as u32);
+        // SAFETY: logits hold depth * vocab values; lp / tok hold depth * k with k <= min(block, vocab).
+        unsafe {
+            TreeTopk::launch(
+                &self.topk,
+                s,
+                self.depth as u32,
+                logits,
+                &mut self.lse,
+                &mut self.lp,
+                &mut self.tok,
+                v,
+                k,
+            )?
+        };
+        // SAFETY: outputs hold budget + 1 nodes, tuples (budget + 1) * 8; budget <= 1024, depth <= 16.
+        unsafe {
+            TreeExpand::launch(
+                &self.expand,
+                s,
+                1u32,
+                &self.lp,
+                &self.tok,
+                root,
+                &mut self.token,
+                &mut self.parent,
+                &mut self.depth_out,
+                &mut self.first_child,
+                &mut self.next_sibling,
+                &mut self.path_lp,
+                &mut self.n,
+                &mut self.tuples,
+                self.depth as u32,
+                k,
+                self.budget as u32,
+            )?
+        };
+        let grid = (self.budget as u32 + 1).div_ceil(128);
+        // SAFETY: mask holds (budget + 1) * ceil((budget + 1) / 32) words, n <= budget + 1.
+        unsafe { TreeMask::launch(&self.mask_k, s, grid, &self.parent, &self.n, &mut self.mask) }
+    }
+
+    /// Downloads the tree and the per-depth log-sum-exp (for checks; not part of a step).
+    pub fn download(&self, s: &Arc<CudaStream>) -> Result<(DraftTree, Vec<f32>), RuntimeError> {
+        let n = download(s, &self.n)?[0] as usize;
+        let words = n.div_ceil(32);
+        let cut = |v: Vec<u32>| v[..n].to_vec();
+        let cuti = |v: Vec<i32>| v[..n].to_vec();
+        let tree = DraftTree {
+            token: cut(download(s, &self.token)?),
+            parent: cuti(download(s, &self.parent)?),
+            depth: cut(download(s, &self.depth_out)?),
+            first_child: cuti(download(s, &self.first_child)?),
+            next_sibling: cuti(download(s, &self.next_sibling)?),
+            mask: download(s, &self.mask)?[..n * words].to_vec(),
+            words,
+            path_logprob: download(s, &self.path_lp)?[..n].to_vec(),
+        };
+        Ok((tree, download(s, &self.lse)?))
+    }
+}
+
+/// Greedy accept (and, with sampled targets, the sampling accept) plus compaction.
+pub struct GpuAccept {
+    accept: CompiledKernel<TreeAccept>,
+    compact: CompiledKernel<CompactRows>,
+    /// Accepted node indices (capacity `depth + 1`).
+    pub accepted: CudaSlice<u32>,
+    /// Accepted length `[1]`.
+    pub len: CudaSlice<u32>,
+}
+
+impl GpuAccept {
+    /// Compiles the kernels; `depth` is the tree's maximum depth.
+    pub fn new(gpu: &Gpu, depth: usize) -> Result<GpuAccept, RuntimeError> {
+        let s = gpu.stream();
+        Ok(GpuAccept {
+            accept: gpu.compile::<TreeAccept>(&())?,
+            compact: gpu.compile::<CompactRows>(&())?,
+            accepted: zeros(s, depth + 1)?,
+            len: zeros(s, 1)?,
+        })
+    }
+
+    /// Walks the tree built by `b` with the target's tokens per node; writes the bonus token
+    /// to `bonus[0]` (pass the next build's root buffer).
+    pub fn accept(
+        &mut self,
+        s: &Arc<CudaStream>,
+        b: &GpuBuilder,
+        target: &CudaSlice<u32>,
+        bonus: &mut CudaSlice<u32>,
+    ) -> Result<(), RuntimeError> {
+        // SAFETY: the tree arrays come from one build; target holds one token per node;
+        // accepted holds depth + 1 entries (a path has at most depth + 1 nodes).
+        unsafe {
+            TreeAccept::launch(
+                &self.accept,
+                s,
+                1u32,
+                &b.token,
+                &b.first_child,
+                &b.next_sibling,
+                target,
+                &mut self.accepted,
+                &mut self.len,
+                bonus,
+            )
+        }
+    }
+
+    /// Copies the accepted rows of `layers` layers (each `layer_stride` bf16) of `buf`, rows of
+    /// `row_len` bf16 starting at row `base`, to contiguous rows after `base`.
+    pub fn compact(
+        &self,
+        s: &Arc<CudaStream>,
+        buf: &mut CudaSlice<bf16>,
+        layers: usize,
+        base: usize,
+        row_len: usize,
+        layer_stride: usize,
+    ) -> Result<(), RuntimeError> {
+        assert!(row_len % 8 == 0 && layers * layer_stride <= u32::MAX as usize);
+        // SAFETY: buf holds layers * layer_stride elements and the accepted rows are inside it.
+        unsafe {
+            CompactRows::launch(
+                &self.compact,
+                s,
+                layers as u32,
+                buf,
+                &self.accepted,
+                &self.len,
+                base as u32,
+                row_len as u32,
+                layer_stride as u32,
+            )
+        }
+    }
+}
+
+/// The verify attention: split-KV + combine for one variant and split count, or naive.
+pub struct GpuVerify {
+    split: CompiledKernel<MlaVerifySplit>,
+    combine: CompiledKernel<MlaVerifyCombine>,
+    naive: CompiledKernel<MlaVerifyNaive>,
+    part_o: CudaSlice<f32>,
+    part_lse: CudaSlice<f32>,
+    max_rows_splits: usize,
+}
+
+/// One verify problem's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyShape {
+    /// Tree nodes (query tokens).
+    pub nodes: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Committed prefix rows before the tree rows.
+    pub prefix: usize,
+    /// Words per mask row.
+    pub words: usize,
+    /// Softmax scale.
+    pub scale: f32,
+}
+
+impl GpuVerify {
+    /// Compiles variant `p` and allocates partials for up to `max_rows_splits` rows x splits.
+    pub fn new(gpu: &Gpu, p: &VerifyParams, max_rows_splits: usize) -> Result<GpuVerify, RuntimeError> {
+        let s = gpu.stream();
+        Ok(GpuVerify {
+            split: gpu.compile::<MlaVerifySplit>(p)?,
+            combine: gpu.compile::<MlaVerifyCombine>(&())?,
+            naive: gpu.compile::<MlaVerifyNaive>(&())?,
+            part_o: zeros(s, max_rows_splits * LATENT)?,
+            part_lse: zeros(s, max_rows_splits)?,
+            max_rows_splits,
+        })
+    }
+
+    /// A split count that fills the GPU: about two blocks per SM, at least 256 keys a split.
+    pub fn auto_splits(&self, sms: usize, sh: &VerifyShape) -> usize {
+        let rows = sh.nodes * sh.heads;
+        let row_blocks = rows.div_ceil(16 * self.split.params().rg as usize);
+        let keys = sh.prefix + sh.nodes;
+        (2 * sms)
+            .div_ceil(row_blocks)
+            .clamp(1, keys.div_ceil(256).max(1))
+            .min(self.max_rows_splits / rows)
+            .max(1)
+    }
+
+    /// Split-KV + combine: `q` `[nodes, heads, 576]`, `cache` `[prefix + nodes, 576]`,
+    /// `mask` `[nodes, words]`; writes `out` `[nodes, heads, 512]` and `lse` `[nodes, heads]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        s: &Arc<CudaStream>,
+        sh: &VerifyShape,
+        splits: usize,
+        q: &CudaSlice<bf16>,
+        cache: &CudaSlice<bf16>,
+        mask: &CudaSlice<u32>,
+        out: &mut CudaSlice<bf16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), RuntimeError> {
+        let rows = sh.nodes * sh.heads;
+        assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1);
+        let bn = self.split.params().bn as usize;
+        let keys = sh.prefix + sh.nodes;
+        let chunk = keys.div_ceil(splits).div_ceil(bn) * bn;
+        let grid = ((rows as u32).div_ceil(16 * self.split.params().rg), splits as u32);
+        // SAFETY: shapes as documented; partials hold rows * splits rows.
+        unsafe {
+            MlaVerifySplit::launch(
+                &self.split,
+                s,
+                grid,
+                q,
+                cache,
+                mask,
+                &mut self.part_o,
+                &mut self.part_lse,
+                rows as u32,
+                sh.heads as u32,
+                sh.prefix as u32,
+                sh.nodes as u32,
+                sh.words as u32,
+                chunk as u32,
+                sh.scale,
+            )?;
+            MlaVerifyCombine::launch(
+                &self.combine,
+                s,
+                rows as u32,
+                &self.part_o,
+                &self.part_lse,
+                out,
+                lse,
+                rows as u32,
+                splits as u32,
+            )
+        }
+    }
+
+    /// The naive per-(node, head) kernel on the same problem.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_naive(
+        &self,
+        s: &Arc<CudaStream>,
+        sh: &VerifyShape,
+        q: &CudaSlice<bf16>,
+        cache: &CudaSlice<bf16>,
+        mask: &CudaSlice<u32>,
+        out: &mut CudaSlice<bf16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), RuntimeError> {
+        let rows = sh.nodes * sh.heads;
+        // SAFETY: shapes as documented.
+        unsafe {
+            MlaVerifyNaive::launch(
+                &self.naive,
+                s,
+                rows as u32,
+                q,
+                cache,
+                mask,
+                out,
+                lse,
+                sh.heads as u32,
+                sh.prefix as u32,
+                sh.nodes as u32,
+                sh.words as u32,
+                sh.scale,
+            )
+        }
+    }
+}
