@@ -6,6 +6,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
+use ddtree_macros::kernel;
 use ddtree_runtime::nvrtc::{compile_ptx, nvrtc_available, nvrtc_version};
 
 const ARCH: &str = "sm_90a";
@@ -46,6 +49,54 @@ fn parse_ptxas(log: &str) -> (u32, u32) {
     (regs, spills)
 }
 
+/// Uses every intrinsic and built-in of the DSL once, so NVRTC and ptxas check every prelude
+/// helper (the catalogue's kernels use only some of them).
+#[kernel(block = 128)]
+fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [u64], hs: &mut [f16], g: &[bf16]) {
+    let t = thread_idx_x() + block_idx_y() + block_idx_z() + thread_idx_y() + thread_idx_z() + block_dim_y() + block_dim_z() + grid_dim_y() + grid_dim_z();
+    let tile = shared::<bf16>(1024);
+    let tile2 = shared_2d::<u32>(4, 32);
+    cp_async_16(&mut tile[t * 8], &g[t * 8]);
+    cp_async_16_zfill(&mut tile[512 + t * 8], &g[t * 8], t < 64);
+    cp_async_commit();
+    cp_async_wait(0);
+    sync_threads();
+    let mut a = [[0u32; 4]; 2];
+    let mut b = [[0u32; 2]; 2];
+    let mut one = [0u32; 1];
+    let mut acc = [[0.0f32; 4]; 2];
+    ldmatrix_x4(&mut a[0], &tile[lane_id() * 8]);
+    ldmatrix_x4_trans(&mut a[1], &tile[lane_id() * 8]);
+    ldmatrix_x2(&mut b[0], &tile[lane_id() * 8]);
+    ldmatrix_x2_trans(&mut b[1], &tile[lane_id() * 8]);
+    ldmatrix_x1(&mut one, &tile[lane_id() * 8]);
+    mma_m16n8k16_bf16(&mut acc[0], &a[0], &b[0]);
+    mma_m16n8k16_f16(&mut acc[1], &a[1], &b[1]);
+    let v = acc[0][0] + acc[1][3];
+    let s = shfl_xor(v, 1u32) + shfl_down(v, 2u32) + shfl_up(v, 1u32) + shfl_idx(v, 0u32);
+    sync_warp();
+    let m = ballot(s > 0.0);
+    if vote_any(m > 3) && vote_all(t < 1024) {
+        xs[0] = s;
+    }
+    let p = prmt(m, one[0], 0x5410u32) ^ lop3(m, one[0], a[0][1], 0xE8);
+    tile2[warp_id()][lane_id()] = p;
+    sync_threads();
+    us.atomic_add(0, tile2[0][lane_id()]);
+    us.atomic_max(1, p);
+    us.atomic_min(2, p);
+    us.atomic_or(3, p);
+    us.atomic_and(4, p);
+    let old = atomic_cas(&mut us[5], 0u32, p) + us.atomic_exch(6, p);
+    is.atomic_add(0, -1);
+    ws.atomic_add(0, 1u64);
+    xs.atomic_add(1, f32::from_bits(old) + bf16_lo(p) + bf16_hi(p) + f16_lo(p) + f16_hi(p));
+    let packed = pack_bf16x2(v, s) + pack_f16x2(v, s);
+    hs[t] = ((packed as f32).exp() + v.tanh() + v.sqrt() + v.rsqrt()) as f16;
+    let vec = us.vload(8);
+    us.vstore(12, vec);
+}
+
 #[test]
 fn every_variant_compiles_for_sm90a() {
     if !nvrtc_available() {
@@ -55,7 +106,12 @@ fn every_variant_compiles_for_sm90a() {
     }
     let ptxas = ptxas();
     assert!(ptxas.is_some() || !on_ci(), "CI must provide ptxas (nvidia-cuda-nvcc wheel) on PATH or DDTREE_PTXAS");
-    let variants = ddtree_kernels::catalogue().expect("every candidate builds its IR");
+    let mut variants = ddtree_kernels::catalogue().expect("every candidate builds its IR");
+    variants.push(ddtree_kernels::Variant {
+        kernel: IntrinsicCoverage::NAME,
+        symbol: IntrinsicCoverage::symbol(&()),
+        source: IntrinsicCoverage::source(&()).expect("the coverage kernel builds"),
+    });
     let dir = std::env::temp_dir().join(format!("ddtree-nvrtc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
 
