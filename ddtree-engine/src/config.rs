@@ -160,9 +160,7 @@ impl ModelConfig {
         }
         let quantization = match text_cfg.get("quantization_config") {
             Some(_) => Some(parse_quant(&text_cfg.object("quantization_config")?)?),
-            None if top.get("quantization_config").is_some() => {
-                Some(parse_quant(&top.object("quantization_config")?)?)
-            }
+            None if top.get("quantization_config").is_some() => Some(parse_quant(&top.object("quantization_config")?)?),
             None => None,
         };
         parse_text_config(&text_cfg, model_type, quantization)
@@ -184,11 +182,7 @@ impl ModelConfig {
     }
 }
 
-fn parse_text_config(
-    f: &Fields<'_>,
-    model_type: String,
-    quantization: Option<QuantConfig>,
-) -> Result<ModelConfig> {
+fn parse_text_config(f: &Fields<'_>, model_type: String, quantization: Option<QuantConfig>) -> Result<ModelConfig> {
     let heads = f.positive("num_attention_heads")?;
     if let Some(kv_heads) = f.opt_usize("num_key_value_heads")? {
         if kv_heads != heads {
@@ -200,34 +194,21 @@ fn parse_text_config(
     }
     let act = f.opt_string("hidden_act")?.unwrap_or_else(|| "silu".into());
     if act != "silu" {
-        return Err(f.err(
-            "hidden_act",
-            format!("unsupported activation {act:?} (only \"silu\")"),
-        ));
+        return Err(f.err("hidden_act", format!("unsupported activation {act:?} (only \"silu\")")));
     }
     if f.bool_or("attention_bias", false)? {
-        return Err(f.err(
-            "attention_bias",
-            "attention biases are not supported".into(),
-        ));
+        return Err(f.err("attention_bias", "attention biases are not supported".into()));
     }
     if let Some(freq) = f.opt_usize("moe_layer_freq")? {
         if freq != 1 {
             return Err(f.err("moe_layer_freq", format!("only 1 is supported, got {freq}")));
         }
     }
-    let scoring = f
-        .opt_string("scoring_func")?
-        .unwrap_or_else(|| "sigmoid".into());
+    let scoring = f.opt_string("scoring_func")?.unwrap_or_else(|| "sigmoid".into());
     if scoring != "sigmoid" {
-        return Err(f.err(
-            "scoring_func",
-            format!("unsupported {scoring:?} (only \"sigmoid\")"),
-        ));
+        return Err(f.err("scoring_func", format!("unsupported {scoring:?} (only \"sigmoid\")")));
     }
-    let topk_method = f
-        .opt_string("topk_method")?
-        .unwrap_or_else(|| "noaux_tc".into());
+    let topk_method = f.opt_string("topk_method")?.unwrap_or_else(|| "noaux_tc".into());
     if topk_method != "noaux_tc" {
         return Err(f.err(
             "topk_method",
@@ -239,10 +220,7 @@ fn parse_text_config(
     let max_position_embeddings = f.positive("max_position_embeddings")?;
     let qk_rope_head_dim = f.positive("qk_rope_head_dim")?;
     if qk_rope_head_dim % 2 != 0 {
-        return Err(f.err(
-            "qk_rope_head_dim",
-            format!("must be even, got {qk_rope_head_dim}"),
-        ));
+        return Err(f.err("qk_rope_head_dim", format!("must be even, got {qk_rope_head_dim}")));
     }
     let q_lora_rank = match f.get("q_lora_rank") {
         None | Some(Value::Null) => None,
@@ -295,9 +273,7 @@ fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<MoeConfig> {
     if n_group == 0 || n_routed_experts % n_group != 0 {
         return Err(f.err(
             "n_group",
-            format!(
-                "must be positive and divide n_routed_experts ({n_routed_experts}), got {n_group}"
-            ),
+            format!("must be positive and divide n_routed_experts ({n_routed_experts}), got {n_group}"),
         ));
     }
     let per_group = n_routed_experts / n_group;
@@ -308,10 +284,7 @@ fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<MoeConfig> {
         ));
     }
     if topk_group == 0 || topk_group > n_group {
-        return Err(f.err(
-            "topk_group",
-            format!("must be in 1..={n_group}, got {topk_group}"),
-        ));
+        return Err(f.err("topk_group", format!("must be in 1..={n_group}, got {topk_group}")));
     }
     if num_experts_per_tok > topk_group * per_group {
         return Err(f.err(
@@ -342,10 +315,7 @@ fn parse_moe(f: &Fields<'_>, num_hidden_layers: usize) -> Result<MoeConfig> {
     })
 }
 
-fn parse_rope_scaling(
-    f: &Fields<'_>,
-    max_position_embeddings: usize,
-) -> Result<Option<YarnConfig>> {
+fn parse_rope_scaling(f: &Fields<'_>, max_position_embeddings: usize) -> Result<Option<YarnConfig>> {
     match f.get("rope_scaling") {
         None | Some(Value::Null) => return Ok(None),
         Some(_) => {}
@@ -360,10 +330,7 @@ fn parse_rope_scaling(
         "default" => return Ok(None),
         "yarn" => {}
         other => {
-            return Err(s.err(
-                key,
-                format!("unsupported rope scaling {other:?} (only \"yarn\")"),
-            ));
+            return Err(s.err(key, format!("unsupported rope scaling {other:?} (only \"yarn\")")));
         }
     }
     let factor = s.f64("factor")?;
@@ -399,10 +366,7 @@ fn parse_quant(q: &Fields<'_>) -> Result<QuantConfig> {
     }
     if let Some(format) = q.opt_string("format")? {
         if format != "pack-quantized" {
-            return Err(q.err(
-                "format",
-                format!("unsupported {format:?} (only \"pack-quantized\")"),
-            ));
+            return Err(q.err("format", format!("unsupported {format:?} (only \"pack-quantized\")")));
         }
     }
     let groups = q.object("config_groups")?;
@@ -418,27 +382,18 @@ fn parse_quant(q: &Fields<'_>) -> Result<QuantConfig> {
         let w = g.object("weights")?;
         let bits = w.usize("num_bits")?;
         if bits != 4 {
-            return Err(w.err(
-                "num_bits",
-                format!("only 4-bit weights are supported, got {bits}"),
-            ));
+            return Err(w.err("num_bits", format!("only 4-bit weights are supported, got {bits}")));
         }
         let kind = w.opt_string("type")?.unwrap_or_else(|| "int".into());
         if kind != "int" {
             return Err(w.err("type", format!("only \"int\" is supported, got {kind:?}")));
         }
         if !w.bool_or("symmetric", true)? {
-            return Err(w.err(
-                "symmetric",
-                "only symmetric quantization is supported".into(),
-            ));
+            return Err(w.err("symmetric", "only symmetric quantization is supported".into()));
         }
         let strategy = w.string("strategy")?;
         if strategy != "group" {
-            return Err(w.err(
-                "strategy",
-                format!("only \"group\" is supported, got {strategy:?}"),
-            ));
+            return Err(w.err("strategy", format!("only \"group\" is supported, got {strategy:?}")));
         }
         let size = w.positive("group_size")?;
         if size % 8 != 0 {
@@ -499,8 +454,7 @@ impl<'a> Fields<'a> {
     }
 
     fn required(&self, name: &str) -> Result<&'a Value> {
-        self.get(name)
-            .ok_or_else(|| self.err(name, "missing".into()))
+        self.get(name).ok_or_else(|| self.err(name, "missing".into()))
     }
 
     fn object(&self, name: &str) -> Result<Fields<'a>> {
@@ -523,8 +477,7 @@ impl<'a> Fields<'a> {
     }
 
     fn string(&self, name: &str) -> Result<String> {
-        self.opt_string(name)?
-            .ok_or_else(|| self.err(name, "missing".into()))
+        self.opt_string(name)?.ok_or_else(|| self.err(name, "missing".into()))
     }
 
     fn opt_usize(&self, name: &str) -> Result<Option<usize>> {
@@ -539,8 +492,7 @@ impl<'a> Fields<'a> {
     }
 
     fn usize(&self, name: &str) -> Result<usize> {
-        self.opt_usize(name)?
-            .ok_or_else(|| self.err(name, "missing".into()))
+        self.opt_usize(name)?.ok_or_else(|| self.err(name, "missing".into()))
     }
 
     fn positive(&self, name: &str) -> Result<usize> {
@@ -561,12 +513,7 @@ impl<'a> Fields<'a> {
         let v = &self.required(name)?[index];
         v.as_u64()
             .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| {
-                self.err(
-                    &format!("{name}[{index}]"),
-                    format!("expected a token id, got {v}"),
-                )
-            })
+            .ok_or_else(|| self.err(&format!("{name}[{index}]"), format!("expected a token id, got {v}")))
     }
 
     fn opt_f64(&self, name: &str) -> Result<Option<f64>> {
@@ -580,8 +527,7 @@ impl<'a> Fields<'a> {
     }
 
     fn f64(&self, name: &str) -> Result<f64> {
-        self.opt_f64(name)?
-            .ok_or_else(|| self.err(name, "missing".into()))
+        self.opt_f64(name)?.ok_or_else(|| self.err(name, "missing".into()))
     }
 
     fn f64_or(&self, name: &str, default: f64) -> Result<f64> {

@@ -48,9 +48,7 @@ pub enum EngineError {
         reason: String,
     },
     /// `model.safetensors.index.json` names a shard file that does not exist.
-    #[error(
-        "{index}: weight_map names shard `{file}` (for tensor `{tensor}`), which does not exist"
-    )]
+    #[error("{index}: weight_map names shard `{file}` (for tensor `{tensor}`), which does not exist")]
     MissingShard {
         /// The index file.
         index: PathBuf,
@@ -120,9 +118,7 @@ pub enum EngineError {
     #[error("the prompt is empty: at least one token is needed")]
     EmptyPrompt,
     /// A token id is not below the vocabulary size.
-    #[error(
-        "token id {id} at index {index} is out of range: the vocabulary has {vocab_size} tokens"
-    )]
+    #[error("token id {id} at index {index} is out of range: the vocabulary has {vocab_size} tokens")]
     TokenOutOfRange {
         /// The bad id.
         id: u32,

@@ -1,12 +1,14 @@
-//! Greedy autoregressive generation: prefill, then one token per step over the latent KV cache.
+//! Plain autoregressive generation (greedy or sampled): prefill, then one token per step over the
+//! latent KV cache. The speculative loop in [`crate::spec`] must reproduce its output.
 
 use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::model::{check_tokens, ForwardInput, LogitRows, Model};
+use crate::spec::Sampling;
 
-/// Options for [`generate_greedy`].
+/// Options for [`generate_plain`] and [`crate::spec::generate_speculative`].
 #[derive(Debug, Clone, Default)]
 pub struct GenerateOptions {
     /// Upper bound on generated tokens.
@@ -15,6 +17,8 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
     /// Keep the logits each generated token was chosen from.
     pub record_logits: bool,
+    /// Greedy decoding (the default) or sampling.
+    pub sampling: Sampling,
 }
 
 /// Why generation ended.
@@ -28,7 +32,7 @@ pub enum StopReason {
     ContextFull,
 }
 
-/// The result of [`generate_greedy`].
+/// The result of a generation.
 #[derive(Debug, Clone)]
 pub struct Generation {
     /// Generated token ids (not including the prompt).
@@ -41,17 +45,6 @@ pub struct Generation {
     pub decode: Duration,
     /// With `record_logits`, the logits behind each generated token.
     pub logits: Vec<Vec<f32>>,
-}
-
-/// Index of the largest logit (the first one on ties).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Checks a prompt against the model: non-empty, ids in the vocabulary, fits in the context.
@@ -71,21 +64,55 @@ pub fn check_prompt<B: Backend>(model: &Model<B>, prompt: &[u32]) -> Result<()> 
     Ok(())
 }
 
-/// Greedy decoding of up to `options.max_new_tokens` tokens after `prompt`.
-pub fn generate_greedy<B: Backend>(
-    model: &Model<B>,
-    prompt: &[u32],
-    options: &GenerateOptions,
-) -> Result<Generation> {
+impl Generation {
+    /// An empty generation (no tokens yet, stop reason `MaxTokens`).
+    pub(crate) fn empty() -> Self {
+        Self {
+            tokens: Vec::new(),
+            stop_reason: StopReason::MaxTokens,
+            prefill: Duration::ZERO,
+            decode: Duration::ZERO,
+            logits: Vec::new(),
+        }
+    }
+
+    /// Appends `token`, the token at position `position`, chosen from `logits`, and returns
+    /// whether generation goes on. The stop rules, shared by plain and speculative decoding: a
+    /// stop token ends it (and is kept), then the token budget, then the context (a token at
+    /// position `max_position_embeddings` cannot be fed back).
+    pub(crate) fn emit(
+        &mut self,
+        options: &GenerateOptions,
+        token: u32,
+        position: usize,
+        context: usize,
+        logits: &[f32],
+    ) -> bool {
+        self.tokens.push(token);
+        if options.record_logits {
+            self.logits.push(logits.to_vec());
+        }
+        if options.stop_tokens.contains(&token) {
+            self.stop_reason = StopReason::StopToken;
+            return false;
+        }
+        if self.tokens.len() >= options.max_new_tokens {
+            return false;
+        }
+        if position >= context {
+            self.stop_reason = StopReason::ContextFull;
+            return false;
+        }
+        true
+    }
+}
+
+/// Plain decoding (one forward per token) of up to `options.max_new_tokens` tokens after `prompt`.
+pub fn generate_plain<B: Backend>(model: &Model<B>, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
     check_prompt(model, prompt)?;
+    options.sampling.validate()?;
     let context = model.config().max_position_embeddings;
-    let mut out = Generation {
-        tokens: Vec::new(),
-        stop_reason: StopReason::MaxTokens,
-        prefill: Duration::ZERO,
-        decode: Duration::ZERO,
-        logits: Vec::new(),
-    };
+    let mut out = Generation::empty();
     if options.max_new_tokens == 0 {
         return Ok(out);
     }
@@ -102,29 +129,15 @@ pub fn generate_greedy<B: Backend>(
             mask: None,
             logits: LogitRows::Last,
         };
-        let logits = model
-            .backend()
-            .to_host(&model.forward(&mut cache, input)?)?;
+        let logits = model.backend().to_host(&model.forward(&mut cache, input)?)?;
         let row = logits.row(logits.rows - 1);
-        let next = argmax(row);
-        if options.record_logits {
-            out.logits.push(row.to_vec());
-        }
+        let next = options.sampling.choose(row, position as u32 - 1);
         if out.tokens.is_empty() {
             out.prefill = start.elapsed();
         } else {
             out.decode += start.elapsed();
         }
-        out.tokens.push(next);
-        if options.stop_tokens.contains(&next) {
-            out.stop_reason = StopReason::StopToken;
-            break;
-        }
-        if out.tokens.len() >= options.max_new_tokens {
-            break;
-        }
-        if position >= context {
-            out.stop_reason = StopReason::ContextFull;
+        if !out.emit(options, next, position, context, row) {
             break;
         }
         tokens = vec![next];

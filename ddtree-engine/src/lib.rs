@@ -6,7 +6,9 @@
 //! - [`backend`]: the op-level [`Backend`] trait and the f32 [`CpuBackend`];
 //! - [`model`]: the forward (MLA with absorbed attention over the latent cache, tree masks, MoE),
 //!   written once against [`Backend`];
-//! - [`generate`]: greedy generation; [`tokenizer`]: HF `tokenizer.json` and Kimi `tiktoken.model`;
+//! - [`generate`]: plain (greedy or sampled) generation;
+//! - [`spec`]: DDTree speculative decoding (drafters, the loop, sampling, statistics);
+//! - [`tokenizer`]: HF `tokenizer.json` and Kimi `tiktoken.model`;
 //! - [`tiny`]: the tiny model embedded in the binary.
 
 #![warn(missing_docs)]
@@ -18,6 +20,7 @@ pub mod generate;
 pub mod mask;
 pub mod model;
 pub mod rope;
+pub mod spec;
 pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
@@ -25,8 +28,9 @@ pub mod weights;
 pub use backend::{Backend, CpuBackend};
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
-pub use generate::{generate_greedy, GenerateOptions, Generation, StopReason};
+pub use generate::{generate_plain, GenerateOptions, Generation, StopReason};
 pub use mask::AncestorMask;
-pub use model::{ForwardInput, LoadOptions, LogitRows, Model};
+pub use model::{ForwardInput, ForwardOutput, LoadOptions, LogitRows, Model};
+pub use spec::{generate_speculative, Budget, Drafter, Sampling, SpecOptions, SpecStats};
 pub use tokenizer::Tokenizer;
 pub use weights::Checkpoint;

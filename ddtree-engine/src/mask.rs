@@ -26,11 +26,7 @@ impl AncestorMask {
     /// Builds the mask of a tree given each node's parent (`-1` for the root, node 0).
     pub fn from_parents(parents: &[i32]) -> Result<Self> {
         for (i, &p) in parents.iter().enumerate() {
-            let ok = if i == 0 {
-                p == -1
-            } else {
-                p >= 0 && (p as usize) < i
-            };
+            let ok = if i == 0 { p == -1 } else { p >= 0 && (p as usize) < i };
             if !ok {
                 return Err(EngineError::Forward(format!(
                     "tree parent[{i}] = {p}: node 0 must be the root (-1) and every other node's \
@@ -59,9 +55,7 @@ impl AncestorMask {
         };
         for i in 0..n {
             if !mask.get(i, i) {
-                return Err(EngineError::Forward(format!(
-                    "ancestor mask row {i} lacks its own bit"
-                )));
+                return Err(EngineError::Forward(format!("ancestor mask row {i} lacks its own bit")));
             }
             if let Some(j) = (i + 1..words_per_row * 32).find(|&j| mask.bit(i, j)) {
                 return Err(EngineError::Forward(format!(
@@ -78,10 +72,7 @@ impl AncestorMask {
         let mut words = vec![0u32; n * words_per_row];
         for i in 0..n {
             if let Ok(p) = usize::try_from(parents[i]) {
-                words.copy_within(
-                    p * words_per_row..(p + 1) * words_per_row,
-                    i * words_per_row,
-                );
+                words.copy_within(p * words_per_row..(p + 1) * words_per_row, i * words_per_row);
             }
             words[i * words_per_row + i / 32] |= 1 << (i % 32);
         }
@@ -130,9 +121,7 @@ mod tests {
     fn tree_mask_marks_ancestors_only() {
         // 0 -> 1 -> 3, 0 -> 2
         let m = AncestorMask::from_parents(&[-1, 0, 0, 1]).unwrap();
-        let seen: Vec<Vec<usize>> = (0..4)
-            .map(|i| (0..4).filter(|&j| m.get(i, j)).collect())
-            .collect();
+        let seen: Vec<Vec<usize>> = (0..4).map(|i| (0..4).filter(|&j| m.get(i, j)).collect()).collect();
         assert_eq!(seen, vec![vec![0], vec![0, 1], vec![0, 2], vec![0, 1, 3]]);
         assert_eq!(AncestorMask::from_words(4, m.words().to_vec()).unwrap(), m);
     }

@@ -121,11 +121,7 @@ trait LeafSource {
 }
 
 /// Walks every tensor the config implies, in checkpoint naming.
-fn build<S: LeafSource>(
-    cfg: &ModelConfig,
-    prefix: &str,
-    s: &mut S,
-) -> Result<Weights<S::W, S::V, S::T>> {
+fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<Weights<S::W, S::V, S::T>> {
     let h = cfg.hidden_size;
     let heads = cfg.num_attention_heads;
     let ffn = |s: &mut S, p: &str, inter: usize| -> Result<Ffn<S::W>> {
@@ -151,11 +147,7 @@ fn build<S: LeafSource>(
         };
         let attn = Attention {
             q,
-            kv_a: s.linear(
-                &format!("{a}.kv_a_proj_with_mqa"),
-                cfg.latent_row_width(),
-                h,
-            )?,
+            kv_a: s.linear(&format!("{a}.kv_a_proj_with_mqa"), cfg.latent_row_width(), h)?,
             kv_a_norm: s.vector(&format!("{a}.kv_a_layernorm.weight"), cfg.kv_lora_rank)?,
             kv_b: s.linear(
                 &format!("{a}.kv_b_proj"),
@@ -169,10 +161,7 @@ fn build<S: LeafSource>(
             let inter = moe.moe_intermediate_size;
             Mlp::Moe(Moe {
                 router: s.linear(&format!("{p}.mlp.gate"), moe.n_routed_experts, h)?,
-                bias: s.vector(
-                    &format!("{p}.mlp.gate.e_score_correction_bias"),
-                    moe.n_routed_experts,
-                )?,
+                bias: s.vector(&format!("{p}.mlp.gate.e_score_correction_bias"), moe.n_routed_experts)?,
                 experts: (0..moe.n_routed_experts)
                     .map(|e| ffn(s, &format!("{p}.mlp.experts.{e}"), inter))
                     .collect::<Result<_>>()?,
@@ -235,11 +224,7 @@ fn linear_tensors<'a>(
     let dense = format!("{name}.weight");
     let packed_name = format!("{name}.weight_packed");
     if ckpt.contains(&dense) || !ckpt.contains(&packed_name) {
-        return Ok(LinearTensors::Dense(float_tensor(
-            ckpt,
-            &dense,
-            &[out, inp],
-        )?));
+        return Ok(LinearTensors::Dense(float_tensor(ckpt, &dense, &[out, inp])?));
     }
     let packed = ckpt.tensor(&packed_name)?;
     let bad = |t: &TensorRef<'_>, reason: String| EngineError::BadTensor {
@@ -272,10 +257,7 @@ fn linear_tensors<'a>(
     shape.expect_shape(&[2])?;
     let dims = shape.to_i64()?;
     if dims != [out as i64, inp as i64] {
-        return Err(bad(
-            &shape,
-            format!("holds {dims:?}, expected [{out}, {inp}]"),
-        ));
+        return Err(bad(&shape, format!("holds {dims:?}, expected [{out}, {inp}]")));
     }
     Ok(LinearTensors::Int4 {
         packed,
@@ -411,6 +393,15 @@ pub struct ForwardInput<'a> {
     pub logits: LogitRows,
 }
 
+/// What [`Model::forward_with_features`] returns.
+#[derive(Debug)]
+pub struct ForwardOutput<T> {
+    /// Logits `[rows, vocab]` of the rows [`ForwardInput::logits`] asked for.
+    pub logits: T,
+    /// Hidden states at the requested layers, concatenated, one row per new token.
+    pub features: Option<T>,
+}
+
 /// A loaded model on a backend.
 pub struct Model<B: Backend> {
     backend: B,
@@ -439,11 +430,7 @@ impl<B: Backend> Model<B> {
                 tensor: "model.embed_tokens.weight".into(),
             })?;
         let quant = config.quantization.as_ref();
-        let mut validate = Validate {
-            ckpt,
-            quant,
-            bytes: 0,
-        };
+        let mut validate = Validate { ckpt, quant, bytes: 0 };
         build(&config, prefix, &mut validate)?;
         let mut load = Load {
             ckpt,
@@ -473,12 +460,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Reads `config.json` and the checkpoint from `dir` and loads them.
-    pub fn load_dir(
-        backend: B,
-        dir: &Path,
-        options: LoadOptions,
-        progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<Self> {
+    pub fn load_dir(backend: B, dir: &Path, options: LoadOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         Self::load(backend, config, &ckpt, options, progress)
@@ -496,11 +478,8 @@ impl<B: Backend> Model<B> {
 
     /// An empty latent KV cache for up to `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<B::KvCache> {
-        self.backend.new_kv_cache(
-            self.config.num_hidden_layers,
-            self.config.latent_row_width(),
-            capacity,
-        )
+        self.backend
+            .new_kv_cache(self.config.num_hidden_layers, self.config.latent_row_width(), capacity)
     }
 
     /// Runs the new tokens through the model, appending their latent rows to `cache` (after the
@@ -508,13 +487,44 @@ impl<B: Backend> Model<B> {
     ///
     /// On error the cache is restored to its length before the call.
     pub fn forward(&self, cache: &mut B::KvCache, input: ForwardInput<'_>) -> Result<B::Tensor> {
+        Ok(self.forward_with_features(cache, input, &[])?.logits)
+    }
+
+    /// [`Model::forward`] that also returns, for every new token, the hidden states after the
+    /// decoder layers `feature_layers`, concatenated in that order (`[tokens, len * hidden]`,
+    /// `None` when `feature_layers` is empty). As in HF's `hidden_states[id + 1]`, the state
+    /// after the last layer is taken after the final norm. These are the DFlash drafter's
+    /// target context features.
+    pub fn forward_with_features(
+        &self,
+        cache: &mut B::KvCache,
+        input: ForwardInput<'_>,
+        feature_layers: &[usize],
+    ) -> Result<ForwardOutput<B::Tensor>> {
         self.check_input(&input)?;
+        let layers = self.config.num_hidden_layers;
+        if let Some(&l) = feature_layers.iter().find(|&&l| l >= layers) {
+            return Err(EngineError::Forward(format!(
+                "hidden states of layer {l} requested from a model with {layers} layers"
+            )));
+        }
         let prefix_len = self.backend.kv_len(cache);
-        let result = self.forward_inner(cache, input, prefix_len);
+        let result = self.forward_inner(cache, input, prefix_len, feature_layers);
         if result.is_err() {
             self.backend.kv_truncate(cache, prefix_len)?;
         }
         result
+    }
+
+    /// The token embeddings of `ids` (`[ids, hidden]`).
+    pub fn embed(&self, ids: &[u32]) -> Result<B::Tensor> {
+        check_tokens(ids, self.config.vocab_size)?;
+        self.backend.embedding(&self.weights.embed, ids)
+    }
+
+    /// The LM head applied to already-normalized hidden states: `[rows, vocab]` logits.
+    pub fn lm_head(&self, h: &B::Tensor) -> Result<B::Tensor> {
+        self.backend.linear(h, &self.weights.lm_head)
     }
 
     fn check_input(&self, input: &ForwardInput<'_>) -> Result<()> {
@@ -554,7 +564,8 @@ impl<B: Backend> Model<B> {
         cache: &mut B::KvCache,
         input: ForwardInput<'_>,
         prefix_len: usize,
-    ) -> Result<B::Tensor> {
+        feature_layers: &[usize],
+    ) -> Result<ForwardOutput<B::Tensor>> {
         let b = &self.backend;
         let w = &self.weights;
         let eps = self.config.rms_norm_eps;
@@ -562,6 +573,9 @@ impl<B: Backend> Model<B> {
             prefix_len,
             mask: input.mask,
         };
+        let n = input.tokens.len();
+        let all_rows: Vec<usize> = (0..n).collect();
+        let mut hidden: Vec<Option<B::Tensor>> = w.layers.iter().map(|_| None).collect();
         let mut x = b.embedding(&w.embed, input.tokens)?;
         for (l, layer) in w.layers.iter().enumerate() {
             let h = b.rms_norm(&x, &layer.input_norm, eps)?;
@@ -570,12 +584,29 @@ impl<B: Backend> Model<B> {
             let h = b.rms_norm(&x, &layer.post_norm, eps)?;
             let m = self.mlp(&layer.mlp, &h)?;
             b.add_assign(&mut x, &m)?;
+            if feature_layers.contains(&l) {
+                hidden[l] = Some(if l + 1 == w.layers.len() {
+                    b.rms_norm(&x, &w.norm, eps)?
+                } else {
+                    b.take_rows(&x, &all_rows)?
+                });
+            }
         }
+        let features = match feature_layers {
+            [] => None,
+            ids => {
+                let parts: Vec<&B::Tensor> = ids.iter().filter_map(|&l| hidden[l].as_ref()).collect();
+                Some(b.concat_cols(&parts)?)
+            }
+        };
         if input.logits == LogitRows::Last {
-            x = b.take_rows(&x, &[input.tokens.len() - 1])?;
+            x = b.take_rows(&x, &[n - 1])?;
         }
         let h = b.rms_norm(&x, &w.norm, eps)?;
-        b.linear(&h, &w.lm_head)
+        Ok(ForwardOutput {
+            logits: b.linear(&h, &w.lm_head)?,
+            features,
+        })
     }
 
     fn attention(
@@ -589,21 +620,11 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor> {
         let b = &self.backend;
         let q = match &a.q {
-            QProj::Lora { a: qa, norm, b: qb } => {
-                b.linear(&b.rms_norm(&b.linear(h, qa)?, norm, MLA_NORM_EPS)?, qb)?
-            }
+            QProj::Lora { a: qa, norm, b: qb } => b.linear(&b.rms_norm(&b.linear(h, qa)?, norm, MLA_NORM_EPS)?, qb)?,
             QProj::Full(w) => b.linear(h, w)?,
         };
         let kv_a = b.linear(h, &a.kv_a)?;
-        b.mla_append_kv(
-            &kv_a,
-            &a.kv_a_norm,
-            MLA_NORM_EPS,
-            &self.rope,
-            positions,
-            cache,
-            layer,
-        )?;
+        b.mla_append_kv(&kv_a, &a.kv_a_norm, MLA_NORM_EPS, &self.rope, positions, cache, layer)?;
         let q_abs = b.mla_query(&q, &a.kv_b, &self.rope, positions, self.dims)?;
         let o_lat = b.mla_attention(&q_abs, cache, layer, span, self.dims, self.scale)?;
         let o = b.mla_output(&o_lat, &a.kv_b, self.dims)?;

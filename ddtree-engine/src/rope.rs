@@ -1,6 +1,6 @@
 //! Rotary position embedding (plain or YaRN) as HF `DeepseekV3` computes it.
 
-use crate::config::{ModelConfig, YarnConfig};
+use crate::config::{ModelConfig, RopeConfig, YarnConfig};
 
 /// Precomputed rotary frequencies for the `qk_rope_head_dim` part of queries and keys.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,20 +22,27 @@ fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
 impl Rope {
     /// Frequencies for `cfg` (HF `_compute_default_rope_parameters` / `_compute_yarn_parameters`).
     pub fn new(cfg: &ModelConfig) -> Self {
-        let dim = cfg.qk_rope_head_dim;
-        let base = cfg.rope.theta;
-        let pos_freqs: Vec<f64> = (0..dim / 2)
-            .map(|i| base.powf((2 * i) as f64 / dim as f64))
-            .collect();
-        let (inv_freq, attention_factor) = match &cfg.rope.yarn {
+        Self::from_parts(cfg.qk_rope_head_dim, &cfg.rope)
+    }
+
+    /// Frequencies for rotating `dim` values with the settings `rope` (theta, YaRN, pair layout).
+    pub fn from_parts(dim: usize, rope: &RopeConfig) -> Self {
+        let base = rope.theta;
+        let pos_freqs: Vec<f64> = (0..dim / 2).map(|i| base.powf((2 * i) as f64 / dim as f64)).collect();
+        let (inv_freq, attention_factor) = match &rope.yarn {
             None => (pos_freqs.iter().map(|p| 1.0 / p).collect(), 1.0),
             Some(y) => yarn_inv_freq(y, &pos_freqs, dim, base),
         };
         Self {
             inv_freq: inv_freq.into_iter().map(|f: f64| f as f32).collect(),
             attention_factor: attention_factor as f32,
-            interleave: cfg.rope.interleave,
+            interleave: rope.interleave,
         }
+    }
+
+    /// Number of values one rotation covers (twice the number of frequencies).
+    pub fn dim(&self) -> usize {
+        2 * self.inv_freq.len()
     }
 
     /// The softmax scale of MLA attention: `qk_head_dim^-0.5`, times `mscale(factor,
@@ -61,10 +68,7 @@ impl Rope {
         let half = self.inv_freq.len();
         for (i, &f) in self.inv_freq.iter().enumerate() {
             let angle = f * position as f32;
-            let (cos, sin) = (
-                angle.cos() * self.attention_factor,
-                angle.sin() * self.attention_factor,
-            );
+            let (cos, sin) = (angle.cos() * self.attention_factor, angle.sin() * self.attention_factor);
             let (a, b) = if self.interleave {
                 (2 * i, 2 * i + 1)
             } else {
@@ -78,16 +82,13 @@ impl Rope {
 }
 
 fn yarn_inv_freq(y: &YarnConfig, pos_freqs: &[f64], dim: usize, base: f64) -> (Vec<f64>, f64) {
-    let attention_factor = y
-        .attention_factor
-        .unwrap_or(match (y.mscale, y.mscale_all_dim) {
-            (Some(m), Some(all)) => yarn_mscale(y.factor, m) / yarn_mscale(y.factor, all),
-            _ => yarn_mscale(y.factor, 1.0),
-        });
+    let attention_factor = y.attention_factor.unwrap_or(match (y.mscale, y.mscale_all_dim) {
+        (Some(m), Some(all)) => yarn_mscale(y.factor, m) / yarn_mscale(y.factor, all),
+        _ => yarn_mscale(y.factor, 1.0),
+    });
     let original = y.original_max_position_embeddings as f64;
-    let correction_dim = |rotations: f64| {
-        dim as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
-    };
+    let correction_dim =
+        |rotations: f64| dim as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
     let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
     if y.truncate {
         low = low.floor();
@@ -122,14 +123,8 @@ mod tests {
         let cfg = crate::tiny::config().unwrap();
         assert!((Rope::softmax_scale(&cfg) - 0.35439).abs() < 1e-5);
         let rope = Rope::new(&cfg);
-        assert_eq!(
-            rope.attention_factor, 1.0,
-            "mscale / mscale_all_dim = 1 for Kimi"
-        );
-        assert_eq!(
-            rope.inv_freq[0], 1.0,
-            "the fastest frequency is extrapolated"
-        );
+        assert_eq!(rope.attention_factor, 1.0, "mscale / mscale_all_dim = 1 for Kimi");
+        assert_eq!(rope.inv_freq[0], 1.0, "the fastest frequency is extrapolated");
     }
 
     #[test]

@@ -19,11 +19,7 @@ pub const NAME: &str = "tiny-kimi (built in)";
 
 macro_rules! fixture {
     ($file:literal) => {
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/tiny-kimi/",
-            $file
-        )
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-kimi/", $file)
     };
 }
 

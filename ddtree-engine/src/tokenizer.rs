@@ -94,8 +94,7 @@ impl Tokenizer {
 
     /// Parses a HF `tokenizer.json`; `path` is for messages.
     pub fn from_hf_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
-        let inner =
-            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| tok_err(path, e.to_string()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| tok_err(path, e.to_string()))?;
         Ok(Self::Hf {
             path: path.to_path_buf(),
             inner: Box::new(inner),
@@ -105,19 +104,11 @@ impl Tokenizer {
     /// Builds a Kimi tiktoken tokenizer from `tiktoken.model` (lines of `base64-bytes rank`, ranks
     /// `0..n`) and optionally `tokenizer_config.json`, whose `added_tokens_decoder` names the
     /// special ids `n..n+258`; unnamed ones become `<|reserved_token_{id}|>`.
-    pub fn from_tiktoken_bytes(
-        path: &Path,
-        model: &[u8],
-        config: Option<(&Path, &[u8])>,
-    ) -> Result<Self> {
+    pub fn from_tiktoken_bytes(path: &Path, model: &[u8], config: Option<(&Path, &[u8])>) -> Result<Self> {
         let text = std::str::from_utf8(model).map_err(|_| tok_err(path, "not UTF-8 text"))?;
         let mut ranks: HashMap<Vec<u8>, u32> = HashMap::new();
         let mut seen_ranks = HashSet::new();
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let bad = |what: &str| tok_err(path, format!("line {}: {what}: {line:?}", i + 1));
             let mut parts = line.split_whitespace();
             let (Some(token), Some(rank), None) = (parts.next(), parts.next(), parts.next()) else {
@@ -147,10 +138,7 @@ impl Tokenizer {
                 .cloned()
                 .unwrap_or_else(|| format!("<|reserved_token_{id}|>"));
             if specials.insert(name.clone(), id).is_some() {
-                return Err(tok_err(
-                    path,
-                    format!("special token {name:?} is defined twice"),
-                ));
+                return Err(tok_err(path, format!("special token {name:?} is defined twice")));
             }
         }
         let bpe = CoreBPE::new(
@@ -181,9 +169,7 @@ impl Tokenizer {
     /// Decodes ids to text; invalid UTF-8 (a token split mid-character) is replaced.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match self {
-            Self::Hf { path, inner } => inner
-                .decode(ids, false)
-                .map_err(|e| tok_err(path, e.to_string())),
+            Self::Hf { path, inner } => inner.decode(ids, false).map_err(|e| tok_err(path, e.to_string())),
             Self::Tiktoken { path, bpe, vocab } => {
                 if let Some(id) = ids.iter().find(|&&id| id as usize >= *vocab) {
                     return Err(tok_err(
@@ -191,10 +177,7 @@ impl Tokenizer {
                         format!("cannot decode id {id}: vocabulary has {vocab} ids"),
                     ));
                 }
-                let bytes: Vec<u8> = bpe
-                    ._decode_native_and_split(ids.to_vec())
-                    .flatten()
-                    .collect();
+                let bytes: Vec<u8> = bpe._decode_native_and_split(ids.to_vec()).flatten().collect();
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
         }
@@ -215,15 +198,11 @@ fn special_names(path: &Path, bytes: &[u8]) -> Result<HashMap<u32, String>> {
         field: "added_tokens_decoder".into(),
         reason,
     };
-    let decoder = decoder
-        .as_object()
-        .ok_or_else(|| bad("not an object".into()))?;
+    let decoder = decoder.as_object().ok_or_else(|| bad("not an object".into()))?;
     decoder
         .iter()
         .map(|(id, entry)| {
-            let id: u32 = id
-                .parse()
-                .map_err(|_| bad(format!("key {id:?} is not a token id")))?;
+            let id: u32 = id.parse().map_err(|_| bad(format!("key {id:?} is not a token id")))?;
             let content = entry
                 .get("content")
                 .and_then(Value::as_str)
@@ -240,9 +219,7 @@ mod tests {
     /// A tiny tiktoken vocabulary: the 256 bytes, then merges "th" (256), "the" (257), " the" (258).
     fn tiny() -> Tokenizer {
         let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
-        let mut model: String = (0..=255u8)
-            .map(|b| format!("{} {b}\n", b64(&[b])))
-            .collect();
+        let mut model: String = (0..=255u8).map(|b| format!("{} {b}\n", b64(&[b]))).collect();
         for (i, tok) in [&b"th"[..], b"the", b" the"].iter().enumerate() {
             model.push_str(&format!("{} {}\n", b64(tok), 256 + i));
         }

@@ -44,11 +44,10 @@ struct Shard {
 
 impl Shard {
     fn parse(path: PathBuf, bytes: ShardBytes) -> Result<Self> {
-        let (header_len, metadata) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| EngineError::Safetensors {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| EngineError::Safetensors {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
         Ok(Self {
             path,
             bytes,
@@ -195,10 +194,7 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let index_path = dir.join(INDEX_FILE);
         let index = if index_path.exists() {
-            Some(
-                std::fs::read_to_string(&index_path)
-                    .map_err(|e| EngineError::io(&index_path, e))?,
-            )
+            Some(std::fs::read_to_string(&index_path).map_err(|e| EngineError::io(&index_path, e))?)
         } else {
             None
         };
@@ -217,11 +213,7 @@ impl Checkpoint {
 
     /// A checkpoint whose files are static byte slices (a model embedded in the binary).
     /// `location` names it in messages; `files` maps file names to contents.
-    pub fn from_static(
-        location: &Path,
-        index: Option<&str>,
-        files: &[(&str, &'static [u8])],
-    ) -> Result<Self> {
+    pub fn from_static(location: &Path, index: Option<&str>, files: &[(&str, &'static [u8])]) -> Result<Self> {
         Self::assemble(location, index, |name| {
             Ok(files
                 .iter()
@@ -318,10 +310,7 @@ impl Checkpoint {
             .get_key_value(name)
             .ok_or_else(|| missing(&self.location))?;
         let shard = &self.shards[shard_index];
-        let info = shard
-            .metadata
-            .info(name)
-            .ok_or_else(|| missing(&shard.path))?;
+        let info = shard.metadata.info(name).ok_or_else(|| missing(&shard.path))?;
         let (start, end) = info.data_offsets;
         Ok(TensorRef {
             name: key,

@@ -3,9 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ddtree_engine::{
-    generate_greedy, CpuBackend, EngineError, GenerateOptions, LoadOptions, Model, ModelConfig,
-};
+use ddtree_engine::{generate_plain, CpuBackend, EngineError, GenerateOptions, LoadOptions, Model, ModelConfig};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
@@ -40,11 +38,7 @@ impl Scratch {
     /// The shard that holds `tensor`.
     fn shard_of(&self, tensor: &str) -> &'static str {
         let bytes = std::fs::read(self.path(SHARD1)).unwrap();
-        if SafeTensors::deserialize(&bytes)
-            .unwrap()
-            .names()
-            .contains(&tensor)
-        {
+        if SafeTensors::deserialize(&bytes).unwrap().names().contains(&tensor) {
             SHARD1
         } else {
             SHARD2
@@ -106,10 +100,7 @@ impl Drop for Scratch {
 
 fn assert_mentions(msg: &str, parts: &[&str]) {
     for part in parts {
-        assert!(
-            msg.contains(part),
-            "error {msg:?} does not mention {part:?}"
-        );
+        assert!(msg.contains(part), "error {msg:?} does not mention {part:?}");
     }
 }
 
@@ -117,16 +108,11 @@ fn assert_mentions(msg: &str, parts: &[&str]) {
 fn pristine_copy_loads_with_monotonic_progress() {
     let s = Scratch::new();
     let mut calls: Vec<(u64, u64)> = Vec::new();
-    Model::load_dir(
-        CpuBackend,
-        &s.0,
-        LoadOptions::default(),
-        &mut |done, total| calls.push((done, total)),
-    )
+    Model::load_dir(CpuBackend, &s.0, LoadOptions::default(), &mut |done, total| {
+        calls.push((done, total))
+    })
     .unwrap();
-    assert!(calls
-        .windows(2)
-        .all(|w| w[0].0 < w[1].0 && w[0].1 == w[1].1));
+    assert!(calls.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 == w[1].1));
     let &(done, total) = calls.last().unwrap();
     assert!(total > 0 && done == total);
 }
@@ -138,12 +124,7 @@ fn single_unsharded_file_loads() {
     for shard in [SHARD1, SHARD2] {
         let bytes = std::fs::read(s.path(shard)).unwrap();
         for (name, view) in SafeTensors::deserialize(&bytes).unwrap().tensors() {
-            owned.push((
-                name,
-                view.dtype(),
-                view.shape().to_vec(),
-                view.data().to_vec(),
-            ));
+            owned.push((name, view.dtype(), view.shape().to_vec(), view.data().to_vec()));
         }
         std::fs::remove_file(s.path(shard)).unwrap();
     }
@@ -162,14 +143,11 @@ fn single_unsharded_file_loads() {
         max_new_tokens: 4,
         ..Default::default()
     };
-    let sharded = generate_greedy(&tiny_model(), &[5, 17], &options).unwrap();
-    let single = generate_greedy(&model, &[5, 17], &options).unwrap();
+    let sharded = generate_plain(&tiny_model(), &[5, 17], &options).unwrap();
+    let single = generate_plain(&model, &[5, 17], &options).unwrap();
     assert_eq!(single.tokens, sharded.tokens);
     std::fs::remove_file(s.path("model.safetensors")).unwrap();
-    assert_mentions(
-        &s.load_err(),
-        &["model.safetensors.index.json nor model.safetensors"],
-    );
+    assert_mentions(&s.load_err(), &["model.safetensors.index.json nor model.safetensors"]);
 }
 
 #[test]
@@ -185,15 +163,8 @@ fn missing_tensor_names_tensor_and_shard() {
 fn tensor_absent_from_index_is_missing() {
     let s = Scratch::new();
     let tensor = format!("{PREFIX}.post_attention_layernorm.weight");
-    s.edit_text(
-        "model.safetensors.index.json",
-        &format!("\"{tensor}\""),
-        "\"renamed\"",
-    );
-    assert_mentions(
-        &s.load_err(),
-        &[&tensor, "model.safetensors.index.json", "missing"],
-    );
+    s.edit_text("model.safetensors.index.json", &format!("\"{tensor}\""), "\"renamed\"");
+    assert_mentions(&s.load_err(), &[&tensor, "model.safetensors.index.json", "missing"]);
 }
 
 #[test]
@@ -227,11 +198,7 @@ fn int4_weight_shape_mismatch_is_rejected() {
     let s = Scratch::new();
     let tensor = format!("{PREFIX}.mlp.experts.0.down_proj.weight_shape");
     s.edit_tensor(&tensor, |d, shape, _| {
-        Some((
-            d,
-            shape,
-            [64i64, 33].iter().flat_map(|v| v.to_le_bytes()).collect(),
-        ))
+        Some((d, shape, [64i64, 33].iter().flat_map(|v| v.to_le_bytes()).collect()))
     });
     assert_mentions(&s.load_err(), &[&tensor, "[64, 33]", "expected [64, 32]"]);
 }
@@ -296,10 +263,7 @@ fn nan_weight_is_detected_unless_the_scan_is_skipped() {
         Some((d, shape, b))
     });
     assert_mentions(&s.load_err(), &[&tensor, shard, "NaN", "element 3"]);
-    s.load_with(LoadOptions {
-        check_finite: false,
-    })
-    .unwrap();
+    s.load_with(LoadOptions { check_finite: false }).unwrap();
 }
 
 #[test]
@@ -322,9 +286,7 @@ fn generate_err(model: &Model<CpuBackend>, prompt: &[u32]) -> String {
         max_new_tokens: 4,
         ..Default::default()
     };
-    generate_greedy(model, prompt, &options)
-        .unwrap_err()
-        .to_string()
+    generate_plain(model, prompt, &options).unwrap_err().to_string()
 }
 
 #[test]
@@ -334,10 +296,7 @@ fn empty_prompt_is_rejected() {
 
 #[test]
 fn token_id_beyond_vocab_is_rejected() {
-    assert_mentions(
-        &generate_err(&tiny_model(), &[3, 600]),
-        &["600", "index 1", "512"],
-    );
+    assert_mentions(&generate_err(&tiny_model(), &[3, 600]), &["600", "index 1", "512"]);
 }
 
 #[test]
@@ -357,7 +316,7 @@ fn prompt_longer_than_context_is_rejected_and_generation_stops_at_the_end() {
         max_new_tokens: 10,
         ..Default::default()
     };
-    let out = generate_greedy(&model, &[5; 4], &options).unwrap();
+    let out = generate_plain(&model, &[5; 4], &options).unwrap();
     assert_eq!(out.stop_reason, ddtree_engine::StopReason::ContextFull);
     assert_eq!(
         out.tokens.len(),
@@ -373,10 +332,7 @@ fn config_err(json: &str) -> String {
 }
 
 fn tiny_config_json() -> String {
-    std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3/config.json"),
-    )
-    .unwrap()
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3/config.json")).unwrap()
 }
 
 #[test]
@@ -399,11 +355,7 @@ fn config_errors_name_the_field() {
             "field `hidden_size`: missing",
         ),
         ("\"n_group\": 4", "\"n_group\": 3", "field `n_group`"),
-        (
-            "\"topk_group\": 2",
-            "\"topk_group\": 5",
-            "field `topk_group`",
-        ),
+        ("\"topk_group\": 2", "\"topk_group\": 5", "field `topk_group`"),
         (
             "\"hidden_act\": \"silu\"",
             "\"hidden_act\": \"gelu\"",
@@ -414,21 +366,13 @@ fn config_errors_name_the_field() {
             "\"rope_type\": \"dynamic\"",
             "field `rope_scaling.rope_type`",
         ),
-        (
-            "\"factor\": 40.0",
-            "\"factor\": 0.5",
-            "field `rope_scaling.factor`",
-        ),
+        ("\"factor\": 40.0", "\"factor\": 0.5", "field `rope_scaling.factor`"),
         (
             "\"num_bits\": 4",
             "\"num_bits\": 8",
             "field `quantization_config.config_groups.group_0.weights.num_bits`",
         ),
-        (
-            "\"group_size\": 32",
-            "\"group_size\": 12",
-            "weights.group_size`",
-        ),
+        ("\"group_size\": 32", "\"group_size\": 12", "weights.group_size`"),
         (
             "\"quant_method\": \"compressed-tensors\"",
             "\"quant_method\": \"fp8\"",
@@ -466,30 +410,18 @@ fn kimi_k25_config_reads_text_config() {
     let cfg = ModelConfig::from_file(&path).unwrap();
     assert_eq!(cfg.model_type, "kimi_k25");
     assert_eq!(
-        (
-            cfg.moe.n_group,
-            cfg.moe.topk_group,
-            cfg.moe.n_routed_experts
-        ),
+        (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.n_routed_experts),
         (1, 1, 8)
     );
     assert_eq!(cfg.quantization.as_ref().map(|q| q.group_size), Some(32));
     assert_eq!(cfg.rope.yarn.as_ref().map(|y| y.factor), Some(64.0));
     assert_eq!(cfg.eos_token_ids, vec![1]);
     let text = std::fs::read_to_string(&path).unwrap();
-    let msg = config_err(&text.replacen(
-        "\"model_type\": \"kimi_k2\"",
-        "\"model_type\": \"qwen3\"",
-        1,
-    ));
+    let msg = config_err(&text.replacen("\"model_type\": \"kimi_k2\"", "\"model_type\": \"qwen3\"", 1));
     assert_mentions(&msg, &["field `text_config.model_type`"]);
 
     // A flat `kimi_k2` config (K2 / K2-Thinking) reads the same fields from the top level.
-    let flat = tiny_config_json().replacen(
-        "\"model_type\": \"deepseek_v3\"",
-        "\"model_type\": \"kimi_k2\"",
-        1,
-    );
+    let flat = tiny_config_json().replacen("\"model_type\": \"deepseek_v3\"", "\"model_type\": \"kimi_k2\"", 1);
     let k2 = ModelConfig::from_json(&flat, Path::new("config.json")).unwrap();
     assert_eq!((k2.model_type.as_str(), k2.moe.n_group), ("kimi_k2", 4));
 }

@@ -6,8 +6,7 @@ use std::path::PathBuf;
 
 use ddtree_engine::backend::Backend;
 use ddtree_engine::{
-    generate_greedy, AncestorMask, CpuBackend, ForwardInput, GenerateOptions, LoadOptions,
-    LogitRows, Model, Tokenizer,
+    generate_plain, AncestorMask, CpuBackend, ForwardInput, GenerateOptions, LoadOptions, LogitRows, Model, Tokenizer,
 };
 use serde::Deserialize;
 
@@ -43,8 +42,7 @@ fn fixture(name: &str) -> PathBuf {
 fn load(name: &str) -> (Model<CpuBackend>, Golden) {
     let dir = fixture(name);
     let model = Model::load_dir(CpuBackend, &dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
-    let golden =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     (model, golden)
 }
 
@@ -52,11 +50,7 @@ fn load(name: &str) -> (Model<CpuBackend>, Golden) {
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-        / scale
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale
 }
 
 const TOLERANCE: f32 = 1e-4;
@@ -68,8 +62,9 @@ fn check_greedy(name: &str) {
             max_new_tokens: golden.steps,
             stop_tokens: vec![],
             record_logits: true,
+            ..Default::default()
         };
-        let out = generate_greedy(&model, &p.ids, &options).unwrap();
+        let out = generate_plain(&model, &p.ids, &options).unwrap();
         assert_eq!(out.tokens, p.generated, "{name}: prompt {:?}", p.ids);
         for (step, (got, want)) in out.logits.iter().zip(&p.logits).enumerate() {
             let err = rel_err(got, want);
@@ -108,15 +103,10 @@ fn check_tree(name: &str) {
         mask: Some(&mask),
         logits: LogitRows::All,
     };
-    let logits = b
-        .to_host(&model.forward(&mut cache, verify).unwrap())
-        .unwrap();
+    let logits = b.to_host(&model.forward(&mut cache, verify).unwrap()).unwrap();
     for (node, want) in t.logits.iter().enumerate() {
         let err = rel_err(logits.row(node), want);
-        assert!(
-            err < TOLERANCE,
-            "{name}: tree node {node}: relative error {err:e}"
-        );
+        assert!(err < TOLERANCE, "{name}: tree node {node}: relative error {err:e}");
     }
 
     // Accept the path 0 -> 1, compact the cache, and decode node 3 (a child of 1) linearly: its
@@ -130,9 +120,7 @@ fn check_tree(name: &str) {
         mask: None,
         logits: LogitRows::All,
     };
-    let logits = b
-        .to_host(&model.forward(&mut cache, step).unwrap())
-        .unwrap();
+    let logits = b.to_host(&model.forward(&mut cache, step).unwrap()).unwrap();
     let err = rel_err(logits.row(0), &t.logits[3]);
     assert!(
         err < TOLERANCE,
@@ -187,8 +175,9 @@ fn stop_token_ends_generation() {
         max_new_tokens: golden.steps,
         stop_tokens: vec![stop],
         record_logits: false,
+        ..Default::default()
     };
-    let out = generate_greedy(&model, &p.ids, &options).unwrap();
+    let out = generate_plain(&model, &p.ids, &options).unwrap();
     assert_eq!(out.tokens, p.generated[..=first]);
     assert_eq!(out.stop_reason, ddtree_engine::StopReason::StopToken);
 }
@@ -202,10 +191,7 @@ fn embedded_tiny_model_is_the_kimi_fixture() {
         max_new_tokens: golden.steps,
         ..Default::default()
     };
-    assert_eq!(
-        generate_greedy(&model, &p.ids, &options).unwrap().tokens,
-        p.generated
-    );
+    assert_eq!(generate_plain(&model, &p.ids, &options).unwrap().tokens, p.generated);
     let tok = ddtree_engine::tiny::tokenizer().unwrap();
     assert_eq!(tok.encode(p.text.as_deref().unwrap()).unwrap(), p.ids);
 }

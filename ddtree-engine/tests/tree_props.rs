@@ -11,12 +11,7 @@ fn model() -> &'static Model<CpuBackend> {
     MODEL.get_or_init(|| tiny::load(CpuBackend, LoadOptions::default()).unwrap())
 }
 
-fn run(
-    cache: &mut CpuKvCache,
-    tokens: &[u32],
-    positions: &[u32],
-    mask: Option<&AncestorMask>,
-) -> Vec<Vec<f32>> {
+fn run(cache: &mut CpuKvCache, tokens: &[u32], positions: &[u32], mask: Option<&AncestorMask>) -> Vec<Vec<f32>> {
     let m = model();
     let input = ForwardInput {
         tokens,
@@ -24,10 +19,7 @@ fn run(
         mask,
         logits: LogitRows::All,
     };
-    let out = m
-        .backend()
-        .to_host(&m.forward(cache, input).unwrap())
-        .unwrap();
+    let out = m.backend().to_host(&m.forward(cache, input).unwrap()).unwrap();
     (0..out.rows).map(|r| out.row(r).to_vec()).collect()
 }
 

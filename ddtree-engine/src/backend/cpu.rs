@@ -1,6 +1,6 @@
 //! The f32 CPU reference backend.
 
-use crate::backend::{AttentionSpan, Backend, HostLinear, Matrix, MlaDims};
+use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims};
 use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
 use crate::model::{ffn, Ffn};
@@ -49,11 +49,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[i] += x[i] * y[i];
         }
     }
-    let tail: f32 = a[chunks..]
-        .iter()
-        .zip(&b[chunks..])
-        .map(|(x, y)| x * y)
-        .sum();
+    let tail: f32 = a[chunks..].iter().zip(&b[chunks..]).map(|(x, y)| x * y).sum();
     acc.iter().sum::<f32>() + tail
 }
 
@@ -84,10 +80,7 @@ fn check_cols(what: &str, x: &Matrix, cols: usize) -> Result<()> {
     if x.cols == cols {
         Ok(())
     } else {
-        Err(fail(format!(
-            "{what}: input has {} columns, expected {cols}",
-            x.cols
-        )))
+        Err(fail(format!("{what}: input has {} columns, expected {cols}", x.cols)))
     }
 }
 
@@ -186,10 +179,7 @@ impl Backend for CpuBackend {
 
     fn add_assign(&self, x: &mut Matrix, y: &Matrix) -> Result<()> {
         if (x.rows, x.cols) != (y.rows, y.cols) {
-            return Err(fail(format!(
-                "add: {}x{} vs {}x{}",
-                x.rows, x.cols, y.rows, y.cols
-            )));
+            return Err(fail(format!("add: {}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols)));
         }
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
         Ok(())
@@ -210,6 +200,53 @@ impl Backend for CpuBackend {
             cols: gate.cols,
             data,
         })
+    }
+
+    fn concat_cols(&self, parts: &[&Matrix]) -> Result<Matrix> {
+        let rows = parts.first().map_or(0, |p| p.rows);
+        if parts.iter().any(|p| p.rows != rows) {
+            return Err(fail("concat_cols: parts differ in rows".into()));
+        }
+        let cols = parts.iter().map(|p| p.cols).sum();
+        let mut out = Matrix::zeros(rows, cols);
+        for r in 0..rows {
+            let mut at = 0;
+            for p in parts {
+                out.row_mut(r)[at..at + p.cols].copy_from_slice(p.row(r));
+                at += p.cols;
+            }
+        }
+        Ok(out)
+    }
+
+    fn head_rms_norm(&self, x: &Matrix, weight: &Vec<f32>, eps: f32) -> Result<Matrix> {
+        let d = weight.len();
+        #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; MSRV is 1.85
+        if d == 0 || x.cols % d != 0 {
+            return Err(fail(format!("head_rms_norm: {} columns, head size {d}", x.cols)));
+        }
+        let mut out = Matrix::zeros(x.rows, x.cols);
+        for (src, dst) in x.data.chunks_exact(d).zip(out.data.chunks_exact_mut(d)) {
+            rms_normalize(src, weight, eps, dst);
+        }
+        Ok(out)
+    }
+
+    fn rope_heads(&self, x: &mut Matrix, rope: &Rope, positions: &[u32]) -> Result<()> {
+        let d = rope.dim();
+        #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; MSRV is 1.85
+        if d == 0 || x.cols % d != 0 || positions.len() != x.rows {
+            return Err(fail(format!(
+                "rope_heads: {}x{} input, rotary size {d}, {} positions",
+                x.rows,
+                x.cols,
+                positions.len()
+            )));
+        }
+        for (t, &pos) in positions.iter().enumerate() {
+            x.row_mut(t).chunks_exact_mut(d).for_each(|head| rope.apply(head, pos));
+        }
+        Ok(())
     }
 
     fn mla_append_kv(
@@ -246,20 +283,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn mla_query(
-        &self,
-        q: &Matrix,
-        kv_b: &HostLinear,
-        rope: &Rope,
-        positions: &[u32],
-        d: MlaDims,
-    ) -> Result<Matrix> {
+    fn mla_query(&self, q: &Matrix, kv_b: &HostLinear, rope: &Rope, positions: &[u32], d: MlaDims) -> Result<Matrix> {
         let qk = d.nope + d.rope;
         check_cols("mla_query", q, d.heads * qk)?;
         if kv_b.shape() != (d.heads * (d.nope + d.v), d.kv_lora) || positions.len() != q.rows {
-            return Err(fail(
-                "mla_query: kv_b or positions do not match the MLA dims".into(),
-            ));
+            return Err(fail("mla_query: kv_b or positions do not match the MLA dims".into()));
         }
         let lw = d.latent_width();
         let mut out = Matrix::zeros(q.rows, d.heads * lw);
@@ -294,9 +322,7 @@ impl Backend for CpuBackend {
         let lw = d.latent_width();
         check_cols("mla_attention", q_abs, d.heads * lw)?;
         if layer >= cache.layers.len() || cache.width != lw {
-            return Err(fail(format!(
-                "mla_attention: bad layer {layer} or cache width"
-            )));
+            return Err(fail(format!("mla_attention: bad layer {layer} or cache width")));
         }
         let n_new = q_abs.rows;
         if cache.len(layer) != span.prefix_len + n_new {
@@ -312,11 +338,7 @@ impl Backend for CpuBackend {
         for t in 0..n_new {
             slots.clear();
             slots.extend(0..span.prefix_len);
-            slots.extend(
-                (0..n_new)
-                    .filter(|&j| span.sees_new(t, j))
-                    .map(|j| span.prefix_len + j),
-            );
+            slots.extend((0..n_new).filter(|&j| span.sees_new(t, j)).map(|j| span.prefix_len + j));
             for h in 0..d.heads {
                 let q = &q_abs.row(t)[h * lw..(h + 1) * lw];
                 probs.clear();
@@ -327,9 +349,7 @@ impl Backend for CpuBackend {
                 let o = &mut out.row_mut(t)[h * d.kv_lora..(h + 1) * d.kv_lora];
                 for (&s, &p) in slots.iter().zip(&probs) {
                     let c_kv = &cache.row(layer, s)[..d.kv_lora];
-                    o.iter_mut()
-                        .zip(c_kv)
-                        .for_each(|(acc, c)| *acc += p / sum * c);
+                    o.iter_mut().zip(c_kv).for_each(|(acc, c)| *acc += p / sum * c);
                 }
             }
         }
@@ -347,8 +367,7 @@ impl Backend for CpuBackend {
             for v in 0..d.v {
                 let w_uv = weight_row(kv_b, h * (d.nope + d.v) + d.nope + v, &mut scratch);
                 for t in 0..o_lat.rows {
-                    out.row_mut(t)[h * d.v + v] =
-                        dot(&o_lat.row(t)[h * d.kv_lora..(h + 1) * d.kv_lora], w_uv);
+                    out.row_mut(t)[h * d.v + v] = dot(&o_lat.row(t)[h * d.kv_lora..(h + 1) * d.kv_lora], w_uv);
                 }
             }
         }
@@ -359,18 +378,12 @@ impl Backend for CpuBackend {
         let experts = cfg.n_routed_experts;
         check_cols("moe_route", logits, experts)?;
         if bias.len() != experts {
-            return Err(fail(
-                "moe_route: bias length differs from the expert count".into(),
-            ));
+            return Err(fail("moe_route: bias length differs from the expert count".into()));
         }
         let per_group = experts / cfg.n_group;
         let mut routing = Vec::with_capacity(logits.rows);
         for t in 0..logits.rows {
-            let scores: Vec<f32> = logits
-                .row(t)
-                .iter()
-                .map(|x| 1.0 / (1.0 + (-x).exp()))
-                .collect();
+            let scores: Vec<f32> = logits.row(t).iter().map(|x| 1.0 / (1.0 + (-x).exp())).collect();
             let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
             if cfg.n_group > 1 {
                 let group_scores: Vec<f32> = choice
@@ -391,29 +404,18 @@ impl Backend for CpuBackend {
                 let denom = weights.iter().sum::<f32>() + 1e-20;
                 weights.iter_mut().for_each(|w| *w /= denom);
             }
-            weights
-                .iter_mut()
-                .for_each(|w| *w *= cfg.routed_scaling_factor);
+            weights.iter_mut().for_each(|w| *w *= cfg.routed_scaling_factor);
             routing.push(chosen.into_iter().zip(weights).collect());
         }
         Ok(CpuRouting(routing))
     }
 
-    fn moe_experts(
-        &self,
-        x: &Matrix,
-        routing: &CpuRouting,
-        experts: &[Ffn<HostLinear>],
-    ) -> Result<Matrix> {
+    fn moe_experts(&self, x: &Matrix, routing: &CpuRouting, experts: &[Ffn<HostLinear>]) -> Result<Matrix> {
         if routing.0.len() != x.rows {
             return Err(fail("moe_experts: routing and input differ in rows".into()));
         }
         if let Some(e) = routing.0.iter().flatten().find(|c| c.0 >= experts.len()) {
-            return Err(fail(format!(
-                "moe_experts: expert {} of {}",
-                e.0,
-                experts.len()
-            )));
+            return Err(fail(format!("moe_experts: expert {} of {}", e.0, experts.len())));
         }
         let mut out = Matrix::zeros(x.rows, x.cols);
         // Expert by expert in index order, as HF accumulates.
@@ -429,10 +431,72 @@ impl Backend for CpuBackend {
             }
             let y = ffn(self, expert, &self.take_rows(x, &tokens)?)?;
             for (i, (&t, &w)) in tokens.iter().zip(&weights).enumerate() {
-                out.row_mut(t)
-                    .iter_mut()
-                    .zip(y.row(i))
-                    .for_each(|(o, v)| *o += v * w);
+                out.row_mut(t).iter_mut().zip(y.row(i)).for_each(|(o, v)| *o += v * w);
+            }
+        }
+        Ok(out)
+    }
+
+    fn kv_append(&self, cache: &mut CpuKvCache, layer: usize, rows: &Matrix) -> Result<()> {
+        check_cols("kv_append", rows, cache.width)?;
+        if layer >= cache.layers.len() {
+            return Err(fail(format!("kv_append: layer {layer} of {}", cache.layers.len())));
+        }
+        if cache.len(layer) + rows.rows > cache.capacity {
+            return Err(EngineError::Forward(format!(
+                "KV cache full: {} + {} rows exceed its capacity of {}",
+                cache.len(layer),
+                rows.rows,
+                cache.capacity
+            )));
+        }
+        cache.layers[layer].extend_from_slice(&rows.data);
+        Ok(())
+    }
+
+    fn gqa_attention(
+        &self,
+        q: &Matrix,
+        cache: &CpuKvCache,
+        k_layer: usize,
+        v_layer: usize,
+        d: GqaDims,
+        scale: f32,
+    ) -> Result<Matrix> {
+        let kv_width = d.kv_heads * d.head_dim;
+        check_cols("gqa_attention", q, d.heads * d.head_dim)?;
+        #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; MSRV is 1.85
+        let grouped = d.kv_heads > 0 && d.heads % d.kv_heads == 0;
+        let layers = cache.layers.len();
+        if !grouped || cache.width != kv_width || k_layer >= layers || v_layer >= layers {
+            return Err(fail(format!(
+                "gqa_attention: {d:?} over cache layers {k_layer}/{v_layer} of {layers}, width {}",
+                cache.width
+            )));
+        }
+        let n = cache.len(k_layer);
+        if cache.len(v_layer) != n {
+            return Err(fail("gqa_attention: keys and values differ in rows".into()));
+        }
+        let group = d.heads / d.kv_heads;
+        let hd = d.head_dim;
+        let mut out = Matrix::zeros(q.rows, d.heads * hd);
+        let mut probs = vec![0.0f32; n];
+        for t in 0..q.rows {
+            for h in 0..d.heads {
+                let kv = h / group * hd;
+                let qh = &q.row(t)[h * hd..(h + 1) * hd];
+                for (s, p) in probs.iter_mut().enumerate() {
+                    *p = dot(qh, &cache.row(k_layer, s)[kv..kv + hd]) * scale;
+                }
+                let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                probs.iter_mut().for_each(|p| *p = (*p - max).exp());
+                let sum: f32 = probs.iter().sum();
+                let o = &mut out.row_mut(t)[h * hd..(h + 1) * hd];
+                for (s, &p) in probs.iter().enumerate() {
+                    let v = &cache.row(v_layer, s)[kv..kv + hd];
+                    o.iter_mut().zip(v).for_each(|(acc, v)| *acc += p / sum * v);
+                }
             }
         }
         Ok(out)
@@ -465,10 +529,7 @@ impl Backend for CpuBackend {
         let width = cache.width;
         for layer in &mut cache.layers {
             for (i, &k) in keep.iter().enumerate() {
-                layer.copy_within(
-                    (base + k) * width..(base + k + 1) * width,
-                    (base + i) * width,
-                );
+                layer.copy_within((base + k) * width..(base + k + 1) * width, (base + i) * width);
             }
             layer.truncate((base + keep.len()) * width);
         }

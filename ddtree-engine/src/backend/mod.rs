@@ -108,6 +108,17 @@ impl MlaDims {
     }
 }
 
+/// Grouped-query attention head layout (the DFlash drafter's Qwen3-style attention).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GqaDims {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads; query head `h` reads key/value head `h / (heads / kv_heads)`.
+    pub kv_heads: usize,
+    /// Values per head.
+    pub head_dim: usize,
+}
+
 /// Which cached rows each new row attends to.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionSpan<'a> {
@@ -153,12 +164,7 @@ pub trait Backend {
     fn load_weight(&self, w: HostLinear) -> Result<Self::Weight>;
     /// An empty latent cache for `layers` layers of rows `row_width` wide, for up to `capacity`
     /// tokens.
-    fn new_kv_cache(
-        &self,
-        layers: usize,
-        row_width: usize,
-        capacity: usize,
-    ) -> Result<Self::KvCache>;
+    fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<Self::KvCache>;
 
     /// Copies a tensor back to the host.
     fn to_host(&self, x: &Self::Tensor) -> Result<Matrix>;
@@ -175,6 +181,13 @@ pub trait Backend {
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Concatenates matrices with equal row counts along the feature dimension.
+    fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
+    /// Per-head RMS norm: every consecutive run of `weight.len()` columns of each row is
+    /// normalized on its own and scaled by `weight` (Qwen3's `q_norm` / `k_norm`).
+    fn head_rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
+    /// Ropes every consecutive run of `rope.dim()` columns of row `t` to `positions[t]`, in place.
+    fn rope_heads(&self, x: &mut Self::Tensor, rope: &Rope, positions: &[u32]) -> Result<()>;
 
     /// From `kv_a = h W_DKV` (`[T, L + R]`): RMS-normalizes `c_kv` (eps `eps`), ropes `k_pe` at
     /// `positions`, and appends the `T` rows to `layer` of the cache.
@@ -213,28 +226,34 @@ pub trait Backend {
     ) -> Result<Self::Tensor>;
     /// Un-absorbs the latent outputs through each head's `W_UV` (the last `V` rows of its block of
     /// `kv_b`): `[T, N L]` -> `[T, N V]`.
-    fn mla_output(
-        &self,
-        o_lat: &Self::Tensor,
-        kv_b: &Self::Weight,
-        dims: MlaDims,
-    ) -> Result<Self::Tensor>;
+    fn mla_output(&self, o_lat: &Self::Tensor, kv_b: &Self::Weight, dims: MlaDims) -> Result<Self::Tensor>;
 
     /// DeepSeek-V3 `noaux_tc` routing from fp32 router logits `[T, E]`: sigmoid scores, selection
     /// on scores + `bias` with group-limited top-k, weights from the unbiased scores, normalized
     /// and scaled.
-    fn moe_route(
-        &self,
-        logits: &Self::Tensor,
-        bias: &Self::Vector,
-        cfg: &MoeConfig,
-    ) -> Result<Self::Routing>;
+    fn moe_route(&self, logits: &Self::Tensor, bias: &Self::Vector, cfg: &MoeConfig) -> Result<Self::Routing>;
     /// `sum_k w_k expert_k(x)` per token for the routed experts.
     fn moe_experts(
         &self,
         x: &Self::Tensor,
         routing: &Self::Routing,
         experts: &[Ffn<Self::Weight>],
+    ) -> Result<Self::Tensor>;
+
+    /// Appends the rows of `rows` (as wide as the cache's rows) to `layer` of a cache used as plain
+    /// row storage (the DFlash drafter keeps its keys in layer `2l` and values in `2l + 1`).
+    fn kv_append(&self, cache: &mut Self::KvCache, layer: usize, rows: &Self::Tensor) -> Result<()>;
+    /// Non-causal grouped-query attention: every row of `q` (`[T, heads * head_dim]`) attends to
+    /// every row of cache layers `k_layer` (keys) and `v_layer` (values), each
+    /// `kv_heads * head_dim` wide, with scores `q . k * scale`; returns `[T, heads * head_dim]`.
+    fn gqa_attention(
+        &self,
+        q: &Self::Tensor,
+        cache: &Self::KvCache,
+        k_layer: usize,
+        v_layer: usize,
+        dims: GqaDims,
+        scale: f32,
     ) -> Result<Self::Tensor>;
 
     /// Number of rows every layer of the cache holds.

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::{
-    generate_greedy, tiny, Checkpoint, CpuBackend, EngineError, GenerateOptions, Generation,
-    LoadOptions, Model, ModelConfig, StopReason, Tokenizer,
+    generate_plain, tiny, Checkpoint, CpuBackend, EngineError, GenerateOptions, Generation, LoadOptions, Model,
+    ModelConfig, StopReason, Tokenizer,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -137,14 +137,10 @@ fn prompt_ids(args: &GenerateArgs, loaded: &Loaded) -> Result<Vec<u32>, EngineEr
         return Ok(ids.clone());
     }
     if let Some(text) = &args.prompt {
-        let tokenizer = loaded
-            .tokenizer
-            .as_ref()
-            .ok_or_else(|| EngineError::Tokenizer {
-                path: PathBuf::from(&loaded.name),
-                reason: "no tokenizer.json or tiktoken.model found; pass --prompt-ids instead"
-                    .into(),
-            })?;
+        let tokenizer = loaded.tokenizer.as_ref().ok_or_else(|| EngineError::Tokenizer {
+            path: PathBuf::from(&loaded.name),
+            reason: "no tokenizer.json or tiktoken.model found; pass --prompt-ids instead".into(),
+        })?;
         return tokenizer.encode(text);
     }
     Ok(loaded.model.config().bos_token_id.into_iter().collect())
@@ -179,8 +175,9 @@ fn generate(args: &GenerateArgs) -> Result<(), EngineError> {
             loaded.model.config().eos_token_ids.clone()
         },
         record_logits: false,
+        ..Default::default()
     };
-    let out = generate_greedy(&loaded.model, &prompt, &options)?;
+    let out = generate_plain(&loaded.model, &prompt, &options)?;
     let text = match &loaded.tokenizer {
         Some(t) => Some(t.decode(&out.tokens)?),
         None => None,
@@ -193,13 +190,7 @@ fn generate(args: &GenerateArgs) -> Result<(), EngineError> {
     Ok(())
 }
 
-fn print_json(
-    loaded: &Loaded,
-    prompt_tokens: usize,
-    out: &Generation,
-    text: Option<String>,
-    load: Duration,
-) {
+fn print_json(loaded: &Loaded, prompt_tokens: usize, out: &Generation, text: Option<String>, load: Duration) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let report = json!({
         "model": loaded.name,
@@ -220,20 +211,10 @@ fn print_json(
     println!("{report}");
 }
 
-fn print_human(
-    loaded: &Loaded,
-    prompt: &[u32],
-    out: &Generation,
-    text: Option<String>,
-    load: Duration,
-) {
+fn print_human(loaded: &Loaded, prompt: &[u32], out: &Generation, text: Option<String>, load: Duration) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let rate = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.1} tok/s"));
-    println!(
-        "model: {} (cpu), loaded in {:.1} ms",
-        loaded.name,
-        millis(load)
-    );
+    println!("model: {} (cpu), loaded in {:.1} ms", loaded.name, millis(load));
     println!("prompt: {} tokens {:?}", prompt.len(), prompt);
     println!("tokens: {:?}", out.tokens);
     if let Some(text) = text {
@@ -256,15 +237,11 @@ mod tests {
 
     #[test]
     fn cli_parses_prompt_ids_and_rejects_two_prompts() {
-        let cli =
-            Cli::try_parse_from(["ddtree", "generate", "--prompt-ids", "1,2,3", "--json"]).unwrap();
+        let cli = Cli::try_parse_from(["ddtree", "generate", "--prompt-ids", "1,2,3", "--json"]).unwrap();
         let Command::Generate(args) = cli.command;
         assert_eq!(args.prompt_ids, Some(vec![1, 2, 3]));
         assert!(args.json && args.device == Device::Auto && args.model.is_none());
-        assert!(
-            Cli::try_parse_from(["ddtree", "generate", "--prompt", "a", "--prompt-ids", "1"])
-                .is_err()
-        );
+        assert!(Cli::try_parse_from(["ddtree", "generate", "--prompt", "a", "--prompt-ids", "1"]).is_err());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--device", "tpu"]).is_err());
     }
 
@@ -279,20 +256,10 @@ mod tests {
     #[test]
     fn text_prompt_without_tokenizer_names_the_model() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3");
-        let cli = Cli::try_parse_from([
-            "ddtree",
-            "generate",
-            "--prompt",
-            "hi",
-            "--model",
-            dir.to_str().unwrap(),
-        ])
-        .unwrap();
+        let cli =
+            Cli::try_parse_from(["ddtree", "generate", "--prompt", "hi", "--model", dir.to_str().unwrap()]).unwrap();
         let Command::Generate(args) = cli.command;
         let err = generate(&args).unwrap_err().to_string();
-        assert!(
-            err.contains("tiny-dsv3") && err.contains("--prompt-ids"),
-            "{err}"
-        );
+        assert!(err.contains("tiny-dsv3") && err.contains("--prompt-ids"), "{err}");
     }
 }

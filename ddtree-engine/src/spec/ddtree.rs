@@ -1,0 +1,201 @@
+//! The DDTree loop: draft -> build the tree -> one target forward over the tree -> accept ->
+//! compact -> next round.
+//!
+//! Round invariant: the target cache holds every committed token except the bonus token (the
+//! last emitted one, chosen by the target at the previous verify). Each round the drafter
+//! proposes distributions for the next positions, the CPU reference builder of
+//! [`ddtree_kernels::tree`] picks the best `B` prefixes, and the target runs `[bonus, nodes..]`
+//! at positions `start + depth` under the ancestor mask. The target's token at every node
+//! ([`crate::spec::Sampling::choose`]) drives the accept walk; the accepted rows are compacted in the latent
+//! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
+//! are emitted under the same stop rules as plain decoding.
+
+use std::time::Instant;
+
+use ddtree_kernels::tree::{accept_reference, build_reference};
+
+use crate::backend::Backend;
+use crate::error::{EngineError, Result};
+use crate::generate::{check_prompt, GenerateOptions, Generation};
+use crate::mask::AncestorMask;
+use crate::model::{ForwardInput, LogitRows, Model};
+use crate::spec::drafter::{DraftRequest, Drafter};
+use crate::spec::stats::SpecStats;
+
+/// The budget `auto` stands for until a cost-aware choice exists.
+pub const AUTO_BUDGET: usize = 32;
+
+/// The tree node budget B (root not counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// Exactly this many nodes (at least 1).
+    Fixed(usize),
+    /// Let the engine choose; for now the fixed [`AUTO_BUDGET`].
+    Auto,
+}
+
+impl Budget {
+    /// The node count this budget stands for.
+    pub fn nodes(self) -> usize {
+        match self {
+            Self::Fixed(n) => n,
+            Self::Auto => AUTO_BUDGET,
+        }
+    }
+}
+
+/// Speculative-decoding settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecOptions {
+    /// Tree node budget.
+    pub budget: Budget,
+}
+
+/// A speculative generation and its statistics.
+#[derive(Debug, Clone)]
+pub struct SpecGeneration {
+    /// The tokens and stop reason, as plain decoding reports them.
+    pub generation: Generation,
+    /// Rounds, acceptance and per-phase times.
+    pub stats: SpecStats,
+}
+
+/// Generates up to `options.max_new_tokens` tokens after `prompt` with DDTree speculative
+/// decoding. The output equals [`crate::generate_plain`]'s on the same backend for greedy
+/// decoding, and is distributed as plain sampling otherwise (see [`crate::spec::sampling`]).
+pub fn generate_speculative<B: Backend>(
+    model: &Model<B>,
+    drafter: &mut dyn Drafter<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    spec: &SpecOptions,
+) -> Result<SpecGeneration> {
+    check_prompt(model, prompt)?;
+    options.sampling.validate()?;
+    let budget = spec.budget.nodes();
+    if budget == 0 {
+        return Err(EngineError::Forward("the tree budget must be at least 1 node".into()));
+    }
+    let block_size = drafter.block_size();
+    if block_size < 2 {
+        return Err(EngineError::Forward(format!(
+            "drafter block size must be at least 2, got {block_size}"
+        )));
+    }
+    let mut stats = SpecStats {
+        drafter: drafter.name(),
+        budget,
+        budget_auto: spec.budget == Budget::Auto,
+        block_size,
+        ..SpecStats::default()
+    };
+    let mut out = Generation::empty();
+    if options.max_new_tokens == 0 {
+        return Ok(SpecGeneration { generation: out, stats });
+    }
+    let b = model.backend();
+    let cfg = model.config();
+    let (context, vocab) = (cfg.max_position_embeddings, cfg.vocab_size);
+    let layers = drafter.target_layers().to_vec();
+    let max_positions = prompt.len() + options.max_new_tokens;
+    let mut cache = model.new_cache(max_positions + budget + 1)?;
+    drafter.begin(model, max_positions + block_size)?;
+
+    // Prefill: the prompt's features and the first bonus token.
+    let started = Instant::now();
+    let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+    let input = ForwardInput {
+        tokens: prompt,
+        positions: &positions,
+        mask: None,
+        logits: LogitRows::Last,
+    };
+    let prefill = model.forward_with_features(&mut cache, input, &layers)?;
+    let logits = b.to_host(&prefill.logits)?;
+    let mut features = prefill.features;
+    let first = options.sampling.choose(logits.row(0), prompt.len() as u32 - 1);
+    stats.target_forwards = 1;
+    stats.prefill = started.elapsed();
+    out.prefill = stats.prefill;
+    let mut tokens = prompt.to_vec();
+    tokens.push(first);
+    let mut going = out.emit(options, first, prompt.len(), context, logits.row(0));
+
+    while going {
+        let start = tokens.len() - 1;
+        let bonus = tokens[start];
+
+        let t = Instant::now();
+        let request = DraftRequest {
+            tokens: &tokens,
+            features: features.as_ref(),
+        };
+        let drafted = drafter.draft(model, request)?;
+        stats.draft += t.elapsed();
+
+        let t = Instant::now();
+        let drafted = b.to_host(&drafted)?;
+        if drafted.rows != block_size - 1 || drafted.cols != vocab {
+            return Err(EngineError::Forward(format!(
+                "drafter {} returned {}x{} logits, expected {}x{vocab}",
+                stats.drafter,
+                drafted.rows,
+                drafted.cols,
+                block_size - 1
+            )));
+        }
+        // Positions past the context cannot be verified.
+        let depth = (block_size - 1).min(context - 1 - start);
+        let tree = build_reference(&drafted.data[..depth * vocab], depth, vocab, budget, bonus);
+        stats.build += t.elapsed();
+
+        let t = Instant::now();
+        let mask = AncestorMask::from_words(tree.len(), tree.mask.clone())?;
+        let positions = tree.positions(start as u32);
+        let input = ForwardInput {
+            tokens: &tree.token,
+            positions: &positions,
+            mask: Some(&mask),
+            logits: LogitRows::All,
+        };
+        let verified = model.forward_with_features(&mut cache, input, &layers)?;
+        let logits = b.to_host(&verified.logits)?;
+        let target: Vec<u32> = (0..tree.len())
+            .map(|i| options.sampling.choose(logits.row(i), positions[i]))
+            .collect();
+        stats.verify += t.elapsed();
+
+        let t = Instant::now();
+        let accepted = accept_reference(&tree, &target);
+        let keep: Vec<usize> = accepted.indices.iter().map(|&i| i as usize).collect();
+        b.kv_compact(&mut cache, start, &keep)?;
+        features = match &verified.features {
+            Some(f) => Some(b.take_rows(f, &keep)?),
+            None => None,
+        };
+        stats.accept += t.elapsed();
+        stats.rounds += 1;
+        stats.target_forwards += 1;
+        stats.verified_nodes += tree.len();
+        stats.accept_lengths.push(keep.len());
+
+        // Emit the accepted drafted tokens, then the next bonus: each is the target's token at
+        // the previous accepted node.
+        for (k, pair) in keep.windows(2).enumerate() {
+            let token = tree.token[pair[1]];
+            tokens.push(token);
+            going = out.emit(options, token, start + k + 1, context, logits.row(pair[0]));
+            if !going {
+                break;
+            }
+        }
+        if going {
+            tokens.push(accepted.bonus);
+            let last = *keep.last().expect("the root is always accepted");
+            going = out.emit(options, accepted.bonus, start + keep.len(), context, logits.row(last));
+        }
+    }
+    out.decode = stats.draft + stats.build + stats.verify + stats.accept;
+    stats.tokens = out.tokens.len();
+    Ok(SpecGeneration { generation: out, stats })
+}

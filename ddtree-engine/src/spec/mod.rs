@@ -1,0 +1,20 @@
+//! DDTree speculative decoding: drafters, the draft -> tree -> verify -> accept loop, sampling
+//! and statistics, written against [`crate::Backend`] so every backend runs it unchanged.
+//!
+//! - [`drafter`]: the [`Drafter`] trait;
+//! - [`test_drafters`]: [`Oracle`] and [`Noisy`];
+//! - [`ddtree`]: the loop, [`generate_speculative`];
+//! - [`sampling`]: greedy / temperature / top-p token choice shared with plain decoding;
+//! - [`stats`]: [`SpecStats`].
+
+pub mod ddtree;
+pub mod drafter;
+pub mod sampling;
+pub mod stats;
+pub mod test_drafters;
+
+pub use ddtree::{generate_speculative, Budget, SpecGeneration, SpecOptions, AUTO_BUDGET};
+pub use drafter::{DraftRequest, Drafter};
+pub use sampling::Sampling;
+pub use stats::SpecStats;
+pub use test_drafters::{Noisy, Oracle};

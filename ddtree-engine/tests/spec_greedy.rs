@@ -1,0 +1,204 @@
+//! DDTree speculative decoding reproduces plain greedy decoding token for token, for every
+//! drafter, budget and block size, including runs that end inside an accepted path (token limit,
+//! stop token, context end).
+
+use ddtree_engine::spec::{Noisy, Oracle};
+use ddtree_engine::{
+    generate_plain, generate_speculative, tiny, Budget, CpuBackend, Drafter, GenerateOptions, LoadOptions, Model,
+    SpecOptions, StopReason,
+};
+
+fn model() -> Model<CpuBackend> {
+    tiny::load(CpuBackend, LoadOptions::default()).unwrap()
+}
+
+/// Prompts of assorted lengths and token ranges (vocab 512).
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![0],
+        vec![5, 17],
+        vec![100, 200, 300],
+        vec![511, 0, 7, 7, 7],
+        vec![42; 9],
+        (1..14).map(|i| i * 37 % 512).collect(),
+    ]
+}
+
+fn drafter(kind: usize, block_size: usize) -> Box<dyn Drafter<CpuBackend>> {
+    match kind {
+        0 => Box::new(Oracle::new(block_size).unwrap()),
+        1 => Box::new(Noisy::new(block_size, 0.8, 7).unwrap()),
+        2 => Box::new(Noisy::new(block_size, 0.4, 11).unwrap()),
+        _ => Box::new(Noisy::new(block_size, 0.0, 3).unwrap()),
+    }
+}
+
+fn plain(model: &Model<CpuBackend>, prompt: &[u32], options: &GenerateOptions) -> (Vec<u32>, StopReason) {
+    let out = generate_plain(model, prompt, options).unwrap();
+    (out.tokens, out.stop_reason)
+}
+
+fn speculative(
+    model: &Model<CpuBackend>,
+    drafter: &mut dyn Drafter<CpuBackend>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    budget: usize,
+) -> (Vec<u32>, StopReason) {
+    let spec = SpecOptions {
+        budget: Budget::Fixed(budget),
+    };
+    let out = generate_speculative(model, drafter, prompt, options, &spec).unwrap();
+    let stats = &out.stats;
+    assert_eq!(stats.rounds, stats.accept_lengths.len());
+    assert_eq!(stats.target_forwards, stats.rounds + 1);
+    assert!(stats
+        .accept_lengths
+        .iter()
+        .all(|&a| a >= 1 && a <= drafter.block_size()));
+    (out.generation.tokens, out.generation.stop_reason)
+}
+
+#[test]
+fn greedy_equals_plain_for_every_drafter_budget_and_block_size() {
+    let model = model();
+    let budgets = [1, 2, 3, 5, 8, 13, 16, 40];
+    let mut case = 0usize;
+    for prompt in prompts() {
+        let options = GenerateOptions {
+            max_new_tokens: 10,
+            ..Default::default()
+        };
+        let expected = plain(&model, &prompt, &options);
+        for block_size in [8, 16] {
+            for kind in 0..4 {
+                // Cycle the budgets over the prompts so every (drafter, block, budget) occurs.
+                let budget = budgets[case % budgets.len()];
+                case += 1;
+                let mut d = drafter(kind, block_size);
+                let got = speculative(&model, d.as_mut(), &prompt, &options, budget);
+                assert_eq!(
+                    got,
+                    expected,
+                    "prompt {prompt:?}, {}, block {block_size}, budget {budget}",
+                    d.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_budget_from_1_to_256_matches() {
+    let model = model();
+    let prompt = [7, 300, 12];
+    let options = GenerateOptions {
+        max_new_tokens: 8,
+        ..Default::default()
+    };
+    let expected = plain(&model, &prompt, &options);
+    let mut d = Noisy::new(8, 0.5, 5).unwrap();
+    for budget in (1..=9).chain([16, 31, 64, 128, 256]) {
+        assert_eq!(
+            speculative(&model, &mut d, &prompt, &options, budget),
+            expected,
+            "budget {budget}"
+        );
+    }
+}
+
+#[test]
+fn token_limits_inside_an_accepted_path() {
+    let model = model();
+    let prompt = [9, 8, 7];
+    let mut oracle = Oracle::new(16).unwrap();
+    for max_new_tokens in 1..=19 {
+        let options = GenerateOptions {
+            max_new_tokens,
+            ..Default::default()
+        };
+        let expected = plain(&model, &prompt, &options);
+        assert_eq!(expected.0.len(), max_new_tokens);
+        // The oracle accepts whole blocks, so most limits fall inside an accepted path.
+        assert_eq!(
+            speculative(&model, &mut oracle, &prompt, &options, 4),
+            expected,
+            "max {max_new_tokens}"
+        );
+    }
+}
+
+#[test]
+fn stop_tokens_inside_an_accepted_path() {
+    let model = model();
+    for prompt in prompts().into_iter().take(3) {
+        let free = plain(
+            &model,
+            &prompt,
+            &GenerateOptions {
+                max_new_tokens: 12,
+                ..Default::default()
+            },
+        )
+        .0;
+        let mut stops = free[1..].to_vec();
+        stops.dedup();
+        for &stop in stops.iter().step_by(4) {
+            let options = GenerateOptions {
+                max_new_tokens: 12,
+                stop_tokens: vec![stop],
+                ..Default::default()
+            };
+            let expected = plain(&model, &prompt, &options);
+            assert_eq!(expected.1, StopReason::StopToken);
+            for (kind, budget) in [(0, 3), (1, 16)] {
+                let mut d = drafter(kind, 8);
+                let got = speculative(&model, d.as_mut(), &prompt, &options, budget);
+                assert_eq!(got, expected, "prompt {prompt:?}, stop {stop}, {}", d.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn context_end_caps_the_tree_depth() {
+    let mut cfg = tiny::config().unwrap();
+    cfg.max_position_embeddings = 11;
+    let model = Model::load(
+        CpuBackend,
+        cfg,
+        &tiny::checkpoint().unwrap(),
+        LoadOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    for prompt_len in [1, 4, 10] {
+        let prompt = vec![5; prompt_len];
+        let options = GenerateOptions {
+            max_new_tokens: 30,
+            ..Default::default()
+        };
+        let expected = plain(&model, &prompt, &options);
+        assert_eq!(expected.1, StopReason::ContextFull);
+        let mut oracle = Oracle::new(8).unwrap();
+        assert_eq!(speculative(&model, &mut oracle, &prompt, &options, 20), expected);
+    }
+}
+
+#[test]
+fn oracle_accepts_whole_blocks() {
+    let model = model();
+    let options = GenerateOptions {
+        max_new_tokens: 33,
+        ..Default::default()
+    };
+    let mut oracle = Oracle::new(8).unwrap();
+    let spec = SpecOptions {
+        budget: Budget::Fixed(7),
+    };
+    let out = generate_speculative(&model, &mut oracle, &[1, 2, 3], &options, &spec).unwrap();
+    // 1 token from the prefill, then 8 per round (7 drafted + the bonus).
+    assert_eq!(out.stats.accept_lengths, vec![8; 4]);
+    assert_eq!(out.stats.mean_accept_len(), 8.0);
+    assert_eq!(out.stats.tokens_per_target_forward(), 33.0 / 5.0);
+}
