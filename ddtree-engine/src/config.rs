@@ -182,6 +182,138 @@ impl ModelConfig {
     }
 }
 
+/// A DFlash block-diffusion drafter's `config.json` (z-lab `DFlashDraftModel`, `model_type`
+/// `qwen3`, with `dflash_config`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DFlashConfig {
+    /// `hidden_size` (must equal the target's).
+    pub hidden_size: usize,
+    /// `intermediate_size` of the SwiGLU MLPs.
+    pub intermediate_size: usize,
+    /// `num_hidden_layers`: draft layers.
+    pub num_hidden_layers: usize,
+    /// `num_attention_heads`.
+    pub num_attention_heads: usize,
+    /// `num_key_value_heads` (GQA).
+    pub num_key_value_heads: usize,
+    /// `head_dim` (default `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+    /// `rms_norm_eps`.
+    pub rms_norm_eps: f32,
+    /// `vocab_size` (must equal the target's: the drafter uses its embedding and LM head).
+    pub vocab_size: usize,
+    /// Rotary embedding (Qwen3: rotate-half pairs, optional YaRN).
+    pub rope: RopeConfig,
+    /// `block_size` (top level, or `dflash_config.block_size`).
+    pub block_size: usize,
+    /// `dflash_config.mask_token_id`.
+    pub mask_token_id: u32,
+    /// `dflash_config.target_layer_ids`, or DFlash's default spread over `num_target_layers`.
+    pub target_layer_ids: Vec<usize>,
+}
+
+impl DFlashConfig {
+    /// Reads and validates a drafter `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
+        Self::from_json(&text, path)
+    }
+
+    /// Parses and validates drafter config JSON; `path` is only used in error messages.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        let value: Value = serde_json::from_str(text).map_err(|source| EngineError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let f = Fields::root(path, &value)?;
+        let dflash = f.object("dflash_config")?;
+        let act = f.opt_string("hidden_act")?.unwrap_or_else(|| "silu".into());
+        if act != "silu" {
+            return Err(f.err("hidden_act", format!("unsupported activation {act:?} (only \"silu\")")));
+        }
+        if f.bool_or("attention_bias", false)? {
+            return Err(f.err("attention_bias", "attention biases are not supported".into()));
+        }
+        if f.bool_or("use_sliding_window", false)? {
+            return Err(f.err("use_sliding_window", "sliding-window drafters are not supported".into()));
+        }
+        if f.get("rope_parameters").is_some() {
+            return Err(f.err(
+                "rope_parameters",
+                "transformers 5 rope_parameters are not supported; use rope_theta / rope_scaling".into(),
+            ));
+        }
+        let hidden_size = f.positive("hidden_size")?;
+        let heads = f.positive("num_attention_heads")?;
+        let kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        #[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` needs Rust 1.87; MSRV is 1.85
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("must be positive and divide num_attention_heads ({heads}), got {kv_heads}"),
+            ));
+        }
+        let head_dim = f.opt_usize("head_dim")?.unwrap_or(hidden_size / heads);
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(f.err("head_dim", format!("must be positive and even, got {head_dim}")));
+        }
+        let layers = f.positive("num_hidden_layers")?;
+        let max_position_embeddings = f.positive("max_position_embeddings")?;
+        let block_size = match dflash.opt_usize("block_size")? {
+            Some(b) => b,
+            None => f.positive("block_size")?,
+        };
+        if block_size < 2 {
+            return Err(f.err("block_size", format!("must be at least 2, got {block_size}")));
+        }
+        let target_layer_ids = match dflash.get("target_layer_ids") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| dflash.err("target_layer_ids", format!("expected layer indices, got {v}")))
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(other) => return Err(dflash.err("target_layer_ids", format!("expected a list, got {other}"))),
+            None => default_target_layer_ids(f.positive("num_target_layers")?, layers),
+        };
+        if target_layer_ids.is_empty() {
+            return Err(dflash.err("target_layer_ids", "must name at least one layer".into()));
+        }
+        Ok(Self {
+            hidden_size,
+            intermediate_size: f.positive("intermediate_size")?,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
+            vocab_size: f.positive("vocab_size")?,
+            rope: RopeConfig {
+                theta: f.f64_or("rope_theta", 10000.0)?,
+                interleave: false,
+                yarn: parse_rope_scaling(&f, max_position_embeddings)?,
+            },
+            block_size,
+            mask_token_id: dflash.token_id("mask_token_id")?,
+            target_layer_ids,
+        })
+    }
+}
+
+/// DFlash's `build_target_layer_ids`: `n_draft` layers spread evenly from layer 1 to
+/// `n_target - 3` (the middle layer for a one-layer drafter), rounded half to even as Python does.
+pub fn default_target_layer_ids(n_target: usize, n_draft: usize) -> Vec<usize> {
+    if n_draft == 1 {
+        return vec![n_target / 2];
+    }
+    let (start, end) = (1.0, n_target as f64 - 3.0);
+    (0..n_draft)
+        .map(|i| (start + i as f64 * (end - start) / (n_draft - 1) as f64).round_ties_even() as usize)
+        .collect()
+}
+
 fn parse_text_config(f: &Fields<'_>, model_type: String, quantization: Option<QuantConfig>) -> Result<ModelConfig> {
     let heads = f.positive("num_attention_heads")?;
     if let Some(kv_heads) = f.opt_usize("num_key_value_heads")? {

@@ -205,7 +205,7 @@ enum LinearTensors<'a> {
     },
 }
 
-fn float_tensor<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
+pub(crate) fn float_tensor<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]) -> Result<TensorRef<'a>> {
     let t = ckpt.tensor(name)?;
     t.expect_dtype(&FLOAT_DTYPES)?;
     t.expect_shape(shape)?;

@@ -2,18 +2,21 @@
 //! and statistics, written against [`crate::Backend`] so every backend runs it unchanged.
 //!
 //! - [`drafter`]: the [`Drafter`] trait;
+//! - [`dflash`]: the DFlash block-diffusion drafter (z-lab layout);
 //! - [`test_drafters`]: [`Oracle`] and [`Noisy`];
 //! - [`ddtree`]: the loop, [`generate_speculative`];
 //! - [`sampling`]: greedy / temperature / top-p token choice shared with plain decoding;
-//! - [`stats`]: [`SpecStats`].
+//! - [`stats`]: the counters and timings, [`SpecStats`].
 
 pub mod ddtree;
+pub mod dflash;
 pub mod drafter;
 pub mod sampling;
 pub mod stats;
 pub mod test_drafters;
 
 pub use ddtree::{generate_speculative, Budget, SpecGeneration, SpecOptions, AUTO_BUDGET};
+pub use dflash::DFlashDrafter;
 pub use drafter::{DraftRequest, Drafter};
 pub use sampling::Sampling;
 pub use stats::SpecStats;
