@@ -487,7 +487,7 @@ pub fn silu_mul(
     let (x, xf) = random_bf16(rng, rows * 2 * d, -4.0, 4.0);
     let dx = t.upload(&x)?;
     let mut out = poisoned_bf16(t, rows * d)?;
-    let grid = ((rows * d).div_ceil(p.block as usize * if p.vec { 8 } else { 1 })).clamp(1, 4096) as u32;
+    let grid = silu_mul::grid(p, rows, d);
     let mut args = [
         Arg::In(&dx),
         Arg::Out(&mut out),
@@ -528,7 +528,7 @@ pub fn rope(
     let mut dx = t.upload(&x)?;
     let (dp, dc, ds) = (t.upload(&positions)?, t.upload(&cos)?, t.upload(&sin)?);
     let rows = tokens * heads;
-    let grid = (rows * half).div_ceil(p.block as usize) as u32;
+    let grid = rope::grid(p, rows);
     let mut args = [
         Arg::Out(&mut dx),
         Arg::In(&dp),
@@ -643,7 +643,7 @@ pub fn gemm(
     let (b, bf) = random_bf16(rng, n * kd, -1.0, 1.0);
     let (da, db) = (t.upload(&a)?, t.upload(&b)?);
     let mut c = poisoned_bf16(t, m * n)?;
-    let grid = ((n as u32).div_ceil(p.bn), (m as u32).div_ceil(p.bm));
+    let grid = gemm_bf16::grid(p, m, n);
     let mut args = [
         Arg::In(&da),
         Arg::In(&db),
