@@ -2,7 +2,8 @@
 //!
 //! Sampling is Gumbel-max with the counter-based noise of the DDTree kernels
 //! ([`ddtree_kernels::tree::reference::gumbel_score`]), keyed by `(seed, position, token)` where
-//! `position` is the position of the token whose output row is sampled. The noise therefore does
+//! `position` is the position of the token whose output row is sampled (the kernel's seed
+//! argument gets `fmix32(fmix32(seed) ^ position * 0x9e3779b9)`, its row argument the position). The noise therefore does
 //! not depend on how tokens are grouped into forwards: plain decoding and tree verification draw
 //! the same token from the same logits. In a tree, siblings (same position) share the noise, and
 //! the accept walk visits one node per depth, so every emitted token is still a fresh, exact
@@ -10,7 +11,7 @@
 //! backend whose tree logits equal its sequential logits it is even token-for-token identical to
 //! plain sampling with the same seed.
 
-use ddtree_kernels::tree::reference::{gumbel_score, order_key};
+use ddtree_kernels::tree::reference::{fmix32, gumbel_score, order_key};
 
 use crate::error::{EngineError, Result};
 
@@ -80,7 +81,11 @@ impl Sampling {
         if self.is_greedy() {
             return argmax(logits);
         }
-        let score = |i: usize| gumbel_score(logits[i], self.temperature, self.seed, position, i as u32);
+        // The user seed and the position are mixed non-linearly first: with the raw seed, the
+        // noise of two positions differs by a fixed XOR pattern across seeds, which showed up as
+        // correlated draws over consecutive small seeds.
+        let key = fmix32(fmix32(self.seed) ^ position.wrapping_mul(0x9e37_79b9));
+        let score = |i: usize| gumbel_score(logits[i], self.temperature, key, position, i as u32);
         let best = |candidates: &mut dyn Iterator<Item = usize>| {
             candidates
                 .map(|i| (order_key(score(i)), std::cmp::Reverse(i)))
