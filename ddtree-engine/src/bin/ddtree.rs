@@ -5,15 +5,53 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle, AUTO_BUDGET};
 use ddtree_engine::{
-    generate_plain, tiny, Checkpoint, CpuBackend, EngineError, GenerateOptions, Generation, LoadOptions, Model,
-    ModelConfig, StopReason, Tokenizer,
+    generate_plain, generate_speculative, tiny, Budget, Checkpoint, CpuBackend, Drafter, EngineError, GenerateOptions,
+    Generation, LoadOptions, Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
 /// Checkpoints at least this large get a loading progress bar.
 const PROGRESS_MIN_BYTES: u64 = 64 << 20;
+/// Block size of the `oracle` and `noisy:P` drafters when `--block-size` is not given (the Kimi
+/// K2.5 DFlash drafter's).
+const TEST_DRAFTER_BLOCK_SIZE: usize = 8;
+
+/// What `--drafter` names.
+#[derive(Debug, Clone, PartialEq)]
+enum DrafterArg {
+    /// A DFlash drafter directory (config.json with `dflash_config` + safetensors).
+    Dir(PathBuf),
+    /// The target's own greedy continuation.
+    Oracle,
+    /// The oracle with its top token kept with this probability.
+    Noisy(f32),
+}
+
+fn parse_drafter(s: &str) -> Result<DrafterArg, String> {
+    if s == "oracle" {
+        return Ok(DrafterArg::Oracle);
+    }
+    if let Some(p) = s.strip_prefix("noisy:") {
+        return match p.parse::<f32>() {
+            Ok(p) if (0.0..=1.0).contains(&p) => Ok(DrafterArg::Noisy(p)),
+            _ => Err(format!("noisy:P needs a probability P in [0, 1], got {p:?}")),
+        };
+    }
+    Ok(DrafterArg::Dir(PathBuf::from(s)))
+}
+
+fn parse_budget(s: &str) -> Result<Budget, String> {
+    if s == "auto" {
+        return Ok(Budget::Auto);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(Budget::Fixed(n)),
+        _ => Err(format!("expected a node count >= 1 or `auto`, got {s:?}")),
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -28,7 +66,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Greedy generation from a prompt.
+    /// Generation from a prompt: plain decoding, or DDTree speculative decoding with --drafter.
     Generate(GenerateArgs),
 }
 
@@ -65,9 +103,32 @@ struct GenerateArgs {
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
-    /// Print one JSON object on stdout instead of text.
+    /// Print one JSON object on stdout instead of text (with --drafter, plus the speculative stats).
     #[arg(long)]
     json: bool,
+    /// DDTree speculative decoding with this drafter: a DFlash drafter directory, `oracle` (the
+    /// target's own greedy continuation) or `noisy:P` (the oracle, right with probability P).
+    /// Without it, plain decoding.
+    #[arg(long, value_parser = parse_drafter)]
+    drafter: Option<DrafterArg>,
+    /// Tree node budget (root not counted), or `auto` (for now a fixed default).
+    #[arg(long, value_parser = parse_budget, default_value = "auto")]
+    budget: Budget,
+    /// Drafter block size (bonus slot included); default: the DFlash config's, 8 for test drafters.
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Plain decoding even when --drafter is given (for comparisons).
+    #[arg(long)]
+    no_spec: bool,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold (with --temperature > 0).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampling noise and of the noisy drafter.
+    #[arg(long, default_value_t = 0)]
+    seed: u32,
 }
 
 fn main() -> ExitCode {
@@ -162,12 +223,46 @@ fn stop_reason(reason: StopReason) -> &'static str {
     }
 }
 
+/// One generation's results, before printing.
+struct Run {
+    loaded: Loaded,
+    prompt: Vec<u32>,
+    out: Generation,
+    stats: Option<SpecStats>,
+    load_time: Duration,
+}
+
 fn generate(args: &GenerateArgs) -> Result<(), EngineError> {
+    let Run {
+        loaded,
+        prompt,
+        out,
+        stats,
+        load_time,
+    } = run(args)?;
+    let text = match &loaded.tokenizer {
+        Some(t) => Some(t.decode(&out.tokens)?),
+        None => None,
+    };
+    if args.json {
+        print_json(&loaded, prompt.len(), &out, stats.as_ref(), text, load_time);
+    } else {
+        print_human(&loaded, &prompt, &out, stats.as_ref(), text, load_time);
+    }
+    Ok(())
+}
+
+fn run(args: &GenerateArgs) -> Result<Run, EngineError> {
     let start = Instant::now();
     let loaded = load(args)?;
     let load_time = start.elapsed();
     let prompt = prompt_ids(args, &loaded)?;
     let options = GenerateOptions {
+        sampling: Sampling {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
         max_new_tokens: args.max_tokens,
         stop_tokens: if args.ignore_eos {
             Vec::new()
@@ -175,24 +270,75 @@ fn generate(args: &GenerateArgs) -> Result<(), EngineError> {
             loaded.model.config().eos_token_ids.clone()
         },
         record_logits: false,
-        ..Default::default()
     };
-    let out = generate_plain(&loaded.model, &prompt, &options)?;
-    let text = match &loaded.tokenizer {
-        Some(t) => Some(t.decode(&out.tokens)?),
-        None => None,
+    let (out, stats) = match (&args.drafter, args.no_spec) {
+        (Some(which), false) => {
+            let mut drafter = make_drafter(&loaded.model, which, args)?;
+            let spec = SpecOptions { budget: args.budget };
+            let out = generate_speculative(&loaded.model, drafter.as_mut(), &prompt, &options, &spec)?;
+            (out.generation, Some(out.stats))
+        }
+        _ => (generate_plain(&loaded.model, &prompt, &options)?, None),
     };
-    if args.json {
-        print_json(&loaded, prompt.len(), &out, text, load_time);
-    } else {
-        print_human(&loaded, &prompt, &out, text, load_time);
-    }
-    Ok(())
+    Ok(Run {
+        loaded,
+        prompt,
+        out,
+        stats,
+        load_time,
+    })
 }
 
-fn print_json(loaded: &Loaded, prompt_tokens: usize, out: &Generation, text: Option<String>, load: Duration) {
+fn make_drafter(
+    model: &Model<CpuBackend>,
+    which: &DrafterArg,
+    args: &GenerateArgs,
+) -> Result<Box<dyn Drafter<CpuBackend>>, EngineError> {
+    let block = args.block_size.unwrap_or(TEST_DRAFTER_BLOCK_SIZE);
+    Ok(match which {
+        DrafterArg::Oracle => Box::new(Oracle::new(block)?),
+        DrafterArg::Noisy(p) => Box::new(Noisy::new(block, *p, args.seed)?),
+        DrafterArg::Dir(dir) => Box::new(DFlashDrafter::load(model, dir, args.block_size)?),
+    })
+}
+
+/// The speculative statistics of the JSON report.
+fn spec_json(s: &SpecStats) -> serde_json::Value {
+    json!({
+        "drafter": s.drafter,
+        "budget": s.budget,
+        "budget_mode": if s.budget_auto {
+            format!("auto: fixed default of {AUTO_BUDGET} nodes (no cost model yet)")
+        } else {
+            "fixed".to_string()
+        },
+        "block_size": s.block_size,
+        "rounds": s.rounds,
+        "mean_accept_len": s.mean_accept_len(),
+        "accept_lengths": s.accept_lengths,
+        "target_forwards": s.target_forwards,
+        "tokens_per_target_forward": s.tokens_per_target_forward(),
+        "verified_nodes": s.verified_nodes,
+        "phase_ms": {
+            "prefill": millis(s.prefill),
+            "draft": millis(s.draft),
+            "build": millis(s.build),
+            "verify": millis(s.verify),
+            "accept": millis(s.accept),
+        },
+    })
+}
+
+fn print_json(
+    loaded: &Loaded,
+    prompt_tokens: usize,
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
-    let report = json!({
+    let mut report = json!({
         "model": loaded.name,
         "device": "cpu",
         "prompt_tokens": prompt_tokens,
@@ -208,10 +354,20 @@ fn print_json(loaded: &Loaded, prompt_tokens: usize, out: &Generation, text: Opt
             "decode_tokens_per_s": per_second(decode_tokens, out.decode),
         },
     });
+    if let Some(stats) = stats {
+        report["spec"] = spec_json(stats);
+    }
     println!("{report}");
 }
 
-fn print_human(loaded: &Loaded, prompt: &[u32], out: &Generation, text: Option<String>, load: Duration) {
+fn print_human(
+    loaded: &Loaded,
+    prompt: &[u32],
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let rate = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.1} tok/s"));
     println!("model: {} (cpu), loaded in {:.1} ms", loaded.name, millis(load));
@@ -228,6 +384,24 @@ fn print_human(loaded: &Loaded, prompt: &[u32], out: &Generation, text: Option<S
         rate(per_second(decode_tokens, out.decode)),
         stop_reason(out.stop_reason),
     );
+    if let Some(s) = stats {
+        println!(
+            "ddtree: drafter {}, budget {}{}, block {}; {} rounds, mean acceptance {:.2}, {} target forwards \
+             ({:.2} tokens each); draft {:.2} ms, build {:.2} ms, verify {:.2} ms, accept {:.2} ms",
+            s.drafter,
+            s.budget,
+            if s.budget_auto { " (auto: fixed default)" } else { "" },
+            s.block_size,
+            s.rounds,
+            s.mean_accept_len(),
+            s.target_forwards,
+            s.tokens_per_target_forward(),
+            millis(s.draft),
+            millis(s.build),
+            millis(s.verify),
+            millis(s.accept),
+        );
+    }
 }
 
 #[cfg(test)]
@@ -243,6 +417,60 @@ mod tests {
         assert!(args.json && args.device == Device::Auto && args.model.is_none());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--prompt", "a", "--prompt-ids", "1"]).is_err());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn cli_parses_drafters_and_budgets() {
+        let parse = |extra: &[&str]| {
+            let Command::Generate(args) = Cli::try_parse_from([&["ddtree", "generate"], extra].concat())?.command;
+            Ok::<_, clap::Error>(args)
+        };
+        let args = parse(&[]).unwrap();
+        assert_eq!((args.drafter, args.budget, args.no_spec), (None, Budget::Auto, false));
+        let args = parse(&["--drafter", "noisy:0.25", "--budget", "16", "--block-size", "16"]).unwrap();
+        assert_eq!(args.drafter, Some(DrafterArg::Noisy(0.25)));
+        assert_eq!((args.budget, args.block_size), (Budget::Fixed(16), Some(16)));
+        assert_eq!(
+            parse(&["--drafter", "oracle"]).unwrap().drafter,
+            Some(DrafterArg::Oracle)
+        );
+        assert_eq!(
+            parse(&["--drafter", "d/x"]).unwrap().drafter,
+            Some(DrafterArg::Dir("d/x".into()))
+        );
+        assert!(parse(&["--drafter", "noisy:2"]).is_err());
+        assert!(parse(&["--budget", "0"]).is_err());
+        assert!(parse(&["--budget", "many"]).is_err());
+    }
+
+    #[test]
+    fn speculative_generation_matches_plain_and_reports_stats() {
+        let run = |extra: &[&str]| {
+            let Command::Generate(args) = Cli::try_parse_from(
+                [
+                    &["ddtree", "generate", "--prompt-ids", "5,17", "--max-tokens", "9"],
+                    extra,
+                ]
+                .concat(),
+            )
+            .unwrap()
+            .command;
+            let r = run(&args).unwrap();
+            assert_eq!(r.stats.is_some(), args.drafter.is_some() && !args.no_spec);
+            if let Some(stats) = &r.stats {
+                let report = spec_json(stats);
+                assert!(report["rounds"].as_u64().unwrap() >= 1 && report["phase_ms"]["verify"].is_number());
+                let mode = if args.budget == Budget::Auto { "auto" } else { "fixed" };
+                assert!(report["budget_mode"].as_str().unwrap().starts_with(mode));
+            }
+            r.out.tokens
+        };
+        let plain = run(&[]);
+        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-dflash");
+        assert_eq!(run(&["--drafter", "oracle"]), plain);
+        assert_eq!(run(&["--drafter", "noisy:0.5", "--budget", "3"]), plain);
+        assert_eq!(run(&["--drafter", dflash, "--block-size", "4"]), plain);
+        assert_eq!(run(&["--drafter", "oracle", "--no-spec"]), plain);
     }
 
     #[test]
