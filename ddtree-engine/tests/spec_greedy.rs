@@ -202,3 +202,28 @@ fn oracle_accepts_whole_blocks() {
     assert_eq!(out.stats.mean_accept_len(), 8.0);
     assert_eq!(out.stats.tokens_per_target_forward(), 33.0 / 5.0);
 }
+
+#[test]
+fn wider_trees_recover_noisy_drafts() {
+    // A wrong top token keeps the oracle token at rank 1..=8, where a wider tree finds it.
+    let model = model();
+    let options = GenerateOptions {
+        max_new_tokens: 24,
+        ..Default::default()
+    };
+    let mean_accept = |budget: usize| {
+        let mut d = Noisy::new(8, 0.3, 21).unwrap();
+        let spec = SpecOptions {
+            budget: Budget::Fixed(budget),
+        };
+        generate_speculative(&model, &mut d, &[4, 44], &options, &spec)
+            .unwrap()
+            .stats
+            .mean_accept_len()
+    };
+    let (narrow, wide) = (mean_accept(7), mean_accept(96));
+    assert!(
+        tree > chain + 0.5,
+        "mean acceptance: budget 7 {chain:.2}, budget 96 {tree:.2}"
+    );
+}
