@@ -223,7 +223,7 @@ fn wider_trees_recover_noisy_drafts() {
     };
     let (narrow, wide) = (mean_accept(7), mean_accept(96));
     assert!(
-        tree > chain + 0.5,
-        "mean acceptance: budget 7 {chain:.2}, budget 96 {tree:.2}"
+        wide > narrow + 0.5,
+        "mean acceptance: budget 7 {narrow:.2}, budget 96 {wide:.2}"
     );
 }
