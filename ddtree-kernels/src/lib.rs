@@ -60,7 +60,6 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<w4a16::MoeSum>()?);
     all.extend(variants::<tree::TreeTopk>()?);
     all.extend(variants::<tree::TreeExpand>()?);
-    all.extend(variants::<tree::TreeMask>()?);
     all.extend(variants::<tree::MlaVerifySplit>()?);
     all.extend(variants::<tree::MlaVerifyCombine>()?);
     all.extend(variants::<tree::MlaVerifyNaive>()?);

@@ -7,7 +7,7 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::tree::reference::{build_with_lse, fill_mask, DraftTree};
 use ddtree_kernels::tree::{
     accept_reference, sample_rows, verify_attention_reference, CompactRows, MlaVerifyCombine, MlaVerifyNaive,
-    MlaVerifySplit, TreeAccept, TreeExpand, TreeMask, TreeSample, TreeTopk, LATENT, ROW,
+    MlaVerifySplit, TreeAccept, TreeExpand, TreeSample, TreeTopk, TreeTopkParams, LATENT, ROW,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -28,30 +28,45 @@ fn u(v: u32) -> HostArg<'static> {
     HostArg::Scalar(v.into())
 }
 
-/// Builds a tree with the three builder kernels; returns it and the kernels' lse.
-fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (DraftTree, Vec<f32>) {
+/// Builds a tree with the builder kernels (top-K part and merge passes, expansion); returns it
+/// and the kernels' lse. `span` is the part pass's slice length.
+fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32, span: usize) -> (DraftTree, Vec<f32>) {
     let k = budget.min(v);
     let cap = budget + 1;
+    let nb = v.div_ceil(span);
     let lg = buf(logits);
+    let rootb = buf(&[root]);
+    let (mut cv, mut ct, mut ms) = (
+        buf(&vec![f32::NAN; l * nb * k]),
+        buf(&vec![u32::MAX; l * nb * k]),
+        buf(&vec![f32::NAN; l * nb * 2]),
+    );
+    let scalars = || [u(v as u32), u(k as u32), u(span as u32), u(nb as u32)];
+    let mut args = vec![
+        HostArg::In(&lg),
+        HostArg::In(&rootb),
+        HostArg::In(&lg),
+        HostArg::Out(&mut cv),
+        HostArg::Out(&mut ct),
+        HostArg::Out(&mut ms),
+    ];
+    args.extend(scalars());
+    run::<TreeTopk>(&TreeTopkParams::PART, [nb as u32, l as u32, 1], &mut args);
     let (mut lse, mut lp, mut tok) = (
         buf(&vec![f32::NAN; l]),
         buf(&vec![f32::NAN; l * k]),
         buf(&vec![u32::MAX; l * k]),
     );
-    let p = TreeTopk::space()[1];
-    run::<TreeTopk>(
-        &p,
-        [l as u32, 1, 1],
-        &mut [
-            HostArg::In(&lg),
-            HostArg::Out(&mut lse),
-            HostArg::Out(&mut lp),
-            HostArg::Out(&mut tok),
-            u(v as u32),
-            u(k as u32),
-        ],
-    );
-    let rootb = buf(&[root]);
+    let mut args = vec![
+        HostArg::In(&cv),
+        HostArg::In(&ct),
+        HostArg::In(&ms),
+        HostArg::Out(&mut lp),
+        HostArg::Out(&mut tok),
+        HostArg::Out(&mut lse),
+    ];
+    args.extend(scalars());
+    run::<TreeTopk>(&TreeTopkParams::MERGE, [1, l as u32, 1], &mut args);
     let mut outs = [
         buf(&vec![0u32; cap]),
         buf(&vec![0i32; cap]),
@@ -60,10 +75,11 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (D
         buf(&vec![0i32; cap]),
         buf(&vec![0f32; cap]),
         buf(&[0u32]),
-        buf(&vec![0u32; cap * 8]),
+        buf(&vec![0xdead_beefu32; cap * cap.div_ceil(32)]),
+        buf(&vec![0u32; cap]),
     ];
     {
-        let [tk, par, dep, fc, ns, plp, n, tup] = &mut outs;
+        let [tk, par, dep, fc, ns, plp, n, mask, meta] = &mut outs;
         run::<TreeExpand>(
             &(),
             [1, 1, 1],
@@ -78,7 +94,8 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (D
                 HostArg::Out(ns),
                 HostArg::Out(plp),
                 HostArg::Out(n),
-                HostArg::Out(tup),
+                HostArg::Out(mask),
+                HostArg::Out(meta),
                 u(l as u32),
                 u(k as u32),
                 u(budget as u32),
@@ -86,12 +103,6 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (D
         );
     }
     let n = outs[6].to_vec::<u32>()[0] as usize;
-    let mut mask = buf(&vec![0u32; cap * cap.div_ceil(32)]);
-    run::<TreeMask>(
-        &(),
-        [cap.div_ceil(128) as u32, 1, 1],
-        &mut [HostArg::In(&outs[1]), HostArg::In(&outs[6]), HostArg::Out(&mut mask)],
-    );
     let words = n.div_ceil(32);
     let t = DraftTree {
         token: outs[0].to_vec::<u32>()[..n].to_vec(),
@@ -99,7 +110,7 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (D
         depth: outs[2].to_vec::<u32>()[..n].to_vec(),
         first_child: outs[3].to_vec::<i32>()[..n].to_vec(),
         next_sibling: outs[4].to_vec::<i32>()[..n].to_vec(),
-        mask: mask.to_vec::<u32>()[..n * words].to_vec(),
+        mask: outs[7].to_vec::<u32>()[..n * words].to_vec(),
         words,
         path_logprob: outs[5].to_vec::<f32>()[..n].to_vec(),
     };
@@ -109,11 +120,13 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32) -> (D
 #[test]
 fn builder_kernels_match_the_reference() {
     let mut rng = StdRng::seed_from_u64(5);
-    for &(l, v, budget, ties) in &[
-        (3usize, 300usize, 20usize, false),
-        (2, 50, 40, true),
-        (4, 9, 30, true),
-        (1, 700, 64, false),
+    for &(l, v, budget, ties, span) in &[
+        (3usize, 300usize, 20usize, false, 64usize),
+        (2, 50, 40, true, 16),
+        (4, 9, 30, true, 4),
+        (1, 700, 64, false, 8192),
+        (3, 1000, 100, true, 128),
+        (5, 40, 12, true, 8),
     ] {
         let logits: Vec<f32> = (0..l * v)
             .map(|_| {
@@ -124,7 +137,7 @@ fn builder_kernels_match_the_reference() {
                 }
             })
             .collect();
-        let (t, lse) = gpu_build(&logits, l, v, budget, 17);
+        let (t, lse) = gpu_build(&logits, l, v, budget, 17, span);
         let want = build_with_lse(&logits, v, budget, 17, &lse);
         assert_eq!(t, want, "l={l} v={v} budget={budget}");
     }

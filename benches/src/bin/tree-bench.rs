@@ -15,7 +15,7 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::CheckResult;
 use ddtree_kernels::tree::check::{self, random_logits, random_mask};
 use ddtree_kernels::tree::gpu::{upload, zeros, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
-use ddtree_kernels::tree::{MlaVerifySplit, TreeTopk, LATENT, ROW};
+use ddtree_kernels::tree::{MlaVerifySplit, LATENT, ROW};
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
@@ -62,22 +62,21 @@ fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
             });
         }
     };
-    for p in TreeTopk::space() {
-        for &(l, v, b) in &[
-            (7, 163840, 16),
-            (7, 163840, 64),
-            (7, 163840, 256),
-            (15, 163840, 1024),
-            (7, 163840, 1024),
-            (15, 163840, 64),
-            (3, 1000, 300),
-            (2, 50, 40),
-        ] {
-            if b.min(v) > p.block as usize {
-                continue;
-            }
-            push(format!("builder {l} {v} {b}"), check::builder(gpu, &p, l, v, b, rng));
-        }
+    for &(l, v, b) in &[
+        (7, 163840, 16),
+        (7, 163840, 64),
+        (7, 163840, 256),
+        (15, 163840, 1024),
+        (7, 163840, 1024),
+        (15, 163840, 64),
+        (15, 163840, 256),
+        (7, 163840, 64),
+        (3, 1000, 300),
+        (2, 50, 40),
+        (4, 9, 30),
+        (5, 20000, 700),
+    ] {
+        push(format!("builder {l} {v} {b}"), check::builder(gpu, l, v, b, rng));
     }
     for p in MlaVerifySplit::space() {
         for &(ctx, n, h, chain) in &[
@@ -152,8 +151,7 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
         .map(|_| upload(s, &random_logits(rng, l, v)))
         .collect::<Result<_, _>>()?;
     for b in [16usize, 64, 256, 1024] {
-        let tp = TreeTopk::default_params();
-        let mut bld = GpuBuilder::new(gpu, &tp, l, v, b)?;
+        let mut bld = GpuBuilder::new(gpu, l, v, b)?;
         let mut acc = GpuAccept::new(gpu, l)?;
         let mut root = upload(s, &[5u32])?;
         let target = upload(s, &vec![0u32; b + 1])?;

@@ -1,22 +1,50 @@
 //! The GPU tree builder, three launches with no host copy:
 //!
-//! 1. [`TreeTopk`] (grid = L, one block per depth): log-sum-exp of the row (online max/sum),
-//!    then an exact radix select of the `k` largest logits (8-bit digits over the order key,
-//!    ties at the threshold by smaller token id), then each candidate's rank by counting.
-//! 2. [`TreeExpand`] (one warp): DDTree's best-first expansion. The frontier lives in shared
-//!    memory; each lane caches the best entry among its slots, a pop is a 5-step shuffle
-//!    argmax, and only the lanes whose slots changed rescan. Exact tie rule of
-//!    [`super::reference`] (rank tuples compared through `tuples`, packed 16 bits per rank).
-//! 3. [`TreeMask`] (one thread per node): the ancestor-or-self bitmask rows.
+//! 1. [`TreeTopk`] part pass (grid = `(nb, L)`): each block reads its slice of a depth's row
+//!    once into shared memory (order keys), writes the slice's partial max / sum of exponentials,
+//!    and its exact top `min(k, slice)` (radix select, 8-bit digits over the order key, ties at
+//!    the threshold by smaller token id), best first, as candidate logits and token ids.
+//! 2. [`TreeTopk`] merge pass (grid = `(1, L)`): the depth's log-sum-exp from the partials, then
+//!    the same radix select over the `nb * k` candidates, giving the depth's top `k` log-probs
+//!    and tokens, best first.
+//! 3. [`TreeExpand`] (one block): DDTree's best-first expansion by warp 0, then the tree arrays
+//!    and the ancestor-or-self mask rows by all threads. The frontier holds at most one entry
+//!    per emitted node (its next child to emit), so the frontier is indexed by node; lane `i % 32`
+//!    caches the best entry among nodes `i`, and a pop is a 5-step `u32` shuffle max of the
+//!    entries' order keys (equal scores: the exact rank-tuple rule of [`super::reference`],
+//!    found by walking the two paths).
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
 /// Compile-time parameters of [`TreeTopk`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct TreeTopkParams {
-    /// Threads per block; also the largest `k`.
+    /// Threads per block.
     pub block: u32,
+    /// Part pass: the most logits per block (held in shared memory as order keys). The merge
+    /// pass reads its candidates from global memory and keeps a one-warp scratch of this size.
+    pub span: u32,
+    /// Merge pass (reads the part pass's candidates and partials).
+    pub merge: bool,
 }
+
+impl TreeTopkParams {
+    /// The part pass's variant.
+    pub const PART: TreeTopkParams = TreeTopkParams {
+        block: 512,
+        span: 8192,
+        merge: false,
+    };
+    /// The merge pass's variant.
+    pub const MERGE: TreeTopkParams = TreeTopkParams {
+        block: 1024,
+        span: 32,
+        merge: true,
+    };
+}
+
+/// The largest `k` (= min(budget, vocab)) of the builder.
+pub const MAX_K: usize = 1024;
 
 /// The order key of an f32 (as [`super::reference::order_key`]).
 #[device_fn]
@@ -29,78 +57,137 @@ fn order_key(x: f32) -> u32 {
     }
 }
 
-/// Per depth `row` (grid = rows): writes `lse[row]`, and the top `k` tokens of the row, best
-/// first, to `tok[row * k ..]` with their log-probs `min(x - lse, 0)` to `lp`. Needs
-/// `1 <= k <= min(block, vocab)`.
-#[kernel(block = p.block, space = [TreeTopkParams { block: 1024 }, TreeTopkParams { block: 512 }])]
+/// The f32 whose order key is `key` (the inverse of [`order_key`]).
+#[device_fn]
+fn key_value(key: u32) -> f32 {
+    if (key >> 31) == 1 {
+        f32::from_bits(key & 0x7fffffffu32)
+    } else {
+        f32::from_bits(!key)
+    }
+}
+
+/// Top-`k` selection of one depth `row = block_idx_y()`, in two passes (see the module docs).
+///
+/// Part pass (`nb` blocks per row, block `b` covers logits `[b * span, min((b + 1) * span,
+/// vocab))`, `span <= p.span`): `vals` = logits `[rows, vocab]`; writes `val_out` / `tok_out`
+/// (`[rows, nb, k]`: the slice's best logits and token ids, best first; unused slots get the
+/// value whose order key is 0, below every logit) and `ms_out` (`[rows, nb, 2]`: max, sum of
+/// `exp(x - max)`). `ids` and `ms_in` are unused.
+///
+/// Merge pass (grid `(1, rows)`): `vals` / `ids` = the part pass's candidates, `ms_in` its
+/// partials; writes `val_out` = log-probs `min(x - lse, 0)` and `tok_out` = tokens
+/// (`[rows, k]`, best first), and `ms_out` = the per-row log-sum-exp. Needs
+/// `1 <= k <= min(MAX_K, vocab)`.
+#[kernel(block = p.block, space = [TreeTopkParams::PART, TreeTopkParams::MERGE])]
 pub fn tree_topk(
     #[comptime] p: &TreeTopkParams,
-    logits: &[f32],
-    lse: &mut [f32],
-    lp: &mut [f32],
-    tok: &mut [u32],
+    vals: &[f32],
+    ids: &[u32],
+    ms_in: &[f32],
+    val_out: &mut [f32],
+    tok_out: &mut [u32],
+    ms_out: &mut [f32],
     vocab: u32,
     k: u32,
+    span: u32,
+    nb: u32,
 ) {
     comptime_assert!(
         p.block % 32 == 0 && p.block <= 1024,
         "block must be a multiple of 32, at most 1024"
     );
+    comptime_assert!(p.span % p.block == 0 || p.merge, "span must be a multiple of block");
     let tid = thread_idx_x();
     let lane = lane_id();
     let warp = warp_id();
-    let row = block_idx_x();
-    let base = row * vocab;
+    let blk = block_idx_x();
+    let row = block_idx_y();
+    let sk = shared::<u32>(p.span);
     let red_m = shared::<f32>(32);
     let red_s = shared::<f32>(32);
     let hist = shared::<u32>(256);
-    let ckey = shared::<u32>(p.block);
-    let cidx = shared::<u32>(p.block);
+    let ckey = shared::<u32>(1024);
+    let cidx = shared::<u32>(1024);
     let st = shared::<u32>(4);
+    let lse_s = shared::<f32>(1);
+    // Items: the slice's logits (part) or the row's candidates (merge), in token-id order
+    // among equal keys.
+    let lo = blk * span;
+    let n = if p.merge { nb * k } else { span.min(vocab - lo) };
+    let cbase = row * nb * k;
+    let kk = k.min(n);
 
-    // Log-sum-exp: per-thread online max/sum, then a fixed-order combine.
-    let mut m = f32::NEG_INFINITY;
-    let mut s = 0.0f32;
-    for i in (tid..vocab).step_by(p.block) {
-        let x = logits[base + i];
-        if x > m {
-            s = s * (m - x).exp() + 1.0f32;
-            m = x;
-        } else if x != f32::NEG_INFINITY {
-            s += (x - m).exp();
+    if p.merge {
+        if tid == 0 {
+            let mut bm = f32::NEG_INFINITY;
+            for j in 0..nb {
+                bm = bm.max(ms_in[(cbase / k + j) * 2]);
+            }
+            let mut bs = 0.0f32;
+            for j in 0..nb {
+                let mj = ms_in[(cbase / k + j) * 2];
+                if mj != f32::NEG_INFINITY {
+                    bs += ms_in[(cbase / k + j) * 2 + 1] * (mj - bm).exp();
+                }
+            }
+            let l = bm + bs.ln();
+            lse_s[0] = l;
+            ms_out[row] = l;
+        }
+    } else {
+        // One read of the slice: order keys to shared memory, online max / sum.
+        let mut m = f32::NEG_INFINITY;
+        let mut s = 0.0f32;
+        #[unroll]
+        for j in 0..p.span / p.block {
+            let i = j * p.block + tid;
+            if i < n {
+                let x = vals[row * vocab + lo + i];
+                sk[i] = order_key(x);
+                if x > m {
+                    s = s * (m - x).exp() + 1.0f32;
+                    m = x;
+                } else if x != f32::NEG_INFINITY {
+                    s += (x - m).exp();
+                }
+            }
+        }
+        #[unroll]
+        for o in 0..5u32 {
+            let mo = shfl_xor(m, 16u32 >> o);
+            let so = shfl_xor(s, 16u32 >> o);
+            let mn = m.max(mo);
+            if mn != f32::NEG_INFINITY {
+                s = s * (m - mn).exp() + so * (mo - mn).exp();
+            }
+            m = mn;
+        }
+        if lane == 0 {
+            red_m[warp] = m;
+            red_s[warp] = s;
+        }
+        sync_threads();
+        if tid == 0 {
+            let mut bm = f32::NEG_INFINITY;
+            for w in 0..p.block / 32 {
+                bm = bm.max(red_m[w]);
+            }
+            let mut bs = 0.0f32;
+            for w in 0..p.block / 32 {
+                if red_m[w] != f32::NEG_INFINITY {
+                    bs += red_s[w] * (red_m[w] - bm).exp();
+                }
+            }
+            ms_out[(row * nb + blk) * 2] = bm;
+            ms_out[(row * nb + blk) * 2 + 1] = bs;
         }
     }
-    #[unroll]
-    for o in 0..5u32 {
-        let mo = shfl_xor(m, 16u32 >> o);
-        let so = shfl_xor(s, 16u32 >> o);
-        let mn = m.max(mo);
-        if mn != f32::NEG_INFINITY {
-            s = s * (m - mn).exp() + so * (mo - mn).exp();
-        }
-        m = mn;
-    }
-    if lane == 0 {
-        red_m[warp] = m;
-        red_s[warp] = s;
-    }
-    sync_threads();
-    let mut bm = f32::NEG_INFINITY;
-    for w in 0..p.block / 32 {
-        bm = bm.max(red_m[w]);
-    }
-    let mut bs = 0.0f32;
-    for w in 0..p.block / 32 {
-        if red_m[w] != f32::NEG_INFINITY {
-            bs += red_s[w] * (red_m[w] - bm).exp();
-        }
-    }
-    let row_lse = bm + bs.ln();
 
-    // Radix select of the k-th largest key, 8 bits at a time from the top.
+    // Radix select of the kk-th largest key, 8 bits at a time from the top.
     let mut prefix = 0u32;
     let mut pmask = 0u32;
-    let mut remaining = k;
+    let mut remaining = kk;
     let mut eq_count = 0u32;
     for pass in 0..4u32 {
         let shift = 24u32 - 8u32 * pass;
@@ -108,8 +195,8 @@ pub fn tree_topk(
             hist[tid] = 0u32;
         }
         sync_threads();
-        for i in (tid..vocab).step_by(p.block) {
-            let key = order_key(logits[base + i]);
+        for i in (tid..n).step_by(p.block) {
+            let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
             if (key & pmask) == prefix {
                 hist.atomic_add((key >> shift) & 255u32, 1u32);
             }
@@ -155,14 +242,14 @@ pub fn tree_topk(
         eq_count = st[2];
         sync_threads();
     }
-    // prefix = the k-th largest key; take every larger key and `remaining` equal keys (the
-    // smallest ids among them).
+    // prefix = the kk-th largest key; take every larger key and `remaining` equal keys (the
+    // first ones in item order, i.e. the smallest token ids).
     if tid == 0 {
         st[3] = 0u32;
     }
     sync_threads();
-    for i in (tid..vocab).step_by(p.block) {
-        let key = order_key(logits[base + i]);
+    for i in (tid..n).step_by(p.block) {
+        let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
         if key > prefix || (key == prefix && eq_count == remaining) {
             let slot = st.atomic_add(3, 1u32);
             ckey[slot] = key;
@@ -170,21 +257,19 @@ pub fn tree_topk(
         }
     }
     if eq_count != remaining {
-        // Rare: more equal keys than needed; take them in id order, one tile of ids at a time.
+        // Rare: more equal keys than needed; take them in item order, one tile at a time.
         let wtot = shared::<u32>(32);
         let mut seen = 0u32;
         let mut t0 = 0u32;
-        while t0 < vocab && seen < remaining {
+        while t0 < n && seen < remaining {
             let i = t0 + tid;
-            let f = if i < vocab {
-                if order_key(logits[base + i]) == prefix {
-                    1u32
-                } else {
-                    0u32
+            let mut f = 0u32;
+            if i < n {
+                let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
+                if key == prefix {
+                    f = 1u32;
                 }
-            } else {
-                0u32
-            };
+            }
             let mut inc = f;
             #[unroll]
             for o in 0..5u32 {
@@ -218,59 +303,91 @@ pub fn tree_topk(
         }
     }
     sync_threads();
-    if tid < k {
-        let key = ckey[tid];
-        let idx = cidx[tid];
+    // Rank the kk selected items by counting (larger key, then earlier item) and write them
+    // best first.
+    for t in (tid..kk).step_by(p.block) {
+        let key = ckey[t];
+        let idx = cidx[t];
         let mut rank = 0u32;
-        for j in 0..k {
+        for j in 0..kk {
             let kj = ckey[j];
             if kj > key || (kj == key && cidx[j] < idx) {
                 rank += 1;
             }
         }
-        lp[row * k + rank] = (logits[base + idx] - row_lse).min(0.0f32);
-        tok[row * k + rank] = idx;
-    }
-    if tid == 0 {
-        lse[row] = row_lse;
-    }
-}
-
-/// Word `w` of an entry's rank tuple: its parent's words plus rank `r + 1` at depth `d`
-/// (16 bits per depth, the earlier depth in the high half).
-#[device_fn]
-fn tuple_word(tuples: &[u32], parent: u32, d: u32, r: u32, w: u32) -> u32 {
-    let mut v = tuples[parent * 8 + w];
-    if (d - 1) / 2 == w {
-        v = v | ((r + 1) << (16 * (1 - (d - 1) % 2)));
-    }
-    v
-}
-
-/// Whether entry 1 (parent, depth, rank) has a lexicographically smaller rank tuple than
-/// entry 2.
-#[device_fn]
-fn tuple_less(tuples: &[u32], p1: u32, d1: u32, r1: u32, p2: u32, d2: u32, r2: u32) -> bool {
-    let mut res = false;
-    let mut done = false;
-    for w in 0..8u32 {
-        if !done {
-            let a = tuple_word(tuples, p1, d1, r1, w);
-            let b = tuple_word(tuples, p2, d2, r2, w);
-            if a != b {
-                res = a < b;
-                done = true;
-            }
+        if p.merge {
+            val_out[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
+            tok_out[row * k + rank] = ids[cbase + idx];
+        } else {
+            val_out[(row * nb + blk) * k + rank] = key_value(key);
+            tok_out[(row * nb + blk) * k + rank] = lo + idx;
         }
+    }
+    if !p.merge {
+        for t in (kk + tid..k).step_by(p.block) {
+            val_out[(row * nb + blk) * k + t] = key_value(0u32);
+            tok_out[(row * nb + blk) * k + t] = 0u32;
+        }
+    }
+}
+
+/// The index of the single set bit of `pow2` (exact: powers of two convert to f32 exactly).
+#[device_fn]
+fn bit_index(pow2: u32) -> u32 {
+    ((pow2 as f32).to_bits() >> 23) - 127u32
+}
+
+/// Node metadata word: parent (11 bits), rank among its siblings (11 bits), depth (from bit 22).
+#[device_fn]
+fn meta_word(parent: u32, rank: u32, depth: u32) -> u32 {
+    parent | (rank << 11) | (depth << 22)
+}
+
+/// Whether the frontier entry "child `r1` of node `p1`" has a lexicographically smaller rank
+/// tuple than "child `r2` of node `p2`" (distinct entries), walking the nodes' [`meta_word`]s.
+#[device_fn]
+fn entry_less(meta: &[u32], p1: u32, r1: u32, p2: u32, r2: u32) -> bool {
+    let d1 = (meta[p1] >> 22) + 1;
+    let d2 = (meta[p2] >> 22) + 1;
+    let mut a = p1;
+    let mut ra = r1;
+    let mut da = d1;
+    let mut b = p2;
+    let mut rb = r2;
+    let mut db = d2;
+    // Lift the deeper entry to the other's depth: "child ra of a" becomes a itself.
+    while da > db {
+        ra = (meta[a] >> 11) & 2047u32;
+        a = meta[a] & 2047u32;
+        da -= 1;
+    }
+    while db > da {
+        rb = (meta[b] >> 11) & 2047u32;
+        b = meta[b] & 2047u32;
+        db -= 1;
+    }
+    let mut res = d1 < d2;
+    if a != b || ra != rb {
+        // Walk up to the common parent; the ranks below it decide.
+        while a != b {
+            ra = (meta[a] >> 11) & 2047u32;
+            a = meta[a] & 2047u32;
+            rb = (meta[b] >> 11) & 2047u32;
+            b = meta[b] & 2047u32;
+        }
+        res = ra < rb;
     }
     res
 }
 
-/// Best-first expansion (one warp, grid = 1) over `lp` / `tok` (`[depth, k]`) to at most
+/// Log-probs per depth kept in shared memory by [`TreeExpand`] when `depth * k` fits.
+const LP_SHARED: u32 = 6144;
+
+/// Best-first expansion (grid = 1) over `lp` / `tok` (`[depth, k]`, best first) to at most
 /// `budget` nodes besides the root `root[0]`. Writes the tree arrays (capacity `budget + 1`),
-/// the node count to `n_out[0]`, and uses `tuples` (`[budget + 1, 8]`) as scratch. Needs
-/// `budget <= 1024`, `depth <= 16`.
-#[kernel(block = 32)]
+/// the node count to `n_out[0]` and the mask rows (`[n, ceil(n / 32)]`); `meta` (capacity
+/// `budget + 1`) is scratch. Needs `budget <= 1024`, `depth <= 16`.
+#[kernel(block = 256)]
 pub fn tree_expand(
     lp: &[f32],
     tok: &[u32],
@@ -282,186 +399,181 @@ pub fn tree_expand(
     next_sibling: &mut [i32],
     path_lp: &mut [f32],
     n_out: &mut [u32],
-    tuples: &mut [u32],
+    mask: &mut [u32],
+    meta: &mut [u32],
     depth: u32,
     k: u32,
     budget: u32,
 ) {
-    let f_score = shared::<f32>(1025);
-    let f_parent = shared::<u32>(1025);
-    let f_dr = shared::<u32>(1025);
-    let f_prev = shared::<i32>(1025);
+    let s_lp = shared::<f32>(LP_SHARED);
+    // Per node: meta word, path score, frontier entry (score of its next child, that child's
+    // rank or `none`), and its last emitted child.
+    let n_meta = shared::<u32>(1025);
     let n_score = shared::<f32>(1025);
+    let f_score = shared::<f32>(1025);
+    let f_rank = shared::<u32>(1025);
+    let f_last = shared::<u32>(1025);
+    let n_sh = shared::<u32>(1);
+    let tid = thread_idx_x();
     let lane = lane_id();
     let none = u32::MAX;
-    if lane == 0 {
-        token[0] = root[0];
-        parent[0] = -1;
-        depth_out[0] = 0u32;
-        first_child[0] = -1;
-        next_sibling[0] = -1;
-        path_lp[0] = 0.0f32;
-        n_score[0] = 0.0f32;
-        f_score[0] = lp[0];
-        f_parent[0] = 0u32;
-        f_dr[0] = (1u32 << 16) | 0u32;
-        f_prev[0] = -1;
-    }
-    if lane < 8 {
-        tuples[lane] = 0u32;
-    }
-    sync_warp();
-    let mut nslots = 1u32;
-    let mut best = if lane == 0 && depth > 0 && budget > 0 {
-        0u32
-    } else {
-        none
-    };
-    let mut n = 1u32;
-    while n <= budget {
-        // Warp argmax over the lanes' cached bests (higher score, then smaller rank tuple).
-        let mut bs = best;
-        let mut bsc = if bs != none { f_score[bs] } else { f32::NEG_INFINITY };
-        #[unroll]
-        for o in 0..5u32 {
-            let os = shfl_xor(bs, 16u32 >> o);
-            let osc = shfl_xor(bsc, 16u32 >> o);
-            let mut take = false;
-            if os != none {
-                if bs == none || osc > bsc {
-                    take = true;
-                } else if osc == bsc {
-                    take = tuple_less(
-                        tuples,
-                        f_parent[os],
-                        f_dr[os] >> 16,
-                        f_dr[os] & 65535u32,
-                        f_parent[bs],
-                        f_dr[bs] >> 16,
-                        f_dr[bs] & 65535u32,
-                    );
-                }
-            }
-            if take {
-                bs = os;
-                bsc = osc;
-            }
+    let in_shared = depth * k <= LP_SHARED;
+    if in_shared {
+        for i in (tid..depth * k).step_by(256) {
+            s_lp[i] = lp[i];
         }
-        if bs == none {
-            break;
-        }
-        let par = f_parent[bs];
-        let d = f_dr[bs] >> 16;
-        let r = f_dr[bs] & 65535u32;
-        let prev = f_prev[bs];
-        let has_sib = r + 1 < k;
-        let has_child = d < depth;
-        let appended = has_sib && has_child;
-        sync_warp();
+    }
+    for i in (tid..budget + 1).step_by(256) {
+        first_child[i] = -1;
+        next_sibling[i] = -1;
+    }
+    sync_threads();
+    if warp_id() == 0 {
         if lane == 0 {
-            token[n] = tok[(d - 1) * k + r];
-            parent[n] = par as i32;
-            depth_out[n] = d;
-            first_child[n] = -1;
-            next_sibling[n] = -1;
-            path_lp[n] = bsc;
-            n_score[n] = bsc;
-            if prev >= 0 {
-                next_sibling[prev as u32] = n as i32;
-            } else {
-                first_child[par] = n as i32;
-            }
-            #[unroll]
-            for w in 0..8u32 {
-                tuples[n * 8 + w] = tuple_word(tuples, par, d, r, w);
-            }
-            // The child takes the popped slot; the sibling takes it or a new slot.
-            let mut slot = bs;
-            if has_child {
-                f_score[slot] = bsc + lp[d * k];
-                f_parent[slot] = n;
-                f_dr[slot] = ((d + 1) << 16) | 0u32;
-                f_prev[slot] = -1;
-                slot = nslots;
-            }
-            if has_sib {
-                f_score[slot] = n_score[par] + lp[(d - 1) * k + r + 1];
-                f_parent[slot] = par;
-                f_dr[slot] = (d << 16) | (r + 1);
-                f_prev[slot] = n as i32;
-            }
-            if !has_child && !has_sib {
-                f_dr[slot] = 0u32;
-            }
-        }
-        if appended {
-            nslots += 1;
+            n_meta[0] = 0u32;
+            meta[0] = 0u32;
+            n_score[0] = 0.0f32;
+            f_rank[0] = if depth > 0 && budget > 0 { 0u32 } else { none };
+            f_score[0] = if in_shared { s_lp[0] } else { lp[0] };
         }
         sync_warp();
-        // Refresh the cached bests of the lanes whose slots changed.
-        if lane == bs % 32 {
-            best = none;
-            for sl in (lane..nslots).step_by(32) {
-                if f_dr[sl] != 0u32 {
-                    if best == none || f_score[sl] > f_score[best] {
-                        best = sl;
-                    } else if f_score[sl] == f_score[best] {
-                        if tuple_less(
-                            tuples,
-                            f_parent[sl],
-                            f_dr[sl] >> 16,
-                            f_dr[sl] & 65535u32,
-                            f_parent[best],
-                            f_dr[best] >> 16,
-                            f_dr[best] & 65535u32,
-                        ) {
-                            best = sl;
-                        }
+        // Lane i caches the best entry among nodes i, i + 32, ...: node `best`, its next child's
+        // rank `brank` and order key `bkey` (0 = none: every score's order key is larger). Only
+        // these registers are read at a pop, so lane 0's shared writes never race a read.
+        let mut best = 0u32;
+        let mut brank = 0u32;
+        let mut bkey = 0u32;
+        if lane == 0 && f_rank[0] != none {
+            bkey = order_key(f_score[0]);
+        }
+        let mut n = 1u32;
+        while n <= budget {
+            let mut mx = bkey;
+            #[unroll]
+            for o in 0..5u32 {
+                mx = mx.max(shfl_xor(mx, 16u32 >> o));
+            }
+            if mx == 0u32 {
+                break;
+            }
+            let ties = ballot(bkey == mx);
+            let low = ties & (0u32 - ties);
+            let mut wl = bit_index(low);
+            let mut pw = shfl_idx(best, wl);
+            let mut r = shfl_idx(brank, wl);
+            if ties != low {
+                // Equal scores: the smallest rank tuple among the tied lanes.
+                let mut rest = ties ^ low;
+                while rest != 0u32 {
+                    let lb = rest & (0u32 - rest);
+                    rest = rest ^ lb;
+                    let l2 = bit_index(lb);
+                    let p2 = shfl_idx(best, l2);
+                    let r2 = shfl_idx(brank, l2);
+                    if entry_less(meta, p2, r2, pw, r) {
+                        wl = l2;
+                        pw = p2;
+                        r = r2;
                     }
                 }
             }
-        } else if appended && lane == (nslots - 1) % 32 {
-            let sl = nslots - 1;
-            if best == none || f_score[sl] > f_score[best] {
-                best = sl;
-            } else if f_score[sl] == f_score[best] {
-                if tuple_less(
-                    tuples,
-                    f_parent[sl],
-                    f_dr[sl] >> 16,
-                    f_dr[sl] & 65535u32,
-                    f_parent[best],
-                    f_dr[best] >> 16,
-                    f_dr[best] & 65535u32,
-                ) {
-                    best = sl;
+            sync_warp();
+            if lane == 0 {
+                let sc = key_value(mx);
+                let d = (n_meta[pw] >> 22) + 1;
+                let mw = meta_word(pw, r, d);
+                n_meta[n] = mw;
+                meta[n] = mw;
+                n_score[n] = sc;
+                if r == 0u32 {
+                    first_child[pw] = n as i32;
+                } else {
+                    next_sibling[f_last[pw]] = n as i32;
+                }
+                f_last[pw] = n;
+                if r + 1 < k {
+                    f_rank[pw] = r + 1;
+                    f_score[pw] = n_score[pw]
+                        + if in_shared {
+                            s_lp[(d - 1) * k + r + 1]
+                        } else {
+                            lp[(d - 1) * k + r + 1]
+                        };
+                } else {
+                    f_rank[pw] = none;
+                }
+                if d < depth {
+                    f_rank[n] = 0u32;
+                    f_score[n] = sc + if in_shared { s_lp[d * k] } else { lp[d * k] };
+                } else {
+                    f_rank[n] = none;
                 }
             }
+            sync_warp();
+            // Refresh the cached bests of the popped entry's lane and the new node's lane.
+            if lane == wl {
+                bkey = 0u32;
+                for sl in (lane..n + 1).step_by(32) {
+                    if f_rank[sl] != none {
+                        let key = order_key(f_score[sl]);
+                        if key > bkey || (key == bkey && entry_less(meta, sl, f_rank[sl], best, brank)) {
+                            best = sl;
+                            brank = f_rank[sl];
+                            bkey = key;
+                        }
+                    }
+                }
+            } else if lane == n % 32 && f_rank[n] != none {
+                let key = order_key(f_score[n]);
+                if key > bkey || (key == bkey && entry_less(meta, n, 0u32, best, brank)) {
+                    best = n;
+                    brank = 0u32;
+                    bkey = key;
+                }
+            }
+            n += 1;
+            sync_warp();
         }
-        n += 1;
-        sync_warp();
+        if lane == 0 {
+            n_sh[0] = n;
+            n_out[0] = n;
+        }
     }
-    if lane == 0 {
-        n_out[0] = n;
-    }
-}
-
-/// Ancestor-or-self mask rows (`[n, ceil(n / 32)]`, n = `n_out[0]`), one thread per node;
-/// grid = `ceil((budget + 1) / 128)`.
-#[kernel(block = 128)]
-pub fn tree_mask(parent: &[i32], n_out: &[u32], mask: &mut [u32]) {
-    let i = block_idx_x() * 128 + thread_idx_x();
-    let n = n_out[0];
-    if i < n {
-        let words = (n + 31) / 32;
-        for w in 0..words {
+    sync_threads();
+    let n = n_sh[0];
+    let words = (n + 31) / 32;
+    for i in (tid..n).step_by(256) {
+        let mw = n_meta[i];
+        let d = mw >> 22;
+        token[i] = if i == 0 {
+            root[0]
+        } else {
+            tok[(d - 1) * k + ((mw >> 11) & 2047u32)]
+        };
+        parent[i] = if i == 0 { -1 } else { (mw & 2047u32) as i32 };
+        depth_out[i] = d;
+        path_lp[i] = n_score[i];
+        // Mask row: ancestors have decreasing indices, so the words fill from the top down.
+        for w in i / 32 + 1..words {
             mask[i * words + w] = 0u32;
         }
-        let mut a = i as i32;
-        while a >= 0 {
-            let au = a as u32;
-            mask[i * words + au / 32] = mask[i * words + au / 32] | (1u32 << (au % 32));
-            a = parent[au];
+        let mut cw = i / 32;
+        let mut bits = 0u32;
+        let mut a = i;
+        let mut walking = true;
+        while walking {
+            while a / 32 < cw {
+                mask[i * words + cw] = bits;
+                bits = 0u32;
+                cw -= 1;
+            }
+            bits = bits | (1u32 << (a % 32));
+            if a == 0 {
+                walking = false;
+            } else {
+                a = n_meta[a] & 2047u32;
+            }
         }
+        mask[i * words] = bits;
     }
 }

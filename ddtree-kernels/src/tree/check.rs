@@ -68,7 +68,6 @@ pub fn random_logits(rng: &mut StdRng, depth: usize, vocab: usize) -> Vec<f32> {
 /// log-sum-exp (identical arithmetic), and that log-sum-exp must match the CPU's (1e-5).
 pub fn builder(
     gpu: &Gpu,
-    p: &TreeTopkParams,
     depth: usize,
     vocab: usize,
     budget: usize,
@@ -77,7 +76,7 @@ pub fn builder(
     let s = gpu.stream();
     let logits = random_logits(rng, depth, vocab);
     let root = rng.random_range(0..vocab as u32);
-    let mut b = GpuBuilder::new(gpu, p, depth, vocab, budget)?;
+    let mut b = GpuBuilder::new(gpu, depth, vocab, budget)?;
     // Poison the outputs.
     b.token = upload(s, &vec![u32::MAX; budget + 1])?;
     b.path_lp = upload(s, &vec![f32::NAN; budget + 1])?;
@@ -86,7 +85,7 @@ pub fn builder(
     let (tree, lse) = b.download(s)?;
     let want = build_with_lse(&logits, vocab, budget, root, &lse);
     let case = format!("depth={depth} vocab={vocab} budget={budget}");
-    let sym = TreeTopk::symbol(p);
+    let sym = TreeTopk::symbol(&TreeTopkParams::PART);
     let cpu_lse = logsumexp_rows(&logits, vocab);
     let tol = Tolerance {
         rtol: 1e-5,
@@ -222,8 +221,7 @@ pub fn accept(
     rng: &mut StdRng,
 ) -> Result<Vec<CheckResult>, RuntimeError> {
     let s = gpu.stream();
-    let tp = TreeTopk::default_params();
-    let mut b = GpuBuilder::new(gpu, &tp, depth, vocab, budget)?;
+    let mut b = GpuBuilder::new(gpu, depth, vocab, budget)?;
     let logits = random_logits(rng, depth, vocab);
     let mut root = upload(s, &[1u32])?;
     b.build(s, &upload(s, &logits)?, &root)?;

@@ -1,5 +1,5 @@
 //! Host drivers of the tree kernels on a [`Gpu`]: the builder (three launches into device
-//! buffers, no host copy), the verify attention (split + combine, or naive), accept and
+//! buffers, no host copy: top-K part and merge passes, expansion), the verify attention (split + combine, or naive), accept and
 //! compaction. Used by the GPU checks and the bench; the engine can hold the same objects.
 
 use std::sync::Arc;
@@ -9,8 +9,8 @@ use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
 
 use super::{
-    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeExpand, TreeMask,
-    TreeTopk, TreeTopkParams, VerifyParams, LATENT,
+    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeExpand, TreeTopk,
+    TreeTopkParams, VerifyParams, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -40,15 +40,20 @@ pub fn download<T: DeviceRepr + Default + Clone>(
 
 /// The GPU tree builder for fixed `depth`, `vocab` and `budget`, with its device buffers.
 pub struct GpuBuilder {
-    topk: CompiledKernel<TreeTopk>,
+    part: CompiledKernel<TreeTopk>,
+    merge: CompiledKernel<TreeTopk>,
     expand: CompiledKernel<TreeExpand>,
-    mask_k: CompiledKernel<TreeMask>,
     depth: usize,
     vocab: usize,
     budget: usize,
     k: usize,
+    span: usize,
+    nb: usize,
     /// Per-depth log-sum-exp `[depth]`.
     pub lse: CudaSlice<f32>,
+    cand_val: CudaSlice<f32>,
+    cand_tok: CudaSlice<u32>,
+    part_ms: CudaSlice<f32>,
     lp: CudaSlice<f32>,
     tok: CudaSlice<u32>,
     /// Node tokens (capacity `budget + 1`).
@@ -65,40 +70,39 @@ pub struct GpuBuilder {
     pub path_lp: CudaSlice<f32>,
     /// Node count `[1]`.
     pub n: CudaSlice<u32>,
-    tuples: CudaSlice<u32>,
+    meta: CudaSlice<u32>,
     /// Mask rows `[n, ceil(n / 32)]` (capacity for `budget + 1` nodes).
     pub mask: CudaSlice<u32>,
 }
 
 impl GpuBuilder {
     /// Compiles the kernels and allocates the buffers. Needs `budget <= 1024`, `depth <= 16`.
-    pub fn new(
-        gpu: &Gpu,
-        p: &TreeTopkParams,
-        depth: usize,
-        vocab: usize,
-        budget: usize,
-    ) -> Result<GpuBuilder, RuntimeError> {
+    pub fn new(gpu: &Gpu, depth: usize, vocab: usize, budget: usize) -> Result<GpuBuilder, RuntimeError> {
         assert!(
-            (1..=1024).contains(&budget) && (1..=16).contains(&depth),
+            (1..=MAX_K).contains(&budget) && (1..=16).contains(&depth),
             "budget 1..=1024, depth 1..=16"
         );
         let s = gpu.stream();
         let k = budget.min(vocab);
-        assert!(
-            k <= p.block as usize,
-            "k = min(budget, vocab) must not exceed the top-k block"
-        );
+        let (pp, mp) = (TreeTopkParams::PART, TreeTopkParams::MERGE);
+        // Blocks per depth: as few as the shared slice allows, spans a multiple of 4.
+        let nb = vocab.div_ceil(pp.span as usize);
+        let span = vocab.div_ceil(nb).next_multiple_of(4);
         let cap = budget + 1;
         Ok(GpuBuilder {
-            topk: gpu.compile::<TreeTopk>(p)?,
+            part: gpu.compile::<TreeTopk>(&pp)?,
+            merge: gpu.compile::<TreeTopk>(&mp)?,
             expand: gpu.compile::<TreeExpand>(&())?,
-            mask_k: gpu.compile::<TreeMask>(&())?,
             depth,
             vocab,
             budget,
             k,
+            span,
+            nb,
             lse: zeros(s, depth)?,
+            cand_val: zeros(s, depth * nb * k)?,
+            cand_tok: zeros(s, depth * nb * k)?,
+            part_ms: zeros(s, depth * nb * 2)?,
             lp: zeros(s, depth * k)?,
             tok: zeros(s, depth * k)?,
             token: zeros(s, cap)?,
@@ -108,7 +112,7 @@ impl GpuBuilder {
             next_sibling: zeros(s, cap)?,
             path_lp: zeros(s, cap)?,
             n: zeros(s, 1)?,
-            tuples: zeros(s, cap * 8)?,
+            meta: zeros(s, cap)?,
             mask: zeros(s, cap * cap.div_ceil(32))?,
         })
     }
@@ -121,22 +125,43 @@ impl GpuBuilder {
         logits: &CudaSlice<f32>,
         root: &CudaSlice<u32>,
     ) -> Result<(), RuntimeError> {
-        let (v, k) = (self.vocab as u32, self.k as u32);
-        // SAFETY: logits hold depth * vocab values; lp / tok hold depth * k with k <= min(block, vocab).
+        let (v, k, span, nb) = (self.vocab as u32, self.k as u32, self.span as u32, self.nb as u32);
+        let d = self.depth as u32;
+        // SAFETY: logits hold depth * vocab values; candidates depth * nb * k, partials
+        // depth * nb * 2; span <= the part variant's span, k <= min(MAX_K, vocab).
         unsafe {
             TreeTopk::launch(
-                &self.topk,
+                &self.part,
                 s,
-                self.depth as u32,
+                (nb, d),
                 logits,
-                &mut self.lse,
-                &mut self.lp,
-                &mut self.tok,
+                root,
+                logits,
+                &mut self.cand_val,
+                &mut self.cand_tok,
+                &mut self.part_ms,
                 v,
                 k,
-            )?
-        };
-        // SAFETY: outputs hold budget + 1 nodes, tuples (budget + 1) * 8; budget <= 1024, depth <= 16.
+                span,
+                nb,
+            )?;
+            TreeTopk::launch(
+                &self.merge,
+                s,
+                (1u32, d),
+                &self.cand_val,
+                &self.cand_tok,
+                &self.part_ms,
+                &mut self.lp,
+                &mut self.tok,
+                &mut self.lse,
+                v,
+                k,
+                span,
+                nb,
+            )?;
+        }
+        // SAFETY: outputs hold budget + 1 nodes (mask rows included), budget <= 1024, depth <= 16.
         unsafe {
             TreeExpand::launch(
                 &self.expand,
@@ -152,15 +177,13 @@ impl GpuBuilder {
                 &mut self.next_sibling,
                 &mut self.path_lp,
                 &mut self.n,
-                &mut self.tuples,
-                self.depth as u32,
+                &mut self.mask,
+                &mut self.meta,
+                d,
                 k,
                 self.budget as u32,
-            )?
-        };
-        let grid = (self.budget as u32 + 1).div_ceil(128);
-        // SAFETY: mask holds (budget + 1) * ceil((budget + 1) / 32) words, n <= budget + 1.
-        unsafe { TreeMask::launch(&self.mask_k, s, grid, &self.parent, &self.n, &mut self.mask) }
+            )
+        }
     }
 
     /// Downloads the tree and the per-depth log-sum-exp (for checks; not part of a step).
