@@ -3,7 +3,7 @@
 
 use super::compile::{is_collective, CExpr, Lowered, Op, Place, Ref, Slot, Val};
 use super::numeric::{
-    bf16_to_f32, binary, cast, f16_to_f32, f32_to_bf16, f32_to_f16, lop3, math, mma_m16n8k16, prmt, unary,
+    bf16_to_f32, binary, cast, f16_to_f32, f32_to_bf16, f32_to_f16, fma_bf16x2, lop3, math, mma_m16n8k16, prmt, unary,
 };
 use super::{check_args, Buffer, Hazard, HostArg, InterpError, RaceKind, Value};
 use crate::intrinsics::Intrinsic;
@@ -793,6 +793,7 @@ impl<'k> Exec<'k, '_> {
             F16Hi => Val::F(f16_to_f32((a[0].u32() >> 16) as u16)),
             Lop3 => Val::U(lop3(a[0].u32(), a[1].u32(), a[2].u32(), a[3].u32())),
             Prmt => Val::U(prmt(a[0].u32(), a[1].u32(), a[2].u32())),
+            FmaBf16x2 => Val::U(fma_bf16x2(a[0].u32(), a[1].u32(), a[2].u32())),
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let (p, dst) = (place(0), r(0));
                 let old = self.atomic_load(th, p, dst)?;

@@ -343,6 +343,41 @@ pub(super) fn prmt(a: u32, b: u32, s: u32) -> u32 {
     r
 }
 
+/// `fma.rn.bf16` on one lane: `a * b + c` computed exactly, then rounded once to bf16 (nearest
+/// even; NaN to the canonical `0x7fff`). The product of two bf16 is exact in f64; the sum is
+/// rounded to f64 with its exact error kept (two-sum), which breaks the ties a double rounding
+/// would get wrong.
+pub(super) fn fma_bf16(a: u16, b: u16, c: u16) -> u16 {
+    let (p, c) = (bf16_to_f32(a) as f64 * bf16_to_f32(b) as f64, bf16_to_f32(c) as f64);
+    let s = p + c;
+    if !s.is_finite() || s == 0.0 {
+        return f32_to_bf16(s as f32);
+    }
+    // Two-sum: s + err == p + c exactly.
+    let bb = s - p;
+    let err = (p - (s - bb)) + (c - bb);
+    // bf16 spacing at |s| (8 significant bits; subnormal below 2^-126).
+    let e = ((s.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+    let ulp = 2f64.powi(e.max(-126) - 7);
+    let r = s / ulp;
+    let lo = r.floor();
+    let frac = r - lo;
+    let up = if frac != 0.5 {
+        frac > 0.5
+    } else if err != 0.0 {
+        err > 0.0
+    } else {
+        lo % 2.0 != 0.0
+    };
+    f32_to_bf16(((if up { lo + 1.0 } else { lo }) * ulp) as f32)
+}
+
+/// `fma.rn.bf16x2`: [`fma_bf16`] on the low and the high halves.
+pub(super) fn fma_bf16x2(a: u32, b: u32, c: u32) -> u32 {
+    let lane = |x: u32, sh: u32| (x >> sh) as u16;
+    (fma_bf16(lane(a, 16), lane(b, 16), lane(c, 16)) as u32) << 16 | fma_bf16(a as u16, b as u16, c as u16) as u32
+}
+
 /// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.f32` over a warp: `d[lane]` (4 f32 each)
 /// += A (16x16, row) * B (16x8, col), with `a[lane]` (4 u32) and `b[lane]` (2 u32) in the PTX
 /// fragment layouts (g = lane / 4, t = lane % 4; a0: (g, 2t..), a1: (g + 8, 2t..),
@@ -410,6 +445,49 @@ mod tests {
         assert_eq!(prmt(a, b, 0x0123), 0x0001_8283);
         // Sign replication: byte 3 of a (0x83) is negative, byte 0 (0x00) is not.
         assert_eq!(prmt(a, b, 0x8b08), 0x00ff_0000);
+    }
+
+    #[test]
+    fn fma_bf16x2_rounds_once_like_fma_rn() {
+        let h = |v: f32| f32_to_bf16(v) as u32;
+        let pair = |lo: f32, hi: f32| h(hi) << 16 | h(lo);
+        // The W4A16 dequantization: (128 + nibble) - 136, then times a scale.
+        assert_eq!(
+            fma_bf16x2(pair(131.0, 143.0), pair(1.0, 1.0), pair(-136.0, -136.0)),
+            pair(-5.0, 7.0)
+        );
+        assert_eq!(
+            fma_bf16x2(pair(7.0, -3.0), pair(1.0078125, 0.5), 0x8000_8000),
+            pair(7.0625, -1.5)
+        );
+        // 1.0078125 * 1.5 = 1.51171875 is halfway between two bf16; a tiny negative c must
+        // round it down. (An f32 fma then a bf16 rounding would see an exact tie and round
+        // to even, up.)
+        let tiny = -(2f32.powi(-30));
+        assert_eq!(
+            fma_bf16x2(pair(1.0078125, 0.0), pair(1.5, 0.0), pair(tiny, 0.0)),
+            pair(1.5078125, 0.0)
+        );
+        assert_eq!(
+            fma_bf16x2(pair(1.0078125, 0.0), pair(1.5, 0.0), pair(0.0, 0.0)),
+            pair(1.515625, 0.0)
+        );
+        // A tiny positive c rounds up; overflow gives infinity, NaN is canonical, -0 is kept.
+        assert_eq!(
+            fma_bf16x2(pair(1.0078125, 0.0), pair(1.5, 0.0), pair(2f32.powi(-30), 0.0)),
+            pair(1.515625, 0.0)
+        );
+        assert_eq!(fma_bf16x2(pair(3e38, 0.0), pair(2.0, 0.0), 0), pair(f32::INFINITY, 0.0));
+        assert_eq!(fma_bf16x2(pair(f32::NAN, 0.0), pair(1.0, 0.0), 0), 0x7fff);
+        assert_eq!(
+            fma_bf16x2(pair(-0.0, 0.0), pair(1.0, 0.0), 0x8000_8000),
+            pair(-0.0, 0.0)
+        );
+        // Subnormal results keep their spacing (2^-133).
+        assert_eq!(
+            fma_bf16x2(pair(2f32.powi(-130), 0.0), pair(1.5, 0.0), 0),
+            pair(1.5 * 2f32.powi(-130), 0.0)
+        );
     }
 
     #[test]
