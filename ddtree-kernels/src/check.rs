@@ -782,6 +782,7 @@ pub const SUITES: &[Suite] = &[
     embedding_suite,
     topk_suite,
     gemm_suite,
+    crate::w4a16::check::suite,
 ];
 
 /// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.

@@ -13,6 +13,16 @@
 //! `lop3` with the 0x4300 magic makes a bf16 pair `128 + nibble` (`q + 136`); two
 //! `fma.rn.bf16x2` subtract 136 (exact) and apply the scale.
 //!
+//! Each warp streams its k128 tiles through a register ring of `stages` slots: a slot is
+//! refilled (plain predicated loads that only write registers) as soon as it has been consumed,
+//! so the loads of about `stages` tiles are always in flight while the warp computes. Scales are
+//! read as the raw words holding two bf16 (picked with one `prmt` when used), so no instruction
+//! waits on a load before the round that consumes it. With one m tile the ring also carries A;
+//! with half m tiles (`m8`, M <= 8) rows 8..16 of the mma's A fragment are zero and never loaded.
+//!
+//! Numerics: the dequantized weight is `bf16(q * scale)` (one `fma.rn.bf16x2`), products and
+//! sums are f32 in the mma, and the epilogue rounds once to bf16.
+//!
 //! A block is `warps` warps side by side along N, each owning `nt` n8 tiles and all `mt` m16
 //! tiles (weights are dequantized once per block and reused for every m tile). The grid is
 //! `(m blocks, n blocks, k splits)`: m blocks vary fastest so blocks that read the same weights
@@ -62,10 +72,14 @@ pub struct W4a16Params {
     pub warps: u32,
     /// n8 tiles per warp (even for [`Epilogue::SiluMul`]: half gate, half up).
     pub nt: u32,
-    /// m16 tiles per block (rows per block = 16 mt).
+    /// m16 tiles per block (rows per block = 16 mt, or 8 with `m8`).
     pub mt: u32,
-    /// Pipeline depth: k128 weight tiles each warp loads before it computes (bytes in flight
-    /// per warp = 512 nt stages).
+    /// Half m tiles: only rows `0..8` of the single m16 tile hold A rows (the other half of the
+    /// mma's A fragment is zero and never loaded). For M <= 8 (decode); needs `mt == 1`.
+    pub m8: bool,
+    /// Pipeline depth: k128 tiles in each warp's register ring; the loads of `stages` tiles
+    /// are in flight while the warp computes (weight bytes in flight per warp = 512 nt stages).
+    /// With `mt == 1` the ring also carries A.
     pub stages: u32,
     /// Output epilogue.
     pub epilogue: Epilogue,
@@ -82,6 +96,7 @@ const fn dense(group: u32, layout: Layout, warps: u32, nt: u32, mt: u32, stages:
         warps,
         nt,
         mt,
+        m8: false,
         stages,
         epilogue: Epilogue::Plain,
         splitk,
@@ -92,24 +107,37 @@ const fn dense(group: u32, layout: Layout, warps: u32, nt: u32, mt: u32, stages:
 const I: Layout = Layout::Interleaved;
 const C: Layout = Layout::Checkpoint;
 
-/// Candidates of the plain dense GEMM (the bench tries each with several k splits).
+/// A [`dense`] variant with half m tiles (M <= 8).
+const fn dense8(group: u32, layout: Layout, warps: u32, nt: u32, stages: u32) -> W4a16Params {
+    W4a16Params {
+        m8: true,
+        ..dense(group, layout, warps, nt, 1, stages, true)
+    }
+}
+
+/// Candidates of the plain dense GEMM (the bench tries each with several k splits): split-K
+/// single-m-tile ones for small M (A rides the ring), half m tiles for M <= 8, several m tiles
+/// for larger M, and g64 / g128 ones.
 pub const DENSE_SPACE: &[W4a16Params] = &[
     dense(32, I, 4, 4, 1, 2, true),
-    dense(32, I, 4, 2, 1, 4, true),
-    dense(32, I, 8, 4, 1, 2, true),
-    dense(32, I, 4, 8, 1, 1, true),
-    dense(32, I, 4, 4, 1, 4, true),
+    dense8(32, I, 4, 4, 2),
+    dense8(32, I, 4, 4, 3),
+    dense8(32, I, 4, 8, 2),
+    dense8(32, I, 8, 4, 2),
+    dense8(32, I, 4, 2, 4),
+    dense(32, I, 4, 4, 1, 3, true),
+    dense(32, I, 4, 8, 1, 2, true),
+    dense8(32, C, 4, 4, 2),
     dense(32, C, 4, 4, 1, 2, true),
-    dense(32, C, 4, 2, 1, 4, true),
     dense(32, I, 4, 4, 2, 2, true),
     dense(32, I, 4, 4, 2, 2, false),
     dense(32, I, 4, 4, 4, 1, false),
     dense(32, I, 8, 4, 4, 1, false),
     dense(32, I, 4, 8, 2, 1, false),
-    dense(32, I, 4, 4, 4, 2, false),
+    dense(32, I, 4, 2, 4, 2, false),
     dense(32, C, 4, 4, 4, 1, false),
-    dense(64, I, 4, 4, 1, 2, true),
-    dense(128, I, 4, 4, 1, 2, true),
+    dense8(64, I, 4, 4, 2),
+    dense8(128, I, 4, 4, 2),
     dense(64, C, 4, 4, 2, 2, false),
     dense(128, C, 4, 4, 2, 2, false),
 ];
@@ -129,6 +157,14 @@ pub const FUSED_SPACE: &[W4a16Params] = &[
         ..dense(32, I, 4, 4, 1, 2, false)
     },
     W4a16Params {
+        epilogue: Epilogue::SiluMul,
+        ..dense8(32, I, 4, 4, 2)
+    },
+    W4a16Params {
+        epilogue: Epilogue::Residual,
+        ..dense(32, I, 4, 4, 1, 2, true)
+    },
+    W4a16Params {
         epilogue: Epilogue::Residual,
         ..dense(64, C, 4, 4, 2, 1, false)
     },
@@ -140,6 +176,18 @@ pub const FUSED_SPACE: &[W4a16Params] = &[
     W4a16Params {
         epilogue: Epilogue::RouteScale,
         moe: true,
+        ..dense(32, I, 4, 4, 1, 2, false)
+    },
+    W4a16Params {
+        epilogue: Epilogue::SiluMul,
+        moe: true,
+        m8: true,
+        ..dense(32, I, 4, 4, 1, 2, false)
+    },
+    W4a16Params {
+        epilogue: Epilogue::RouteScale,
+        moe: true,
+        m8: true,
         ..dense(32, I, 4, 4, 1, 2, false)
     },
     W4a16Params {
@@ -193,19 +241,20 @@ fn dequant_pair(pair: u32, scale2: u32) -> u32 {
 }
 
 /// `a` `[M, K]` bf16 (MoE: `[T, K]` tokens, or `[pairs, K]`), `w` packed weights in `p.layout`
-/// (MoE: experts stacked), `scales` `[N, K/group]` (stacked), `residual` `[M, N]`, `out` `[M, N]`
+/// (MoE: experts stacked), `scales` the bf16 `[N, K/group]` scales (stacked) as u32 words, two
+/// per word, low half first ([`super::layout::scale_words`]), `residual` `[M, N]`, `out` `[M, N]`
 /// (`[M, N/2]` for SiLU-and-mul; MoE: rows are pair ids), `part` `[splits, M, N]` f32 partials,
 /// `sorted` / `block_expert` the MoE routing from `moe_align`, `route_w` per-pair router
 /// weights, `a_div` pair -> A row divisor (top-k for gate_up, 1 for down). Unused buffers may
 /// be any non-empty buffer. Needs `k % 32 == 0`, `k % group == 0`; the interleaved layout with
-/// SiLU-and-mul needs `(n / 2) % 8 == 0`. Grid: `(ceil(m / 16 mt), ceil(cols / (warps nt 8)),
+/// SiLU-and-mul needs `(n / 2) % 8 == 0`. Grid: `(ceil(m / rows_per_block), ceil(cols / (warps nt 8)),
 /// splits)` with `cols` the output columns (`n / 2` for SiLU-and-mul, which covers both halves).
 #[kernel(block = p.warps * 32, space = candidates())]
 pub fn w4a16_gemm(
     #[comptime] p: &W4a16Params,
     a: &[bf16],
     w: &[u32],
-    scales: &[bf16],
+    scales: &[u32],
     residual: &[bf16],
     out: &mut [bf16],
     part: &mut [f32],
@@ -227,6 +276,7 @@ pub fn w4a16_gemm(
         "nt and mt must be 1..=8"
     );
     comptime_assert!(p.stages >= 1 && p.stages <= 4, "stages must be 1..=4");
+    comptime_assert!(!p.m8 || p.mt == 1, "half m tiles need mt == 1");
     comptime_assert!(
         p.epilogue != Epilogue::SiluMul || p.nt % 2 == 0,
         "SiLU-and-mul needs an even nt"
@@ -239,7 +289,7 @@ pub fn w4a16_gemm(
     let silu_epi = p.epilogue == Epilogue::SiluMul;
     let half = p.nt / 2;
     let wcols = if silu_epi { half * 8 } else { p.nt * 8 };
-    let bm = p.mt * 16;
+    let bm = if p.m8 { 8 } else { p.mt * 16 };
     let lane = lane_id();
     let g = lane / 4;
     let q = lane % 4;
@@ -260,7 +310,10 @@ pub fn w4a16_gemm(
     #[unroll]
     for r in 0..2 * p.mt {
         let slot = mblk * bm + r * 8 + g;
-        if p.moe {
+        if p.m8 && r == 1 {
+            orow[r] = u32::MAX;
+            arow[r] = u32::MAX;
+        } else if p.moe {
             let pair = sorted[slot];
             orow[r] = pair;
             arow[r] = if pair == u32::MAX { u32::MAX } else { pair / a_div };
@@ -296,77 +349,127 @@ pub fn w4a16_gemm(
     let kb_hi = (kb_lo + per).min(kbs);
 
     let mut acc = [[0.0f32; 4]; p.mt * p.nt];
+    // The ring: slot `u` holds one k128 tile's weights, scale words and (single m tile) A.
     let mut wq = [[0u32; 4]; p.nt * p.stages];
     let mut sc = [0u32; p.nt * p.stages];
+    let mut ar = [[0u32; 4]; 2 * 4 * p.stages];
     let mut av = [[0u32; 4]; 2 * p.mt];
     let mut af = [[0u32; 4]; p.mt];
     let mut bf = [[0u32; 2]; 1];
-    for kb0 in (kb_lo..kb_hi).step_by(p.stages) {
-        // Issue every weight and scale load of the stage first: bytes in flight.
+    let a_ring = p.mt == 1;
+    let arows = if p.m8 { 1 } else { 2 };
+    let ntiles = if kb_hi > kb_lo { kb_hi - kb_lo } else { 0u32 };
+    // Round `rr` computes tiles `kb_lo + (rr - 1) stages + u` from the ring, and right after
+    // each slot is consumed refills it with the tile `stages` later: every warp keeps about
+    // `stages` tiles of loads in flight while it computes. Loads only write registers
+    // (predicated), so nothing waits for them before the round that consumes them.
+    for rr in 0..(ntiles + p.stages - 1) / p.stages + 1 {
         #[unroll]
         for u in 0..p.stages {
-            let kb = kb0 + u;
-            let kk = kb * 128 + 32 * q;
+            let kc = kb_lo + rr * p.stages + u;
+            if rr > 0 && kc - p.stages < kb_hi {
+                let kb = kc - p.stages;
+                let kk = kb * 128 + 32 * q;
+                let kok = kk < k;
+                #[unroll]
+                for jj in 0..4 {
+                    // 8 bf16 of A at k = kk + 8 jj for rows g and g + 8 of every m tile.
+                    #[unroll]
+                    for r in 0..2 * p.mt {
+                        // (With half m tiles, rows g + 8 are empty and never read.)
+                        if p.m8 && r == 1 {
+                            av[r][0] = 0u32;
+                        } else if a_ring {
+                            av[r][0] = ar[(u * 2 + r) * 4 + jj][0];
+                            av[r][1] = ar[(u * 2 + r) * 4 + jj][1];
+                            av[r][2] = ar[(u * 2 + r) * 4 + jj][2];
+                            av[r][3] = ar[(u * 2 + r) * 4 + jj][3];
+                        } else {
+                            let ok = kok && arow[r] != u32::MAX;
+                            let v = a.vload(if ok { arow[r] * k + kk + 8 * jj } else { 0u32 });
+                            av[r][0] = if ok { v.x } else { 0u32 };
+                            av[r][1] = if ok { v.y } else { 0u32 };
+                            av[r][2] = if ok { v.z } else { 0u32 };
+                            av[r][3] = if ok { v.w } else { 0u32 };
+                        }
+                    }
+                    #[unroll]
+                    for h in 0..2 {
+                        #[unroll]
+                        for i in 0..p.mt {
+                            af[i][0] = av[2 * i][2 * h];
+                            af[i][2] = av[2 * i][2 * h + 1];
+                            if p.m8 {
+                                af[i][1] = 0u32;
+                                af[i][3] = 0u32;
+                            } else {
+                                af[i][1] = av[2 * i + 1][2 * h];
+                                af[i][3] = av[2 * i + 1][2 * h + 1];
+                            }
+                        }
+                        #[unroll]
+                        for j in 0..p.nt {
+                            let x = wq[j * p.stages + u][jj];
+                            // The bf16 scale in both halves, from its word (two scales per word).
+                            let sidx = sbase + (wrow[j] + g) * gpr + kk / p.group;
+                            let s2 = prmt(
+                                sc[j * p.stages + u],
+                                0u32,
+                                if sidx % 2 == 1 { 0x3232u32 } else { 0x1010u32 },
+                            );
+                            if p.layout == Layout::Interleaved {
+                                bf[0][0] = dequant_pair(magic_pair_interleaved(x >> (8 * h)), s2);
+                                bf[0][1] = dequant_pair(magic_pair_interleaved(x >> (8 * h + 4)), s2);
+                            } else {
+                                bf[0][0] = dequant_pair(magic_pair_sequential(x >> (16 * h)), s2);
+                                bf[0][1] = dequant_pair(magic_pair_sequential(x >> (16 * h + 8)), s2);
+                            }
+                            #[unroll]
+                            for i in 0..p.mt {
+                                mma_m16n8k16_bf16(&mut acc[i * p.nt + j], &af[i], &bf[0]);
+                            }
+                        }
+                    }
+                }
+            }
+            // Refill slot u with tile kc: weights, scale words, and A when it rides the ring.
+            let kk = kc * 128 + 32 * q;
             #[unroll]
             for j in 0..p.nt {
                 let row = wrow[j] + g;
-                let ok = kb < kb_hi && kk < k && row < n;
-                let widx = if p.layout == Layout::Interleaved {
-                    wbase + ((wrow[j] / 8 * kbs + kb) * 32 + lane) * 4
+                if kc < kb_hi && kk < k && row < n {
+                    let widx = if p.layout == Layout::Interleaved {
+                        wbase + ((wrow[j] / 8 * kbs + kc) * 32 + lane) * 4
+                    } else {
+                        wbase + row * (k / 8) + kk / 8
+                    };
+                    let v = w.vload(widx);
+                    wq[j * p.stages + u][0] = v.x;
+                    wq[j * p.stages + u][1] = v.y;
+                    wq[j * p.stages + u][2] = v.z;
+                    wq[j * p.stages + u][3] = v.w;
+                    sc[j * p.stages + u] = scales[(sbase + row * gpr + kk / p.group) / 2];
                 } else {
-                    wbase + row * (k / 8) + kk / 8
-                };
-                let v = w.vload(if ok { widx } else { 0u32 });
-                wq[j * p.stages + u][0] = v.x;
-                wq[j * p.stages + u][1] = v.y;
-                wq[j * p.stages + u][2] = v.z;
-                wq[j * p.stages + u][3] = v.w;
-                sc[j * p.stages + u] = if ok {
-                    ((scales[sbase + row * gpr + kk / p.group] as f32).to_bits() >> 16) * 0x10001u32
-                } else {
-                    0u32
-                };
-            }
-        }
-        #[unroll]
-        for u in 0..p.stages {
-            let kk = (kb0 + u) * 128 + 32 * q;
-            let kok = kb0 + u < kb_hi && kk < k;
-            #[unroll]
-            for jj in 0..4 {
-                // 8 bf16 of A at k = kk + 8 jj for rows g and g + 8 of every m tile.
-                #[unroll]
-                for r in 0..2 * p.mt {
-                    let ok = kok && arow[r] != u32::MAX;
-                    let v = a.vload(if ok { arow[r] * k + kk + 8 * jj } else { 0u32 });
-                    av[r][0] = if ok { v.x } else { 0u32 };
-                    av[r][1] = if ok { v.y } else { 0u32 };
-                    av[r][2] = if ok { v.z } else { 0u32 };
-                    av[r][3] = if ok { v.w } else { 0u32 };
+                    // Scale 0 zeroes whatever codes the slot holds.
+                    sc[j * p.stages + u] = 0u32;
                 }
+            }
+            if a_ring {
                 #[unroll]
-                for h in 0..2 {
+                for r in 0..arows {
                     #[unroll]
-                    for i in 0..p.mt {
-                        af[i][0] = av[2 * i][2 * h];
-                        af[i][1] = av[2 * i + 1][2 * h];
-                        af[i][2] = av[2 * i][2 * h + 1];
-                        af[i][3] = av[2 * i + 1][2 * h + 1];
-                    }
-                    #[unroll]
-                    for j in 0..p.nt {
-                        let x = wq[j * p.stages + u][jj];
-                        let s2 = sc[j * p.stages + u];
-                        if p.layout == Layout::Interleaved {
-                            bf[0][0] = dequant_pair(magic_pair_interleaved(x >> (8 * h)), s2);
-                            bf[0][1] = dequant_pair(magic_pair_interleaved(x >> (8 * h + 4)), s2);
+                    for jj in 0..4 {
+                        if kc < kb_hi && kk < k && arow[r] != u32::MAX {
+                            let v = a.vload(arow[r] * k + kk + 8 * jj);
+                            ar[(u * 2 + r) * 4 + jj][0] = v.x;
+                            ar[(u * 2 + r) * 4 + jj][1] = v.y;
+                            ar[(u * 2 + r) * 4 + jj][2] = v.z;
+                            ar[(u * 2 + r) * 4 + jj][3] = v.w;
                         } else {
-                            bf[0][0] = dequant_pair(magic_pair_sequential(x >> (16 * h)), s2);
-                            bf[0][1] = dequant_pair(magic_pair_sequential(x >> (16 * h + 8)), s2);
-                        }
-                        #[unroll]
-                        for i in 0..p.mt {
-                            mma_m16n8k16_bf16(&mut acc[i * p.nt + j], &af[i], &bf[0]);
+                            ar[(u * 2 + r) * 4 + jj][0] = 0u32;
+                            ar[(u * 2 + r) * 4 + jj][1] = 0u32;
+                            ar[(u * 2 + r) * 4 + jj][2] = 0u32;
+                            ar[(u * 2 + r) * 4 + jj][3] = 0u32;
                         }
                     }
                 }
@@ -514,7 +617,7 @@ impl Scratch {
 /// MoE routing produced by `moe_align`, read by grouped launches.
 #[derive(Clone, Copy, Debug)]
 pub struct Routing<'a> {
-    /// Pair ids per slot, `[max_blocks * 16 mt]` (`u32::MAX` = padding).
+    /// Pair ids per slot, `[max_blocks * rows_per_block]` (`u32::MAX` = padding).
     pub sorted: &'a CudaSlice<u32>,
     /// Expert of each block, `[max_blocks]` (`u32::MAX` = unused block).
     pub block_expert: &'a CudaSlice<u32>,
@@ -533,8 +636,8 @@ pub struct GemmArgs<'a> {
     pub a: &'a CudaSlice<bf16>,
     /// Packed weights in the variant's layout.
     pub w: &'a CudaSlice<u32>,
-    /// Scales `[N, K/group]` (experts stacked).
-    pub scales: &'a CudaSlice<bf16>,
+    /// Scales `[N, K/group]` (experts stacked) as words ([`super::layout::scale_words`]).
+    pub scales: &'a CudaSlice<u32>,
     /// Residual `[M, N]` for [`Epilogue::Residual`].
     pub residual: Option<&'a CudaSlice<bf16>>,
     /// Routing for grouped variants.
@@ -556,12 +659,21 @@ pub fn out_cols(p: &W4a16Params, n: u32) -> u32 {
     }
 }
 
+/// A rows (dense) or pair slots (grouped) per block: `16 mt`, or 8 with half m tiles.
+pub fn rows_per_block(p: &W4a16Params) -> u32 {
+    if p.m8 {
+        8
+    } else {
+        16 * p.mt
+    }
+}
+
 /// The grid of a launch: m blocks (dense) or `max_blocks` (grouped), n blocks, `splits`.
 pub fn grid(p: &W4a16Params, m_or_blocks: u32, n: u32, splits: u32) -> (u32, u32, u32) {
     let x = if p.moe {
         m_or_blocks
     } else {
-        m_or_blocks.div_ceil(16 * p.mt)
+        m_or_blocks.div_ceil(rows_per_block(p))
     };
     let per_block = p.warps * p.nt * 8 / if p.epilogue == Epilogue::SiluMul { 2 } else { 1 };
     (x.max(1), out_cols(p, n).div_ceil(per_block), splits)
@@ -666,21 +778,23 @@ pub unsafe fn launch(
 }
 
 /// The default dense variant and k splits for `m x n x k` (a heuristic; the bench reports it
-/// next to the best candidate): small M splits K until about two blocks per SM of a 132-SM
-/// H200, larger M uses more m tiles per block.
+/// next to the best candidate): half m tiles for M <= 8, one m tile for M <= 16, two for M <= 48,
+/// four above; split-K variants split K until about four blocks per SM of a 132-SM H200 (at
+/// least 8 k128 tiles per split).
 pub fn default_dense(m: u32, n: u32, k: u32) -> (W4a16Params, u32) {
-    let p = if m <= 16 {
+    let p = if m <= 8 {
+        DENSE_SPACE[1]
+    } else if m <= 16 {
         DENSE_SPACE[0]
     } else if m <= 48 {
-        DENSE_SPACE[7]
+        DENSE_SPACE[10]
     } else {
-        DENSE_SPACE[9]
+        DENSE_SPACE[12]
     };
     if !p.splitk {
         return (p, 1);
     }
-    let (_, ny, _) = grid(&p, m, n, 1);
-    let mx = m.div_ceil(16 * p.mt);
+    let (mx, ny, _) = grid(&p, m, n, 1);
     let kbs = k.div_ceil(128);
-    (p, (264u32).div_ceil(ny * mx).clamp(1, (kbs / 4).clamp(1, 8)))
+    (p, (4 * 132u32).div_ceil(ny * mx).clamp(1, (kbs / 8).clamp(1, 8)))
 }

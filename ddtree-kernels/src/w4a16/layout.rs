@@ -119,10 +119,25 @@ impl PackedInt4 {
             .collect()
     }
 
+    /// The weights the GEMM multiplies, `[experts * n, k]`: `bf16(q * scale)`, rounded to
+    /// nearest even as its `fma.rn.bf16x2` dequantization does before the bf16 mma.
+    pub fn dequantize_bf16(&self) -> Vec<f32> {
+        self.dequantize().iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
+    }
+
     /// Bytes the kernels read for weights and scales of one expert.
     pub fn bytes_per_expert(&self) -> usize {
         self.n * self.k / 2 + self.n * self.k / self.group * 2
     }
+}
+
+/// The bf16 scales as the u32 words the GEMM reads: scale `2i` in the low half of word `i`,
+/// `2i + 1` in the high half (the bytes of the bf16 tensor, padded to a whole word).
+pub fn scale_words(scales: &[bf16]) -> Vec<u32> {
+    scales
+        .chunks(2)
+        .map(|c| c[0].to_bits() as u32 | (c.get(1).map_or(0, |h| h.to_bits()) as u32) << 16)
+        .collect()
 }
 
 /// Words of one expert in the interleaved tiled layout (`n` padded to 8 rows, `k` to 128).
@@ -264,6 +279,27 @@ mod tests {
                 prop_assert!((x - s * y).abs() <= 1e-4 * (1.0 + y.abs()));
             }
         }
+    }
+
+    #[test]
+    fn scale_words_hold_two_scales_low_half_first() {
+        let s: Vec<bf16> = [1.0f32, -2.0, 0.5].iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(scale_words(&s), vec![0xc000_3f80, 0x0000_3f00]);
+    }
+
+    #[test]
+    fn bf16_dequantization_rounds_the_product() {
+        // 7 * 1.0078125 = 7.0546875 needs 10 significant bits: bf16 rounds it to 7.0625.
+        let p = PackedInt4 {
+            packed: pack(&[7, 0, 0, 0, 0, 0, 0, 0], 8),
+            scales: vec![bf16::from_f32(1.0078125)],
+            n: 1,
+            k: 8,
+            group: 8,
+            experts: 1,
+        };
+        assert_eq!(p.dequantize()[0], 7.0546875);
+        assert_eq!(p.dequantize_bf16()[0], 7.0625);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `moe_w4a16`: the routed-expert block for `T` tokens with top-k routing, on INT4 experts.
 //!
 //! 1. `moe_align` sorts the token-expert pairs by expert and pads each expert to blocks of
-//!    `16 mt` slots (the per-expert block size), so each touched expert's weights are read
+//!    [`gemm::rows_per_block`] slots (the per-expert block size), so each touched expert's weights are read
 //!    once per n tile when its pairs fit one block;
 //! 2. grouped gate_up `w4a16_gemm` (`N = 2 I`, SiLU-and-mul fused) into `act[pair, I]`;
 //! 3. grouped down `w4a16_gemm` with the router weight applied into `y[pair, H]`;
@@ -137,10 +137,13 @@ pub fn moe_sum(
 
 /// CPU reference of the routed-expert block: `x` `[T, H]`, `ids` / `weights` `[T, topk]`,
 /// `w13` the fused gate_up experts (`n = 2 I`, `k = H`), `w2` the down experts (`n = H`,
-/// `k = I`). Returns `[T, H]`.
+/// `k = I`). Returns `[T, H]` before the final bf16 rounding. It rounds where the kernels do:
+/// weights to `bf16(q * scale)`, the activation `silu(g) * u` to bf16 (the `act` buffer), each
+/// pair's `router weight * down` to bf16 (the `y` buffer); sums are f32.
 pub fn reference(x: &[f32], ids: &[u32], weights: &[f32], topk: usize, w13: &PackedInt4, w2: &PackedInt4) -> Vec<f32> {
     let (h, inter) = (w13.k, w2.k);
-    let (d13, d2) = (w13.dequantize(), w2.dequantize());
+    let (d13, d2) = (w13.dequantize_bf16(), w2.dequantize_bf16());
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
     let tokens = x.len() / h;
     let mut out = vec![0f32; tokens * h];
     for t in 0..tokens {
@@ -157,11 +160,11 @@ pub fn reference(x: &[f32], ids: &[u32], weights: &[f32], topk: usize, w13: &Pac
                 h,
             );
             let act: Vec<f32> = (0..inter)
-                .map(|c| gu[c] / (1.0 + (-gu[c]).exp()) * gu[inter + c])
+                .map(|c| round(gu[c] / (1.0 + (-gu[c]).exp()) * gu[inter + c]))
                 .collect();
             let y = matmul(&act, &d2[e * h * inter..(e + 1) * h * inter], 1, h, inter);
             for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
-                *o += weights[t * topk + j] * v;
+                *o += round(v * weights[t * topk + j]);
             }
         }
     }
@@ -169,7 +172,7 @@ pub fn reference(x: &[f32], ids: &[u32], weights: &[f32], topk: usize, w13: &Pac
 }
 
 /// The compiled kernels of one MoE configuration: gate_up and down variants must be grouped,
-/// with [`Epilogue::SiluMul`] and [`Epilogue::RouteScale`], the same `mt`, and layouts matching
+/// with [`Epilogue::SiluMul`] and [`Epilogue::RouteScale`], the same `mt` and `m8`, and layouts matching
 /// the expert weights they are given.
 #[derive(Debug)]
 pub struct MoeKernels {
@@ -199,12 +202,12 @@ pub fn max_blocks(pairs: usize, experts: usize, bm: usize) -> usize {
 pub struct DeviceExperts<'a> {
     /// Packed gate_up words.
     pub w13: &'a CudaSlice<u32>,
-    /// gate_up scales.
-    pub s13: &'a CudaSlice<bf16>,
+    /// gate_up scales as words ([`super::layout::scale_words`]).
+    pub s13: &'a CudaSlice<u32>,
     /// Packed down words.
     pub w2: &'a CudaSlice<u32>,
-    /// down scales.
-    pub s2: &'a CudaSlice<bf16>,
+    /// down scales as words.
+    pub s2: &'a CudaSlice<u32>,
     /// Number of local experts.
     pub experts: u32,
     /// Hidden size H.
@@ -214,13 +217,14 @@ pub struct DeviceExperts<'a> {
 }
 
 impl MoeKernels {
-    /// Compiles the four kernels. `gate_up` and `down` must share `layout` and `mt`.
+    /// Compiles the four kernels. `gate_up` and `down` must share `layout`, `mt` and `m8`.
     pub fn new(gpu: &Gpu, gate_up: &W4a16Params, down: &W4a16Params) -> Result<MoeKernels, RuntimeError> {
         let ok = gate_up.moe
             && down.moe
             && gate_up.epilogue == Epilogue::SiluMul
             && down.epilogue == Epilogue::RouteScale
             && gate_up.mt == down.mt
+            && gate_up.m8 == down.m8
             && gate_up.layout == down.layout;
         if !ok {
             return Err(RuntimeError::Launch {
@@ -238,7 +242,7 @@ impl MoeKernels {
 
     /// Slots per block (the per-expert block size).
     pub fn block_m(&self) -> u32 {
-        16 * self.gate_up.params().mt
+        gemm::rows_per_block(self.gate_up.params())
     }
 
     /// Buffers for `tokens` tokens of `topk` slots.
