@@ -169,6 +169,9 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
     Ok(())
 }
 
+/// The most KV splits the verify bench tries.
+const MAX_SPLITS: usize = 256;
+
 fn bench_verify(
     gpu: &Gpu,
     rng: &mut StdRng,
@@ -214,12 +217,9 @@ fn bench_verify(
                 };
                 let mut best: Option<(f64, String, usize)> = None;
                 for p in MlaVerifySplit::space() {
-                    let mut v = GpuVerify::new(gpu, &p, rows * 64)?;
+                    let mut v = GpuVerify::new(gpu, &p, rows * MAX_SPLITS)?;
                     let auto = v.auto_splits(sms, &sh);
-                    for splits in [auto, (auto * 2).min(64), (auto / 2).max(1)] {
-                        if rows * splits > rows * 64 {
-                            continue;
-                        }
+                    for splits in [auto, (auto * 2).min(MAX_SPLITS), (auto / 2).max(1)] {
                         let us = median_us(s, 3, 20, |i| {
                             v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &mut out, &mut lse)
                         })?;

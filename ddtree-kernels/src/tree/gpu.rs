@@ -323,14 +323,15 @@ impl GpuVerify {
         })
     }
 
-    /// A split count that fills the GPU: about two blocks per SM, at least 256 keys a split.
+    /// A split count that keeps about four blocks per SM in flight (the occupancy the tile ring
+    /// allows), with at least 64 keys per split.
     pub fn auto_splits(&self, sms: usize, sh: &VerifyShape) -> usize {
         let rows = sh.nodes * sh.heads;
         let row_blocks = rows.div_ceil(16 * self.split.params().rg as usize);
         let keys = sh.prefix + sh.nodes;
-        (2 * sms)
+        (4 * sms)
             .div_ceil(row_blocks)
-            .clamp(1, keys.div_ceil(256).max(1))
+            .clamp(1, keys.div_ceil(64).max(1))
             .min(self.max_rows_splits / rows)
             .max(1)
     }
@@ -377,7 +378,7 @@ impl GpuVerify {
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
-                rows as u32,
+                (rows as u32, 4),
                 &self.part_o,
                 &self.part_lse,
                 out,

@@ -4,11 +4,12 @@
 //! Query rows are `(node, head)` pairs, `rows = nodes * heads`, each 576 wide (512 latent +
 //! 64 rope). Keys are the `prefix + nodes` cache rows; row `r` sees every prefix row and the
 //! tree rows `prefix + t` whose bit `t` is set in its node's mask row. The value of a key is
-//! its first 512 entries. The KV range is cut into `splits` chunks (grid y); each block reads
-//! its chunk once for `16 * rg` query rows with `mma.sync` bf16 tensor cores: the score
-//! `Q K^T` is split over four warps by the 576-dim reduction, summed through shared memory,
-//! and each warp then owns 128 of the 512 output columns for `P V`. [`MlaVerifyCombine`]
-//! merges the split partials by their log-sum-exp.
+//! its first 512 entries. The KV range is cut into `splits` chunks (grid y); each block streams
+//! its chunk once through a `stages`-deep `cp.async` ring of `bn`-key tiles (the next tiles load
+//! while the current one is computed) for `16 * rg` query rows with `mma.sync` bf16 tensor cores:
+//! the score `Q K^T` is split over four warps by the 576-dim reduction, summed through shared
+//! memory, and each warp then owns 128 of the 512 output columns for `P V`.
+//! [`MlaVerifyCombine`] merges the split partials by their log-sum-exp.
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
@@ -22,16 +23,19 @@ pub struct VerifyParams {
     pub rg: u32,
     /// KV tile (keys per step): 16 or 32.
     pub bn: u32,
+    /// Depth of the shared-memory tile ring (tiles in flight plus the one being computed), >= 2.
+    pub stages: u32,
 }
 
 /// Split-KV pass. Grid: `(ceil(rows / (16 rg)), splits)`; split `s` covers keys
 /// `[s * chunk, min((s + 1) * chunk, prefix + nodes))` (`chunk` a multiple of `bn`).
+/// Iteration `it` issues the load of tile `it` and computes tile `it - (stages - 1)`, so
+/// `stages - 1` tiles are in flight while one is computed, with two barriers per tile.
 /// Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and partial natural
 /// log-sum-exp `part_lse` (`[splits, rows]`, -inf when the split saw no key).
 #[kernel(block = p.rg * 128, space = [
-    VerifyParams { rg: 1, bn: 32 },
-    VerifyParams { rg: 1, bn: 16 },
-    VerifyParams { rg: 2, bn: 16 },
+    VerifyParams { rg: 1, bn: 16, stages: 2 },
+    VerifyParams { rg: 2, bn: 16, stages: 2 },
 ])]
 pub fn mla_verify_split(
     #[comptime] p: &VerifyParams,
@@ -50,13 +54,14 @@ pub fn mla_verify_split(
 ) {
     comptime_assert!(p.bn == 16 || p.bn == 32, "bn must be 16 or 32");
     comptime_assert!(p.rg >= 1 && p.rg <= 4, "rg must be 1..=4");
+    comptime_assert!(p.stages >= 2, "stages must be at least 2");
     comptime_assert!(
-        p.bn * 576 * 2 + p.rg * 4 * 16 * p.bn * 4 <= 49152,
+        p.stages * p.bn * 576 * 2 + p.rg * 4 * 16 * p.bn * 4 <= 49152,
         "static shared memory is limited to 48 KiB"
     );
     let threads = p.rg * 128;
     let nt = p.bn / 8;
-    let sk = shared::<bf16>(p.bn * 576);
+    let sk = shared::<bf16>(p.stages * p.bn * 576);
     let sp = shared::<f32>(p.rg * 4 * 16 * p.bn);
     let tid = thread_idx_x();
     let lane = lane_id();
@@ -99,122 +104,133 @@ pub fn mla_verify_split(
     let mut l_a = 0.0f32;
     let mut l_b = 0.0f32;
 
-    for kt in (kv0..kv1).step_by(p.bn) {
+    let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
+    for it in 0..ntiles + p.stages - 1 {
+        // Tile `it - (stages - 1)` has landed, and every warp is done with tile `it - stages`,
+        // whose slot tile `it` reuses.
+        cp_async_wait(p.stages - 2);
         sync_threads();
-        for ch in (tid..p.bn * 72).step_by(threads) {
-            let r = ch / 72;
-            let c = ch % 72;
-            let ok = kt + r < kv1;
-            let src = if ok { (kt + r) * 576 + c * 8 } else { 0u32 };
-            cp_async_16_zfill(&mut sk[r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+        if it < ntiles {
+            let ld = (it % p.stages) * p.bn * 576;
+            let kl = kv0 + it * p.bn;
+            for ch in (tid..p.bn * 72).step_by(threads) {
+                let r = ch / 72;
+                let c = ch % 72;
+                let ok = kl + r < kv1;
+                let src = if ok { (kl + r) * 576 + c * 8 } else { 0u32 };
+                cp_async_16_zfill(&mut sk[ld + r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+            }
         }
         cp_async_commit();
-        cp_async_wait(0);
-        sync_threads();
+        if it + 1 >= p.stages {
+            let ti = it + 1 - p.stages;
+            let kt = kv0 + ti * p.bn;
+            let st = (ti % p.stages) * p.bn * 576;
 
-        // Partial scores over this warp's 144 dims.
-        #[unroll]
-        for j in 0..nt {
+            // Partial scores over this warp's 144 dims.
             #[unroll]
-            for e in 0..4 {
-                s[j][e] = 0.0f32;
+            for j in 0..nt {
+                #[unroll]
+                for e in 0..4 {
+                    s[j][e] = 0.0f32;
+                }
             }
-        }
-        #[unroll]
-        for kk in 0..9 {
             #[unroll]
-            for jp in 0..nt / 2 {
-                let r = jp * 16 + (lane / 16) * 8 + lane % 8;
-                let c = cg * 18 + kk * 2 + (lane / 8) % 2;
-                ldmatrix_x4(&mut bq, &sk[r * 576 + (c ^ (r % 8)) * 8]);
-                b[0] = bq[0];
-                b[1] = bq[1];
-                mma_m16n8k16_bf16(&mut s[2 * jp], &qf[kk], &b);
-                b[0] = bq[2];
-                b[1] = bq[3];
-                mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qf[kk], &b);
+            for kk in 0..9 {
+                #[unroll]
+                for jp in 0..nt / 2 {
+                    let r = jp * 16 + (lane / 16) * 8 + lane % 8;
+                    let c = cg * 18 + kk * 2 + (lane / 8) % 2;
+                    ldmatrix_x4(&mut bq, &sk[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    b[0] = bq[0];
+                    b[1] = bq[1];
+                    mma_m16n8k16_bf16(&mut s[2 * jp], &qf[kk], &b);
+                    b[0] = bq[2];
+                    b[1] = bq[3];
+                    mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qf[kk], &b);
+                }
             }
-        }
-        let mine = (rgi * 4 + cg) * 16 * p.bn;
-        #[unroll]
-        for j in 0..nt {
-            let col = j * 8 + qd * 2;
-            sp[mine + g * p.bn + col] = s[j][0];
-            sp[mine + g * p.bn + col + 1] = s[j][1];
-            sp[mine + (g + 8) * p.bn + col] = s[j][2];
-            sp[mine + (g + 8) * p.bn + col + 1] = s[j][3];
-        }
-        sync_threads();
+            let mine = (rgi * 4 + cg) * 16 * p.bn;
+            #[unroll]
+            for j in 0..nt {
+                let col = j * 8 + qd * 2;
+                sp[mine + g * p.bn + col] = s[j][0];
+                sp[mine + g * p.bn + col + 1] = s[j][1];
+                sp[mine + (g + 8) * p.bn + col] = s[j][2];
+                sp[mine + (g + 8) * p.bn + col + 1] = s[j][3];
+            }
+            sync_threads();
 
-        // Full scores (summed in a fixed order, so all four warps agree), mask, online softmax.
-        let mut mx_a = f32::NEG_INFINITY;
-        let mut mx_b = f32::NEG_INFINITY;
-        #[unroll]
-        for j in 0..nt {
+            // Full scores (summed in a fixed order, so all four warps agree), mask, online softmax.
+            let mut mx_a = f32::NEG_INFINITY;
+            let mut mx_b = f32::NEG_INFINITY;
             #[unroll]
-            for e in 0..4 {
-                let rl = g + (e / 2) * 8;
-                let col = j * 8 + qd * 2 + e % 2;
-                let base = rgi * 4 * 16 * p.bn + rl * p.bn + col;
-                let v = sp[base] + sp[base + 16 * p.bn] + sp[base + 32 * p.bn] + sp[base + 48 * p.bn];
-                let key = kt + col;
-                let node = if e < 2 { node_a } else { node_b };
-                let t = key - prefix;
-                let vis = key < kv1 && (key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1);
-                s[j][e] = if vis { v * scale_log2 } else { f32::NEG_INFINITY };
+            for j in 0..nt {
+                #[unroll]
+                for e in 0..4 {
+                    let rl = g + (e / 2) * 8;
+                    let col = j * 8 + qd * 2 + e % 2;
+                    let base = rgi * 4 * 16 * p.bn + rl * p.bn + col;
+                    let v = sp[base] + sp[base + 16 * p.bn] + sp[base + 32 * p.bn] + sp[base + 48 * p.bn];
+                    let key = kt + col;
+                    let node = if e < 2 { node_a } else { node_b };
+                    let t = key - prefix;
+                    let vis = key < kv1 && (key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1);
+                    s[j][e] = if vis { v * scale_log2 } else { f32::NEG_INFINITY };
+                }
+                mx_a = mx_a.max(s[j][0].max(s[j][1]));
+                mx_b = mx_b.max(s[j][2].max(s[j][3]));
             }
-            mx_a = mx_a.max(s[j][0].max(s[j][1]));
-            mx_b = mx_b.max(s[j][2].max(s[j][3]));
-        }
-        mx_a = mx_a.max(shfl_xor(mx_a, 1u32));
-        mx_a = mx_a.max(shfl_xor(mx_a, 2u32));
-        mx_b = mx_b.max(shfl_xor(mx_b, 1u32));
-        mx_b = mx_b.max(shfl_xor(mx_b, 2u32));
-        let mn_a = m_a.max(mx_a);
-        let mn_b = m_b.max(mx_b);
-        // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
-        let base_a = if mn_a == f32::NEG_INFINITY { 0.0f32 } else { mn_a };
-        let base_b = if mn_b == f32::NEG_INFINITY { 0.0f32 } else { mn_b };
-        let alpha_a = (m_a - base_a).exp2();
-        let alpha_b = (m_b - base_b).exp2();
-        m_a = mn_a;
-        m_b = mn_b;
-        l_a *= alpha_a;
-        l_b *= alpha_b;
-        #[unroll]
-        for t in 0..16 {
-            acc[t][0] *= alpha_a;
-            acc[t][1] *= alpha_a;
-            acc[t][2] *= alpha_b;
-            acc[t][3] *= alpha_b;
-        }
-        #[unroll]
-        for j in 0..nt {
-            s[j][0] = (s[j][0] - base_a).exp2();
-            s[j][1] = (s[j][1] - base_a).exp2();
-            s[j][2] = (s[j][2] - base_b).exp2();
-            s[j][3] = (s[j][3] - base_b).exp2();
-            l_a += s[j][0] + s[j][1];
-            l_b += s[j][2] + s[j][3];
-        }
-        // P V over this warp's 128 output columns.
-        #[unroll]
-        for kk in 0..nt / 2 {
-            pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            mx_a = mx_a.max(shfl_xor(mx_a, 1u32));
+            mx_a = mx_a.max(shfl_xor(mx_a, 2u32));
+            mx_b = mx_b.max(shfl_xor(mx_b, 1u32));
+            mx_b = mx_b.max(shfl_xor(mx_b, 2u32));
+            let mn_a = m_a.max(mx_a);
+            let mn_b = m_b.max(mx_b);
+            // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+            let base_a = if mn_a == f32::NEG_INFINITY { 0.0f32 } else { mn_a };
+            let base_b = if mn_b == f32::NEG_INFINITY { 0.0f32 } else { mn_b };
+            let alpha_a = (m_a - base_a).exp2();
+            let alpha_b = (m_b - base_b).exp2();
+            m_a = mn_a;
+            m_b = mn_b;
+            l_a *= alpha_a;
+            l_b *= alpha_b;
             #[unroll]
-            for t2 in 0..8 {
-                let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-                let c = cg * 16 + t2 * 2 + lane / 16;
-                ldmatrix_x4_trans(&mut bq, &sk[r * 576 + (c ^ (r % 8)) * 8]);
-                b[0] = bq[0];
-                b[1] = bq[1];
-                mma_m16n8k16_bf16(&mut acc[2 * t2], &pa, &b);
-                b[0] = bq[2];
-                b[1] = bq[3];
-                mma_m16n8k16_bf16(&mut acc[2 * t2 + 1], &pa, &b);
+            for t in 0..16 {
+                acc[t][0] *= alpha_a;
+                acc[t][1] *= alpha_a;
+                acc[t][2] *= alpha_b;
+                acc[t][3] *= alpha_b;
+            }
+            #[unroll]
+            for j in 0..nt {
+                s[j][0] = (s[j][0] - base_a).exp2();
+                s[j][1] = (s[j][1] - base_a).exp2();
+                s[j][2] = (s[j][2] - base_b).exp2();
+                s[j][3] = (s[j][3] - base_b).exp2();
+                l_a += s[j][0] + s[j][1];
+                l_b += s[j][2] + s[j][3];
+            }
+            // P V over this warp's 128 output columns.
+            #[unroll]
+            for kk in 0..nt / 2 {
+                pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                #[unroll]
+                for t2 in 0..8 {
+                    let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+                    let c = cg * 16 + t2 * 2 + lane / 16;
+                    ldmatrix_x4_trans(&mut bq, &sk[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    b[0] = bq[0];
+                    b[1] = bq[1];
+                    mma_m16n8k16_bf16(&mut acc[2 * t2], &pa, &b);
+                    b[0] = bq[2];
+                    b[1] = bq[3];
+                    mma_m16n8k16_bf16(&mut acc[2 * t2 + 1], &pa, &b);
+                }
             }
         }
     }
@@ -257,35 +273,35 @@ pub fn mla_verify_split(
     }
 }
 
-/// Merges the split partials: grid = rows, 128 threads (4 columns each). Writes `out`
-/// (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
+/// Merges the split partials: grid = `(rows, 4)`, 128 threads, one output column each (the
+/// y block picks a quarter of the 512 columns). Writes `out` (`[rows, 512]` bf16) and `lse`
+/// (`[rows]`, natural log).
 #[kernel(block = 128)]
 pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
     let r = block_idx_x();
     let tid = thread_idx_x();
+    let col = block_idx_y() * 128 + tid;
     let mut m = f32::NEG_INFINITY;
     for sidx in 0..splits {
         m = m.max(part_lse[sidx * rows + r]);
     }
+    // Branch-free, so the loads of consecutive splits are independent and can overlap; a split
+    // that saw no key has weight 0 and a zero partial.
     let mut wsum = 0.0f32;
-    let mut o = [0.0f32; 4];
+    let mut o = 0.0f32;
     for sidx in 0..splits {
         let ls = part_lse[sidx * rows + r];
-        if ls != f32::NEG_INFINITY {
-            let w = (ls - m).exp();
-            wsum += w;
-            #[unroll]
-            for c in 0..4 {
-                o[c] += w * part_o[(sidx * rows + r) * 512 + tid * 4 + c];
-            }
-        }
+        let w = if ls == f32::NEG_INFINITY {
+            0.0f32
+        } else {
+            (ls - m).exp()
+        };
+        wsum += w;
+        o += w * part_o[(sidx * rows + r) * 512 + col];
     }
     let inv = if wsum > 0.0f32 { 1.0f32 / wsum } else { 0.0f32 };
-    #[unroll]
-    for c in 0..4 {
-        out[r * 512 + tid * 4 + c] = (o[c] * inv) as bf16;
-    }
-    if tid == 0 {
+    out[r * 512 + col] = (o * inv) as bf16;
+    if tid == 0 && block_idx_y() == 0 {
         lse[r] = m + wsum.ln();
     }
 }
