@@ -323,13 +323,14 @@ impl GpuVerify {
         })
     }
 
-    /// A split count that keeps about four blocks per SM in flight (the occupancy the tile ring
-    /// allows), with at least 64 keys per split.
+    /// A split count for about four 4-warp row groups per SM (three blocks of one row group fit
+    /// an SM by registers), with at least 64 keys per split.
     pub fn auto_splits(&self, sms: usize, sh: &VerifyShape) -> usize {
         let rows = sh.nodes * sh.heads;
-        let row_blocks = rows.div_ceil(16 * self.split.params().rg as usize);
+        let rg = self.split.params().rg as usize;
+        let row_blocks = rows.div_ceil(16 * rg);
         let keys = sh.prefix + sh.nodes;
-        (4 * sms)
+        (4 * sms / rg)
             .div_ceil(row_blocks)
             .clamp(1, keys.div_ceil(64).max(1))
             .min(self.max_rows_splits / rows)

@@ -36,6 +36,7 @@ pub struct VerifyParams {
 #[kernel(block = p.rg * 128, space = [
     VerifyParams { rg: 1, bn: 16, stages: 2 },
     VerifyParams { rg: 2, bn: 16, stages: 2 },
+    VerifyParams { rg: 3, bn: 16, stages: 2 },
 ])]
 pub fn mla_verify_split(
     #[comptime] p: &VerifyParams,
@@ -196,12 +197,15 @@ pub fn mla_verify_split(
             m_b = mn_b;
             l_a *= alpha_a;
             l_b *= alpha_b;
-            #[unroll]
-            for t in 0..16 {
-                acc[t][0] *= alpha_a;
-                acc[t][1] *= alpha_a;
-                acc[t][2] *= alpha_b;
-                acc[t][3] *= alpha_b;
+            // Once the row maxima settle (most tiles of a long context), skip the rescale.
+            if !vote_all(alpha_a == 1.0f32 && alpha_b == 1.0f32) {
+                #[unroll]
+                for t in 0..16 {
+                    acc[t][0] *= alpha_a;
+                    acc[t][1] *= alpha_a;
+                    acc[t][2] *= alpha_b;
+                    acc[t][3] *= alpha_b;
+                }
             }
             #[unroll]
             for j in 0..nt {
