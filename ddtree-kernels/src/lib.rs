@@ -8,6 +8,7 @@
 pub mod check;
 pub mod common;
 pub mod embedding;
+pub mod fill;
 pub mod gemm_bf16;
 pub mod rms_norm;
 pub mod rope;
@@ -18,6 +19,7 @@ pub mod tree;
 pub mod w4a16;
 
 pub use embedding::{Embedding, EmbeddingParams};
+pub use fill::{FillParams, FillRandomBf16, FillRandomF32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
@@ -53,6 +55,8 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<Embedding>()?);
     all.extend(variants::<RowTopk>()?);
     all.extend(variants::<GemmBf16>()?);
+    all.extend(variants::<FillRandomBf16>()?);
+    all.extend(variants::<FillRandomF32>()?);
     all.extend(variants::<w4a16::W4a16Gemm>()?);
     all.extend(variants::<w4a16::W4a16Reduce>()?);
     all.extend(variants::<w4a16::W4a16Repack>()?);

@@ -3,21 +3,29 @@
 //! random inputs, poisoned outputs, the module's CPU reference), at a reduced key where the
 //! reference would be slow.
 //!
-//! Timing inputs hold random values tiled from a small host block (content does not change
-//! the speed of these kernels, and filling GiB-sized weights with fresh random numbers would
-//! dominate the tuning time).
+//! Timing inputs are random values generated on the GPU by the [`crate::fill`] kernels (content
+//! does not change the speed of these kernels; GiB-sized weights fill in under a millisecond).
+//! Weights and tables that do not depend on the token count come from the tuner's
+//! [`DevicePool`], so every M bucket of a shape shares them.
 
 use std::fmt;
+use std::sync::Arc;
 
 use ddtree_codegen::Kernel;
 use ddtree_runtime::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
-use ddtree_runtime::{bucket_pow2, CompiledKernel, Cost, Gpu, RuntimeError, Tunable, Verdict};
+use ddtree_runtime::{
+    bucket_pow2, l2_bytes, rotation_copies, CompiledKernel, Cost, DevicePool, Gpu, Grid, RuntimeError, Tunable, Verdict,
+};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::check::{self, CheckResult};
-use crate::{gemm_bf16, rope, silu_mul, Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul, TopkParams};
+use crate::fill::{self, FillParams, FILL_MAX};
+use crate::{
+    gemm_bf16, rope, silu_mul, Embedding, FillRandomBf16, FillRandomF32, GemmBf16, RmsNorm, RopeInterleaved, RowTopk,
+    SiluMul, TopkParams,
+};
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
     move |source| RuntimeError::Driver {
@@ -26,41 +34,116 @@ fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::Dri
     }
 }
 
-/// A device buffer of `n` elements filled by tiling `block` (at most 1 Mi elements are copied
-/// per transfer).
-fn tiled<T: DeviceRepr + ValidAsZeroBits + Copy>(
+/// A device buffer of `n` elements filled on the GPU by `launch` (a fill kernel `K` over the
+/// grid for `n`).
+fn random<T, K>(
     gpu: &Gpu,
+    kernel: &CompiledKernel<K>,
     n: usize,
-    block: &[T],
-) -> Result<CudaSlice<T>, RuntimeError> {
-    let s = gpu.stream();
-    let mut buf = s
+    launch: impl FnOnce(&mut CudaSlice<T>, Grid, u32) -> Result<(), RuntimeError>,
+) -> Result<CudaSlice<T>, RuntimeError>
+where
+    T: DeviceRepr + ValidAsZeroBits,
+    K: Kernel<Params = FillParams>,
+{
+    if n >= FILL_MAX {
+        return Err(RuntimeError::Launch {
+            kernel: K::NAME.to_string(),
+            reason: format!("{n} elements, at most {FILL_MAX} per fill"),
+        });
+    }
+    let mut out = gpu
+        .stream()
         .alloc_zeros::<T>(n.max(1))
         .map_err(drv("allocating a timing buffer"))?;
-    let mut at = 0;
-    while at < n {
-        let len = block.len().min(n - at);
-        let mut view = buf.slice_mut(at..at + len);
-        s.memcpy_htod(&block[..len], &mut view)
-            .map_err(drv("filling a timing buffer"))?;
-        at += len;
-    }
-    Ok(buf)
+    launch(&mut out, fill::grid(kernel.params(), n).into(), n as u32)?;
+    Ok(out)
 }
 
-/// `copies` buffers of `n` elements each, tiled from `block`.
-fn sets<T: DeviceRepr + ValidAsZeroBits + Copy>(
+/// The GPU fill kernels, loaded once per tuning run (through the pool).
+struct Fills {
+    bf16: Arc<CompiledKernel<FillRandomBf16>>,
+    f32: Arc<CompiledKernel<FillRandomF32>>,
+}
+
+impl Fills {
+    fn get(gpu: &Gpu, pool: &mut DevicePool) -> Result<Fills, RuntimeError> {
+        Ok(Fills {
+            bf16: pool.get_or_try_insert(FillRandomBf16::NAME, 0, || {
+                gpu.compile::<FillRandomBf16>(&FillRandomBf16::default_params())
+            })?,
+            f32: pool.get_or_try_insert(FillRandomF32::NAME, 0, || {
+                gpu.compile::<FillRandomF32>(&FillRandomF32::default_params())
+            })?,
+        })
+    }
+
+    /// `n` random bf16 in `[lo, hi]` from `seed`.
+    fn bf16(&self, gpu: &Gpu, n: usize, seed: u64, (lo, hi): (f32, f32)) -> Result<CudaSlice<bf16>, RuntimeError> {
+        let k = &*self.bf16;
+        random(gpu, k, n, |out, grid, n| {
+            // SAFETY: out holds n elements.
+            unsafe { FillRandomBf16::launch(k, gpu.stream(), grid, out, n, seed as u32, lo, hi) }
+        })
+    }
+
+    /// `n` random f32 in `[lo, hi)` from `seed`.
+    fn f32(&self, gpu: &Gpu, n: usize, seed: u64, (lo, hi): (f32, f32)) -> Result<CudaSlice<f32>, RuntimeError> {
+        let k = &*self.f32;
+        random(gpu, k, n, |out, grid, n| {
+            // SAFETY: out holds n elements.
+            unsafe { FillRandomF32::launch(k, gpu.stream(), grid, out, n, seed as u32, lo, hi) }
+        })
+    }
+
+    /// `copies` buffers of `n` random bf16 in `range` (seeds `seed`, `seed + 1`, ...).
+    fn bf16_sets(
+        &self,
+        gpu: &Gpu,
+        copies: usize,
+        n: usize,
+        seed: u64,
+        range: (f32, f32),
+    ) -> Result<Vec<CudaSlice<bf16>>, RuntimeError> {
+        (0..copies.max(1) as u64)
+            .map(|c| self.bf16(gpu, n, seed + c, range))
+            .collect()
+    }
+
+    /// Random bf16 weights of `n` elements in `range`, shared through `pool` under `name`
+    /// (which must name the shape), in as many copies as rotate past the L2.
+    fn shared_bf16(
+        &self,
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        name: String,
+        n: usize,
+        seed: u64,
+        range: (f32, f32),
+    ) -> Result<Arc<Vec<CudaSlice<bf16>>>, RuntimeError> {
+        let copies = rotation_copies(l2_bytes(gpu), 2.0 * n as f64);
+        pool.get_or_try_insert(&name, 2 * n * copies, || self.bf16_sets(gpu, copies, n, seed, range))
+    }
+}
+
+/// `copies` zeroed buffers of `n` elements (outputs).
+fn zeros<T: DeviceRepr + ValidAsZeroBits>(
     gpu: &Gpu,
     copies: usize,
     n: usize,
-    block: &[T],
 ) -> Result<Vec<CudaSlice<T>>, RuntimeError> {
-    (0..copies.max(1)).map(|_| tiled(gpu, n, block)).collect()
+    (0..copies.max(1))
+        .map(|_| {
+            gpu.stream()
+                .alloc_zeros::<T>(n.max(1))
+                .map_err(drv("allocating a timing buffer"))
+        })
+        .collect()
 }
 
-/// A block of random bf16 in `[lo, hi)` for tiling.
-fn bf16_block(rng: &mut StdRng, lo: f32, hi: f32) -> Vec<bf16> {
-    check::random_bf16(rng, 1 << 20, lo, hi).0
+/// A host vector on the device (small inputs: ids, positions).
+fn upload<T: DeviceRepr>(gpu: &Gpu, v: &[T]) -> Result<CudaSlice<T>, RuntimeError> {
+    gpu.stream().clone_htod(v).map_err(drv("copying a timing buffer"))
 }
 
 fn verdict(r: CheckResult) -> Verdict {
@@ -129,14 +212,20 @@ impl Tunable for RmsNorm {
         }
     }
 
-    fn workload(gpu: &Gpu, key: &RowsKey, copies: usize, seed: u64) -> Result<RmsNormWorkload, RuntimeError> {
-        let mut rng = StdRng::seed_from_u64(seed);
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &RowsKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<RmsNormWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
         let n = key.rows * key.n;
         Ok(RmsNormWorkload {
             key: *key,
-            x: sets(gpu, copies, n, &bf16_block(&mut rng, -2.0, 2.0))?,
-            w: tiled(gpu, key.n, &bf16_block(&mut rng, 0.5, 1.5))?,
-            out: sets(gpu, copies, n, &[bf16::ZERO])?,
+            x: fills.bf16_sets(gpu, copies, n, seed, (-2.0, 2.0))?,
+            w: fills.bf16(gpu, key.n, seed.wrapping_sub(1), (0.5, 1.5))?,
+            out: zeros(gpu, copies, n)?,
         })
     }
 
@@ -190,12 +279,18 @@ impl Tunable for SiluMul {
         }
     }
 
-    fn workload(gpu: &Gpu, key: &RowsKey, copies: usize, seed: u64) -> Result<SiluMulWorkload, RuntimeError> {
-        let mut rng = StdRng::seed_from_u64(seed);
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &RowsKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<SiluMulWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
         Ok(SiluMulWorkload {
             key: *key,
-            gate_up: sets(gpu, copies, 2 * key.rows * key.n, &bf16_block(&mut rng, -4.0, 4.0))?,
-            out: sets(gpu, copies, key.rows * key.n, &[bf16::ZERO])?,
+            gate_up: fills.bf16_sets(gpu, copies, 2 * key.rows * key.n, seed, (-4.0, 4.0))?,
+            out: zeros(gpu, copies, key.rows * key.n)?,
         })
     }
 
@@ -296,23 +391,25 @@ impl Tunable for RopeInterleaved {
         }
     }
 
-    fn workload(gpu: &Gpu, key: &RopeKey, copies: usize, seed: u64) -> Result<RopeWorkload, RuntimeError> {
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &RopeKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<RopeWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let positions: Vec<u32> = (0..key.tokens)
             .map(|_| rng.random_range(0..ROPE_MAX_POS as u32))
             .collect();
-        let table: Vec<f32> = (0..1 << 16).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let table = ROPE_MAX_POS * key.dim / 2;
         Ok(RopeWorkload {
             key: *key,
-            x: sets(
-                gpu,
-                copies,
-                key.tokens * key.heads * key.stride,
-                &bf16_block(&mut rng, -2.0, 2.0),
-            )?,
-            positions: tiled(gpu, key.tokens, &positions)?,
-            cos: tiled(gpu, ROPE_MAX_POS * key.dim / 2, &table)?,
-            sin: tiled(gpu, ROPE_MAX_POS * key.dim / 2, &table)?,
+            x: fills.bf16_sets(gpu, copies, key.tokens * key.heads * key.stride, seed, (-2.0, 2.0))?,
+            positions: upload(gpu, &positions)?,
+            cos: fills.f32(gpu, table, seed, (-1.0, 1.0))?,
+            sin: fills.f32(gpu, table, seed + 1, (-1.0, 1.0))?,
         })
     }
 
@@ -388,10 +485,11 @@ impl fmt::Display for EmbeddingKey {
     }
 }
 
-/// Embedding timing buffers: one table (the real one is far larger than L2), rotated ids.
+/// Embedding timing buffers: the table (shared by every token bucket; the real one is far larger
+/// than L2), rotated ids.
 pub struct EmbeddingWorkload {
     key: EmbeddingKey,
-    table: CudaSlice<bf16>,
+    table: Arc<Vec<CudaSlice<bf16>>>,
     ids: Vec<CudaSlice<u32>>,
     out: Vec<CudaSlice<bf16>>,
 }
@@ -421,16 +519,24 @@ impl Tunable for Embedding {
         }
     }
 
-    fn workload(gpu: &Gpu, key: &EmbeddingKey, copies: usize, seed: u64) -> Result<EmbeddingWorkload, RuntimeError> {
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &EmbeddingKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<EmbeddingWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
         let mut rng = StdRng::seed_from_u64(seed);
         let ids: Vec<Vec<u32>> = (0..copies.max(1))
             .map(|_| (0..key.tokens).map(|_| rng.random_range(0..key.vocab as u32)).collect())
             .collect();
+        let name = format!("embedding.table vocab={} hidden={}", key.vocab, key.hidden);
         Ok(EmbeddingWorkload {
             key: *key,
-            table: tiled(gpu, key.vocab * key.hidden, &bf16_block(&mut rng, -1.0, 1.0))?,
-            ids: ids.iter().map(|v| tiled(gpu, v.len(), v)).collect::<Result<_, _>>()?,
-            out: sets(gpu, copies, key.tokens * key.hidden, &[bf16::ZERO])?,
+            table: fills.shared_bf16(gpu, pool, name, key.vocab * key.hidden, seed, (-1.0, 1.0))?,
+            ids: ids.iter().map(|v| upload(gpu, v)).collect::<Result<_, _>>()?,
+            out: zeros(gpu, copies, key.tokens * key.hidden)?,
         })
     }
 
@@ -438,6 +544,7 @@ impl Tunable for Embedding {
         let EmbeddingKey { tokens, vocab, hidden } = w.key;
         let copies = w.ids.len();
         let (ids, out) = (&w.ids[i % copies], &mut w.out[i % copies]);
+        let table = &w.table[i % w.table.len()];
         // SAFETY: the table holds vocab * hidden elements, out tokens * hidden; ids < vocab;
         // vec candidates need hidden % 8 == 0.
         unsafe {
@@ -446,7 +553,7 @@ impl Tunable for Embedding {
                 gpu.stream(),
                 tokens as u32,
                 ids,
-                &w.table,
+                table,
                 out,
                 hidden as u32,
                 vocab as u32,
@@ -522,14 +629,21 @@ impl Tunable for RowTopk {
         }
     }
 
-    fn workload(gpu: &Gpu, key: &TopkKey, copies: usize, seed: u64) -> Result<TopkWorkload, RuntimeError> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let block: Vec<f32> = (0..1 << 20).map(|_| rng.random_range(-20.0f32..20.0)).collect();
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &TopkKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<TopkWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
         Ok(TopkWorkload {
             key: *key,
-            logits: sets(gpu, copies, key.rows * key.n, &block)?,
-            values: sets(gpu, copies, key.rows * key.k, &[0.0f32])?,
-            indices: sets(gpu, copies, key.rows * key.k, &[0u32])?,
+            logits: (0..copies.max(1) as u64)
+                .map(|c| fills.f32(gpu, key.rows * key.n, seed + c, (-20.0, 20.0)))
+                .collect::<Result<_, _>>()?,
+            values: zeros(gpu, copies, key.rows * key.k)?,
+            indices: zeros(gpu, copies, key.rows * key.k)?,
         })
     }
 
@@ -579,11 +693,11 @@ impl fmt::Display for GemmKey {
     }
 }
 
-/// GEMM timing buffers.
+/// GEMM timing buffers: rotated activations and outputs, the weights shared by every M bucket.
 pub struct GemmWorkload {
     key: GemmKey,
     a: Vec<CudaSlice<bf16>>,
-    b: Vec<CudaSlice<bf16>>,
+    b: Arc<Vec<CudaSlice<bf16>>>,
     c: Vec<CudaSlice<bf16>>,
 }
 
@@ -615,35 +729,31 @@ impl Tunable for GemmBf16 {
         }
     }
 
-    fn workload(gpu: &Gpu, key: &GemmKey, copies: usize, seed: u64) -> Result<GemmWorkload, RuntimeError> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let block = bf16_block(&mut rng, -1.0, 1.0);
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &GemmKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<GemmWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
+        let GemmKey { m, n, k } = *key;
+        let name = format!("gemm_bf16.b n={n} k={k}");
         Ok(GemmWorkload {
             key: *key,
-            a: sets(gpu, copies, key.m * key.k, &block)?,
-            b: sets(gpu, copies, key.n * key.k, &block[1..])?,
-            c: sets(gpu, copies, key.m * key.n, &[bf16::ZERO])?,
+            a: fills.bf16_sets(gpu, copies, m * k, seed, (-1.0, 1.0))?,
+            b: fills.shared_bf16(gpu, pool, name, n * k, seed.wrapping_sub(1), (-1.0, 1.0))?,
+            c: zeros(gpu, copies, m * n)?,
         })
     }
 
     fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut GemmWorkload, i: usize) -> Result<(), RuntimeError> {
         let GemmKey { m, n, k: kd } = w.key;
-        let c = i % w.a.len();
+        let (a, b) = (&w.a[i % w.a.len()], &w.b[i % w.b.len()]);
+        let c = i % w.c.len();
         let grid = gemm_bf16::grid(k.params(), m, n);
         // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0 (the candidate filter).
-        unsafe {
-            GemmBf16::launch(
-                k,
-                gpu.stream(),
-                grid,
-                &w.a[c],
-                &w.b[c],
-                &mut w.c[c],
-                m as u32,
-                n as u32,
-                kd as u32,
-            )
-        }
+        unsafe { GemmBf16::launch(k, gpu.stream(), grid, a, b, &mut w.c[c], m as u32, n as u32, kd as u32) }
     }
 
     fn check_key(key: &GemmKey) -> GemmKey {

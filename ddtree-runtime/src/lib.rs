@@ -31,7 +31,7 @@ pub use error::{ResourceLimit, RuntimeError};
 pub use jit::{Cubin, Jit, KernelSource};
 pub use launch::{check_block, check_grid, CompiledKernel, Grid, Launcher};
 pub use tune::{
-    bucket_pow2, source_hash, Cost, Lookup, Roofline, Trial, TrialStatus, Tunable, TuneCache, TuneEntry, TuneOptions,
-    Tuned, Tuner, Verdict,
+    bucket_pow2, l2_bytes, rotation_copies, source_hash, Cost, DevicePool, Lookup, Roofline, Trial, TrialStatus,
+    Tunable, TuneCache, TuneEntry, TuneOptions, TuneTimes, Tuned, Tuner, Verdict,
 };
 pub use tuned::{Choice, TunedKernels, FORCE_DEFAULT_ENV};

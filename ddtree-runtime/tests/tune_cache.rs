@@ -3,8 +3,8 @@
 
 use ddtree_codegen::Kernel;
 use ddtree_runtime::{
-    source_hash, Choice, CompiledKernel, Cost, Fingerprint, Gpu, Lookup, RuntimeError, Trial, TrialStatus, Tunable,
-    TuneCache, TuneEntry, Verdict,
+    source_hash, Choice, CompiledKernel, Cost, DevicePool, Fingerprint, Gpu, Lookup, RuntimeError, Trial, TrialStatus,
+    Tunable, TuneCache, TuneEntry, Verdict,
 };
 
 /// Two kernels with the same name and parameter space whose bodies differ: what editing a
@@ -60,7 +60,7 @@ macro_rules! tunable_on_cpu {
                     flops: *n as f64,
                 }
             }
-            fn workload(_: &Gpu, _: &usize, _: usize, _: u64) -> Result<(), RuntimeError> {
+            fn workload(_: &Gpu, _: &mut DevicePool, _: &usize, _: usize, _: u64) -> Result<(), RuntimeError> {
                 Err(RuntimeError::NoDriver)
             }
             fn run(_: &Gpu, _: &CompiledKernel<Self>, _: &mut (), _: usize) -> Result<(), RuntimeError> {

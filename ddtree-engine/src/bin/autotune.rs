@@ -12,7 +12,7 @@
 //! in powers of two up to `--max-m`. A re-run with a warm cache measures nothing and only
 //! prints the table. Caches live under `$DDTREE_CACHE_DIR` (default `~/.cache/ddtree`).
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -22,8 +22,8 @@ use ddtree_engine::ModelConfig;
 use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey};
 use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
 use ddtree_runtime::{
-    CubinCache, Gpu, Jit, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache, TuneOptions, Tuned,
-    TunedKernels, Tuner,
+    CubinCache, DevicePool, Gpu, Jit, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache,
+    TuneOptions, Tuned, TunedKernels, Tuner,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -349,7 +349,7 @@ fn startup(process_start: Instant, jobs: &[Box<dyn Job>]) -> Result<(), RuntimeE
     let t = Instant::now();
     let key = RowsKey { rows: 1, n: 7168 };
     let k = kernels.get::<RmsNorm>(&key)?;
-    let mut w = RmsNorm::workload(&gpu, &key, 1, 1)?;
+    let mut w = RmsNorm::workload(&gpu, &mut DevicePool::new(usize::MAX), &key, 1, 1)?;
     let inputs = t.elapsed();
     let t = Instant::now();
     RmsNorm::run(&gpu, &k, &mut w, 0)?;
@@ -443,16 +443,26 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
         );
         tuner.options_mut().roofline = Some(r);
     }
-    bar.set_length(jobs.len() as u64);
-    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}").expect("a valid template"),
-    );
+    // A bar on a terminal; in a log (stderr not a terminal) one plain line per finished key.
+    let lines = !std::io::stderr().is_terminal();
+    if !lines {
+        bar.set_length(jobs.len() as u64);
+        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}").expect("a valid template"),
+        );
+    }
     let mut rows = Vec::new();
     let mut errors = Vec::new();
-    for j in &jobs {
+    for (i, j) in jobs.iter().enumerate() {
         bar.set_message(format!("{} {}", j.kernel(), j.key()));
-        match j.tune(&mut tuner) {
+        let tuned = j.tune(&mut tuner);
+        if lines {
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "{}", progress_line(i + 1, jobs.len(), j.as_ref(), &tuned));
+            let _ = err.flush();
+        }
+        match tuned {
             Ok(t) => rows.push(t),
             Err(e) => errors.push(format!("{} {}: {e}", j.kernel(), j.key())),
         }
@@ -472,6 +482,42 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
         cache_path.display()
     );
     Ok(errors.is_empty())
+}
+
+/// The log line of the `done`-th of `total` keys:
+/// `[12/180] gemm_bf16 m=64 n=7168 k=2048: winner V 41.20 µs (default 45.00 µs) in 0.31 s (...)`.
+fn progress_line(done: usize, total: usize, job: &dyn Job, tuned: &Result<Tuned, RuntimeError>) -> String {
+    let head = format!("[{done}/{total}] {} {}", job.kernel(), job.key());
+    let t = match tuned {
+        Ok(t) => t,
+        Err(e) => return format!("{head}: ERROR {e}"),
+    };
+    let e = &t.entry;
+    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} µs"));
+    let winner = match &e.winner {
+        Some(w) => format!("winner {w} {}", us(e.winner_us)),
+        None => "NONE PASSED".to_string(),
+    };
+    let bad = e.trials.iter().filter(|t| t.status != TrialStatus::Ok).count();
+    let rejected = if bad > 0 {
+        format!(", {bad} rejected")
+    } else {
+        String::new()
+    };
+    let when = if t.from_cache {
+        "cached".to_string()
+    } else {
+        let x = &t.times;
+        format!(
+            "in {:.2} s (compile {:.2}, inputs {:.2}, checks {:.2}, timing {:.2})",
+            x.total().as_secs_f64(),
+            x.compile.as_secs_f64(),
+            x.inputs.as_secs_f64(),
+            x.checks.as_secs_f64(),
+            x.timing.as_secs_f64()
+        )
+    };
+    format!("{head}: {winner} (default {}){rejected}, {when}", us(e.default_us))
 }
 
 fn print_table(rows: &[Tuned]) {
@@ -524,5 +570,73 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ddtree_runtime::{Trial, TuneEntry, TuneTimes};
+
+    use super::*;
+
+    fn tuned(winner: Option<(&str, f64)>, from_cache: bool) -> Tuned {
+        let trial = |variant: &str, us: Option<f64>, status| Trial {
+            variant: variant.into(),
+            us,
+            status,
+            detail: None,
+        };
+        Tuned {
+            entry: TuneEntry {
+                kernel: "gemm_bf16".into(),
+                key: "m=64 n=7168 k=2048".into(),
+                source_hash: "h".into(),
+                winner: winner.map(|(w, _)| w.to_string()),
+                winner_us: winner.map(|(_, us)| us),
+                default: "d".into(),
+                default_us: Some(45.0),
+                bytes: 1.0,
+                flops: 1.0,
+                gbps: None,
+                tflops: None,
+                floor_us: None,
+                trials: vec![
+                    trial("d", Some(45.0), TrialStatus::Ok),
+                    trial("w", Some(41.2), TrialStatus::Ok),
+                    trial("x", None, TrialStatus::Wrong),
+                ],
+            },
+            from_cache,
+            times: TuneTimes {
+                compile: Duration::from_millis(10),
+                inputs: Duration::from_millis(20),
+                checks: Duration::from_millis(250),
+                timing: Duration::from_millis(30),
+            },
+        }
+    }
+
+    #[test]
+    fn progress_lines_name_the_key_winner_default_and_time() {
+        let job = job::<GemmBf16>(GemmKey {
+            m: 40,
+            n: 7168,
+            k: 2048,
+        });
+        assert_eq!(
+            progress_line(12, 180, job.as_ref(), &Ok(tuned(Some(("w", 41.2)), false))),
+            "[12/180] gemm_bf16 m=64 n=7168 k=2048: winner w 41.20 µs (default 45.00 µs), 1 rejected, \
+             in 0.31 s (compile 0.01, inputs 0.02, checks 0.25, timing 0.03)"
+        );
+        assert_eq!(
+            progress_line(1, 2, job.as_ref(), &Ok(tuned(None, true))),
+            "[1/2] gemm_bf16 m=64 n=7168 k=2048: NONE PASSED (default 45.00 µs), 1 rejected, cached"
+        );
+        assert_eq!(
+            progress_line(2, 2, job.as_ref(), &Err(RuntimeError::NoDriver)),
+            format!("[2/2] gemm_bf16 m=64 n=7168 k=2048: ERROR {}", RuntimeError::NoDriver)
+        );
     }
 }

@@ -7,17 +7,20 @@
 //! bytes and FLOPs.
 
 mod cache;
+mod pool;
 
 use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
 use ddtree_codegen::Kernel;
 use sha2::{Digest, Sha256};
 
 pub use cache::{Lookup, Trial, TrialStatus, TuneCache, TuneEntry};
+pub use pool::DevicePool;
 
 use crate::jit::KernelSource;
 use crate::timing::median_us_flushed;
@@ -64,8 +67,16 @@ pub trait Tunable: Kernel {
     fn cost(key: &Self::Key) -> Cost;
 
     /// Builds inputs and outputs for `key`: `copies` sets where that fits in memory (the tuner
-    /// rotates over them so that inputs do not stay in L2), fewer where it does not.
-    fn workload(gpu: &Gpu, key: &Self::Key, copies: usize, seed: u64) -> Result<Self::Workload, RuntimeError>;
+    /// rotates over them so that inputs do not stay in L2), fewer where it does not. Data that
+    /// does not depend on the bucketed dimension (weights, tables) should come from `pool`, so
+    /// that every bucket of a shape shares it; random contents should be generated on the GPU.
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &Self::Key,
+        copies: usize,
+        seed: u64,
+    ) -> Result<Self::Workload, RuntimeError>;
 
     /// Launches `kernel` once on set `i` (modulo the sets built) of `workload`.
     fn run(
@@ -92,6 +103,20 @@ pub trait Tunable: Kernel {
 /// `n` rounded up to a power of two (1 for 0).
 pub fn bucket_pow2(n: usize) -> usize {
     n.max(1).next_power_of_two()
+}
+
+/// The L2 size of `gpu` in bytes (50 MiB where the driver does not report it).
+pub fn l2_bytes(gpu: &Gpu) -> usize {
+    match gpu.limits().l2_bytes as usize {
+        0 => 50 << 20,
+        b => b,
+    }
+}
+
+/// How many copies of `bytes` of inputs make a working set of twice the L2 (1 to 32): rotating
+/// over them, no run finds its inputs in L2.
+pub fn rotation_copies(l2_bytes: usize, bytes: f64) -> usize {
+    (2.0 * l2_bytes as f64 / bytes.max(1.0)).ceil().clamp(1.0, 32.0) as usize
 }
 
 /// A hash of the candidates' generated sources (their symbols and CUDA C, in order): a tune
@@ -201,6 +226,26 @@ impl Default for TuneOptions {
     }
 }
 
+/// Where the time of tuning one key went (all zero for a cached entry).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TuneTimes {
+    /// Generating and loading the candidates.
+    pub compile: Duration,
+    /// Building the timing inputs.
+    pub inputs: Duration,
+    /// Checking candidates against the CPU reference (checks shared with earlier keys are free).
+    pub checks: Duration,
+    /// Timing the candidates that passed.
+    pub timing: Duration,
+}
+
+impl TuneTimes {
+    /// The total.
+    pub fn total(&self) -> Duration {
+        self.compile + self.inputs + self.checks + self.timing
+    }
+}
+
 /// The result of tuning one key.
 #[derive(Clone, Debug)]
 pub struct Tuned {
@@ -208,6 +253,8 @@ pub struct Tuned {
     pub entry: TuneEntry,
     /// Whether it came from the cache (no measurement was made).
     pub from_cache: bool,
+    /// Where the time went.
+    pub times: TuneTimes,
 }
 
 /// Tunes keys of any [`Tunable`] kernel on one GPU, storing each result in a [`TuneCache`]
@@ -220,6 +267,8 @@ pub struct Tuner<'g> {
     verdicts: HashMap<(String, String), Result<Verdict, String>>,
     /// Twice the L2, overwritten before timed runs whose inputs fit in L2.
     flush: Option<CudaSlice<u8>>,
+    /// Device data shared between workloads (a quarter of the device memory at most).
+    pool: DevicePool,
 }
 
 impl<'g> Tuner<'g> {
@@ -231,6 +280,7 @@ impl<'g> Tuner<'g> {
             opts,
             verdicts: HashMap::new(),
             flush: None,
+            pool: DevicePool::new((gpu.fingerprint().memory_bytes / 4) as usize),
         }
     }
 
@@ -269,26 +319,27 @@ impl<'g> Tuner<'g> {
             return Ok(Tuned {
                 entry: entry.clone(),
                 from_cache: true,
+                times: TuneTimes::default(),
             });
         }
+        let mut times = TuneTimes::default();
+        let t = Instant::now();
         let key = K::bucket(key);
         let candidates = K::candidates(&key);
         let hash = source_hash::<K>(&candidates);
         let compiled = self.gpu.compile_many::<K>(&candidates);
+        times.compile = t.elapsed();
         let cost = K::cost(&key);
-        // 50 MiB where the driver does not report the L2 size.
-        let l2_bytes = match self.gpu.limits().l2_bytes as usize {
-            0 => 50 << 20,
-            b => b,
-        };
-        let l2 = l2_bytes as f64;
-        let copies = (2.0 * l2 / cost.bytes.max(1.0)).ceil().clamp(1.0, 32.0) as usize;
+        let l2_bytes = l2_bytes(self.gpu);
+        let copies = rotation_copies(l2_bytes, cost.bytes);
+        let t = Instant::now();
         let mut workload = if compiled.iter().any(|c| c.is_ok()) {
-            Some(K::workload(self.gpu, &key, copies, self.opts.seed)?)
+            Some(K::workload(self.gpu, &mut self.pool, &key, copies, self.opts.seed)?)
         } else {
             None
         };
-        let cold = copies as f64 * cost.bytes >= 2.0 * l2;
+        times.inputs = t.elapsed();
+        let cold = copies as f64 * cost.bytes >= 2.0 * l2_bytes as f64;
         if !cold && self.flush.is_none() {
             let n = 2 * l2_bytes;
             self.flush = Some(
@@ -310,11 +361,13 @@ impl<'g> Tuner<'g> {
                     continue;
                 }
             };
+            let t = Instant::now();
             let verdict = self
                 .verdicts
                 .entry((variant.clone(), check_key.to_string()))
                 .or_insert_with(|| K::check(self.gpu, p, &check_key, self.opts.seed).map_err(|e| e.to_string()))
                 .clone();
+            times.checks += t.elapsed();
             match verdict {
                 Err(e) => {
                     tracing::warn!("`{variant}` at {key}: the check failed to run: {e}");
@@ -336,9 +389,12 @@ impl<'g> Tuner<'g> {
             let w = workload.as_mut().expect("built when a candidate compiled");
             let flush = if cold { None } else { self.flush.as_mut() };
             let (gpu, stream) = (self.gpu, self.gpu.stream());
-            match median_us_flushed(stream, self.opts.warmup, self.opts.reps, flush, |i| {
+            let t = Instant::now();
+            let timed = median_us_flushed(stream, self.opts.warmup, self.opts.reps, flush, |i| {
                 K::run(gpu, kernel, w, i)
-            }) {
+            });
+            times.timing += t.elapsed();
+            match timed {
                 Ok(us) => trials.push(Trial {
                     variant,
                     us: Some(us),
@@ -367,6 +423,7 @@ impl<'g> Tuner<'g> {
         Ok(Tuned {
             entry,
             from_cache: false,
+            times,
         })
     }
 }
@@ -382,6 +439,15 @@ mod tests {
             .map(|&n| bucket_pow2(n))
             .collect();
         assert_eq!(b, [1, 1, 2, 4, 8, 64, 128, 256, 256]);
+    }
+
+    #[test]
+    fn rotation_covers_twice_the_l2_within_1_to_32_copies() {
+        let l2 = 50 << 20;
+        assert_eq!(rotation_copies(l2, 2e9), 1);
+        assert_eq!(rotation_copies(l2, 40.0 * (1 << 20) as f64), 3);
+        assert_eq!(rotation_copies(l2, 1.0), 32);
+        assert_eq!(rotation_copies(l2, 0.0), 32);
     }
 
     #[test]
