@@ -211,7 +211,7 @@ fn verify_attention_kernels_match_the_reference() {
         let (mut out, mut lse) = (buf(&vec![bf16::NAN; rows * LATENT]), buf(&vec![f32::NAN; rows]));
         run::<MlaVerifyCombine>(
             &(),
-            [rows as u32, 4, 1],
+            [rows as u32, 16, 1],
             &mut [
                 HostArg::In(&po),
                 HostArg::In(&pl),

@@ -379,7 +379,7 @@ impl GpuVerify {
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
-                (rows as u32, 4),
+                (rows as u32, 16),
                 &self.part_o,
                 &self.part_lse,
                 out,

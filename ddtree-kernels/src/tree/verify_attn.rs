@@ -277,23 +277,24 @@ pub fn mla_verify_split(
     }
 }
 
-/// Merges the split partials: grid = `(rows, 4)`, 128 threads, one output column each (the
-/// y block picks a quarter of the 512 columns). Writes `out` (`[rows, 512]` bf16) and `lse`
-/// (`[rows]`, natural log).
+/// Merges the split partials: grid = `(rows, 16)`, 128 threads. Block `(r, y)` owns the 32
+/// output columns `32 y ..` of row `r` (one per lane); its four warps take every fourth split,
+/// so many independent partial loads are in flight, and sum through shared memory. Writes `out`
+/// (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
 #[kernel(block = 128)]
 pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
     let r = block_idx_x();
-    let tid = thread_idx_x();
-    let col = block_idx_y() * 128 + tid;
+    let lane = lane_id();
+    let warp = warp_id();
+    let col = block_idx_y() * 32 + lane;
     let mut m = f32::NEG_INFINITY;
     for sidx in 0..splits {
         m = m.max(part_lse[sidx * rows + r]);
     }
-    // Branch-free, so the loads of consecutive splits are independent and can overlap; a split
-    // that saw no key has weight 0 and a zero partial.
+    // A split that saw no key has weight 0 and a zero partial.
     let mut wsum = 0.0f32;
     let mut o = 0.0f32;
-    for sidx in 0..splits {
+    for sidx in (warp..splits).step_by(4) {
         let ls = part_lse[sidx * rows + r];
         let w = if ls == f32::NEG_INFINITY {
             0.0f32
@@ -303,10 +304,20 @@ pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], ls
         wsum += w;
         o += w * part_o[(sidx * rows + r) * 512 + col];
     }
-    let inv = if wsum > 0.0f32 { 1.0f32 / wsum } else { 0.0f32 };
-    out[r * 512 + col] = (o * inv) as bf16;
-    if tid == 0 && block_idx_y() == 0 {
-        lse[r] = m + wsum.ln();
+    let so = shared::<f32>(4 * 32);
+    let sw = shared::<f32>(4);
+    so[warp * 32 + lane] = o;
+    if lane == 0 {
+        sw[warp] = wsum;
+    }
+    sync_threads();
+    if warp == 0 {
+        let ws = sw[0] + sw[1] + sw[2] + sw[3];
+        let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
+        out[r * 512 + col] = ((so[lane] + so[32 + lane] + so[64 + lane] + so[96 + lane]) * inv) as bf16;
+        if lane == 0 && block_idx_y() == 0 {
+            lse[r] = m + ws.ln();
+        }
     }
 }
 
