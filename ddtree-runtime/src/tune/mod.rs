@@ -280,7 +280,7 @@ impl<'g> Tuner<'g> {
             opts,
             verdicts: HashMap::new(),
             flush: None,
-            pool: DevicePool::new((gpu.fingerprint().memory_bytes / 4) as usize),
+            pool: DevicePool::new(gpu.fingerprint().memory_bytes / 4),
         }
     }
 
