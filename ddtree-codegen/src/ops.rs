@@ -612,9 +612,19 @@ mod tests {
 
     #[test]
     fn indexing_checks_constant_bounds() {
-        let arr = mk(ExprKind::Var("r".into()), Ty::Array { elem: Scalar::F32, dims: vec![4], space: Space::Local });
+        let arr = mk(
+            ExprKind::Var("r".into()),
+            Ty::Array {
+                elem: Scalar::F32,
+                dims: vec![4],
+                space: Space::Local,
+            },
+        );
         assert!(index(arr.clone(), int_lit(3, None).unwrap()).is_ok());
-        assert!(index(arr, int_lit(4, None).unwrap()).unwrap_err().0.contains("out of bounds"));
+        assert!(index(arr, int_lit(4, None).unwrap())
+            .unwrap_err()
+            .0
+            .contains("out of bounds"));
     }
 
     #[test]
