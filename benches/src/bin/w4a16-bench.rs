@@ -206,7 +206,7 @@ fn bench_shape(
                 continue; // never the best: tiles mostly empty, or far too many m blocks
             }
             let splits: Vec<u32> = if p.splitk {
-                [1, 2, 3, 4, 6, 8].into_iter().filter(|&x| x <= kbs).collect()
+                gemm::SPLITS.iter().copied().filter(|&x| x <= kbs).collect()
             } else {
                 vec![1]
             };
@@ -256,11 +256,12 @@ fn short(p: &W4a16Params) -> String {
     let l = if p.layout == Layout::Interleaved { "il" } else { "ck" };
     let mt = if p.m8 { "m8".to_string() } else { format!("mt{}", p.mt) };
     format!(
-        "g{} {l} w{} nt{} {mt} st{}{}",
+        "g{} {l} w{} nt{} {mt} st{}{}{}",
         p.group,
         p.warps,
         p.nt,
         p.stages,
+        if p.mt == 1 && !p.aring { " ad" } else { "" },
         if p.splitk { " sk" } else { "" }
     )
 }
@@ -382,7 +383,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     }
     let bw = copy_bandwidth(&gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
-    println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick");
+    println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");
     println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);

@@ -4,9 +4,12 @@
 //! bit for bit, and the MoE block.
 //!
 //! The references model the kernels' rounding exactly: weights are `bf16(q * scale)` (the
-//! `fma.rn.bf16x2` dequantization before the bf16 mma), sums are f32, and intermediates the
-//! kernels store in bf16 (MoE `act` and per-pair `y`) are rounded there. What remains is f32
-//! summation order and the final bf16 rounding, so the tolerance is one bf16 ulp relative
+//! `fma.rn.bf16x2` dequantization before the bf16 mma) and sums are f32. The MoE block is
+//! checked stage by stage (gate_up `act`, per-pair `y`, the sum), each stage against a
+//! reference from the kernels' own bf16 input of that stage: a bf16 rounding of `act` or `y`
+//! that flips with the f32 summation order would otherwise move a cancelling sum of top-k rows
+//! by a whole ulp of a row. What remains is f32 summation order and the final bf16 rounding,
+//! so the tolerance is one bf16 ulp relative
 //! (`2^-7`: a rounding that flips), an absolute part of `1e-3` of the output RMS for outputs
 //! near zero, and a relative L2 bound of `4e-3` (bf16 rounding alone is about `1e-3`).
 
@@ -319,8 +322,29 @@ pub fn moe_block(
     let g = (tokens as u32 * h).div_ceil(sp.block).clamp(1, 65535);
     // SAFETY: y is [pairs, H], out [T, H], ids [T, topk].
     unsafe { t.launch::<MoeSum>(&sp, g, &mut args)? };
-    let got = to_f32(&t.download(&out)?);
-    let want = moe::reference(&xf, &ids, &wts, topk, &w13, &w2);
+    // Stage by stage, each against a reference from the kernels' own input of that stage (see
+    // [`moe::reference_stage`]), over the pairs whose expert is local (other rows are not written).
+    let local: Vec<usize> = (0..ids.len()).filter(|&pr| (ids[pr] as usize) < experts).collect();
+    let rows = |v: &[f32], cols: usize| -> Vec<f32> {
+        local
+            .iter()
+            .flat_map(|&pr| v[pr * cols..(pr + 1) * cols].to_vec())
+            .collect()
+    };
+    let act_got = to_f32(&t.download(&act)?);
+    let y_got = to_f32(&t.download(&y)?);
+    let act_want = moe::reference_stage(&xf, &ids, topk, &w13, None);
+    let y_want = moe::reference_stage(&act_got, &ids, topk, &w2, Some(&wts));
+    let out_want: Vec<f32> = (0..tokens * hidden)
+        .map(|e| {
+            let (tk, c) = (e / hidden, e % hidden);
+            (0..topk)
+                .map(|j| tk * topk + j)
+                .filter(|&pr| (ids[pr] as usize) < experts)
+                .map(|pr| y_got[pr * hidden + c])
+                .sum()
+        })
+        .collect();
     let symbols = [
         MoeAlign::symbol(&AlignParams { block: 1024 }),
         W4a16Gemm::symbol(up),
@@ -328,7 +352,16 @@ pub fn moe_block(
         MoeSum::symbol(&sp),
     ];
     let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk}");
-    Ok(pipeline("moe_w4a16", &symbols, case, &got, &want))
+    let stages = [
+        ("act", rows(&act_got, inter), rows(&act_want, inter)),
+        ("y", rows(&y_got, hidden), rows(&y_want, hidden)),
+        ("out", to_f32(&t.download(&out)?), out_want),
+    ];
+    let mut results = stages
+        .into_iter()
+        .map(|(stage, got, want)| pipeline("moe_w4a16", &symbols, format!("{case} stage={stage}"), &got, &want));
+    let last = results.next_back().expect("three stages");
+    Ok(results.find(|r| !r.passed).unwrap_or(last))
 }
 
 /// Every W4A16 kernel: the repack, every dense and fused candidate at ragged sizes (split-K
@@ -373,10 +406,17 @@ pub fn suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Check
         }
     }
     for (idx, pair) in moe_pairs().iter().enumerate() {
-        let mut mcases = vec![(1, 3, 128, 32, 2), (5, 4, 160, 64, 3)];
+        // (16, 3, .., 4): about 13 pairs per local expert, so a half-m-tile (8-row) block is not
+        // enough for one expert and a 16-row one is nearly full.
+        let mut mcases = vec![(1, 3, 128, 32, 2), (5, 4, 160, 64, 3), (16, 3, 128, 32, 4)];
         if full {
-            mcases = vec![(1, 6, 256, 64, 2), (5, 6, 160, 96, 3), (40, 9, 288, 128, 4)];
-            if idx == 0 {
+            mcases = vec![
+                (1, 6, 256, 64, 2),
+                (5, 6, 160, 96, 3),
+                (40, 9, 288, 128, 4),
+                (16, 3, 256, 64, 4),
+            ];
+            if idx == 0 || pair.0.m8 {
                 mcases.push((16, 8, 7168, 2048, 8));
             }
         }

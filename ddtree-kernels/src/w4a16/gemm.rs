@@ -17,7 +17,9 @@
 //! refilled (plain predicated loads that only write registers) as soon as it has been consumed,
 //! so the loads of about `stages` tiles are always in flight while the warp computes. Scales are
 //! read as the raw words holding two bf16 (picked with one `prmt` when used), so no instruction
-//! waits on a load before the round that consumes it. With one m tile the ring also carries A;
+//! waits on a load before the round that consumes it. With `aring` (one m tile) the ring also
+//! carries A; otherwise A (small and hot in L1/L2) is read when its tile is computed, which
+//! leaves the registers to a deeper weight ring;
 //! with half m tiles (`m8`, M <= 8) rows 8..16 of the mma's A fragment are zero and never loaded.
 //!
 //! Numerics: the dequantized weight is `bf16(q * scale)` (one `fma.rn.bf16x2`), products and
@@ -79,8 +81,11 @@ pub struct W4a16Params {
     pub m8: bool,
     /// Pipeline depth: k128 tiles in each warp's register ring; the loads of `stages` tiles
     /// are in flight while the warp computes (weight bytes in flight per warp = 512 nt stages).
-    /// With `mt == 1` the ring also carries A.
+    /// With `aring` the ring also carries A.
     pub stages: u32,
+    /// A rides the register ring with the weights (needs `mt == 1`); otherwise it is read from
+    /// global memory (L1/L2) when its tile is computed.
+    pub aring: bool,
     /// Output epilogue.
     pub epilogue: Epilogue,
     /// Write f32 partials per k split (finished by [`W4a16Reduce`]).
@@ -98,6 +103,7 @@ const fn dense(group: u32, layout: Layout, warps: u32, nt: u32, mt: u32, stages:
         mt,
         m8: false,
         stages,
+        aring: mt == 1,
         epilogue: Epilogue::Plain,
         splitk,
         moe: false,
@@ -115,9 +121,18 @@ const fn dense8(group: u32, layout: Layout, warps: u32, nt: u32, stages: u32) ->
     }
 }
 
+/// A [`dense8`] variant that reads A when its tile is computed: the 32 registers per stage the
+/// A ring takes go to the weights (deeper rings or more n tiles at the same occupancy).
+const fn dense8_direct(nt: u32, stages: u32) -> W4a16Params {
+    W4a16Params {
+        aring: false,
+        ..dense8(32, I, 4, nt, stages)
+    }
+}
+
 /// Candidates of the plain dense GEMM (the bench tries each with several k splits): split-K
-/// single-m-tile ones for small M (A rides the ring), half m tiles for M <= 8, several m tiles
-/// for larger M, and g64 / g128 ones.
+/// single-m-tile ones for small M (A rides the ring), half m tiles for M <= 8 (A in the ring, or
+/// read directly with a deeper weight ring), several m tiles for larger M, and g64 / g128 ones.
 pub const DENSE_SPACE: &[W4a16Params] = &[
     dense(32, I, 4, 4, 1, 2, true),
     dense8(32, I, 4, 4, 2),
@@ -140,6 +155,10 @@ pub const DENSE_SPACE: &[W4a16Params] = &[
     dense8(128, I, 4, 4, 2),
     dense(64, C, 4, 4, 2, 2, false),
     dense(128, C, 4, 4, 2, 2, false),
+    dense8_direct(4, 2),
+    dense8_direct(4, 3),
+    dense8_direct(4, 4),
+    dense8_direct(8, 2),
 ];
 
 /// Fused-epilogue and grouped variants (the engine's gate_up, residual and MoE launches).
@@ -189,6 +208,20 @@ pub const FUSED_SPACE: &[W4a16Params] = &[
         moe: true,
         m8: true,
         ..dense(32, I, 4, 4, 1, 2, false)
+    },
+    W4a16Params {
+        epilogue: Epilogue::SiluMul,
+        moe: true,
+        m8: true,
+        aring: false,
+        ..dense(32, I, 4, 4, 1, 4, false)
+    },
+    W4a16Params {
+        epilogue: Epilogue::RouteScale,
+        moe: true,
+        m8: true,
+        aring: false,
+        ..dense(32, I, 4, 4, 1, 4, false)
     },
     W4a16Params {
         epilogue: Epilogue::SiluMul,
@@ -277,6 +310,7 @@ pub fn w4a16_gemm(
     );
     comptime_assert!(p.stages >= 1 && p.stages <= 4, "stages must be 1..=4");
     comptime_assert!(!p.m8 || p.mt == 1, "half m tiles need mt == 1");
+    comptime_assert!(!p.aring || p.mt == 1, "A rides the ring only with mt == 1");
     comptime_assert!(
         p.epilogue != Epilogue::SiluMul || p.nt % 2 == 0,
         "SiLU-and-mul needs an even nt"
@@ -349,14 +383,14 @@ pub fn w4a16_gemm(
     let kb_hi = (kb_lo + per).min(kbs);
 
     let mut acc = [[0.0f32; 4]; p.mt * p.nt];
-    // The ring: slot `u` holds one k128 tile's weights, scale words and (single m tile) A.
+    // The ring: slot `u` holds one k128 tile's weights, scale words and (with `aring`) A.
     let mut wq = [[0u32; 4]; p.nt * p.stages];
     let mut sc = [0u32; p.nt * p.stages];
     let mut ar = [[0u32; 4]; 2 * 4 * p.stages];
     let mut av = [[0u32; 4]; 2 * p.mt];
     let mut af = [[0u32; 4]; p.mt];
     let mut bf = [[0u32; 2]; 1];
-    let a_ring = p.mt == 1;
+    let a_ring = p.aring;
     let arows = if p.m8 { 1 } else { 2 };
     let ntiles = if kb_hi > kb_lo { kb_hi - kb_lo } else { 0u32 };
     // Round `rr` computes tiles `kb_lo + (rr - 1) stages + u` from the ring, and right after
@@ -777,24 +811,30 @@ pub unsafe fn launch(
     }
 }
 
-/// The default dense variant and k splits for `m x n x k` (a heuristic; the bench reports it
-/// next to the best candidate): half m tiles for M <= 8, one m tile for M <= 16, two for M <= 48,
-/// four above; split-K variants split K until about four blocks per SM of a 132-SM H200 (at
-/// least 8 k128 tiles per split).
+/// The k split counts the bench times and [`default_dense`] picks from.
+pub const SPLITS: &[u32] = &[1, 2, 3, 4, 6, 8];
+
+/// The default dense variant and k splits for `m x n x k` (a heuristic from the H200 runs; the
+/// bench reports it next to the best candidate): half m tiles for M <= 8, one m tile for
+/// M <= 16, two with split-K for M <= 128, two without above. Split-K variants take the largest
+/// count of [`SPLITS`] up to about 12 blocks per SM of a 132-SM H200 (a block of 4 warps keeps
+/// only 4 KB of weights in flight per warp, so the latency-bound decode shapes want many
+/// resident warps), keeping at least 2 k128 tiles per split.
 pub fn default_dense(m: u32, n: u32, k: u32) -> (W4a16Params, u32) {
     let p = if m <= 8 {
         DENSE_SPACE[1]
     } else if m <= 16 {
         DENSE_SPACE[0]
-    } else if m <= 48 {
+    } else if m <= 128 {
         DENSE_SPACE[10]
     } else {
-        DENSE_SPACE[12]
+        DENSE_SPACE[11]
     };
     if !p.splitk {
         return (p, 1);
     }
     let (mx, ny, _) = grid(&p, m, n, 1);
-    let kbs = k.div_ceil(128);
-    (p, (4 * 132u32).div_ceil(ny * mx).clamp(1, (kbs / 8).clamp(1, 8)))
+    let want = (12 * 132u32).div_ceil(ny * mx).min((k.div_ceil(128) / 2).max(1));
+    let splits = SPLITS.iter().copied().filter(|&s| s <= want).max().unwrap_or(1);
+    (p, splits)
 }

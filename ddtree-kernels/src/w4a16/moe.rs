@@ -135,36 +135,31 @@ pub fn moe_sum(
     }
 }
 
-/// CPU reference of the routed-expert block: `x` `[T, H]`, `ids` / `weights` `[T, topk]`,
-/// `w13` the fused gate_up experts (`n = 2 I`, `k = H`), `w2` the down experts (`n = H`,
-/// `k = I`). Returns `[T, H]` before the final bf16 rounding. It rounds where the kernels do:
-/// weights to `bf16(q * scale)`, the activation `silu(g) * u` to bf16 (the `act` buffer), each
-/// pair's `router weight * down` to bf16 (the `y` buffer); sums are f32.
-pub fn reference(x: &[f32], ids: &[u32], weights: &[f32], topk: usize, w13: &PackedInt4, w2: &PackedInt4) -> Vec<f32> {
-    let (h, inter) = (w13.k, w2.k);
-    let (d13, d2) = (w13.dequantize_bf16(), w2.dequantize_bf16());
-    let round = |v: f32| half::bf16::from_f32(v).to_f32();
-    let tokens = x.len() / h;
-    let mut out = vec![0f32; tokens * h];
-    for t in 0..tokens {
-        for j in 0..topk {
-            let e = ids[t * topk + j] as usize;
-            if e >= w13.experts {
-                continue;
-            }
-            let gu = matmul(
-                &x[t * h..(t + 1) * h],
-                &d13[e * 2 * inter * h..(e + 1) * 2 * inter * h],
-                1,
-                2 * inter,
-                h,
-            );
-            let act: Vec<f32> = (0..inter)
-                .map(|c| round(gu[c] / (1.0 + (-gu[c]).exp()) * gu[inter + c]))
-                .collect();
-            let y = matmul(&act, &d2[e * h * inter..(e + 1) * h * inter], 1, h, inter);
-            for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(y) {
-                *o += round(v * weights[t * topk + j]);
+/// CPU references of the routed-expert block's two GEMM stages, each from the stage's own
+/// input so that a bf16 rounding that flips between the kernels and the CPU (f32 summation
+/// order) cannot propagate into the next stage: `gate_up` returns the SiLU-and-mul activation
+/// `[pairs, I]` from `x` `[T, H]`, `down` the router-weighted `[pairs, H]` from `act` `[pairs, I]`
+/// (the kernels' `act`). Both are f32 before the kernels' bf16 rounding; rows of pairs whose
+/// expert is not local (`ids >= experts`) are zero.
+pub fn reference_stage(x: &[f32], ids: &[u32], topk: usize, w: &PackedInt4, route: Option<&[f32]>) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    let deq = w.dequantize_bf16();
+    let cols = if route.is_some() { n } else { n / 2 };
+    let mut out = vec![0f32; ids.len() * cols];
+    for (pr, &e) in ids.iter().enumerate() {
+        let e = e as usize;
+        if e >= w.experts {
+            continue;
+        }
+        let row = if route.is_some() { pr } else { pr / topk };
+        let acc = matmul(&x[row * k..(row + 1) * k], &deq[e * n * k..(e + 1) * n * k], 1, n, k);
+        let dst = &mut out[pr * cols..(pr + 1) * cols];
+        match route {
+            Some(wts) => dst.iter_mut().zip(&acc).for_each(|(o, v)| *o = v * wts[pr]),
+            None => {
+                for (c, o) in dst.iter_mut().enumerate() {
+                    *o = acc[c] / (1.0 + (-acc[c]).exp()) * acc[cols + c];
+                }
             }
         }
     }
