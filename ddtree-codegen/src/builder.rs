@@ -391,7 +391,7 @@ impl Builder {
     /// Opens a `for` loop's block and declares its variable; finish with [`Builder::end_for`].
     pub fn begin_for(&mut self, var: &str, start: Expr, end: Expr, step: Option<Expr>, loc: Loc) -> Result<ForHeader> {
         let (mut start, mut end) = (start, end);
-        let mut step = step.unwrap_or_else(|| Expr {
+        let mut step = step.unwrap_or(Expr {
             kind: ExprKind::Lit(crate::ir::Lit::Int(1)),
             ty: Ty::UntypedInt,
         });

@@ -415,8 +415,6 @@ pub enum ExprKind {
     Var(String),
     /// A thread-geometry builtin.
     Builtin(Builtin),
-    /// A named constant such as `f32::INFINITY` (already a C expression).
-    Const(&'static str),
     /// Unary operation.
     Unary(UnOp, Box<Expr>),
     /// Binary operation.

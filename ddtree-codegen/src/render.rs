@@ -174,7 +174,7 @@ fn stmts_helpers(body: &[Stmt], h: &mut BTreeSet<Helper>) {
 fn expr_helpers(e: &Expr, h: &mut BTreeSet<Helper>) {
     ty_helpers(&e.ty, h);
     match &e.kind {
-        ExprKind::Lit(_) | ExprKind::Var(_) | ExprKind::Builtin(_) | ExprKind::Const(_) => {}
+        ExprKind::Lit(_) | ExprKind::Var(_) | ExprKind::Builtin(_) => {}
         ExprKind::Unary(_, a) | ExprKind::Bitcast(a, _) | ExprKind::Field(a, _) | ExprKind::AddrOf(a) => {
             expr_helpers(a, h)
         }
@@ -487,7 +487,6 @@ pub fn expr(e: &Expr) -> String {
         ExprKind::Lit(l) => lit(l, &e.ty),
         ExprKind::Var(n) => n.clone(),
         ExprKind::Builtin(b) => b.c_str().to_string(),
-        ExprKind::Const(c) => c.to_string(),
         ExprKind::Unary(op, a) => {
             let sym = match (op, &a.ty) {
                 (UnOp::Neg, _) => "-",

@@ -20,7 +20,14 @@ pub struct EmbeddingParams {
     EmbeddingParams { block: 512, vec: true },
     EmbeddingParams { block: 256, vec: false },
 ])]
-pub fn embedding(#[comptime] p: &EmbeddingParams, ids: &[u32], table: &[bf16], out: &mut [bf16], hidden: u32, vocab: u32) {
+pub fn embedding(
+    #[comptime] p: &EmbeddingParams,
+    ids: &[u32],
+    table: &[bf16],
+    out: &mut [bf16],
+    hidden: u32,
+    vocab: u32,
+) {
     let t = block_idx_x();
     let id = ids[t];
     let valid = id < vocab;

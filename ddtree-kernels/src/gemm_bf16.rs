@@ -39,11 +39,23 @@ pub struct GemmParams {
 pub fn gemm_bf16(#[comptime] p: &GemmParams, a: &[bf16], b: &[bf16], c: &mut [bf16], m: u32, n: u32, k: u32) {
     comptime_assert!(p.bk == 32 || p.bk == 64, "bk must be 32 or 64");
     comptime_assert!(p.bm % (16 * p.warps_m) == 0, "each warp needs whole 16-row fragments");
-    comptime_assert!(p.bn % (16 * p.warps_n) == 0, "each warp needs whole pairs of 8-column fragments");
+    comptime_assert!(
+        p.bn % (16 * p.warps_n) == 0,
+        "each warp needs whole pairs of 8-column fragments"
+    );
     comptime_assert!(p.stages >= 2 && p.stages <= 4, "stages must be 2..=4");
-    comptime_assert!(p.stages * (p.bm + p.bn) * p.bk * 2 <= 49152, "static shared memory is limited to 48 KiB");
-    comptime_assert!((p.bm * p.bk / 8) % (p.warps_m * p.warps_n * 32) == 0, "A tile copies must split evenly over threads");
-    comptime_assert!((p.bn * p.bk / 8) % (p.warps_m * p.warps_n * 32) == 0, "B tile copies must split evenly over threads");
+    comptime_assert!(
+        p.stages * (p.bm + p.bn) * p.bk * 2 <= 49152,
+        "static shared memory is limited to 48 KiB"
+    );
+    comptime_assert!(
+        (p.bm * p.bk / 8) % (p.warps_m * p.warps_n * 32) == 0,
+        "A tile copies must split evenly over threads"
+    );
+    comptime_assert!(
+        (p.bn * p.bk / 8) % (p.warps_m * p.warps_n * 32) == 0,
+        "B tile copies must split evenly over threads"
+    );
     let threads = p.warps_m * p.warps_n * 32;
     let mt = p.bm / p.warps_m / 16;
     let nt = p.bn / p.warps_n / 8;
@@ -163,7 +175,11 @@ pub fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32>
     let mut c = vec![0.0f32; m * n];
     for i in 0..m {
         for j in 0..n {
-            c[i * n + j] = a[i * k..(i + 1) * k].iter().zip(&b[j * k..(j + 1) * k]).map(|(x, y)| x * y).sum();
+            c[i * n + j] = a[i * k..(i + 1) * k]
+                .iter()
+                .zip(&b[j * k..(j + 1) * k])
+                .map(|(x, y)| x * y)
+                .sum();
         }
     }
     c

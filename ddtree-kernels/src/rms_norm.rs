@@ -37,7 +37,10 @@ fn sq_bf16x2(a: u32) -> f32 {
     RmsNormParams { block: 256, vec: false },
 ])]
 pub fn rms_norm(#[comptime] p: &RmsNormParams, x: &[bf16], weight: &[bf16], out: &mut [bf16], n: u32, eps: f32) {
-    comptime_assert!(p.block % 32 == 0 && p.block <= 1024, "block must be a multiple of 32 and at most 1024");
+    comptime_assert!(
+        p.block % 32 == 0 && p.block <= 1024,
+        "block must be a multiple of 32 and at most 1024"
+    );
     let tid = thread_idx_x();
     let base = block_idx_x() * n;
     let mut ss = 0.0f32;

@@ -28,7 +28,10 @@ pub struct TopkParams {
 pub fn row_topk(#[comptime] p: &TopkParams, logits: &[f32], values: &mut [f32], indices: &mut [u32], n: u32) {
     comptime_assert!(p.k >= 1 && p.k <= 64, "k must be in 1..=64");
     comptime_assert!(p.block % 32 == 0, "block must be a multiple of 32");
-    comptime_assert!(p.block * p.k <= 4096, "the per-thread lists (block * k entries) must fit in shared memory");
+    comptime_assert!(
+        p.block * p.k <= 4096,
+        "the per-thread lists (block * k entries) must fit in shared memory"
+    );
     let tid = thread_idx_x();
     let row = block_idx_x();
     let base = row * n;

@@ -1,5 +1,6 @@
 //! Every candidate of every kernel on the CPU interpreter (and on the GPU when one is present)
 //! against its CPU reference, at small ragged sizes; plus the interpreter's speed on a tile GEMM.
+#![allow(clippy::result_large_err)]
 
 use std::time::Instant;
 

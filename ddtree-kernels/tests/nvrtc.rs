@@ -22,7 +22,9 @@ fn ptxas() -> Option<PathBuf> {
         return Some(PathBuf::from(p));
     }
     std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths).map(|d| d.join("ptxas")).find(|p| p.is_file())
+        std::env::split_paths(&paths)
+            .map(|d| d.join("ptxas"))
+            .find(|p| p.is_file())
     })
 }
 
@@ -53,7 +55,15 @@ fn parse_ptxas(log: &str) -> (u32, u32) {
 /// helper (the catalogue's kernels use only some of them).
 #[kernel(block = 128)]
 fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [u64], hs: &mut [f16], g: &[bf16]) {
-    let t = thread_idx_x() + block_idx_y() + block_idx_z() + thread_idx_y() + thread_idx_z() + block_dim_y() + block_dim_z() + grid_dim_y() + grid_dim_z();
+    let t = thread_idx_x()
+        + block_idx_y()
+        + block_idx_z()
+        + thread_idx_y()
+        + thread_idx_z()
+        + block_dim_y()
+        + block_dim_z()
+        + grid_dim_y()
+        + grid_dim_z();
     let tile = shared::<bf16>(1024);
     let tile2 = shared_2d::<u32>(4, 32);
     cp_async_16(&mut tile[t * 8], &g[t * 8]);
@@ -100,12 +110,18 @@ fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [
 #[test]
 fn every_variant_compiles_for_sm90a() {
     if !nvrtc_available() {
-        assert!(!on_ci(), "CI must provide NVRTC: put the nvidia-cuda-nvrtc wheel's lib folder on LD_LIBRARY_PATH");
+        assert!(
+            !on_ci(),
+            "CI must provide NVRTC: put the nvidia-cuda-nvrtc wheel's lib folder on LD_LIBRARY_PATH"
+        );
         eprintln!("skipped: libnvrtc.so.13 not found (set LD_LIBRARY_PATH); no variant was compiled");
         return;
     }
     let ptxas = ptxas();
-    assert!(ptxas.is_some() || !on_ci(), "CI must provide ptxas (nvidia-cuda-nvcc wheel) on PATH or DDTREE_PTXAS");
+    assert!(
+        ptxas.is_some() || !on_ci(),
+        "CI must provide ptxas (nvidia-cuda-nvcc wheel) on PATH or DDTREE_PTXAS"
+    );
     let mut variants = ddtree_kernels::catalogue().expect("every candidate builds its IR");
     variants.push(ddtree_kernels::Variant {
         kernel: IntrinsicCoverage::NAME,
@@ -126,7 +142,9 @@ fn every_variant_compiles_for_sm90a() {
                         .iter()
                         .map(|v| {
                             let ptx = compile_ptx(&v.source, &v.symbol, ARCH).map_err(|e| e.to_string())?;
-                            let Some(ptxas) = ptxas else { return Ok((v.symbol.clone(), 0, 0)) };
+                            let Some(ptxas) = ptxas else {
+                                return Ok((v.symbol.clone(), 0, 0));
+                            };
                             let file = dir.join(format!("{}.ptx", v.symbol));
                             std::fs::write(&file, ptx.to_src()).map_err(|e| e.to_string())?;
                             let out = Command::new(ptxas)
@@ -145,23 +163,52 @@ fn every_variant_compiles_for_sm90a() {
                 })
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("compile thread")).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("compile thread"))
+            .collect()
     });
     let _ = std::fs::remove_dir_all(&dir);
 
     let failures: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(failures.is_empty(), "{} variant(s) failed:\n{}", failures.len(), failures.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n\n"));
+    assert!(
+        failures.is_empty(),
+        "{} variant(s) failed:\n{}",
+        failures.len(),
+        failures.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n\n")
+    );
     let ok: Vec<&(String, u32, u32)> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-    let (max_sym, max_regs) = ok.iter().map(|(s, r, _)| (s.as_str(), *r)).max_by_key(|x| x.1).unwrap_or(("-", 0));
-    let spilling: Vec<String> = ok.iter().filter(|x| x.2 > 0).map(|(s, _, b)| format!("{s} ({b} B)")).collect();
+    let (max_sym, max_regs) = ok
+        .iter()
+        .map(|(s, r, _)| (s.as_str(), *r))
+        .max_by_key(|x| x.1)
+        .unwrap_or(("-", 0));
+    let spilling: Vec<String> = ok
+        .iter()
+        .filter(|x| x.2 > 0)
+        .map(|(s, _, b)| format!("{s} ({b} B)"))
+        .collect();
     let (maj, min) = nvrtc_version().unwrap();
     let ptxas_note = if ptxas.is_some() {
-        format!("ptxas: max {max_regs} registers ({max_sym}), spills: {}", if spilling.is_empty() { "none".to_string() } else { spilling.join(", ") })
+        format!(
+            "ptxas: max {max_regs} registers ({max_sym}), spills: {}",
+            if spilling.is_empty() {
+                "none".to_string()
+            } else {
+                spilling.join(", ")
+            }
+        )
     } else {
         "ptxas: not found, skipped".to_string()
     };
-    let summary = format!("nvrtc {maj}.{min}: {} variants compiled for {ARCH}; {ptxas_note}\n", ok.len());
+    let summary = format!(
+        "nvrtc {maj}.{min}: {} variants compiled for {ARCH}; {ptxas_note}\n",
+        ok.len()
+    );
     eprint!("{summary}");
     // CI prints this file after the test run (libtest hides a passing test's output).
-    let _ = std::fs::write(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-summary.txt"), summary);
+    let _ = std::fs::write(
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-summary.txt"),
+        summary,
+    );
 }

@@ -227,7 +227,10 @@ impl Cx {
                 }
             }
             let segs: Vec<String> = p.path.segments.iter().map(|s| s.ident.to_string()).collect();
-            if segs.len() == 2 && Scalar::from_rust_name(&segs[0]).is_some() {
+            // Constants (`f32::INFINITY`, `f32::consts::LN_2`, `crate::TILE`) are Rust values;
+            // enum variants are CamelCase and have no runtime representation.
+            let last = segs.last().map(String::as_str).unwrap_or("");
+            if last.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_') {
                 return self.comptime_value(e);
             }
             return self.error(
@@ -241,7 +244,7 @@ impl Cx {
         match e {
             Expr::Binary(bin) => {
                 let Some((op, false)) = binop(&bin.op) else {
-                    return self.error(&bin.op, "compound assignment is a statement, not an expression");
+                    return self.error(bin.op, "compound assignment is a statement, not an expression");
                 };
                 let l = self.rt(&bin.left);
                 let r = self.rt(&bin.right);

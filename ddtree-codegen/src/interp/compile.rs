@@ -249,7 +249,7 @@ fn scalar(t: &Ty) -> Scalar {
 /// Whether lowering `e` emits ops (it calls a device function or a warp collective).
 fn hoists(e: &Expr) -> bool {
     match &e.kind {
-        ExprKind::Lit(_) | ExprKind::Var(_) | ExprKind::Builtin(_) | ExprKind::Const(_) => false,
+        ExprKind::Lit(_) | ExprKind::Var(_) | ExprKind::Builtin(_) => false,
         ExprKind::Unary(_, a)
         | ExprKind::Cast(a, _)
         | ExprKind::Bitcast(a, _)
@@ -287,23 +287,6 @@ pub(super) fn is_collective(i: Intrinsic) -> bool {
             | LdmatrixX2Trans
             | LdmatrixX4Trans
     )
-}
-
-/// The value of a named constant (see `ops::constant`).
-fn constant(c: &str) -> Option<Val> {
-    Some(match c {
-        "__int_as_float(0x7f800000)" => Val::F(f32::INFINITY),
-        "__int_as_float(0xff800000)" => Val::F(f32::NEG_INFINITY),
-        "__int_as_float(0x7fffffff)" => Val::F(f32::from_bits(0x7fff_ffff)),
-        "3.40282347e+38f" => Val::F(f32::MAX),
-        "-3.40282347e+38f" => Val::F(f32::MIN),
-        "1.1920929e-7f" => Val::F(f32::EPSILON),
-        "0xffffffffu" => Val::U(u32::MAX),
-        "0x7fffffff" => Val::I(i32::MAX),
-        "(-0x7fffffff - 1)" => Val::I(i32::MIN),
-        "0xffffffffffffffffull" => Val::U64(u64::MAX),
-        _ => return None,
-    })
 }
 
 impl FnLower<'_, '_> {
@@ -650,10 +633,6 @@ impl FnLower<'_, '_> {
             }),
             ExprKind::Var(n) => CExpr::Slot(self.slot(n)?),
             ExprKind::Builtin(b) => CExpr::Builtin(*b),
-            ExprKind::Const(c) => match constant(c) {
-                Some(v) => CExpr::Const(v),
-                None => return self.unsupported(format!("constant `{c}`")),
-            },
             ExprKind::Unary(op, a) => CExpr::Unary(*op, scalar(&a.ty), Box::new(self.expr(a)?)),
             ExprKind::Binary(op @ (BinOp::And | BinOp::Or), a, b) if hoists(b) => {
                 // Short-circuit around the hoisted right side.

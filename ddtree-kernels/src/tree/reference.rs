@@ -175,7 +175,7 @@ impl Ord for Entry {
 /// besides the root `root_token`. Depth `L = topk.logprob.len() / topk.k`.
 pub fn expand(topk: &DepthTopk, budget: usize, root_token: u32) -> DraftTree {
     let k = topk.k;
-    let depths = if k == 0 { 0 } else { topk.logprob.len() / k };
+    let depths = topk.logprob.len().checked_div(k).unwrap_or(0);
     let mut t = DraftTree {
         token: vec![root_token],
         parent: vec![-1],

@@ -77,7 +77,7 @@ pub fn mla_verify_split(
     let total = prefix + nodes;
     let kv0 = block_idx_y() * chunk;
     let kv1 = (kv0 + chunk).min(total);
-    let scale_log2 = scale * 1.4426950408889634f32;
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
     let node_a = (ra / heads).min(nodes - 1);
     let node_b = (rb / heads).min(nodes - 1);
 
@@ -259,7 +259,7 @@ pub fn mla_verify_split(
         }
     }
     if cg == 0 && qd == 0 {
-        let ln2 = 0.6931471805599453f32;
+        let ln2 = std::f32::consts::LN_2;
         if ra < rows {
             part_lse[split * rows + ra] = if l_a > 0.0f32 {
                 (m_a + l_a.log2()) * ln2
