@@ -127,7 +127,6 @@ fn builder_kernels_match_the_reference() {
         (1, 700, 64, false, 8192),
         (3, 1000, 100, true, 128),
         (5, 40, 12, true, 8),
-        (3, 64, 300, true, 16),
     ] {
         let logits: Vec<f32> = (0..l * v)
             .map(|_| {
@@ -280,7 +279,6 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
         buf(&tree.next_sibling),
         buf(&target),
     );
-    let nn = buf(&[n as u32]);
     let (mut acc, mut len, mut bonus) = (buf(&vec![u32::MAX; l + 1]), buf(&[0u32]), buf(&[0u32]));
     run::<TreeAccept>(
         &(),
@@ -289,7 +287,6 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
             HostArg::In(&tk),
             HostArg::In(&fc),
             HostArg::In(&ns),
-            HostArg::In(&nn),
             HostArg::In(&tg),
             HostArg::Out(&mut acc),
             HostArg::Out(&mut len),

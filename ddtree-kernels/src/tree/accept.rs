@@ -5,63 +5,44 @@
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-/// The most tree nodes [`TreeAccept`] holds in shared memory (a builder's `budget + 1`).
-const ACCEPT_MAX_NODES: u32 = 1025;
-
-/// Walks from the root along the child whose token equals `target[cur]` (grid 1). The block
-/// first copies the `n_nodes[0]` nodes' tokens, links and targets to shared memory in one
-/// coalesced pass, so thread 0's walk waits on no global load. Writes the accepted node
-/// indices (root first) to `accepted`, their count to `accept_len[0]` and the next bonus token
-/// to `bonus[0]` (which may be the next build's root buffer). Needs
-/// `n_nodes[0] <= ACCEPT_MAX_NODES`.
-#[kernel(block = 256)]
+/// Walks from the root along the child whose token equals `target[cur]` (one thread; grid 1).
+/// Writes the accepted node indices (root first) to `accepted`, their count to
+/// `accept_len[0]` and the next bonus token to `bonus[0]` (which may be the next build's root
+/// buffer).
+#[kernel(block = 32)]
 pub fn tree_accept(
     token: &[u32],
     first_child: &[i32],
     next_sibling: &[i32],
-    n_nodes: &[u32],
     target: &[u32],
     accepted: &mut [u32],
     accept_len: &mut [u32],
     bonus: &mut [u32],
 ) {
-    let s_tok = shared::<u32>(ACCEPT_MAX_NODES);
-    let s_fc = shared::<i32>(ACCEPT_MAX_NODES);
-    let s_ns = shared::<i32>(ACCEPT_MAX_NODES);
-    let s_tg = shared::<u32>(ACCEPT_MAX_NODES);
-    let tid = thread_idx_x();
-    let n = n_nodes[0];
-    for i in (tid..n).step_by(256) {
-        s_tok[i] = token[i];
-        s_fc[i] = first_child[i];
-        s_ns[i] = next_sibling[i];
-        s_tg[i] = target[i];
-    }
-    sync_threads();
-    if tid == 0 {
+    if thread_idx_x() == 0 {
         let mut cur = 0u32;
         let mut len = 1u32;
         accepted[0] = 0u32;
         let mut moving = true;
         while moving {
-            let want = s_tg[cur];
-            let mut c = s_fc[cur];
+            let want = target[cur];
+            let mut c = first_child[cur];
             moving = false;
             while c >= 0 {
                 let cu = c as u32;
-                if s_tok[cu] == want {
+                if token[cu] == want {
                     accepted[len] = cu;
                     len += 1;
                     cur = cu;
                     moving = true;
                     c = -1;
                 } else {
-                    c = s_ns[cu];
+                    c = next_sibling[cu];
                 }
             }
         }
         accept_len[0] = len;
-        bonus[0] = s_tg[cur];
+        bonus[0] = target[cur];
     }
 }
 

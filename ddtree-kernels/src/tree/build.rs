@@ -9,15 +9,10 @@
 //!    and tokens, best first.
 //! 3. [`TreeExpand`] (one block): DDTree's best-first expansion by warp 0, then the tree arrays
 //!    and the ancestor-or-self mask rows by all threads. The frontier holds at most one entry
-//!    per emitted node (its next child to emit), so the frontier is indexed by node; lane `l` owns
-//!    the entries of the nodes `i` with `i % 32 == l` and caches its best one (node, rank, depth, order key) in
-//!    registers. A pop is a 5-step `u32` shuffle max of the cached keys (equal scores: the exact
-//!    rank-tuple rule of [`super::reference`], found by walking the two paths) and three
-//!    shuffles; then only the popped entry's lane and the new node's lane touch shared memory,
-//!    with one `__syncwarp` per pop.
-//!
-//! The radix-select histograms add a warp's keys that share lane 0's digit with one atomic (in
-//! the top digit almost all keys do).
+//!    per emitted node (its next child to emit), so the frontier is indexed by node; lane `i % 32`
+//!    caches the best entry among nodes `i`, and a pop is a 5-step `u32` shuffle max of the
+//!    entries' order keys (equal scores: the exact rank-tuple rule of [`super::reference`],
+//!    found by walking the two paths).
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
@@ -200,30 +195,11 @@ pub fn tree_topk(
             hist[tid] = 0u32;
         }
         sync_threads();
-        // Whole warps per step (uniform trip count): lanes on lane 0's digit (the common case
-        // in the top passes, where most keys share their high bits) add with one atomic.
-        let mut i0 = 0u32;
-        while i0 < n {
-            let i = i0 + tid;
-            let mut dg = 256u32;
-            if i < n {
-                let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
-                if (key & pmask) == prefix {
-                    dg = (key >> shift) & 255u32;
-                }
+        for i in (tid..n).step_by(p.block) {
+            let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
+            if (key & pmask) == prefix {
+                hist.atomic_add((key >> shift) & 255u32, 1u32);
             }
-            let lead = shfl_idx(dg, 0u32);
-            let mut cnt = if dg == lead { 1u32 } else { 0u32 };
-            #[unroll]
-            for o in 0..5u32 {
-                cnt += shfl_xor(cnt, 16u32 >> o);
-            }
-            if dg != lead && dg != 256u32 {
-                hist.atomic_add(dg, 1u32);
-            } else if lane == 0u32 && lead != 256u32 {
-                hist.atomic_add(lead, cnt);
-            }
-            i0 += p.block;
         }
         sync_threads();
         if warp == 0 {
@@ -430,17 +406,17 @@ pub fn tree_expand(
     budget: u32,
 ) {
     let s_lp = shared::<f32>(LP_SHARED);
-    // Per node: meta word, path score, frontier entry (order key of its next child's score, 0 =
-    // none, and that child's rank), and its last emitted child. The frontier words of node `i`
-    // are only touched by lane `i % 32`.
+    // Per node: meta word, path score, frontier entry (score of its next child, that child's
+    // rank or `none`), and its last emitted child.
     let n_meta = shared::<u32>(1025);
     let n_score = shared::<f32>(1025);
-    let f_key = shared::<u32>(1025);
+    let f_score = shared::<f32>(1025);
     let f_rank = shared::<u32>(1025);
     let f_last = shared::<u32>(1025);
     let n_sh = shared::<u32>(1);
     let tid = thread_idx_x();
     let lane = lane_id();
+    let none = u32::MAX;
     let in_shared = depth * k <= LP_SHARED;
     if in_shared {
         for i in (tid..depth * k).step_by(256) {
@@ -453,25 +429,23 @@ pub fn tree_expand(
     }
     sync_threads();
     if warp_id() == 0 {
-        // Lane i caches the best entry among nodes i, i + 32, ...: node `best`, its next child's
-        // rank `brank`, depth `bdep` and order key `bkey` (0 = none: every score's order key is
-        // larger). A pop reads only these registers (shuffles), so no lane waits on shared memory
-        // written by another.
-        let mut best = 0u32;
-        let mut brank = 0u32;
-        let mut bdep = 1u32;
-        let mut bkey = 0u32;
         if lane == 0 {
             n_meta[0] = 0u32;
             meta[0] = 0u32;
             n_score[0] = 0.0f32;
-            f_rank[0] = 0u32;
-            if depth > 0 && budget > 0 {
-                bkey = order_key(if in_shared { s_lp[0] } else { lp[0] });
-            }
-            f_key[0] = bkey;
+            f_rank[0] = if depth > 0 && budget > 0 { 0u32 } else { none };
+            f_score[0] = if in_shared { s_lp[0] } else { lp[0] };
         }
         sync_warp();
+        // Lane i caches the best entry among nodes i, i + 32, ...: node `best`, its next child's
+        // rank `brank` and order key `bkey` (0 = none: every score's order key is larger). Only
+        // these registers are read at a pop, so lane 0's shared writes never race a read.
+        let mut best = 0u32;
+        let mut brank = 0u32;
+        let mut bkey = 0u32;
+        if lane == 0 && f_rank[0] != none {
+            bkey = order_key(f_score[0]);
+        }
         let mut n = 1u32;
         while n <= budget {
             let mut mx = bkey;
@@ -485,10 +459,10 @@ pub fn tree_expand(
             let ties = ballot(bkey == mx);
             let low = ties & (0u32 - ties);
             let mut wl = bit_index(low);
+            let mut pw = shfl_idx(best, wl);
+            let mut r = shfl_idx(brank, wl);
             if ties != low {
                 // Equal scores: the smallest rank tuple among the tied lanes.
-                let mut pw = shfl_idx(best, wl);
-                let mut r = shfl_idx(brank, wl);
                 let mut rest = ties ^ low;
                 while rest != 0u32 {
                     let lb = rest & (0u32 - rest);
@@ -503,69 +477,62 @@ pub fn tree_expand(
                     }
                 }
             }
-            let pw = shfl_idx(best, wl);
-            let r = shfl_idx(brank, wl);
-            let d = shfl_idx(bdep, wl);
-            let sc = key_value(mx);
-            if lane == wl {
-                // Emit child r of pw; pw's entry moves to its next child.
+            sync_warp();
+            if lane == 0 {
+                let sc = key_value(mx);
+                let d = (n_meta[pw] >> 22) + 1;
+                let mw = meta_word(pw, r, d);
+                n_meta[n] = mw;
+                meta[n] = mw;
+                n_score[n] = sc;
                 if r == 0u32 {
                     first_child[pw] = n as i32;
                 } else {
                     next_sibling[f_last[pw]] = n as i32;
                 }
                 f_last[pw] = n;
-                f_rank[pw] = r + 1;
-                f_key[pw] = if r + 1 < k {
-                    order_key(
-                        n_score[pw]
-                            + if in_shared {
-                                s_lp[(d - 1) * k + r + 1]
-                            } else {
-                                lp[(d - 1) * k + r + 1]
-                            },
-                    )
+                if r + 1 < k {
+                    f_rank[pw] = r + 1;
+                    f_score[pw] = n_score[pw]
+                        + if in_shared {
+                            s_lp[(d - 1) * k + r + 1]
+                        } else {
+                            lp[(d - 1) * k + r + 1]
+                        };
                 } else {
-                    0u32
-                };
-            }
-            if lane == n % 32 {
-                // The new node and its entry (its first child).
-                let mw = meta_word(pw, r, d);
-                n_meta[n] = mw;
-                meta[n] = mw;
-                n_score[n] = sc;
-                f_rank[n] = 0u32;
-                f_key[n] = if d < depth {
-                    order_key(sc + if in_shared { s_lp[d * k] } else { lp[d * k] })
+                    f_rank[pw] = none;
+                }
+                if d < depth {
+                    f_rank[n] = 0u32;
+                    f_score[n] = sc + if in_shared { s_lp[d * k] } else { lp[d * k] };
                 } else {
-                    0u32
-                };
+                    f_rank[n] = none;
+                }
             }
-            // Orders the new node's meta word before any later tie walk.
             sync_warp();
             // Refresh the cached bests of the popped entry's lane and the new node's lane.
             if lane == wl {
                 bkey = 0u32;
                 for sl in (lane..n + 1).step_by(32) {
-                    let key = f_key[sl];
-                    if key != 0u32 && (key > bkey || (key == bkey && entry_less(meta, sl, f_rank[sl], best, brank))) {
-                        best = sl;
-                        brank = f_rank[sl];
-                        bdep = (n_meta[sl] >> 22) + 1;
-                        bkey = key;
+                    if f_rank[sl] != none {
+                        let key = order_key(f_score[sl]);
+                        if key > bkey || (key == bkey && entry_less(meta, sl, f_rank[sl], best, brank)) {
+                            best = sl;
+                            brank = f_rank[sl];
+                            bkey = key;
+                        }
                     }
                 }
-            } else if lane == n % 32 {
-                let key = f_key[n];
-                if key != 0u32 && (key > bkey || (key == bkey && entry_less(meta, n, 0u32, best, brank))) {
+            } else if lane == n % 32 && f_rank[n] != none {
+                let key = order_key(f_score[n]);
+                if key > bkey || (key == bkey && entry_less(meta, n, 0u32, best, brank)) {
                     best = n;
                     brank = 0u32;
-                    bdep = d + 1;
                     bkey = key;
                 }
             }
             n += 1;
+            sync_warp();
         }
         if lane == 0 {
             n_sh[0] = n;

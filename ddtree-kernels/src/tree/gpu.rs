@@ -238,8 +238,7 @@ impl GpuAccept {
         bonus: &mut CudaSlice<u32>,
     ) -> Result<(), RuntimeError> {
         // SAFETY: the tree arrays come from one build; target holds one token per node;
-        // accepted holds depth + 1 entries (a path has at most depth + 1 nodes); the build has
-        // at most budget + 1 <= 1025 nodes, the accept kernel's shared capacity.
+        // accepted holds depth + 1 entries (a path has at most depth + 1 nodes).
         unsafe {
             TreeAccept::launch(
                 &self.accept,
@@ -248,7 +247,6 @@ impl GpuAccept {
                 &b.token,
                 &b.first_child,
                 &b.next_sibling,
-                &b.n,
                 target,
                 &mut self.accepted,
                 &mut self.len,
