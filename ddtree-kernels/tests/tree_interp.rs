@@ -127,6 +127,7 @@ fn builder_kernels_match_the_reference() {
         (1, 700, 64, false, 8192),
         (3, 1000, 100, true, 128),
         (5, 40, 12, true, 8),
+        (3, 64, 300, true, 16),
     ] {
         let logits: Vec<f32> = (0..l * v)
             .map(|_| {
