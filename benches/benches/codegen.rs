@@ -6,9 +6,15 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::{GemmBf16, RmsNorm};
 
 fn bench(c: &mut Criterion) {
-    c.bench_function("source/rms_norm default", |b| b.iter(|| RmsNorm::source(&RmsNorm::default_params()).unwrap()));
-    c.bench_function("source/gemm_bf16 default", |b| b.iter(|| GemmBf16::source(&GemmBf16::default_params()).unwrap()));
-    c.bench_function("source/catalogue (every variant)", |b| b.iter(|| ddtree_kernels::catalogue().unwrap()));
+    c.bench_function("source/rms_norm default", |b| {
+        b.iter(|| RmsNorm::source(&RmsNorm::default_params()).unwrap())
+    });
+    c.bench_function("source/gemm_bf16 default", |b| {
+        b.iter(|| GemmBf16::source(&GemmBf16::default_params()).unwrap())
+    });
+    c.bench_function("source/catalogue (every variant)", |b| {
+        b.iter(|| ddtree_kernels::catalogue().unwrap())
+    });
 }
 
 criterion_group!(benches, bench);

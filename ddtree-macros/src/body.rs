@@ -230,7 +230,10 @@ impl Cx {
             // Constants (`f32::INFINITY`, `f32::consts::LN_2`, `crate::TILE`) are Rust values;
             // enum variants are CamelCase and have no runtime representation.
             let last = segs.last().map(String::as_str).unwrap_or("");
-            if last.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_') {
+            if last
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+            {
                 return self.comptime_value(e);
             }
             return self.error(

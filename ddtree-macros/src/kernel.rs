@@ -406,9 +406,7 @@ fn fallback(errors: Vec<syn::Error>, func: &ItemFn, stand_in: TokenStream) -> To
             pt.attrs.retain(|a| !a.path().is_ident("comptime"));
         }
     }
-    *f.block = syn::parse_quote!({
-        ::core::unimplemented!("kernel bodies run on the GPU")
-    });
+    *f.block = syn::parse_quote!({ ::core::unimplemented!("kernel bodies run on the GPU") });
     quote! {
         #(#errs)*
         #stand_in

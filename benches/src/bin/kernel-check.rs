@@ -10,8 +10,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, Sizes};
 use ddtree_kernels::GemmBf16;
@@ -21,7 +21,9 @@ use half::bf16;
 use rand::Rng;
 
 #[derive(Parser)]
-#[command(about = "Check every DSL kernel on the GPU against its CPU reference, then time the tile GEMM against cuBLAS")]
+#[command(
+    about = "Check every DSL kernel on the GPU against its CPU reference, then time the tile GEMM against cuBLAS"
+)]
 struct Args {
     /// Only the small ragged sizes.
     #[arg(long)]
@@ -35,7 +37,10 @@ struct Args {
 }
 
 fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |source| RuntimeError::Driver { context: context.to_string(), source }
+    move |source| RuntimeError::Driver {
+        context: context.to_string(),
+        source,
+    }
 }
 
 fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
@@ -49,7 +54,10 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
 
 fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch { kernel: "cublas".into(), reason: format!("{e:?}") })?;
+    let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch {
+        kernel: "cublas".into(),
+        reason: format!("{e:?}"),
+    })?;
     let mut rng = rand::rng();
     println!("\n| shape (m x n x k) | variant | µs | TFLOP/s | vs cuBLAS |");
     println!("|---|---|---:|---:|---:|");
@@ -61,8 +69,12 @@ fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), Runtime
         let mut a_bufs = Vec::new();
         let mut b_bufs = Vec::new();
         for _ in 0..copies {
-            let a: Vec<bf16> = (0..m * k).map(|_| bf16::from_f32(rng.random_range(-1.0..1.0))).collect();
-            let b: Vec<bf16> = (0..n * k).map(|_| bf16::from_f32(rng.random_range(-1.0..1.0))).collect();
+            let a: Vec<bf16> = (0..m * k)
+                .map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)))
+                .collect();
+            let b: Vec<bf16> = (0..n * k)
+                .map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)))
+                .collect();
             a_bufs.push(s.clone_htod(&a).map_err(drv("upload"))?);
             b_bufs.push(s.clone_htod(&b).map_err(drv("upload"))?);
         }
@@ -82,17 +94,34 @@ fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), Runtime
         };
         let cublas_us = median_us(s, 5, 30, |i| {
             // SAFETY: shapes and leading dimensions match the buffers.
-            unsafe { blas.gemm(cfg, &b_bufs[i % copies], &a_bufs[i % copies], &mut c) }
-                .map_err(|e| RuntimeError::Launch { kernel: "cublas".into(), reason: format!("{e:?}") })
+            unsafe { blas.gemm(cfg, &b_bufs[i % copies], &a_bufs[i % copies], &mut c) }.map_err(|e| {
+                RuntimeError::Launch {
+                    kernel: "cublas".into(),
+                    reason: format!("{e:?}"),
+                }
+            })
         })?;
-        println!("| {m} x {n} x {k} | cuBLAS bf16 | {cublas_us:.1} | {:.1} | 1.00 |", flops / cublas_us / 1e6);
+        println!(
+            "| {m} x {n} x {k} | cuBLAS bf16 | {cublas_us:.1} | {:.1} | 1.00 |",
+            flops / cublas_us / 1e6
+        );
         for p in GemmBf16::space() {
             let kern = gpu.compile::<GemmBf16>(&p)?;
             let grid = ((n as u32).div_ceil(p.bn), (m as u32).div_ceil(p.bm));
             let us = median_us(s, 5, 30, |i| {
                 // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0.
                 unsafe {
-                    GemmBf16::launch(&kern, s, grid, &a_bufs[i % copies], &b_bufs[i % copies], &mut c, m as u32, n as u32, k as u32)
+                    GemmBf16::launch(
+                        &kern,
+                        s,
+                        grid,
+                        &a_bufs[i % copies],
+                        &b_bufs[i % copies],
+                        &mut c,
+                        m as u32,
+                        n as u32,
+                        k as u32,
+                    )
                 }
             })?;
             println!(
@@ -120,9 +149,18 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
         f.driver_version,
         gpu.arch()
     );
-    let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
     println!("seed: {seed}");
-    let results = check::run_all(&check::Target::Gpu(&gpu), if args.small { Sizes::Small } else { Sizes::Full }, seed)?;
+    let results = check::run_all(
+        &check::Target::Gpu(&gpu),
+        if args.small { Sizes::Small } else { Sizes::Full },
+        seed,
+    )?;
     for r in results.iter().filter(|r| !r.passed) {
         println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
     }
@@ -145,8 +183,19 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     }
     let all_passed = results.iter().all(|r| r.passed);
     if !args.skip_bench {
-        println!("\ncopy bandwidth (device to device, read + write): {:.0} GB/s", copy_bandwidth(&gpu)?);
-        gemm_bench(&gpu, &[(4096, 4096, 4096), (8192, 8192, 8192), (256, 7168, 2048), (2048, 7168, 7168)])?;
+        println!(
+            "\ncopy bandwidth (device to device, read + write): {:.0} GB/s",
+            copy_bandwidth(&gpu)?
+        );
+        gemm_bench(
+            &gpu,
+            &[
+                (4096, 4096, 4096),
+                (8192, 8192, 8192),
+                (256, 7168, 2048),
+                (2048, 7168, 7168),
+            ],
+        )?;
     }
     Ok(all_passed)
 }
