@@ -23,7 +23,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::{
     embedding, gemm_bf16, rms_norm, rope, silu_mul, topk, Embedding, EmbeddingParams, GemmBf16, GemmParams, RmsNorm,
-    RmsNormParams, RopeInterleaved, RopeParams, RowTopk, SiluMul, SiluMulParams, TopkParams,
+    RmsNormParams, RopeInterleaved, RopeParams, RowTopk, RowTopkSplit, SiluMul, SiluMulParams, TopkParams,
+    TopkSplitParams,
 };
 
 /// Where checks run.
@@ -630,6 +631,75 @@ pub fn topk(
     ))
 }
 
+/// Checks the split row top-k (part pass `part`, then the merge variant for the same `k`) on
+/// fresh rows with exact ties at the top (in one slice and across slices) and a NaN in every
+/// row; candidates and outputs are poisoned before the launches.
+pub fn topk_split(
+    t: &Target<'_>,
+    part: &TopkSplitParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let merge = TopkSplitParams::merge(part.k)
+        .ok_or_else(|| CheckError::Args(format!("no merge variant for k = {}", part.k)))?;
+    let kk = part.k as usize;
+    let parts = part.parts(n);
+    let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
+    for r in 0..rows {
+        let row = &mut logits[r * n..(r + 1) * n];
+        let top = 25.0 + r as f32;
+        // Exact ties: two neighbours (one slice, usually two threads), one a block further
+        // on (the same thread's next item), then more at random places.
+        let at = rng.random_range(0..n - 1);
+        row[at] = top;
+        row[at + 1] = top;
+        row[(at + part.block as usize).min(n - 1)] = top;
+        for _ in 0..kk.max(3) {
+            row[rng.random_range(0..n)] = top;
+        }
+        row[rng.random_range(0..n)] = f32::NAN;
+    }
+    let dl = t.upload(&logits)?;
+    let mut cv = t.upload(&vec![f32::NAN; rows * parts * kk])?;
+    let mut ci = t.upload(&vec![u32::MAX - 1; rows * parts * kk])?;
+    let mut vals = t.upload(&vec![f32::NAN; rows * kk])?;
+    let mut idx = t.upload(&vec![u32::MAX - 1; rows * kk])?;
+    {
+        let mut args = [
+            Arg::In(&dl),
+            Arg::In(&idx),
+            Arg::Out(&mut cv),
+            Arg::Out(&mut ci),
+            Arg::from(n as u32),
+        ];
+        // SAFETY: logits hold rows * n values; the candidates rows * parts * k; ids is unused.
+        unsafe { t.launch::<RowTopkSplit>(part, (parts as u32, rows as u32), &mut args)? };
+    }
+    let mut args = [
+        Arg::In(&cv),
+        Arg::In(&ci),
+        Arg::Out(&mut vals),
+        Arg::Out(&mut idx),
+        Arg::from((parts * kk) as u32),
+    ];
+    // SAFETY: the candidates hold rows * parts * k entries; the outputs rows * k.
+    unsafe { t.launch::<RowTopkSplit>(&merge, (1u32, rows as u32), &mut args)? };
+    let (gv, gi) = (t.download(&vals)?, t.download(&idx)?);
+    let want = topk::reference(&logits, n, kk);
+    let got: Vec<f32> = gv.iter().zip(&gi).flat_map(|(v, i)| [*v, *i as f32]).collect();
+    let want: Vec<f32> = want.iter().flat_map(|(v, i)| [*v, *i as f32]).collect();
+    let mut r = result::<RowTopkSplit>(
+        part,
+        format!("rows={rows} n={n} parts={parts}"),
+        &got,
+        &want,
+        Tolerance::EXACT,
+    );
+    r.symbol = format!("{} + {}", r.symbol, RowTopkSplit::symbol(&merge));
+    Ok(r)
+}
+
 /// Checks the tile GEMM.
 pub fn gemm(
     t: &Target<'_>,
@@ -756,6 +826,26 @@ pub fn topk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
     Ok(out)
 }
 
+/// Every part variant of [`RowTopkSplit`], each with the merge variant of its `k`, at the sizes
+/// of `sizes` (ragged last slices, slices shorter than `k`, the decode rows of a 163840 vocabulary).
+pub fn topk_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in RowTopkSplit::space().into_iter().filter(|p| !p.merge) {
+        let span = p.span();
+        let mut cases = vec![(1, 100), (3, span + 1), (2, 2 * span + p.k as usize / 2 + 1)];
+        if sizes == Sizes::Full {
+            cases.extend([(1, 163840), (4, 163840), (16, 163840), (31, 163840), (5, 100_003)]);
+        }
+        for (rows, n) in cases {
+            if n < p.k as usize {
+                continue;
+            }
+            out.push(topk_split(t, &p, rows, n, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// Every candidate of [`GemmBf16`] at the sizes of `sizes`.
 pub fn gemm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
@@ -781,6 +871,7 @@ pub const SUITES: &[Suite] = &[
     rope_suite,
     embedding_suite,
     topk_suite,
+    topk_split_suite,
     gemm_suite,
     crate::w4a16::check::suite,
 ];

@@ -26,7 +26,7 @@ pub use gemm_bf16::{GemmBf16, GemmParams};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
 pub use silu_mul::{SiluMul, SiluMulParams};
-pub use topk::{RowTopk, TopkParams};
+pub use topk::{RowTopk, RowTopkSplit, TopkParams, TopkRunner, TopkSplitParams};
 
 use ddtree_codegen::{CodegenError, Kernel};
 
@@ -62,6 +62,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<RopeInterleaved>()?);
     all.extend(variants::<Embedding>()?);
     all.extend(variants::<RowTopk>()?);
+    all.extend(variants::<RowTopkSplit>()?);
     all.extend(variants::<GemmBf16>()?);
     all.extend(variants::<FillRandomBf16>()?);
     all.extend(variants::<FillRandomF32>()?);

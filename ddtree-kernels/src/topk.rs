@@ -3,8 +3,19 @@
 //! Each thread keeps a sorted top-k of its strided slice in registers; the block then merges
 //! the per-thread lists with k rounds of a warp-shuffle + shared-memory argmax. Order: larger
 //! value first; equal values: smaller index first. NaN values are never selected.
+//!
+//! [`RowTopk`] runs one block per row, which leaves most of the GPU idle for the decode case (a
+//! few rows of a 163840-wide vocabulary). [`RowTopkSplit`] spreads each row over many blocks in
+//! two launches: a part pass (grid `(parts, rows)`, each block the exact top-k of its slice of
+//! `block * per` columns) and a merge pass (grid `(1, rows)`, the top-k of the `parts * k`
+//! candidates by the same order). [`TopkRunner`] picks between the two paths by row count.
 
+use std::sync::Arc;
+
+use ddtree_codegen::Kernel;
 use ddtree_macros::{kernel, KernelParams};
+use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
+use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 
 /// Compile-time parameters of [`RowTopk`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
@@ -106,6 +117,283 @@ pub fn row_topk(#[comptime] p: &TopkParams, logits: &[f32], values: &mut [f32], 
             head += 1;
         }
         sync_threads();
+    }
+}
+
+/// Compile-time parameters of [`RowTopkSplit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct TopkSplitParams {
+    /// Threads per block.
+    pub block: u32,
+    /// Items each thread loads per step (a part block covers `block * per` columns).
+    pub per: u32,
+    /// How many entries to keep (1 = argmax).
+    pub k: u32,
+    /// The merge pass (else the part pass).
+    pub merge: bool,
+}
+
+impl TopkSplitParams {
+    /// The part-pass variant for `k` (the first part candidate of the space with that `k`).
+    pub fn part(k: u32) -> Option<TopkSplitParams> {
+        Self::find(k, false)
+    }
+
+    /// The merge-pass variant for `k`.
+    pub fn merge(k: u32) -> Option<TopkSplitParams> {
+        Self::find(k, true)
+    }
+
+    fn find(k: u32, merge: bool) -> Option<TopkSplitParams> {
+        RowTopkSplit::space().into_iter().find(|p| p.k == k && p.merge == merge)
+    }
+
+    /// Columns one part block covers.
+    pub fn span(&self) -> usize {
+        (self.block * self.per) as usize
+    }
+
+    /// Part blocks per row of `n` columns.
+    pub fn parts(&self, n: usize) -> usize {
+        n.div_ceil(self.span())
+    }
+}
+
+/// Split row top-k, one pass of two (see the module docs); `len` is the input row length.
+///
+/// Part pass (grid `(parts, rows)`, `parts = ceil(n / (block * per))`): `vals` = `[rows, n]`
+/// with `len = n`; block `b` covers columns `[b * block * per, min((b + 1) * block * per, n))`
+/// and writes its slice's `k` best to `out_v` / `out_i` (`[rows, parts, k]`, best first; slots
+/// beyond the slice's non-NaN count get `(-inf, u32::MAX)`, which no real entry loses to).
+/// `ids` is unused.
+///
+/// Merge pass (grid `(1, rows)`): `vals` / `ids` = the part pass's candidates with
+/// `len = parts * k`; writes the row's `k` best to `out_v` / `out_i` (`[rows, k]`).
+#[kernel(block = p.block, space = [
+    TopkSplitParams { block: 256, per: 4, k: 1, merge: false },
+    TopkSplitParams { block: 256, per: 1, k: 1, merge: true },
+    TopkSplitParams { block: 256, per: 4, k: 8, merge: false },
+    TopkSplitParams { block: 512, per: 4, k: 8, merge: true },
+    TopkSplitParams { block: 128, per: 8, k: 32, merge: false },
+    TopkSplitParams { block: 128, per: 16, k: 32, merge: true },
+])]
+pub fn row_topk_split(
+    #[comptime] p: &TopkSplitParams,
+    vals: &[f32],
+    ids: &[u32],
+    out_v: &mut [f32],
+    out_i: &mut [u32],
+    len: u32,
+) {
+    comptime_assert!(p.k >= 1 && p.k <= 64, "k must be in 1..=64");
+    comptime_assert!(p.per >= 1 && p.per <= 16, "per must be in 1..=16");
+    comptime_assert!(p.block % 32 == 0, "block must be a multiple of 32");
+    comptime_assert!(
+        p.block * p.k <= 4096,
+        "the per-thread lists (block * k entries) must fit in shared memory"
+    );
+    let tid = thread_idx_x();
+    let blk = block_idx_x();
+    let row = block_idx_y();
+    let lo = blk * p.block * p.per;
+    let cnt = if p.merge { len } else { (len - lo).min(p.block * p.per) };
+    let base = row * len + lo;
+    let mut vals_r = [f32::NEG_INFINITY; p.k];
+    let mut idxs_r = [u32::MAX; p.k];
+    for c in (0..cnt).step_by(p.block * p.per) {
+        // All loads of a step first (independent, in flight together), then the inserts.
+        let mut xv = [f32::NAN; p.per];
+        let mut xi = [u32::MAX; p.per];
+        #[unroll]
+        for j in 0..p.per {
+            let i = c + j * p.block + tid;
+            if i < cnt {
+                xv[j] = vals[base + i];
+                xi[j] = if p.merge { ids[base + i] } else { lo + i };
+            }
+        }
+        #[unroll]
+        for j in 0..p.per {
+            let v = xv[j];
+            let i = xi[j];
+            if v > vals_r[p.k - 1] || (v == vals_r[p.k - 1] && i < idxs_r[p.k - 1]) {
+                vals_r[p.k - 1] = v;
+                idxs_r[p.k - 1] = i;
+                #[unroll]
+                for m in 1..p.k {
+                    let a = p.k - m;
+                    if vals_r[a] > vals_r[a - 1] || (vals_r[a] == vals_r[a - 1] && idxs_r[a] < idxs_r[a - 1]) {
+                        let tv = vals_r[a];
+                        vals_r[a] = vals_r[a - 1];
+                        vals_r[a - 1] = tv;
+                        let ti = idxs_r[a];
+                        idxs_r[a] = idxs_r[a - 1];
+                        idxs_r[a - 1] = ti;
+                    }
+                }
+            }
+        }
+    }
+    let list_v = shared::<f32>(p.block * p.k);
+    let list_i = shared::<u32>(p.block * p.k);
+    let warp_v = shared::<f32>(32);
+    let warp_i = shared::<u32>(32);
+    #[unroll]
+    for j in 0..p.k {
+        list_v[tid * p.k + j] = vals_r[j];
+        list_i[tid * p.k + j] = idxs_r[j];
+    }
+    sync_threads();
+    let out = (row * grid_dim_x() + blk) * p.k;
+    let mut head = 0u32;
+    for r in 0..p.k {
+        let mut hv = f32::NEG_INFINITY;
+        let mut hi = u32::MAX;
+        if head < p.k {
+            hv = list_v[tid * p.k + head];
+            hi = list_i[tid * p.k + head];
+        }
+        let mut v = hv;
+        let mut i = hi;
+        #[unroll]
+        for s in 0..5u32 {
+            let ov = shfl_xor(v, 16u32 >> s);
+            let oi = shfl_xor(i, 16u32 >> s);
+            if ov > v || (ov == v && oi < i) {
+                v = ov;
+                i = oi;
+            }
+        }
+        if lane_id() == 0 {
+            warp_v[warp_id()] = v;
+            warp_i[warp_id()] = i;
+        }
+        sync_threads();
+        let mut bv = warp_v[0];
+        let mut bi = warp_i[0];
+        for w in 1..p.block / 32 {
+            let ov = warp_v[w];
+            let oi = warp_i[w];
+            if ov > bv || (ov == bv && oi < bi) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if tid == 0 {
+            out_v[out + r] = bv;
+            out_i[out + r] = bi;
+        }
+        // Real (value, index) pairs are unique, so exactly one thread owns the winner; when
+        // the winner is the (-inf, u32::MAX) filler, every remaining entry is filler too.
+        if head < p.k && hv == bv && hi == bi {
+            head += 1;
+        }
+        sync_threads();
+    }
+}
+
+/// Rows below which [`TopkRunner`] takes the split path: with fewer rows than about a quarter
+/// of the SMs, one block per row leaves the GPU mostly idle, while from 32 rows on the
+/// one-block-per-row kernel has blocks enough and skips the second launch.
+pub const SPLIT_MAX_ROWS: usize = 32;
+
+/// Row top-k on a [`Gpu`] for one `k`: [`RowTopkSplit`] (part + merge) for fewer than
+/// [`SPLIT_MAX_ROWS`] rows, [`RowTopk`] (its default variant for `k`) otherwise.
+pub struct TopkRunner {
+    k: usize,
+    full: CompiledKernel<RowTopk>,
+    part_p: TopkSplitParams,
+    part: CompiledKernel<RowTopkSplit>,
+    merge: CompiledKernel<RowTopkSplit>,
+    /// The split path's candidate values and columns, grown on demand.
+    cand: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
+}
+
+fn bad_args(reason: String) -> RuntimeError {
+    RuntimeError::Launch {
+        kernel: RowTopkSplit::NAME.into(),
+        reason,
+    }
+}
+
+impl TopkRunner {
+    /// Compiles the kernels for `k` (one of the `k`s of both spaces: 1, 8, 32).
+    pub fn new(gpu: &Gpu, k: usize) -> Result<TopkRunner, RuntimeError> {
+        let kk = k as u32;
+        let full = RowTopk::space().into_iter().find(|p| p.k == kk);
+        let (Some(full), Some(part_p), Some(merge_p)) = (full, TopkSplitParams::part(kk), TopkSplitParams::merge(kk))
+        else {
+            return Err(bad_args(format!("no top-k variant for k = {k}")));
+        };
+        Ok(TopkRunner {
+            k,
+            full: gpu.compile::<RowTopk>(&full)?,
+            part_p,
+            part: gpu.compile::<RowTopkSplit>(&part_p)?,
+            merge: gpu.compile::<RowTopkSplit>(&merge_p)?,
+            cand: None,
+        })
+    }
+
+    /// Writes each row's `k` best (value, column) pairs of `logits` (`[rows, n]`) to `values` /
+    /// `indices` (`[rows, k]`), best first, by [`reference`]'s order. Checks the sizes; grows
+    /// the candidate buffers of the split path on first use of a larger shape.
+    pub fn run(
+        &mut self,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        values: &mut CudaSlice<f32>,
+        indices: &mut CudaSlice<u32>,
+        rows: usize,
+        n: usize,
+    ) -> Result<(), RuntimeError> {
+        let k = self.k;
+        if rows == 0 || n < k || n > u32::MAX as usize / rows || logits.len() < rows * n {
+            return Err(bad_args(format!(
+                "{rows} rows of n = {n} need n >= k = {k} and {} logits, got {}",
+                rows * n,
+                logits.len()
+            )));
+        }
+        if values.len() < rows * k || indices.len() < rows * k {
+            return Err(bad_args(format!("outputs need {} entries", rows * k)));
+        }
+        if rows >= SPLIT_MAX_ROWS {
+            // SAFETY: logits hold rows * n values with n >= k; the outputs hold rows * k.
+            return unsafe { RowTopk::launch(&self.full, s, rows as u32, logits, values, indices, n as u32) };
+        }
+        let parts = self.part_p.parts(n);
+        let need = rows * parts * k;
+        let (cv, ci) = match &mut self.cand {
+            Some(c) if c.0.len() >= need => c,
+            slot => {
+                let drv = |source| RuntimeError::Driver {
+                    context: "allocating top-k candidates".into(),
+                    source,
+                };
+                let c = (
+                    s.alloc_zeros::<f32>(need).map_err(drv)?,
+                    s.alloc_zeros::<u32>(need).map_err(drv)?,
+                );
+                slot.insert(c)
+            }
+        };
+        let grid = (parts as u32, rows as u32);
+        // SAFETY: logits hold rows * n values; the candidates rows * parts * k; ids is unused by
+        // the part pass; the merge reads rows * parts * k candidates and writes rows * k.
+        unsafe {
+            RowTopkSplit::launch(&self.part, s, grid, logits, indices, cv, ci, n as u32)?;
+            RowTopkSplit::launch(
+                &self.merge,
+                s,
+                (1u32, rows as u32),
+                cv,
+                ci,
+                values,
+                indices,
+                (parts * k) as u32,
+            )
+        }
     }
 }
 

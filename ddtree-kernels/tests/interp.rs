@@ -7,7 +7,7 @@ use std::time::Instant;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
-use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
+use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -53,6 +53,12 @@ fn embedding() {
 #[test]
 fn topk() {
     every_candidate::<RowTopk>(check::topk_suite);
+}
+
+/// Every part variant with the merge variant of its `k`, so every candidate of both passes.
+#[test]
+fn topk_split() {
+    every_candidate::<RowTopkSplit>(check::topk_split_suite);
 }
 
 #[test]

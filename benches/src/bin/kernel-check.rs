@@ -3,9 +3,12 @@
 //! 1. every candidate of every kernel against its CPU reference (fresh random inputs, poisoned
 //!    outputs, ragged sizes and the Kimi K2.6 sizes);
 //! 2. device copy bandwidth;
-//! 3. the bf16 tile GEMM's TFLOP/s for every candidate next to cuBLAS bf16 on the same shapes.
+//! 3. the bf16 tile GEMM's TFLOP/s for every candidate next to cuBLAS bf16 on the same shapes;
+//! 4. row top-k at the decode sizes (rows 1, 4, 16 of n = 163840, k = 1 and 8): the one-block-
+//!    per-row `RowTopk` default next to the split path of `TopkRunner`, whose output is checked.
 //!
-//! Usage: `kernel-check [--small] [--seed N] [--skip-bench]`. Exits non-zero if any check fails.
+//! Usage: `kernel-check [--small] [--seed N] [--skip-bench] [--topk-only]`. Exits non-zero if any
+//! check fails.
 
 use std::process::ExitCode;
 
@@ -13,12 +16,13 @@ use clap::Parser;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use ddtree_codegen::Kernel;
-use ddtree_kernels::check::{self, Sizes};
-use ddtree_kernels::GemmBf16;
+use ddtree_kernels::check::{self, CheckResult, Sizes, Target};
+use ddtree_kernels::{topk, GemmBf16, RowTopk, TopkRunner};
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 #[derive(Parser)]
 #[command(
@@ -31,9 +35,12 @@ struct Args {
     /// Seed for the random inputs (default: from the clock; printed).
     #[arg(long)]
     seed: Option<u64>,
-    /// Skip the bandwidth and GEMM timings.
+    /// Skip the bandwidth, GEMM and top-k timings.
     #[arg(long)]
     skip_bench: bool,
+    /// Only the top-k checks (both kernels) and the top-k timings.
+    #[arg(long)]
+    topk_only: bool,
 }
 
 fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError + '_ {
@@ -135,6 +142,74 @@ fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), Runtime
     Ok(())
 }
 
+/// Times row top-k at the decode sizes: `RowTopk`'s default variant for `k` (one block per row)
+/// next to `TopkRunner`'s split path, after checking the runner's output against
+/// `topk::reference`. Returns whether every output matched.
+fn topk_bench(gpu: &Gpu) -> Result<bool, RuntimeError> {
+    let s = gpu.stream();
+    let n = 163840usize;
+    let mut rng = rand::rng();
+    let mut all_ok = true;
+    println!("\n| rows | n | k | RowTopk default | µs | split (TopkRunner) µs | speed-up | split output |");
+    println!("|---:|---:|---:|---|---:|---:|---:|---|");
+    for k in [1usize, 8] {
+        let full_p = RowTopk::space()
+            .into_iter()
+            .find(|p| p.k as usize == k)
+            .expect("RowTopk has a variant for k = 1 and 8");
+        let full = gpu.compile::<RowTopk>(&full_p)?;
+        let mut runner = TopkRunner::new(gpu, k)?;
+        for rows in [1usize, 4, 16] {
+            let logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
+            let dl = s.clone_htod(&logits).map_err(drv("upload"))?;
+            let mut values = s.alloc_zeros::<f32>(rows * k).map_err(drv("allocating"))?;
+            let mut indices = s.alloc_zeros::<u32>(rows * k).map_err(drv("allocating"))?;
+            runner.run(s, &dl, &mut values, &mut indices, rows, n)?;
+            let gv = s.clone_dtoh(&values).map_err(drv("download"))?;
+            let gi = s.clone_dtoh(&indices).map_err(drv("download"))?;
+            let got: Vec<(f32, u32)> = gv.into_iter().zip(gi).collect();
+            let ok = got == topk::reference(&logits, n, k);
+            all_ok &= ok;
+            let full_us = median_us(s, 10, 100, |_| {
+                // SAFETY: logits hold rows * n values with n >= k; the outputs hold rows * k.
+                unsafe { RowTopk::launch(&full, s, rows as u32, &dl, &mut values, &mut indices, n as u32) }
+            })?;
+            let split_us = median_us(s, 10, 100, |_| runner.run(s, &dl, &mut values, &mut indices, rows, n))?;
+            println!(
+                "| {rows} | {n} | {k} | {} | {full_us:.1} | {split_us:.1} | {:.1}x | {} |",
+                RowTopk::symbol(&full_p),
+                full_us / split_us,
+                if ok { "exact" } else { "MISMATCH" }
+            );
+        }
+    }
+    Ok(all_ok)
+}
+
+/// Prints the failures and the per-kernel table of `results`.
+fn report(results: &[CheckResult]) {
+    for r in results.iter().filter(|r| !r.passed) {
+        println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
+    }
+    println!("\n| kernel | variants | checks | passed | worst rel L2 | worst max abs |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut kernels: Vec<&str> = results.iter().map(|r| r.kernel).collect();
+    kernels.dedup();
+    for k in kernels {
+        let rs: Vec<_> = results.iter().filter(|r| r.kernel == k).collect();
+        let mut variants: Vec<&str> = rs.iter().map(|r| r.symbol.as_str()).collect();
+        variants.dedup();
+        let worst_l2 = rs.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
+        let worst_abs = rs.iter().map(|r| r.comparison.max_abs).fold(0f32, f32::max);
+        println!(
+            "| {k} | {} | {} | {} | {worst_l2:.2e} | {worst_abs:.2e} |",
+            variants.len(),
+            rs.len(),
+            rs.iter().filter(|r| r.passed).count()
+        );
+    }
+}
+
 fn run(args: &Args) -> Result<bool, RuntimeError> {
     let gpu = Gpu::open(0)?;
     let f = gpu.fingerprint();
@@ -156,33 +231,21 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             .unwrap_or(1)
     });
     println!("seed: {seed}");
-    let results = check::run_all(
-        &check::Target::Gpu(&gpu),
-        if args.small { Sizes::Small } else { Sizes::Full },
-        seed,
-    )?;
-    for r in results.iter().filter(|r| !r.passed) {
-        println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
-    }
-    println!("\n| kernel | variants | checks | passed | worst rel L2 | worst max abs |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    let mut kernels: Vec<&str> = results.iter().map(|r| r.kernel).collect();
-    kernels.dedup();
-    for k in kernels {
-        let rs: Vec<_> = results.iter().filter(|r| r.kernel == k).collect();
-        let mut variants: Vec<&str> = rs.iter().map(|r| r.symbol.as_str()).collect();
-        variants.dedup();
-        let worst_l2 = rs.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
-        let worst_abs = rs.iter().map(|r| r.comparison.max_abs).fold(0f32, f32::max);
-        println!(
-            "| {k} | {} | {} | {} | {worst_l2:.2e} | {worst_abs:.2e} |",
-            variants.len(),
-            rs.len(),
-            rs.iter().filter(|r| r.passed).count()
-        );
-    }
-    let all_passed = results.iter().all(|r| r.passed);
-    if !args.skip_bench {
+    let target = Target::Gpu(&gpu);
+    let sizes = if args.small { Sizes::Small } else { Sizes::Full };
+    let results = if args.topk_only {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut out = check::topk_suite(&target, sizes, &mut rng)?;
+        out.extend(check::topk_split_suite(&target, sizes, &mut rng)?);
+        out
+    } else {
+        check::run_all(&target, sizes, seed)?
+    };
+    report(&results);
+    let mut all_passed = results.iter().all(|r| r.passed);
+    if args.topk_only {
+        all_passed &= topk_bench(&gpu)?;
+    } else if !args.skip_bench {
         println!(
             "\ncopy bandwidth (device to device, read + write): {:.0} GB/s",
             copy_bandwidth(&gpu)?
@@ -196,6 +259,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
                 (2048, 7168, 7168),
             ],
         )?;
+        all_passed &= topk_bench(&gpu)?;
     }
     Ok(all_passed)
 }
