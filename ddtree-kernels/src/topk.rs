@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use ddtree_codegen::Kernel;
-use ddtree_macros::{kernel, KernelParams};
+use ddtree_macros::{device_fn, kernel, KernelParams};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 
@@ -167,6 +167,11 @@ impl TopkSplitParams {
 /// beyond the slice's non-NaN count get `(-inf, u32::MAX)`, which no real entry loses to).
 /// `ids` is unused.
 ///
+/// Both passes keep a sorted top-k per thread (a cheap test against the thread's k-th entry
+/// first), then merge without per-round block barriers: each warp takes the k best of its
+/// lanes' lists by k warp argmaxes, and after one barrier warp 0 takes the k best of the
+/// per-warp lists the same way.
+///
 /// Merge pass (grid `(1, rows)`): `vals` / `ids` = the part pass's candidates with
 /// `len = parts * k`; writes the row's `k` best to `out_v` / `out_i` (`[rows, k]`).
 #[kernel(block = p.block, space = [
@@ -236,15 +241,17 @@ pub fn row_topk_split(
     }
     let list_v = shared::<f32>(p.block * p.k);
     let list_i = shared::<u32>(p.block * p.k);
-    let warp_v = shared::<f32>(32);
-    let warp_i = shared::<u32>(32);
+    let warp_v = shared::<f32>(p.block / 32 * p.k);
+    let warp_i = shared::<u32>(p.block / 32 * p.k);
     #[unroll]
     for j in 0..p.k {
         list_v[tid * p.k + j] = vals_r[j];
         list_i[tid * p.k + j] = idxs_r[j];
     }
-    sync_threads();
-    let out = (row * grid_dim_x() + blk) * p.k;
+    // Each warp: the k best of its lanes' lists, by k warp argmaxes (no block barrier: a lane
+    // reads only its own list).
+    let lane = lane_id();
+    let warp = warp_id();
     let mut head = 0u32;
     for r in 0..p.k {
         let mut hv = f32::NEG_INFINITY;
@@ -253,43 +260,63 @@ pub fn row_topk_split(
             hv = list_v[tid * p.k + head];
             hi = list_i[tid * p.k + head];
         }
-        let mut v = hv;
-        let mut i = hi;
-        #[unroll]
-        for s in 0..5u32 {
-            let ov = shfl_xor(v, 16u32 >> s);
-            let oi = shfl_xor(i, 16u32 >> s);
-            if ov > v || (ov == v && oi < i) {
-                v = ov;
-                i = oi;
-            }
+        let win = warp_best_lane(hv, hi);
+        let bv = shfl_idx(hv, win);
+        let bi = shfl_idx(hi, win);
+        if lane == 0 {
+            warp_v[warp * p.k + r] = bv;
+            warp_i[warp * p.k + r] = bi;
         }
-        if lane_id() == 0 {
-            warp_v[warp_id()] = v;
-            warp_i[warp_id()] = i;
-        }
-        sync_threads();
-        let mut bv = warp_v[0];
-        let mut bi = warp_i[0];
-        for w in 1..p.block / 32 {
-            let ov = warp_v[w];
-            let oi = warp_i[w];
-            if ov > bv || (ov == bv && oi < bi) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        if tid == 0 {
-            out_v[out + r] = bv;
-            out_i[out + r] = bi;
-        }
-        // Real (value, index) pairs are unique, so exactly one thread owns the winner; when
-        // the winner is the (-inf, u32::MAX) filler, every remaining entry is filler too.
-        if head < p.k && hv == bv && hi == bi {
+        if lane == win {
             head += 1;
         }
-        sync_threads();
     }
+    sync_threads();
+    // Warp 0: the block's k best of the per-warp lists (lane w holds warp w's).
+    if warp == 0 {
+        let out = (row * grid_dim_x() + blk) * p.k;
+        let mut wh = 0u32;
+        for r in 0..p.k {
+            let mut hv = f32::NEG_INFINITY;
+            let mut hi = u32::MAX;
+            if lane < p.block / 32 && wh < p.k {
+                hv = warp_v[lane * p.k + wh];
+                hi = warp_i[lane * p.k + wh];
+            }
+            let win = warp_best_lane(hv, hi);
+            let bv = shfl_idx(hv, win);
+            let bi = shfl_idx(hi, win);
+            if lane == 0 {
+                out_v[out + r] = bv;
+                out_i[out + r] = bi;
+            }
+            if lane == win {
+                wh += 1;
+            }
+        }
+    }
+}
+
+/// The lane holding the best `(v, i)` of the warp by the top-k order (larger value, then smaller
+/// index, then smaller lane, so exactly one lane wins even among equal fillers); every lane gets
+/// it. All 32 lanes must call it.
+#[device_fn]
+fn warp_best_lane(v: f32, i: u32) -> u32 {
+    let mut bv = v;
+    let mut bi = i;
+    let mut bl = lane_id();
+    #[unroll]
+    for s in 0..5u32 {
+        let ov = shfl_xor(bv, 16u32 >> s);
+        let oi = shfl_xor(bi, 16u32 >> s);
+        let ol = shfl_xor(bl, 16u32 >> s);
+        if ov > bv || (ov == bv && (oi < bi || (oi == bi && ol < bl))) {
+            bv = ov;
+            bi = oi;
+            bl = ol;
+        }
+    }
+    bl
 }
 
 /// Rows below which [`TopkRunner`] takes the split path: with fewer rows than about a quarter
