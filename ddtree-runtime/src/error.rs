@@ -117,7 +117,8 @@ pub enum ResourceLimit {
 }
 
 impl RuntimeError {
-    pub(crate) fn driver(context: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError {
+    /// Wraps a driver error with what was being done: `.map_err(RuntimeError::driver("copying"))`.
+    pub fn driver(context: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError {
         let context = context.into();
         move |source| RuntimeError::Driver { context, source }
     }

@@ -43,22 +43,6 @@ struct Args {
     topk_only: bool,
 }
 
-fn drv(context: &str) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |source| RuntimeError::Driver {
-        context: context.to_string(),
-        source,
-    }
-}
-
-fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
-    let s = gpu.stream();
-    let n = 1usize << 30; // 1 GiB each way
-    let src = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
-    let mut dst = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
-    let us = median_us(s, 3, 10, |_| s.memcpy_dtod(&src, &mut dst).map_err(drv("copying")))?;
-    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
-}
-
 fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch {
@@ -82,10 +66,12 @@ fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), Runtime
             let b: Vec<bf16> = (0..n * k)
                 .map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)))
                 .collect();
-            a_bufs.push(s.clone_htod(&a).map_err(drv("upload"))?);
-            b_bufs.push(s.clone_htod(&b).map_err(drv("upload"))?);
+            a_bufs.push(s.clone_htod(&a).map_err(RuntimeError::driver("upload"))?);
+            b_bufs.push(s.clone_htod(&b).map_err(RuntimeError::driver("upload"))?);
         }
-        let mut c = s.alloc_zeros::<bf16>(m * n).map_err(drv("allocating"))?;
+        let mut c = s
+            .alloc_zeros::<bf16>(m * n)
+            .map_err(RuntimeError::driver("allocating"))?;
         // cuBLAS (column-major): C^T[n, m] = B[n, k] . A[m, k]^T.
         let cfg = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_T,
@@ -161,12 +147,16 @@ fn topk_bench(gpu: &Gpu) -> Result<bool, RuntimeError> {
         let mut runner = TopkRunner::new(gpu, k)?;
         for rows in [1usize, 4, 16] {
             let logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
-            let dl = s.clone_htod(&logits).map_err(drv("upload"))?;
-            let mut values = s.alloc_zeros::<f32>(rows * k).map_err(drv("allocating"))?;
-            let mut indices = s.alloc_zeros::<u32>(rows * k).map_err(drv("allocating"))?;
+            let dl = s.clone_htod(&logits).map_err(RuntimeError::driver("upload"))?;
+            let mut values = s
+                .alloc_zeros::<f32>(rows * k)
+                .map_err(RuntimeError::driver("allocating"))?;
+            let mut indices = s
+                .alloc_zeros::<u32>(rows * k)
+                .map_err(RuntimeError::driver("allocating"))?;
             runner.run(s, &dl, &mut values, &mut indices, rows, n)?;
-            let gv = s.clone_dtoh(&values).map_err(drv("download"))?;
-            let gi = s.clone_dtoh(&indices).map_err(drv("download"))?;
+            let gv = s.clone_dtoh(&values).map_err(RuntimeError::driver("download"))?;
+            let gi = s.clone_dtoh(&indices).map_err(RuntimeError::driver("download"))?;
             let got: Vec<(f32, u32)> = gv.into_iter().zip(gi).collect();
             let ok = got == topk::reference(&logits, n, k);
             all_ok &= ok;
@@ -248,7 +238,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     } else if !args.skip_bench {
         println!(
             "\ncopy bandwidth (device to device, read + write): {:.0} GB/s",
-            copy_bandwidth(&gpu)?
+            ddtree_benches::copy_bandwidth(&gpu)?
         );
         gemm_bench(
             &gpu,
@@ -265,16 +255,5 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("some checks FAILED");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    ddtree_benches::exit_code(run(&Args::parse()))
 }

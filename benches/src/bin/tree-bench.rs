@@ -36,13 +36,6 @@ struct Args {
     skip_bench: bool,
 }
 
-fn drv(context: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> RuntimeError {
-    move |source| RuntimeError::Driver {
-        context: context.into(),
-        source,
-    }
-}
-
 fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
     let mut all = Vec::new();
     let mut push = |what: String, r: Result<Vec<CheckResult>, RuntimeError>| match r {
@@ -100,15 +93,6 @@ fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
         push(format!("accept {l} {v} {b}"), check::accept(gpu, l, v, b, rng));
     }
     all
-}
-
-fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
-    let s = gpu.stream();
-    let n = 1usize << 30;
-    let src = zeros::<u8>(s, n)?;
-    let mut dst = zeros::<u8>(s, n)?;
-    let us = median_us(s, 3, 10, |_| s.memcpy_dtod(&src, &mut dst).map_err(drv("copying")))?;
-    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
 }
 
 fn bf16_rate(gpu: &Gpu) -> Result<f64, RuntimeError> {
@@ -280,7 +264,7 @@ fn main() -> ExitCode {
     }
     let mut summary = Vec::new();
     if !args.skip_bench {
-        let bw = copy_bandwidth(&gpu).unwrap_or_else(|e| {
+        let bw = ddtree_benches::copy_bandwidth(&gpu).unwrap_or_else(|e| {
             println!("copy bandwidth failed: {e}; assuming 4200 GB/s");
             4200.0
         });

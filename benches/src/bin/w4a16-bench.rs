@@ -46,13 +46,6 @@ struct Args {
     reps: usize,
 }
 
-fn drv(context: &'static str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError {
-    move |source| RuntimeError::Driver {
-        context: context.into(),
-        source,
-    }
-}
-
 fn blas_err(e: cudarc::cublas::result::CublasError) -> RuntimeError {
     RuntimeError::Launch {
         kernel: "cublas".into(),
@@ -82,7 +75,7 @@ fn time_us(
 }
 
 fn upload<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> Result<CudaSlice<T>, RuntimeError> {
-    s.clone_htod(v).map_err(drv("copying to the GPU"))
+    s.clone_htod(v).map_err(RuntimeError::driver("copying to the GPU"))
 }
 
 /// Weights on the GPU in `layout` (interleaved ones repacked there by the repack kernel).
@@ -96,15 +89,6 @@ fn device_weights(gpu: &Gpu, p: &PackedInt4, layout: Layout) -> Result<CudaSlice
 /// Copies needed so one rotation of buffers of `bytes` each exceeds L2 three times over.
 fn copies(bytes: usize) -> usize {
     (3 * L2_BYTES).div_ceil(bytes).clamp(2, 16)
-}
-
-fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
-    let s = gpu.stream();
-    let n = 1usize << 30;
-    let src = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
-    let mut dst = s.alloc_zeros::<u8>(n).map_err(drv("allocating"))?;
-    let us = median_us(s, 3, 10, |_| s.memcpy_dtod(&src, &mut dst).map_err(drv("copying")))?;
-    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
 }
 
 /// Random INT4 weights (any nibble) and scales, fast: timing data only.
@@ -179,7 +163,9 @@ fn bench_shape(
         let acts: Vec<CudaSlice<bf16>> = (0..na)
             .map(|_| random_bf16_dev(s, rng, m * k))
             .collect::<Result<_, _>>()?;
-        let mut out = s.alloc_zeros::<bf16>(m * n).map_err(drv("allocating"))?;
+        let mut out = s
+            .alloc_zeros::<bf16>(m * n)
+            .map_err(RuntimeError::driver("allocating"))?;
         let mut scratch = Scratch::new(s, 8 * m * n)?;
         let cfg = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_T,
@@ -309,7 +295,9 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
             routes.push((upload(s, &ids)?, upload(s, &w)?));
         }
         let x = random_bf16_dev(s, rng, tokens * hidden)?;
-        let mut out = s.alloc_zeros::<bf16>(tokens * hidden).map_err(drv("allocating"))?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * hidden)
+            .map_err(RuntimeError::driver("allocating"))?;
         let mut best: Option<(f64, String)> = None;
         for (kern, (up, down)) in kernels.iter().zip(&pairs) {
             let (_, d13, d2) = layouts
@@ -381,7 +369,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
         );
         all_passed = passed == results.len();
     }
-    let bw = copy_bandwidth(&gpu)?;
+    let bw = ddtree_benches::copy_bandwidth(&gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
     println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");
     println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits |");
@@ -405,16 +393,5 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("some checks FAILED");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    ddtree_benches::exit_code(run(&Args::parse()))
 }
