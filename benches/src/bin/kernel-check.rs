@@ -13,8 +13,6 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Target};
 use ddtree_kernels::{topk, GemmBf16, RowTopk, TopkRunner};
@@ -45,10 +43,7 @@ struct Args {
 
 fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch {
-        kernel: "cublas".into(),
-        reason: format!("{e:?}"),
-    })?;
+    let blas = ddtree_benches::Cublas::new(gpu)?;
     let mut rng = rand::rng();
     println!("\n| shape (m x n x k) | variant | µs | TFLOP/s | vs cuBLAS |");
     println!("|---|---|---:|---:|---:|");
@@ -72,27 +67,9 @@ fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), Runtime
         let mut c = s
             .alloc_zeros::<bf16>(m * n)
             .map_err(RuntimeError::driver("allocating"))?;
-        // cuBLAS (column-major): C^T[n, m] = B[n, k] . A[m, k]^T.
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: m as i32,
-            k: k as i32,
-            alpha: bf16::ONE,
-            lda: k as i32,
-            ldb: k as i32,
-            beta: bf16::ZERO,
-            ldc: n as i32,
-        };
         let cublas_us = median_us(s, 5, 30, |i| {
             // SAFETY: shapes and leading dimensions match the buffers.
-            unsafe { blas.gemm(cfg, &b_bufs[i % copies], &a_bufs[i % copies], &mut c) }.map_err(|e| {
-                RuntimeError::Launch {
-                    kernel: "cublas".into(),
-                    reason: format!("{e:?}"),
-                }
-            })
+            unsafe { blas.linear(&a_bufs[i % copies], &b_bufs[i % copies], &mut c, m, n, k) }
         })?;
         println!(
             "| {m} x {n} x {k} | cuBLAS bf16 | {cublas_us:.1} | {:.1} | 1.00 |",

@@ -9,8 +9,6 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::CheckResult;
 use ddtree_kernels::tree::check::{self, random_logits, random_mask};
@@ -97,31 +95,13 @@ fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
 
 fn bf16_rate(gpu: &Gpu) -> Result<f64, RuntimeError> {
     let s = gpu.stream();
-    let blas = CudaBlas::new(s.clone()).map_err(|e| RuntimeError::Launch {
-        kernel: "cublas".into(),
-        reason: format!("{e:?}"),
-    })?;
+    let blas = ddtree_benches::Cublas::new(gpu)?;
     let n = 8192usize;
     let a = upload(s, &vec![bf16::from_f32(0.01); n * n])?;
     let mut c = zeros::<bf16>(s, n * n)?;
-    let cfg = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: n as i32,
-        n: n as i32,
-        k: n as i32,
-        alpha: bf16::ONE,
-        lda: n as i32,
-        ldb: n as i32,
-        beta: bf16::ZERO,
-        ldc: n as i32,
-    };
     let us = median_us(s, 2, 5, |_| {
         // SAFETY: a and c hold n * n elements.
-        unsafe { blas.gemm(cfg, &a, &a, &mut c) }.map_err(|e| RuntimeError::Launch {
-            kernel: "cublas".into(),
-            reason: format!("{e:?}"),
-        })
+        unsafe { blas.linear(&a, &a, &mut c, n, n, n) }
     })?;
     Ok(2.0 * (n as f64).powi(3) / (us * 1e-6) / 1e12)
 }

@@ -16,8 +16,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{DevBuf, Sizes, Target};
@@ -44,13 +42,6 @@ struct Args {
     /// Timed samples per measurement (each the mean of a batch of calls).
     #[arg(long, default_value_t = 7)]
     reps: usize,
-}
-
-fn blas_err(e: cudarc::cublas::result::CublasError) -> RuntimeError {
-    RuntimeError::Launch {
-        kernel: "cublas".into(),
-        reason: format!("{e:?}"),
-    }
 }
 
 const L2_BYTES: usize = 60 << 20;
@@ -145,7 +136,7 @@ fn bench_shape(
     let bws: Vec<CudaSlice<bf16>> = (0..nb)
         .map(|_| random_bf16_dev(s, rng, n * k))
         .collect::<Result<_, _>>()?;
-    let blas = CudaBlas::new(s.clone()).map_err(blas_err)?;
+    let blas = ddtree_benches::Cublas::new(gpu)?;
     let mut kernels = Vec::new();
     for p in DENSE_SPACE.iter().filter(|p| p.group == 32) {
         let red = if p.splitk {
@@ -167,21 +158,9 @@ fn bench_shape(
             .alloc_zeros::<bf16>(m * n)
             .map_err(RuntimeError::driver("allocating"))?;
         let mut scratch = Scratch::new(s, 8 * m * n)?;
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: m as i32,
-            k: k as i32,
-            alpha: bf16::ONE,
-            lda: k as i32,
-            ldb: k as i32,
-            beta: bf16::ZERO,
-            ldc: n as i32,
-        };
         let cublas = time_us(s, reps, |i| {
-            // SAFETY: b is n x k, a is m x k, c is m x n (column-major C^T = B . A^T).
-            unsafe { blas.gemm(cfg, &bws[i % nb], &acts[i % na], &mut out) }.map_err(blas_err)
+            // SAFETY: a is m x k, b is n x k, c is m x n.
+            unsafe { blas.linear(&acts[i % na], &bws[i % nb], &mut out, m, n, k) }
         })?;
         let kbs = k.div_ceil(128) as u32;
         let (dp, dsplits) = default_dense(m as u32, n as u32, k as u32);
