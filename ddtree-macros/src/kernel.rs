@@ -65,17 +65,20 @@ fn runtime_arg(ident: &syn::Ident, ty: &Type, errors: &mut Vec<syn::Error>) -> O
         let s = scalar_of_type(elem)?;
         let st = scalar_tokens(s);
         let ir = quote!(::ddtree_codegen::Ty::Slice { elem: #st, mutable: #mutable });
+        // Any cudarc buffer (a `CudaSlice` or a view into one) is accepted; the launcher binds
+        // its device pointer (and the guard that orders it on the stream) before the launch.
+        let ptr = format_ident!("__ptr_{}", ident);
         if mutable {
             Some((
                 ir,
-                quote!(&mut ::ddtree_runtime::cudarc::driver::CudaSlice<#elem>),
-                quote!(#ident),
+                quote!(&mut impl ::ddtree_runtime::cudarc::driver::DevicePtrMut<#elem>),
+                quote!(&#ptr.0),
             ))
         } else {
             Some((
                 ir,
-                quote!(&::ddtree_runtime::cudarc::driver::CudaSlice<#elem>),
-                quote!(#ident),
+                quote!(&impl ::ddtree_runtime::cudarc::driver::DevicePtr<#elem>),
+                quote!(&#ptr.0),
             ))
         }
     };
@@ -345,6 +348,19 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
         let (i, t) = (&a.ident, &a.host_ty);
         quote!(#i: #t)
     });
+    let binds = rt_args.iter().filter_map(|a| {
+        let i = &a.ident;
+        let ptr = format_ident!("__ptr_{}", i);
+        match &a.ty {
+            Type::Reference(r) if r.mutability.is_some() => Some(
+                quote!(let #ptr = ::ddtree_runtime::cudarc::driver::DevicePtrMut::device_ptr_mut(#i, stream);),
+            ),
+            Type::Reference(_) => {
+                Some(quote!(let #ptr = ::ddtree_runtime::cudarc::driver::DevicePtr::device_ptr(#i, stream);))
+            }
+            _ => None,
+        }
+    });
     let pushes = rt_args.iter().map(|a| {
         let p = &a.push;
         quote!(__l.arg(#p);)
@@ -386,6 +402,7 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
                 grid: impl ::core::convert::Into<::ddtree_runtime::Grid>,
                 #(#host_params),*
             ) -> ::core::result::Result<(), ::ddtree_runtime::RuntimeError> {
+                #(#binds)*
                 let mut __l = kernel.launcher(stream, grid.into())?;
                 #(#pushes)*
                 // SAFETY: the argument list matches the generated C signature in order and
