@@ -63,29 +63,29 @@ pub struct Attention<W, V> {
 
 /// The MoE block of one layer.
 #[derive(Debug)]
-pub struct Moe<W, V> {
+pub struct Moe<W, V, E> {
     /// Router `mlp.gate.weight` `[E, hidden]`.
     pub router: W,
     /// `e_score_correction_bias` `[E]`.
     pub bias: V,
-    /// Routed experts.
-    pub experts: Vec<Ffn<W>>,
+    /// Routed experts, held together as the backend's grouped form.
+    pub experts: E,
     /// Shared experts (fused into one FFN), if `n_shared_experts > 0`.
     pub shared: Option<Ffn<W>>,
 }
 
 /// A layer's MLP.
 #[derive(Debug)]
-pub enum Mlp<W, V> {
+pub enum Mlp<W, V, E> {
     /// Layers below `first_k_dense_replace`.
     Dense(Ffn<W>),
     /// The other layers.
-    Moe(Moe<W, V>),
+    Moe(Moe<W, V, E>),
 }
 
 /// One decoder layer.
 #[derive(Debug)]
-pub struct Layer<W, V> {
+pub struct Layer<W, V, E> {
     /// `input_layernorm`.
     pub input_norm: V,
     /// `self_attn`.
@@ -93,17 +93,17 @@ pub struct Layer<W, V> {
     /// `post_attention_layernorm`.
     pub post_norm: V,
     /// `mlp`.
-    pub mlp: Mlp<W, V>,
+    pub mlp: Mlp<W, V, E>,
 }
 
 /// All weights, generic over the leaf types so the same tree describes a checkpoint being
 /// validated and a model loaded on a backend.
 #[derive(Debug)]
-pub struct Weights<W, V, T> {
+pub struct Weights<W, V, T, E> {
     /// `model.embed_tokens`.
     pub embed: T,
     /// `model.layers.*`.
-    pub layers: Vec<Layer<W, V>>,
+    pub layers: Vec<Layer<W, V, E>>,
     /// `model.norm`.
     pub norm: V,
     /// `lm_head` (or the embedding when tied).
@@ -115,20 +115,33 @@ trait LeafSource {
     type W;
     type V;
     type T;
+    type E;
     fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<Self::W>;
     fn vector(&mut self, name: &str, len: usize) -> Result<Self::V>;
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Self::T>;
+    /// The `count` routed experts under `{prefix}.{e}.{gate,up,down}_proj`.
+    fn experts(&mut self, prefix: &str, count: usize, inter: usize, hidden: usize) -> Result<Self::E>;
+}
+
+/// The checkpoint names of one SwiGLU block's linears: `(name, out, in)` for gate, up, down.
+fn ffn_names(p: &str, inter: usize, hidden: usize) -> [(String, usize, usize); 3] {
+    [
+        (format!("{p}.gate_proj"), inter, hidden),
+        (format!("{p}.up_proj"), inter, hidden),
+        (format!("{p}.down_proj"), hidden, inter),
+    ]
 }
 
 /// Walks every tensor the config implies, in checkpoint naming.
-fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<Weights<S::W, S::V, S::T>> {
+fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<Weights<S::W, S::V, S::T, S::E>> {
     let h = cfg.hidden_size;
     let heads = cfg.num_attention_heads;
     let ffn = |s: &mut S, p: &str, inter: usize| -> Result<Ffn<S::W>> {
+        let [(g, go, gi), (u, uo, ui), (d, d_o, di)] = ffn_names(p, inter, h);
         Ok(Ffn {
-            gate: s.linear(&format!("{p}.gate_proj"), inter, h)?,
-            up: s.linear(&format!("{p}.up_proj"), inter, h)?,
-            down: s.linear(&format!("{p}.down_proj"), h, inter)?,
+            gate: s.linear(&g, go, gi)?,
+            up: s.linear(&u, uo, ui)?,
+            down: s.linear(&d, d_o, di)?,
         })
     };
     let m = format!("{prefix}model");
@@ -162,9 +175,7 @@ fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<We
             Mlp::Moe(Moe {
                 router: s.linear(&format!("{p}.mlp.gate"), moe.n_routed_experts, h)?,
                 bias: s.vector(&format!("{p}.mlp.gate.e_score_correction_bias"), moe.n_routed_experts)?,
-                experts: (0..moe.n_routed_experts)
-                    .map(|e| ffn(s, &format!("{p}.mlp.experts.{e}"), inter))
-                    .collect::<Result<_>>()?,
+                experts: s.experts(&format!("{p}.mlp.experts"), moe.n_routed_experts, inter, h)?,
                 shared: match moe.n_shared_experts {
                     0 => None,
                     n => Some(ffn(s, &format!("{p}.mlp.shared_experts"), n * inter)?),
@@ -277,6 +288,7 @@ impl LeafSource for Validate<'_> {
     type W = ();
     type V = ();
     type T = ();
+    type E = ();
     fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<()> {
         self.bytes += match linear_tensors(self.ckpt, self.quant, name, out, inp)? {
             LinearTensors::Dense(t) => t.data.len(),
@@ -290,6 +302,14 @@ impl LeafSource for Validate<'_> {
     }
     fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<()> {
         self.bytes += float_tensor(self.ckpt, name, &[rows, cols])?.data.len() as u64;
+        Ok(())
+    }
+    fn experts(&mut self, prefix: &str, count: usize, inter: usize, hidden: usize) -> Result<()> {
+        for e in 0..count {
+            for (name, out, inp) in ffn_names(&format!("{prefix}.{e}"), inter, hidden) {
+                self.linear(&name, out, inp)?;
+            }
+        }
         Ok(())
     }
 }
@@ -310,13 +330,9 @@ impl<B> Load<'_, B> {
         self.done += bytes as u64;
         (self.progress)(self.done, self.total);
     }
-}
 
-impl<B: Backend> LeafSource for Load<'_, B> {
-    type W = B::Weight;
-    type V = B::Vector;
-    type T = B::Tensor;
-    fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<B::Weight> {
+    /// Reads one linear layer's tensors into host form.
+    fn host_linear(&mut self, name: &str, out: usize, inp: usize) -> Result<HostLinear> {
         let (host, bytes) = match linear_tensors(self.ckpt, self.quant, name, out, inp)? {
             LinearTensors::Dense(t) => (
                 HostLinear::Dense {
@@ -342,7 +358,30 @@ impl<B: Backend> LeafSource for Load<'_, B> {
             ),
         };
         self.advance(bytes);
+        Ok(host)
+    }
+}
+
+impl<B: Backend> LeafSource for Load<'_, B> {
+    type W = B::Weight;
+    type V = B::Vector;
+    type T = B::Tensor;
+    type E = B::Experts;
+    fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<B::Weight> {
+        let host = self.host_linear(name, out, inp)?;
         self.backend.load_weight(host)
+    }
+    fn experts(&mut self, prefix: &str, count: usize, inter: usize, hidden: usize) -> Result<B::Experts> {
+        let mut experts = Vec::with_capacity(count);
+        for e in 0..count {
+            let [gate, up, down] = ffn_names(&format!("{prefix}.{e}"), inter, hidden);
+            experts.push(Ffn {
+                gate: self.host_linear(&gate.0, gate.1, gate.2)?,
+                up: self.host_linear(&up.0, up.1, up.2)?,
+                down: self.host_linear(&down.0, down.1, down.2)?,
+            });
+        }
+        self.backend.load_experts(experts)
     }
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
         let t = float_tensor(self.ckpt, name, &[len])?;
@@ -355,6 +394,84 @@ impl<B: Backend> LeafSource for Load<'_, B> {
         let data = t.to_f32(self.check_finite)?;
         self.advance(t.data.len());
         self.backend.load_matrix(Matrix { rows, cols, data })
+    }
+}
+
+/// Random leaves on a backend, for benchmarks of real shapes without a checkpoint: dense
+/// linears (INT4 routed experts when the config is quantized), norms near 1, routing biases near
+/// 0. Every leaf gets its own seed, so the model is a pure function of the seed.
+struct Random<'a, B> {
+    backend: &'a B,
+    int4_group: Option<usize>,
+    seed: u64,
+    done: u64,
+    total: u64,
+    progress: &'a mut dyn FnMut(u64, u64),
+}
+
+impl<B> Random<'_, B> {
+    fn next_seed(&mut self, params: usize) -> u64 {
+        self.done += params as u64;
+        (self.progress)(self.done, self.total);
+        self.seed = self
+            .seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.seed
+    }
+}
+
+impl<B: Backend> LeafSource for Random<'_, B> {
+    type W = B::Weight;
+    type V = B::Vector;
+    type T = B::Tensor;
+    type E = B::Experts;
+    fn linear(&mut self, _name: &str, out: usize, inp: usize) -> Result<B::Weight> {
+        let seed = self.next_seed(out * inp);
+        self.backend.random_weight(out, inp, None, seed)
+    }
+    fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
+        let seed = self.next_seed(len);
+        let (lo, hi) = if name.ends_with("e_score_correction_bias") {
+            (-0.01, 0.01)
+        } else {
+            (0.9, 1.1)
+        };
+        self.backend.random_vector(len, lo, hi, seed)
+    }
+    fn matrix(&mut self, _name: &str, rows: usize, cols: usize) -> Result<B::Tensor> {
+        let seed = self.next_seed(rows * cols);
+        self.backend.random_matrix(rows, cols, seed)
+    }
+    fn experts(&mut self, _prefix: &str, count: usize, inter: usize, hidden: usize) -> Result<B::Experts> {
+        let seed = self.next_seed(3 * count * inter * hidden);
+        self.backend.random_experts(count, inter, hidden, self.int4_group, seed)
+    }
+}
+
+/// Counts parameters per leaf (the progress total of [`Model::random`]).
+struct Count(u64);
+
+impl LeafSource for Count {
+    type W = ();
+    type V = ();
+    type T = ();
+    type E = ();
+    fn linear(&mut self, _: &str, out: usize, inp: usize) -> Result<()> {
+        self.0 += (out * inp) as u64;
+        Ok(())
+    }
+    fn vector(&mut self, _: &str, len: usize) -> Result<()> {
+        self.0 += len as u64;
+        Ok(())
+    }
+    fn matrix(&mut self, _: &str, rows: usize, cols: usize) -> Result<()> {
+        self.0 += (rows * cols) as u64;
+        Ok(())
+    }
+    fn experts(&mut self, _: &str, count: usize, inter: usize, hidden: usize) -> Result<()> {
+        self.0 += (3 * count * inter * hidden) as u64;
+        Ok(())
     }
 }
 
@@ -406,7 +523,7 @@ pub struct ForwardOutput<T> {
 pub struct Model<B: Backend> {
     backend: B,
     config: ModelConfig,
-    weights: Weights<B::Weight, B::Vector, B::Tensor>,
+    weights: Weights<B::Weight, B::Vector, B::Tensor, B::Experts>,
     rope: Rope,
     dims: MlaDims,
     scale: f32,
@@ -442,6 +559,32 @@ impl<B: Backend> Model<B> {
             progress,
         };
         let weights = build(&config, prefix, &mut load)?;
+        Ok(Self::assemble(backend, config, weights))
+    }
+
+    /// A model of `config`'s shapes with random weights made on `backend` (no checkpoint):
+    /// for benchmarks. Routed experts are INT4 when `config` has a quantization config.
+    /// `progress(done, total)` is called with parameter counts.
+    pub fn random(backend: B, config: ModelConfig, seed: u64, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+        let mut count = Count(0);
+        build(&config, "", &mut count)?;
+        let mut random = Random {
+            backend: &backend,
+            int4_group: config.quantization.as_ref().map(|q| q.group_size),
+            seed,
+            done: 0,
+            total: count.0,
+            progress,
+        };
+        let weights = build(&config, "", &mut random)?;
+        Ok(Self::assemble(backend, config, weights))
+    }
+
+    fn assemble(
+        backend: B,
+        config: ModelConfig,
+        weights: Weights<B::Weight, B::Vector, B::Tensor, B::Experts>,
+    ) -> Self {
         let dims = MlaDims {
             heads: config.num_attention_heads,
             nope: config.qk_nope_head_dim,
@@ -449,14 +592,14 @@ impl<B: Backend> Model<B> {
             v: config.v_head_dim,
             kv_lora: config.kv_lora_rank,
         };
-        Ok(Self {
+        Self {
             rope: Rope::new(&config),
             scale: Rope::softmax_scale(&config),
             backend,
             config,
             weights,
             dims,
-        })
+        }
     }
 
     /// Reads `config.json` and the checkpoint from `dir` and loads them.
@@ -524,7 +667,7 @@ impl<B: Backend> Model<B> {
 
     /// The LM head applied to already-normalized hidden states: `[rows, vocab]` logits.
     pub fn lm_head(&self, h: &B::Tensor) -> Result<B::Tensor> {
-        self.backend.linear(h, &self.weights.lm_head)
+        self.backend.linear_f32(h, &self.weights.lm_head)
     }
 
     fn check_input(&self, input: &ForwardInput<'_>) -> Result<()> {
@@ -604,7 +747,7 @@ impl<B: Backend> Model<B> {
         }
         let h = b.rms_norm(&x, &w.norm, eps)?;
         Ok(ForwardOutput {
-            logits: b.linear(&h, &w.lm_head)?,
+            logits: b.linear_f32(&h, &w.lm_head)?,
             features,
         })
     }
@@ -631,12 +774,12 @@ impl<B: Backend> Model<B> {
         b.linear(&o, &a.o)
     }
 
-    fn mlp(&self, mlp: &Mlp<B::Weight, B::Vector>, h: &B::Tensor) -> Result<B::Tensor> {
+    fn mlp(&self, mlp: &Mlp<B::Weight, B::Vector, B::Experts>, h: &B::Tensor) -> Result<B::Tensor> {
         let b = &self.backend;
         match mlp {
             Mlp::Dense(f) => ffn(b, f, h),
             Mlp::Moe(m) => {
-                let logits = b.linear(h, &m.router)?;
+                let logits = b.linear_f32(h, &m.router)?;
                 let routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
                 let mut out = b.moe_experts(h, &routing, &m.experts)?;
                 if let Some(shared) = &m.shared {

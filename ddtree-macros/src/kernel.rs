@@ -352,9 +352,9 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
         let i = &a.ident;
         let ptr = format_ident!("__ptr_{}", i);
         match &a.ty {
-            Type::Reference(r) if r.mutability.is_some() => Some(
-                quote!(let #ptr = ::ddtree_runtime::cudarc::driver::DevicePtrMut::device_ptr_mut(#i, stream);),
-            ),
+            Type::Reference(r) if r.mutability.is_some() => {
+                Some(quote!(let #ptr = ::ddtree_runtime::cudarc::driver::DevicePtrMut::device_ptr_mut(#i, stream);))
+            }
             Type::Reference(_) => {
                 Some(quote!(let #ptr = ::ddtree_runtime::cudarc::driver::DevicePtr::device_ptr(#i, stream);))
             }

@@ -5,6 +5,7 @@ use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
 use crate::model::{ffn, Ffn};
 use crate::rope::Rope;
+use crate::spec::sampling::argmax;
 
 /// The f32 reference backend: plain loops, INT4 weights dequantized row by row on the fly.
 #[derive(Debug, Clone, Copy, Default)]
@@ -106,6 +107,7 @@ impl Backend for CpuBackend {
     type Weight = HostLinear;
     type KvCache = CpuKvCache;
     type Routing = CpuRouting;
+    type Experts = Vec<Ffn<HostLinear>>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -121,6 +123,56 @@ impl Backend for CpuBackend {
 
     fn load_weight(&self, w: HostLinear) -> Result<HostLinear> {
         Ok(w)
+    }
+
+    fn load_experts(&self, experts: Vec<Ffn<HostLinear>>) -> Result<Vec<Ffn<HostLinear>>> {
+        Ok(experts)
+    }
+
+    fn random_weight(&self, out: usize, inp: usize, int4_group: Option<usize>, seed: u64) -> Result<HostLinear> {
+        Ok(HostLinear::random(out, inp, int4_group, seed))
+    }
+
+    fn random_experts(
+        &self,
+        count: usize,
+        inter: usize,
+        hidden: usize,
+        int4_group: Option<usize>,
+        seed: u64,
+    ) -> Result<Vec<Ffn<HostLinear>>> {
+        Ok((0..count as u64)
+            .map(|e| Ffn {
+                gate: HostLinear::random(inter, hidden, int4_group, seed ^ (3 * e + 1) << 20),
+                up: HostLinear::random(inter, hidden, int4_group, seed ^ (3 * e + 2) << 20),
+                down: HostLinear::random(hidden, inter, int4_group, seed ^ (3 * e + 3) << 20),
+            })
+            .collect())
+    }
+
+    fn random_vector(&self, len: usize, lo: f32, hi: f32, seed: u64) -> Result<Vec<f32>> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        Ok((0..len).map(|_| lo + (hi - lo) * rng.random::<f32>()).collect())
+    }
+
+    fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<Matrix> {
+        let data = self.random_vector(rows * cols, -1.0, 1.0, seed)?;
+        Ok(Matrix { rows, cols, data })
+    }
+
+    fn kv_fill_random(&self, cache: &mut CpuKvCache, len: usize, seed: u64) -> Result<()> {
+        if len > cache.capacity {
+            return Err(fail(format!(
+                "kv_fill_random: {len} rows exceed the capacity {}",
+                cache.capacity
+            )));
+        }
+        let width = cache.width;
+        for (l, layer) in cache.layers.iter_mut().enumerate() {
+            *layer = self.random_vector(len * width, -1.0, 1.0, seed ^ (l as u64) << 32)?;
+        }
+        Ok(())
     }
 
     fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<CpuKvCache> {
@@ -175,6 +227,14 @@ impl Backend for CpuBackend {
             }
         }
         Ok(out)
+    }
+
+    fn linear_f32(&self, x: &Matrix, w: &HostLinear) -> Result<Matrix> {
+        self.linear(x, w)
+    }
+
+    fn argmax_rows(&self, logits: &Matrix) -> Result<Vec<u32>> {
+        Ok((0..logits.rows).map(|r| argmax(logits.row(r))).collect())
     }
 
     fn add_assign(&self, x: &mut Matrix, y: &Matrix) -> Result<()> {
@@ -410,7 +470,7 @@ impl Backend for CpuBackend {
         Ok(CpuRouting(routing))
     }
 
-    fn moe_experts(&self, x: &Matrix, routing: &CpuRouting, experts: &[Ffn<HostLinear>]) -> Result<Matrix> {
+    fn moe_experts(&self, x: &Matrix, routing: &CpuRouting, experts: &Vec<Ffn<HostLinear>>) -> Result<Matrix> {
         if routing.0.len() != x.rows {
             return Err(fail("moe_experts: routing and input differ in rows".into()));
         }

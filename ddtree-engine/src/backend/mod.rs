@@ -86,6 +86,31 @@ impl HostLinear {
     }
 }
 
+impl HostLinear {
+    /// A random weight with the statistics of [`Backend::random_weight`]: dense entries uniform
+    /// in `±sqrt(3 / in)`; INT4 nibbles uniform with scales `sqrt(3 / in) / 8`, so both have
+    /// about unit-variance products.
+    pub fn random(out: usize, inp: usize, int4_group: Option<usize>, seed: u64) -> Self {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let bound = (3.0 / inp as f32).sqrt();
+        match int4_group {
+            None => Self::Dense {
+                out,
+                inp,
+                data: (0..out * inp).map(|_| rng.random_range(-bound..bound)).collect(),
+            },
+            Some(group_size) => Self::Int4 {
+                out,
+                inp,
+                group_size,
+                packed: (0..out * inp.div_ceil(8)).map(|_| rng.random()).collect(),
+                scales: vec![bound / 8.0; out * inp.div_ceil(group_size)],
+            },
+        }
+    }
+}
+
 /// MLA head dimensions, taken from the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MlaDims {
@@ -152,6 +177,9 @@ pub trait Backend {
     type KvCache;
     /// Per-token expert choices and weights from [`Backend::moe_route`].
     type Routing;
+    /// A layer's routed experts, held together (the CUDA backend stacks them for its grouped
+    /// kernels).
+    type Experts;
 
     /// A short name for messages (`"cpu"`, `"cuda"`).
     fn name(&self) -> &'static str;
@@ -162,6 +190,29 @@ pub trait Backend {
     fn load_matrix(&self, m: Matrix) -> Result<Self::Tensor>;
     /// Takes a linear weight, repacking it as the backend likes.
     fn load_weight(&self, w: HostLinear) -> Result<Self::Weight>;
+    /// Takes a layer's routed experts (expert `e` is `experts[e]`).
+    fn load_experts(&self, experts: Vec<Ffn<HostLinear>>) -> Result<Self::Experts>;
+
+    /// A random linear weight `[out, in]` (dense, or INT4 with `int4_group`-wide scale groups)
+    /// whose products keep activations near unit scale; for benchmarks on synthetic models.
+    fn random_weight(&self, out: usize, inp: usize, int4_group: Option<usize>, seed: u64) -> Result<Self::Weight>;
+    /// `count` random experts of intermediate size `inter` over `hidden` ([`Backend::random_weight`]).
+    fn random_experts(
+        &self,
+        count: usize,
+        inter: usize,
+        hidden: usize,
+        int4_group: Option<usize>,
+        seed: u64,
+    ) -> Result<Self::Experts>;
+    /// A random vector with entries uniform in `[lo, hi)`.
+    fn random_vector(&self, len: usize, lo: f32, hi: f32, seed: u64) -> Result<Self::Vector>;
+    /// A random `[rows, cols]` matrix with entries uniform in `[-1, 1)` (embedding tables).
+    fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<Self::Tensor>;
+    /// Fills every layer of `cache` with `len` random rows, as if `len` tokens had been run:
+    /// benchmarks of long contexts without the prefill.
+    fn kv_fill_random(&self, cache: &mut Self::KvCache, len: usize, seed: u64) -> Result<()>;
+
     /// An empty latent cache for `layers` layers of rows `row_width` wide, for up to `capacity`
     /// tokens.
     fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<Self::KvCache>;
@@ -177,6 +228,11 @@ pub trait Backend {
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
     /// `x W^T` for `W` of shape `[out, in]`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
+    /// [`Backend::linear`] whose output keeps f32 precision: router logits and the LM head.
+    fn linear_f32(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
+    /// The greedy token of every row of `logits`: the index of the largest value, the lowest
+    /// index among equal maxima (as [`crate::Sampling`]'s greedy choice).
+    fn argmax_rows(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `silu(gate) * up`.
@@ -233,12 +289,7 @@ pub trait Backend {
     /// and scaled.
     fn moe_route(&self, logits: &Self::Tensor, bias: &Self::Vector, cfg: &MoeConfig) -> Result<Self::Routing>;
     /// `sum_k w_k expert_k(x)` per token for the routed experts.
-    fn moe_experts(
-        &self,
-        x: &Self::Tensor,
-        routing: &Self::Routing,
-        experts: &[Ffn<Self::Weight>],
-    ) -> Result<Self::Tensor>;
+    fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
 
     /// Appends the rows of `rows` (as wide as the cache's rows) to `layer` of a cache used as plain
     /// row storage (the DFlash drafter keeps its keys in layer `2l` and values in `2l + 1`).
