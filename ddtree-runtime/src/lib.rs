@@ -12,6 +12,7 @@
 //! - [`TunedKernels`]: "the tuned variant of kernel K at key X", with the default on a miss.
 #![warn(missing_docs)]
 
+pub mod blas;
 mod cache;
 mod device;
 mod error;
@@ -24,6 +25,7 @@ pub mod timing;
 mod tune;
 mod tuned;
 
+pub use blas::Blas;
 pub use cache::{cache_root, BadEntry, CacheKey, CubinCache, CACHE_DIR_ENV};
 pub use cudarc;
 pub use device::{arch_name, driver_available, DeviceLimits, Fingerprint, Gpu};

@@ -43,7 +43,7 @@ struct Args {
 
 fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let blas = ddtree_benches::Cublas::new(gpu)?;
+    let blas = ddtree_runtime::Blas::new(gpu)?;
     let mut rng = rand::rng();
     println!("\n| shape (m x n x k) | variant | µs | TFLOP/s | vs cuBLAS |");
     println!("|---|---|---:|---:|---:|");

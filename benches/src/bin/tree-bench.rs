@@ -95,7 +95,7 @@ fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
 
 fn bf16_rate(gpu: &Gpu) -> Result<f64, RuntimeError> {
     let s = gpu.stream();
-    let blas = ddtree_benches::Cublas::new(gpu)?;
+    let blas = ddtree_runtime::Blas::new(gpu)?;
     let n = 8192usize;
     let a = upload(s, &vec![bf16::from_f32(0.01); n * n])?;
     let mut c = zeros::<bf16>(s, n * n)?;

@@ -136,7 +136,7 @@ fn bench_shape(
     let bws: Vec<CudaSlice<bf16>> = (0..nb)
         .map(|_| random_bf16_dev(s, rng, n * k))
         .collect::<Result<_, _>>()?;
-    let blas = ddtree_benches::Cublas::new(gpu)?;
+    let blas = ddtree_runtime::Blas::new(gpu)?;
     let mut kernels = Vec::new();
     for p in DENSE_SPACE.iter().filter(|p| p.group == 32) {
         let red = if p.splitk {
