@@ -60,6 +60,29 @@ impl Rope {
         (base * m * m) as f32
     }
 
+    /// Whether pairs are adjacent `(2i, 2i+1)` (else `(i, i + d/2)`).
+    pub fn interleaved(&self) -> bool {
+        self.interleave
+    }
+
+    /// `cos` and `sin` tables `[positions, dim / 2]` with the attention factor folded in, computed
+    /// exactly as [`Rope::apply`] does (the GPU kernels read them).
+    pub fn tables(&self, positions: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(positions * half),
+            Vec::with_capacity(positions * half),
+        );
+        for p in 0..positions {
+            for &f in &self.inv_freq {
+                let angle = f * p as f32;
+                cos.push(angle.cos() * self.attention_factor);
+                sin.push(angle.sin() * self.attention_factor);
+            }
+        }
+        (cos, sin)
+    }
+
     /// Rotates `x` (one head's `qk_rope_head_dim` values) to `position` in place.
     ///
     /// Interleaved mode rotates adjacent pairs `(2i, 2i+1)` by frequency `i`; otherwise pairs

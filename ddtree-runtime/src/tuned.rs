@@ -6,6 +6,8 @@ use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
+use ddtree_codegen::Kernel;
+
 use crate::{CompiledKernel, Gpu, Lookup, RuntimeError, Tunable, TuneCache};
 
 /// Set to `1` to ignore the tune cache and run every kernel's default variant (debugging,
@@ -89,6 +91,13 @@ impl TunedKernels {
         }
     }
 
+    /// Ignores tuned winners from now on: every kernel runs its default variant (the engine's
+    /// `--no-autotune`).
+    pub fn defaults_only(mut self) -> TunedKernels {
+        self.force_default = true;
+        self
+    }
+
     /// The GPU.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -126,12 +135,17 @@ impl TunedKernels {
     /// The compiled variant for `K` at `key` ([`TunedKernels::choose`]), compiling it on first
     /// use (through the disk cache) and sharing it afterwards.
     pub fn get<K: Tunable>(&self, key: &K::Key) -> Result<Arc<CompiledKernel<K>>, RuntimeError> {
-        let params = self.choose::<K>(key).params;
-        let symbol = K::symbol(&params);
+        self.variant::<K>(&self.choose::<K>(key).params)
+    }
+
+    /// Variant `params` of any kernel (tuned or not), compiled on first use (through the disk
+    /// cache) and shared afterwards.
+    pub fn variant<K: Kernel>(&self, params: &K::Params) -> Result<Arc<CompiledKernel<K>>, RuntimeError> {
+        let symbol = K::symbol(params);
         if let Some(k) = self.loaded::<K>(&symbol) {
             return Ok(k);
         }
-        let kernel = Arc::new(self.gpu.compile::<K>(&params)?);
+        let kernel = Arc::new(self.gpu.compile::<K>(params)?);
         self.compiled
             .lock()
             .expect("not poisoned")
@@ -158,7 +172,7 @@ impl TunedKernels {
         Ok(())
     }
 
-    fn loaded<K: Tunable>(&self, symbol: &str) -> Option<Arc<CompiledKernel<K>>> {
+    fn loaded<K: Kernel>(&self, symbol: &str) -> Option<Arc<CompiledKernel<K>>> {
         let map = self.compiled.lock().expect("not poisoned");
         map.get(symbol)
             .cloned()

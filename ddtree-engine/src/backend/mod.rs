@@ -8,6 +8,8 @@ mod cpu;
 
 pub use cpu::{CpuBackend, CpuKvCache, CpuRouting};
 
+use ddtree_kernels::tree::{build_reference, DraftTree};
+
 use crate::config::MoeConfig;
 use crate::error::Result;
 use crate::mask::AncestorMask;
@@ -188,6 +190,8 @@ pub trait Backend {
     fn load_vector(&self, data: Vec<f32>) -> Result<Self::Vector>;
     /// Takes a matrix parameter (the embedding table).
     fn load_matrix(&self, m: Matrix) -> Result<Self::Tensor>;
+    /// Takes host logits (a drafter's proposals) at f32 precision.
+    fn load_logits(&self, m: Matrix) -> Result<Self::Tensor>;
     /// Takes a linear weight, repacking it as the backend likes.
     fn load_weight(&self, w: HostLinear) -> Result<Self::Weight>;
     /// Takes a layer's routed experts (expert `e` is `experts[e]`).
@@ -224,6 +228,19 @@ pub trait Backend {
 
     /// Looks up embedding rows for `ids`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// The DDTree draft tree of the first `depth` rows of `drafted` (f32 logits `[rows, vocab]`):
+    /// the best `budget` prefixes under `root`, as [`ddtree_kernels::tree::build_reference`]
+    /// builds them (the CUDA backend builds on the GPU and copies only the tree back).
+    fn draft_tree(&self, drafted: &Self::Tensor, depth: usize, budget: usize, root: u32) -> Result<DraftTree> {
+        let host = self.to_host(drafted)?;
+        Ok(build_reference(
+            &host.data[..depth * host.cols],
+            depth,
+            host.cols,
+            budget,
+            root,
+        ))
+    }
     /// `x / sqrt(mean(x^2) + eps) * weight`, per row.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
     /// `x W^T` for `W` of shape `[out, in]`.

@@ -144,7 +144,7 @@ impl<B: Backend> Drafter<B> for Oracle<B> {
             let top = argmax(row) as usize;
             row[top] += ORACLE_MARGIN;
         }
-        target.backend().load_matrix(host)
+        target.backend().load_logits(host)
     }
 }
 
@@ -216,6 +216,6 @@ impl<B: Backend> Drafter<B> for Noisy<B> {
                 row[order[rank]] += 1.0;
             }
         }
-        target.backend().load_matrix(host)
+        target.backend().load_logits(host)
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
 
@@ -346,9 +346,9 @@ impl GpuVerify {
         sh: &VerifyShape,
         splits: usize,
         q: &CudaSlice<bf16>,
-        cache: &CudaSlice<bf16>,
+        cache: &impl DevicePtr<bf16>,
         mask: &CudaSlice<u32>,
-        out: &mut CudaSlice<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), RuntimeError> {
         let rows = sh.nodes * sh.heads;
