@@ -609,6 +609,12 @@ impl<B: Backend> Model<B> {
         Self::load(backend, config, &ckpt, options, progress)
     }
 
+    /// Parameters of the model (weights, norms, embedding), counted from the config.
+    pub fn parameter_count(&self) -> u64 {
+        let mut count = Count(0);
+        build(&self.config, "", &mut count).map_or(0, |_| count.0)
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
