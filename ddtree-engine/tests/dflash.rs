@@ -7,7 +7,7 @@ use ddtree_engine::backend::Matrix;
 use ddtree_engine::config::DFlashConfig;
 use ddtree_engine::spec::{DFlashDrafter, DraftRequest};
 use ddtree_engine::{
-    generate_plain, generate_speculative, tiny, Backend, Budget, CpuBackend, Drafter, ForwardInput, GenerateOptions,
+    generate_plain, generate_speculative, tiny, Backend, CpuBackend, Drafter, ForwardInput, GenerateOptions,
     LoadOptions, LogitRows, Model, SpecOptions,
 };
 use serde::Deserialize;
@@ -132,14 +132,12 @@ fn ddtree_with_dflash_equals_plain_greedy() {
     };
     let expected = generate_plain(&model, &g.prompt, &options).unwrap().tokens;
     for budget in [1, 5, 24] {
-        let spec = SpecOptions {
-            budget: Budget::Fixed(budget),
-        };
+        let spec = SpecOptions::fixed(budget);
         let out = generate_speculative(&model, &mut drafter, &g.prompt, &options, &spec).unwrap();
         assert_eq!(out.generation.tokens, expected, "budget {budget}");
     }
     let mut small = DFlashDrafter::load(&model, fixture(), Some(4)).unwrap();
-    let spec = SpecOptions { budget: Budget::Auto };
+    let spec = SpecOptions::auto(None);
     let out = generate_speculative(&model, &mut small, &[1, 2], &options, &spec).unwrap();
     assert_eq!(
         out.generation.tokens,

@@ -1,11 +1,11 @@
 //! DDTree speculative decoding reproduces plain greedy decoding token for token, for every
 //! drafter, budget and block size, including runs that end inside an accepted path (token limit,
-//! stop token, context end).
+//! stop token, context end), and for the cost-aware `auto` budget under any cost model.
 
-use ddtree_engine::spec::{Noisy, Oracle};
+use ddtree_engine::spec::{CostModel, Noisy, Oracle, SpecStats};
 use ddtree_engine::{
-    generate_plain, generate_speculative, tiny, Budget, CpuBackend, Drafter, GenerateOptions, LoadOptions, Model,
-    SpecOptions, StopReason,
+    generate_plain, generate_speculative, tiny, CpuBackend, Drafter, GenerateOptions, LoadOptions, Model, SpecOptions,
+    StopReason,
 };
 
 fn model() -> Model<CpuBackend> {
@@ -45,18 +45,52 @@ fn speculative(
     options: &GenerateOptions,
     budget: usize,
 ) -> (Vec<u32>, StopReason) {
-    let spec = SpecOptions {
-        budget: Budget::Fixed(budget),
-    };
-    let out = generate_speculative(model, drafter, prompt, options, &spec).unwrap();
-    let stats = &out.stats;
+    let (tokens, stop, stats) = speculative_with(model, drafter, prompt, options, &SpecOptions::fixed(budget));
+    assert!(!stats.budget_auto && stats.budget_mode == "fixed");
+    assert!(stats.budgets.iter().all(|&b| b <= budget));
+    (tokens, stop)
+}
+
+fn speculative_with(
+    model: &Model<CpuBackend>,
+    drafter: &mut dyn Drafter<CpuBackend>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    spec: &SpecOptions,
+) -> (Vec<u32>, StopReason, SpecStats) {
+    let out = generate_speculative(model, drafter, prompt, options, spec).unwrap();
+    let stats = out.stats;
     assert_eq!(stats.rounds, stats.accept_lengths.len());
+    assert_eq!(stats.rounds, stats.budgets.len());
     assert_eq!(stats.target_forwards, stats.rounds + 1);
+    assert_eq!(stats.verified_nodes, stats.rounds + stats.budgets.iter().sum::<usize>());
+    assert!(stats.budgets.iter().all(|&b| b <= stats.budget));
     assert!(stats
         .accept_lengths
         .iter()
-        .all(|&a| a >= 1 && a <= drafter.block_size()));
-    (out.generation.tokens, out.generation.stop_reason)
+        .zip(&stats.budgets)
+        .all(|(&a, &b)| a >= 1 && a <= drafter.block_size() && a <= b + 1));
+    (out.generation.tokens, out.generation.stop_reason, stats)
+}
+
+/// Cost models from "nodes are free" to "a node costs a whole round", and the fallback.
+fn cost_models() -> Vec<(&'static str, Option<CostModel>)> {
+    let flat = CostModel::new("flat", 10.0, 1.0, 1.0, &[(1, 1000.0), (512, 1000.0)]).unwrap();
+    let gpu = CostModel::new(
+        "gpu",
+        100.0,
+        5.0,
+        5.0,
+        &[(1, 1000.0), (32, 1010.0), (64, 1040.0), (128, 1700.0)],
+    )
+    .unwrap();
+    let steep = CostModel::new("steep", 0.0, 0.0, 0.0, &[(1, 1000.0), (2, 2000.0)]).unwrap();
+    vec![
+        ("fallback", None),
+        ("flat", Some(flat)),
+        ("gpu", Some(gpu)),
+        ("steep", Some(steep)),
+    ]
 }
 
 #[test]
@@ -182,7 +216,95 @@ fn context_end_caps_the_tree_depth() {
         assert_eq!(expected.1, StopReason::ContextFull);
         let mut oracle = Oracle::new(8).unwrap();
         assert_eq!(speculative(&model, &mut oracle, &prompt, &options, 20), expected);
+        let mut noisy = Noisy::new(8, 0.6, 4).unwrap();
+        let (tokens, stop, _) = speculative_with(&model, &mut noisy, &prompt, &options, &SpecOptions::auto(None));
+        assert_eq!((tokens, stop), expected);
     }
+}
+
+#[test]
+fn auto_budget_equals_plain_for_every_drafter_and_cost_model() {
+    let model = model();
+    for (p, prompt) in prompts().into_iter().enumerate() {
+        let options = GenerateOptions {
+            max_new_tokens: 10,
+            ..Default::default()
+        };
+        let expected = plain(&model, &prompt, &options);
+        for (c, (name, cost)) in cost_models().into_iter().enumerate() {
+            // Every cost model meets every drafter, both block sizes and most caps.
+            let (kind, block_size, max) = ((p + c) % 4, [8, 16][p % 2], [256, 40, 7, 1][(p / 2 + c) % 4]);
+            let mut d = drafter(kind, block_size);
+            let spec = SpecOptions {
+                max_auto_budget: max,
+                ..SpecOptions::auto(cost.clone())
+            };
+            let (tokens, stop, stats) = speculative_with(&model, d.as_mut(), &prompt, &options, &spec);
+            let what = format!(
+                "prompt {prompt:?}, {}, block {block_size}, cost {name}, max {max}",
+                d.name()
+            );
+            assert_eq!((tokens, stop), expected, "{what}");
+            assert!(stats.budget_auto && stats.budget == max, "{what}");
+            assert!(stats.budgets.iter().all(|&b| b >= 1), "{what}: {:?}", stats.budgets);
+            match name {
+                "fallback" => assert!(stats.budget_mode.starts_with("auto: no measured cost model"), "{what}"),
+                _ => assert_eq!(
+                    stats.budget_mode,
+                    format!("auto: measured cost model ({name})"),
+                    "{what}"
+                ),
+            }
+            if name == "steep" {
+                assert!(stats.budgets.iter().all(|&b| b == 1), "{what}: {:?}", stats.budgets);
+            }
+        }
+    }
+}
+
+#[test]
+fn auto_budget_follows_the_drafter_and_the_cost() {
+    let model = model();
+    let options = GenerateOptions {
+        max_new_tokens: 24,
+        ..Default::default()
+    };
+    let prompt = [7, 300, 12];
+    let expected = plain(&model, &prompt, &options);
+    let run = |d: &mut dyn Drafter<CpuBackend>, cost: Option<CostModel>| {
+        let (tokens, stop, stats) = speculative_with(&model, d, &prompt, &options, &SpecOptions::auto(cost));
+        assert_eq!((tokens, stop), expected);
+        stats
+    };
+    let costs = cost_models();
+    let gpu = costs[2].1.clone();
+    // The oracle is near-certain: its chain of 7 nodes is all the tree worth verifying.
+    let s = run(&mut Oracle::new(8).unwrap(), gpu.clone());
+    assert!(s.budgets.iter().all(|&b| b == 7), "{:?}", s.budgets);
+    assert!(s.accept_lengths.iter().all(|&a| a == 8));
+    // A noisy drafter spreads its mass: wider trees where they are cheap, narrow where not.
+    let flat = run(&mut Noisy::new(8, 0.5, 5).unwrap(), costs[1].1.clone());
+    let steep = run(&mut Noisy::new(8, 0.5, 5).unwrap(), costs[3].1.clone());
+    let mid = run(&mut Noisy::new(8, 0.5, 5).unwrap(), gpu);
+    assert!(
+        flat.mean_budget() > mid.mean_budget() && mid.mean_budget() > steep.mean_budget(),
+        "flat {:.1}, gpu {:.1}, steep {:.1}",
+        flat.mean_budget(),
+        mid.mean_budget(),
+        steep.mean_budget()
+    );
+    assert_eq!(steep.mean_budget(), 1.0);
+    // An invalid cost model is an error, not a panic.
+    let mut bad = CostModel::fallback();
+    bad.verify.clear();
+    let err = generate_speculative(
+        &model,
+        &mut Oracle::new(8).unwrap(),
+        &prompt,
+        &options,
+        &SpecOptions::auto(Some(bad)),
+    );
+    assert!(err.unwrap_err().to_string().contains("no verify latency points"));
 }
 
 #[test]
@@ -193,10 +315,9 @@ fn oracle_accepts_whole_blocks() {
         ..Default::default()
     };
     let mut oracle = Oracle::new(8).unwrap();
-    let spec = SpecOptions {
-        budget: Budget::Fixed(7),
-    };
+    let spec = SpecOptions::fixed(7);
     let out = generate_speculative(&model, &mut oracle, &[1, 2, 3], &options, &spec).unwrap();
+    assert_eq!(out.stats.budgets, vec![7; 4]);
     // 1 token from the prefill, then 8 per round (7 drafted + the bonus).
     assert_eq!(out.stats.accept_lengths, vec![8; 4]);
     assert_eq!(out.stats.mean_accept_len(), 8.0);
@@ -213,9 +334,7 @@ fn wider_trees_recover_noisy_drafts() {
     };
     let mean_accept = |budget: usize| {
         let mut d = Noisy::new(8, 0.3, 21).unwrap();
-        let spec = SpecOptions {
-            budget: Budget::Fixed(budget),
-        };
+        let spec = SpecOptions::fixed(budget);
         generate_speculative(&model, &mut d, &[4, 44], &options, &spec)
             .unwrap()
             .stats

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use ddtree_engine::spec::{Noisy, Oracle};
 use ddtree_engine::{
-    generate_plain, generate_speculative, tiny, Backend, Budget, CpuBackend, Drafter, ForwardInput, GenerateOptions,
+    generate_plain, generate_speculative, tiny, Backend, CpuBackend, Drafter, ForwardInput, GenerateOptions,
     LoadOptions, LogitRows, Model, Sampling, SpecOptions,
 };
 
@@ -15,9 +15,7 @@ fn model() -> Model<CpuBackend> {
 }
 
 fn spec(budget: usize) -> SpecOptions {
-    SpecOptions {
-        budget: Budget::Fixed(budget),
-    }
+    SpecOptions::fixed(budget)
 }
 
 #[test]
@@ -39,9 +37,10 @@ fn sampled_output_equals_plain_sampling_with_the_same_seed() {
         let mut drafters: Vec<Box<dyn Drafter<CpuBackend>>> = vec![
             Box::new(Oracle::new(8).unwrap()),
             Box::new(Noisy::new(16, 0.6, seed).unwrap()),
+            Box::new(Noisy::new(8, 0.5, seed + 9).unwrap()),
         ];
-        for (d, budget) in drafters.iter_mut().zip([6, 40]) {
-            let out = generate_speculative(&model, d.as_mut(), &prompt, &options, &spec(budget)).unwrap();
+        for (d, spec) in drafters.iter_mut().zip([spec(6), spec(40), SpecOptions::auto(None)]) {
+            let out = generate_speculative(&model, d.as_mut(), &prompt, &options, &spec).unwrap();
             assert_eq!(
                 out.generation.tokens,
                 expected,

@@ -106,6 +106,19 @@ proptest! {
     }
 
     #[test]
+    fn truncating_equals_building_at_the_smaller_budget(
+        (l, v, logits) in logits_strategy(), big in 1usize..80, keep in 1usize..80
+    ) {
+        // The auto budget builds at the maximum and keeps the best prefix: that must be the
+        // tree the builder gives at the smaller budget, links and mask words included.
+        let keep = keep.min(big);
+        let mut t = build_reference(&logits, l, v, big, 3);
+        t.truncate(keep + 1);
+        check_structure(&t);
+        prop_assert_eq!(&t, &build_reference(&logits, l, v, keep, 3));
+    }
+
+    #[test]
     fn accept_equals_naive_walk((l, v, logits) in logits_strategy(), budget in 1usize..30, seed in any::<u64>()) {
         let t = build_reference(&logits, l, v, budget, 0);
         let mut x = seed;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle, AUTO_BUDGET};
+use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
     generate_plain, generate_speculative, tiny, Budget, Checkpoint, CpuBackend, Drafter, EngineError, GenerateOptions,
     Generation, LoadOptions, Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
@@ -111,7 +111,8 @@ struct GenerateArgs {
     /// Without it, plain decoding.
     #[arg(long, value_parser = parse_drafter)]
     drafter: Option<DrafterArg>,
-    /// Tree node budget (root not counted), or `auto` (for now a fixed default).
+    /// Tree node budget (root not counted), or `auto`: each round the size (up to 256) with the
+    /// most expected tokens per µs under the cost model (a default one when nothing is measured).
     #[arg(long, value_parser = parse_budget, default_value = "auto")]
     budget: Budget,
     /// Drafter block size (bonus slot included); default: the DFlash config's, 8 for test drafters.
@@ -274,7 +275,10 @@ fn run(args: &GenerateArgs) -> Result<Run, EngineError> {
     let (out, stats) = match (&args.drafter, args.no_spec) {
         (Some(which), false) => {
             let mut drafter = make_drafter(&loaded.model, which, args)?;
-            let spec = SpecOptions { budget: args.budget };
+            let spec = SpecOptions {
+                budget: args.budget,
+                ..SpecOptions::default()
+            };
             let out = generate_speculative(&loaded.model, drafter.as_mut(), &prompt, &options, &spec)?;
             (out.generation, Some(out.stats))
         }
@@ -307,11 +311,9 @@ fn spec_json(s: &SpecStats) -> serde_json::Value {
     json!({
         "drafter": s.drafter,
         "budget": s.budget,
-        "budget_mode": if s.budget_auto {
-            format!("auto: fixed default of {AUTO_BUDGET} nodes (no cost model yet)")
-        } else {
-            "fixed".to_string()
-        },
+        "budget_mode": s.budget_mode,
+        "mean_budget": s.mean_budget(),
+        "budgets": s.budgets,
         "block_size": s.block_size,
         "rounds": s.rounds,
         "mean_accept_len": s.mean_accept_len(),
@@ -385,12 +387,17 @@ fn print_human(
         stop_reason(out.stop_reason),
     );
     if let Some(s) = stats {
+        let budget = if s.budget_auto {
+            let mode = s.budget_mode.trim_start_matches("auto: ");
+            format!("auto (mean {:.1} of at most {}; {mode})", s.mean_budget(), s.budget)
+        } else {
+            s.budget.to_string()
+        };
         println!(
-            "ddtree: drafter {}, budget {}{}, block {}; {} rounds, mean acceptance {:.2}, {} target forwards \
+            "ddtree: drafter {}, budget {}, block {}; {} rounds, mean acceptance {:.2}, {} target forwards \
              ({:.2} tokens each); draft {:.2} ms, build {:.2} ms, verify {:.2} ms, accept {:.2} ms",
             s.drafter,
-            s.budget,
-            if s.budget_auto { " (auto: fixed default)" } else { "" },
+            budget,
             s.block_size,
             s.rounds,
             s.mean_accept_len(),

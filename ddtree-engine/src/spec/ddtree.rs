@@ -4,8 +4,9 @@
 //! Round invariant: the target cache holds every committed token except the bonus token (the
 //! last emitted one, chosen by the target at the previous verify). Each round the drafter
 //! proposes distributions for the next positions, the CPU reference builder of
-//! [`ddtree_kernels::tree`] picks the best `B` prefixes, and the target runs `[bonus, nodes..]`
-//! at positions `start + depth` under the ancestor mask. The target's token at every node
+//! [`ddtree_kernels::tree`] picks the best `B` prefixes (for `auto`, the tree is built at the
+//! maximum budget and cut to the size [`choose_budget`] finds most profitable), and the target
+//! runs `[bonus, nodes..]` at positions `start + depth` under the ancestor mask. The target's token at every node
 //! ([`crate::spec::Sampling::choose`]) drives the accept walk; the accepted rows are compacted in the latent
 //! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
 //! are emitted under the same stop rules as plain decoding.
@@ -19,36 +20,63 @@ use crate::error::{EngineError, Result};
 use crate::generate::{check_prompt, GenerateOptions, Generation};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows, Model};
+use crate::spec::budget::{choose_budget, CostModel};
 use crate::spec::drafter::{DraftRequest, Drafter};
 use crate::spec::stats::SpecStats;
 
-/// The budget `auto` stands for until a cost-aware choice exists.
-pub const AUTO_BUDGET: usize = 32;
+/// The largest tree `auto` considers unless [`SpecOptions::max_auto_budget`] says otherwise
+/// (the paper's best budgets on dense 8B targets were 256-512; Kimi's MoE verify is expected to
+/// want far fewer).
+pub const AUTO_MAX_BUDGET: usize = 256;
 
 /// The tree node budget B (root not counted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Budget {
-    /// Exactly this many nodes (at least 1).
+    /// Exactly this many nodes (at least 1), fewer only when the drafter's positions run out.
     Fixed(usize),
-    /// Let the engine choose; for now the fixed [`AUTO_BUDGET`].
+    /// Chosen every round by [`choose_budget`] from the [`SpecOptions::cost`] model (or
+    /// [`CostModel::fallback`]), at most [`SpecOptions::max_auto_budget`].
     Auto,
 }
 
-impl Budget {
-    /// The node count this budget stands for.
-    pub fn nodes(self) -> usize {
-        match self {
-            Self::Fixed(n) => n,
-            Self::Auto => AUTO_BUDGET,
-        }
-    }
-}
-
 /// Speculative-decoding settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SpecOptions {
     /// Tree node budget.
     pub budget: Budget,
+    /// The measured per-round costs `auto` optimizes (e.g. from the tune cache); `None` uses
+    /// [`CostModel::fallback`] and the statistics say so. Ignored for fixed budgets.
+    pub cost: Option<CostModel>,
+    /// The largest budget `auto` may choose: each round's tree is built at this size, then cut
+    /// to the chosen one.
+    pub max_auto_budget: usize,
+}
+
+impl Default for SpecOptions {
+    /// `auto` with the fallback cost model, up to [`AUTO_MAX_BUDGET`] nodes.
+    fn default() -> Self {
+        Self::auto(None)
+    }
+}
+
+impl SpecOptions {
+    /// A fixed budget of `nodes` nodes per tree.
+    pub fn fixed(nodes: usize) -> Self {
+        Self {
+            budget: Budget::Fixed(nodes),
+            ..Self::auto(None)
+        }
+    }
+
+    /// The cost-aware budget with this cost model (`None`: [`CostModel::fallback`]), up to
+    /// [`AUTO_MAX_BUDGET`] nodes.
+    pub fn auto(cost: Option<CostModel>) -> Self {
+        Self {
+            budget: Budget::Auto,
+            cost,
+            max_auto_budget: AUTO_MAX_BUDGET,
+        }
+    }
 }
 
 /// A speculative generation and its statistics.
@@ -72,9 +100,28 @@ pub fn generate_speculative<B: Backend>(
 ) -> Result<SpecGeneration> {
     check_prompt(model, prompt)?;
     options.sampling.validate()?;
-    let budget = spec.budget.nodes();
+    let fallback;
+    let (budget, auto_cost, budget_mode) = match spec.budget {
+        Budget::Fixed(n) => (n, None, "fixed".to_string()),
+        Budget::Auto => {
+            let (cost, mode) = match &spec.cost {
+                Some(cost) => {
+                    cost.validate()?;
+                    (cost, format!("auto: measured cost model ({})", cost.source))
+                }
+                None => {
+                    fallback = CostModel::fallback();
+                    let mode = format!("auto: no measured cost model, {}", fallback.source);
+                    (&fallback, mode)
+                }
+            };
+            (spec.max_auto_budget, Some(cost), mode)
+        }
+    };
     if budget == 0 {
-        return Err(EngineError::Forward("the tree budget must be at least 1 node".into()));
+        return Err(EngineError::Forward(
+            "the tree budget (for auto, its maximum) must be at least 1 node".into(),
+        ));
     }
     let block_size = drafter.block_size();
     if block_size < 2 {
@@ -86,6 +133,7 @@ pub fn generate_speculative<B: Backend>(
         drafter: drafter.name(),
         budget,
         budget_auto: spec.budget == Budget::Auto,
+        budget_mode,
         block_size,
         ..SpecStats::default()
     };
@@ -146,7 +194,14 @@ pub fn generate_speculative<B: Backend>(
         }
         // Positions past the context cannot be verified.
         let depth = (block_size - 1).min(context - 1 - start);
-        let tree = build_reference(&drafted.data[..depth * vocab], depth, vocab, budget, bonus);
+        let mut tree = build_reference(&drafted.data[..depth * vocab], depth, vocab, budget, bonus);
+        if let Some(cost) = auto_cost {
+            // Best-first order: the first B nodes are the top-B tree, the one the builder gives
+            // at budget B.
+            let chosen = choose_budget(&tree.path_logprob[1..], cost, budget);
+            tree.truncate(chosen + 1);
+        }
+        stats.budgets.push(tree.len() - 1);
         stats.build += t.elapsed();
 
         let t = Instant::now();

@@ -5,9 +5,11 @@
 //! - [`dflash`]: the DFlash block-diffusion drafter (z-lab layout);
 //! - [`test_drafters`]: [`Oracle`] and [`Noisy`];
 //! - [`ddtree`]: the loop, [`generate_speculative`];
+//! - [`budget`]: the cost-aware budget of `auto`, [`CostModel`] and [`choose_budget`];
 //! - [`sampling`]: greedy / temperature / top-p token choice shared with plain decoding;
 //! - [`stats`]: the counters and timings, [`SpecStats`].
 
+pub mod budget;
 pub mod ddtree;
 pub mod dflash;
 pub mod drafter;
@@ -15,7 +17,8 @@ pub mod sampling;
 pub mod stats;
 pub mod test_drafters;
 
-pub use ddtree::{generate_speculative, Budget, SpecGeneration, SpecOptions, AUTO_BUDGET};
+pub use budget::{choose_budget, CostModel, VerifyPoint};
+pub use ddtree::{generate_speculative, Budget, SpecGeneration, SpecOptions, AUTO_MAX_BUDGET};
 pub use dflash::DFlashDrafter;
 pub use drafter::{DraftRequest, Drafter};
 pub use sampling::Sampling;

@@ -7,10 +7,18 @@ use std::time::Duration;
 pub struct SpecStats {
     /// Drafter name.
     pub drafter: String,
-    /// Node budget B of each tree (root not counted).
+    /// Node budget B of each tree (root not counted): the fixed budget, or for `auto` the
+    /// maximum it may choose.
     pub budget: usize,
-    /// Whether the budget was `auto` (for now a fixed default, [`crate::spec::AUTO_BUDGET`]).
+    /// Whether the budget was `auto` (chosen per round by [`crate::spec::choose_budget`]).
     pub budget_auto: bool,
+    /// How the budget was decided: `fixed`, `auto: measured cost model (SOURCE)`, or
+    /// `auto: no measured cost model, default cost model: ...` (see
+    /// [`crate::spec::CostModel::fallback`]).
+    pub budget_mode: String,
+    /// Per round, the tree's node count besides the root: the chosen budget for `auto`; for a
+    /// fixed budget the budget, or fewer when the drafter's positions run out.
+    pub budgets: Vec<usize>,
     /// Drafter block size (bonus slot included).
     pub block_size: usize,
     /// Draft-verify rounds.
@@ -42,6 +50,16 @@ impl SpecStats {
             0.0
         } else {
             self.accept_lengths.iter().sum::<usize>() as f64 / self.rounds as f64
+        }
+    }
+
+    /// Mean tree size per round (root not counted): the mean chosen budget for `auto`; 0
+    /// without rounds.
+    pub fn mean_budget(&self) -> f64 {
+        if self.budgets.is_empty() {
+            0.0
+        } else {
+            self.budgets.iter().sum::<usize>() as f64 / self.budgets.len() as f64
         }
     }
 

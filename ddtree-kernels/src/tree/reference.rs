@@ -76,6 +76,42 @@ impl DraftTree {
         }
         out
     }
+
+    /// Keeps the first `n` nodes (root included; `n >= 1`, no-op when `n >= len`).
+    ///
+    /// The builder emits nodes best first and every parent before its children, so the first
+    /// `n` nodes are a prefix-closed tree; for a tree from [`expand`] they are exactly the tree
+    /// the builder gives at budget `n - 1` (a node of rank `r` needs its `r` better siblings
+    /// before it, so the first `n - 1` pops never use a rank `>= n - 1`, and `K = min(B, V)`
+    /// does not change them). Links to dropped nodes become -1 (children and later siblings
+    /// have larger indices than their first sibling), and the mask rows are cut to
+    /// `ceil(n / 32)` words (a kept node's ancestors are kept nodes).
+    pub fn truncate(&mut self, n: usize) {
+        assert!(n >= 1, "a tree keeps at least its root");
+        let old = self.len();
+        if n >= old {
+            return;
+        }
+        self.token.truncate(n);
+        self.parent.truncate(n);
+        self.depth.truncate(n);
+        self.path_logprob.truncate(n);
+        for links in [&mut self.first_child, &mut self.next_sibling] {
+            links.truncate(n);
+            for l in links.iter_mut() {
+                if *l >= n as i32 {
+                    *l = -1;
+                }
+            }
+        }
+        let words = n.div_ceil(32);
+        let mut mask = Vec::with_capacity(n * words);
+        for row in self.mask.chunks(self.words).take(n) {
+            mask.extend_from_slice(&row[..words]);
+        }
+        self.mask = mask;
+        self.words = words;
+    }
 }
 
 /// Per-depth top-K of the drafter distribution: `[depth][k]` log-probs and token ids, best

@@ -1,0 +1,327 @@
+//! The cost-aware tree budget behind `--budget auto`.
+//!
+//! The DDTree paper fixes the node budget B for a whole run and picks it by a sweep. The best B
+//! depends on the hardware (how the target's verify latency grows with the tree) and on the
+//! round (a confident draft wants a chain, an uncertain one a wide tree or none at all). `auto`
+//! chooses B every round from what both sides already know:
+//!
+//! * **Gain.** Under the drafter's factorized distribution the expected number of accepted
+//!   drafted tokens of a tree is the sum of its nodes' path probabilities (DDTree Prop. 1). The
+//!   best-first builder emits nodes in descending path log-prob order and every prefix of that
+//!   order is a prefix-closed tree (the top-B tree, Prop. 2), so one tree built at the maximum
+//!   budget gives the expected accepted length of every smaller budget as a prefix sum:
+//!   `E(B) = sum_{i <= B} exp(path_logprob_i)`. A round emits `E(B) + 1` tokens (the bonus).
+//! * **Cost.** A [`CostModel`]: fixed per-round costs (drafter forward, tree build, accept +
+//!   compaction) plus the target's verify latency `t(n)` for a forward of `n = B + 1` tokens,
+//!   from a table of measured points.
+//!
+//! [`choose_budget`] returns the `B` in `1..=max_budget` with the most expected tokens per µs,
+//! `(E(B) + 1) / (draft + build + t(B + 1) + accept)`, by one pass over the prefix sums. The
+//! loop ([`crate::spec::generate_speculative`]) builds the tree at the maximum budget, calls it,
+//! and truncates the tree to the chosen size ([`ddtree_kernels::tree::DraftTree::truncate`]),
+//! which is exactly the tree the builder gives at that budget; acceptance is unchanged, so the
+//! output is the same as for any fixed budget.
+//!
+//! The drafter's probabilities are taken at face value: a miscalibrated drafter makes `auto`
+//! optimize the wrong gain (the choice is still lossless, only the speed suffers).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+
+/// One measured point of the verify latency: a target forward of `tokens` tree tokens (the root
+/// included, so `tokens = B + 1`) over the cache took `us` µs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct VerifyPoint {
+    /// Tokens in the verify forward, root included (`B + 1`).
+    pub tokens: usize,
+    /// Median latency in µs.
+    pub us: f64,
+}
+
+/// Per-round costs of DDTree on one (device, model, drafter), in µs; stored as JSON in a tune
+/// cache:
+///
+/// ```json
+/// {"source": "H200, kimi-k2.6 + K2.5-DFlash, 2026-05-01", "draft_us": 1500.0,
+///  "build_us": 60.0, "accept_us": 80.0,
+///  "verify": [{"tokens": 1, "us": 21000.0}, {"tokens": 64, "us": 23000.0},
+///             {"tokens": 256, "us": 61000.0}]}
+/// ```
+///
+/// `verify` is sorted by `tokens` (strictly increasing); between points the latency is
+/// interpolated linearly, below the first point it is the first point's, past the last point it
+/// grows with the last segment's slope (never negative). Use [`CostModel::new`] or
+/// [`CostModel::from_json`] (both validate) rather than building the struct by hand.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    /// Where the numbers come from (device, model, date), shown in the statistics.
+    pub source: String,
+    /// Drafter forward per round.
+    pub draft_us: f64,
+    /// Tree build per round (the top-K and the best-first heap, at the maximum budget).
+    pub build_us: f64,
+    /// Accept walk, KV compaction and feature selection per round.
+    pub accept_us: f64,
+    /// Target verify latency by forward length; at least one point.
+    pub verify: Vec<VerifyPoint>,
+}
+
+/// The per-token verify cost up to 64 tokens of [`CostModel::fallback`], in µs.
+const FALLBACK_FLAT_SLOPE_US: f64 = 10.0;
+/// The per-token verify cost past 64 tokens of [`CostModel::fallback`], in µs.
+const FALLBACK_SLOPE_US: f64 = 150.0;
+
+impl CostModel {
+    /// A validated cost model; `verify` is `(tokens, µs)` points in any order.
+    pub fn new(
+        source: impl Into<String>,
+        draft_us: f64,
+        build_us: f64,
+        accept_us: f64,
+        verify: &[(usize, f64)],
+    ) -> Result<Self> {
+        let mut verify: Vec<VerifyPoint> = verify.iter().map(|&(tokens, us)| VerifyPoint { tokens, us }).collect();
+        verify.sort_by_key(|p| p.tokens);
+        let model = Self {
+            source: source.into(),
+            draft_us,
+            build_us,
+            accept_us,
+            verify,
+        };
+        model.validate()?;
+        Ok(model)
+    }
+
+    /// The model `auto` uses when nothing was measured (the CPU backend, or no tune-cache
+    /// entry). A GPU-shaped guess, no measurement of any machine: a verify forward of one token
+    /// takes 10 ms, each further token costs 10 µs up to 64 tokens (0.1% of a forward: the
+    /// weights are read once, the tokens ride along) and 150 µs after that (1.5%: compute and,
+    /// for MoE, more experts); the drafter forward 1 ms, build and accept 0.1 ms each. With it
+    /// `auto` keeps a node while its path probability pays for its share of the round: below
+    /// 64 tokens any node with probability above about `(E + 1) / 1100`.
+    pub fn fallback() -> Self {
+        let at64 = 10_000.0 + 63.0 * FALLBACK_FLAT_SLOPE_US;
+        Self::new(
+            "default cost model: verify 10 ms + 10 µs per token up to 64 tokens, +150 µs per \
+             token after; draft 1 ms, build and accept 0.1 ms each",
+            1_000.0,
+            100.0,
+            100.0,
+            &[(1, 10_000.0), (64, at64), (128, at64 + 64.0 * FALLBACK_SLOPE_US)],
+        )
+        .expect("the default cost model is valid")
+    }
+
+    /// Checks the invariants: finite non-negative costs, at least one verify point, `tokens`
+    /// at least 1 and strictly increasing.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(EngineError::Forward(format!("cost model `{}`: {reason}", self.source)));
+        for (name, v) in [
+            ("draft_us", self.draft_us),
+            ("build_us", self.build_us),
+            ("accept_us", self.accept_us),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(format!("{name} must be finite and >= 0, got {v}"));
+            }
+        }
+        if self.verify.is_empty() {
+            return bad("no verify latency points".into());
+        }
+        for (i, p) in self.verify.iter().enumerate() {
+            if p.tokens == 0 || !(p.us.is_finite() && p.us >= 0.0) {
+                return bad(format!(
+                    "verify point {i} ({} tokens, {} µs) is invalid",
+                    p.tokens, p.us
+                ));
+            }
+            if i > 0 && self.verify[i - 1].tokens >= p.tokens {
+                return bad(format!(
+                    "verify points must have strictly increasing tokens (point {i})"
+                ));
+            }
+        }
+        if self.round_us(1) <= 0.0 {
+            return bad("a round must cost more than 0 µs".into());
+        }
+        Ok(())
+    }
+
+    /// Parses and validates a cost model from JSON (the tune-cache form).
+    pub fn from_json(text: &str) -> Result<Self> {
+        let model: Self =
+            serde_json::from_str(text).map_err(|e| EngineError::Forward(format!("cost model JSON: {e}")))?;
+        model.validate()?;
+        Ok(model)
+    }
+
+    /// The JSON form [`CostModel::from_json`] reads.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a cost model serializes")
+    }
+
+    /// Verify latency of a forward of `tokens` tokens (root included), in µs: piecewise linear
+    /// through the measured points, flat below the first, the last segment's slope (at least 0)
+    /// past the last.
+    pub fn verify_us(&self, tokens: usize) -> f64 {
+        let pts = self.verify.as_slice();
+        let x = tokens as f64;
+        let i = pts.partition_point(|p| p.tokens <= tokens);
+        let line = |a: &VerifyPoint, b: &VerifyPoint| {
+            let slope = (b.us - a.us) / (b.tokens - a.tokens) as f64;
+            (slope, a.us + slope * (x - a.tokens as f64))
+        };
+        if i == 0 {
+            pts[0].us
+        } else if i == pts.len() {
+            match pts {
+                [.., a, b] => {
+                    let (slope, _) = line(a, b);
+                    b.us + slope.max(0.0) * (x - b.tokens as f64)
+                }
+                _ => pts[0].us,
+            }
+        } else {
+            line(&pts[i - 1], &pts[i]).1
+        }
+    }
+
+    /// The fixed per-round costs: draft + build + accept.
+    pub fn fixed_us(&self) -> f64 {
+        self.draft_us + self.build_us + self.accept_us
+    }
+
+    /// Expected duration of a round with a tree of `budget` nodes besides the root.
+    pub fn round_us(&self, budget: usize) -> f64 {
+        self.fixed_us() + self.verify_us(budget + 1)
+    }
+}
+
+/// The budget with the most expected tokens per µs.
+///
+/// `path_logprobs` are the path log-probs of a tree's non-root nodes in the builder's
+/// best-first order (`DraftTree::path_logprob[1..]`); the top-`B` tree is their first `B`, and
+/// its expected accepted length is `E(B) = sum of exp(path_logprobs[..B])`. Returns the `B` in
+/// `1..=min(max_budget, path_logprobs.len())` maximizing `(E(B) + 1) / cost.round_us(B)` (the
+/// smallest on ties), or 0 when that range is empty (a tree of the root alone). O(max_budget).
+pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize) -> usize {
+    let fixed = cost.fixed_us();
+    let mut expected = 1.0f64;
+    let mut best = (0usize, f64::NEG_INFINITY);
+    for (i, &lp) in path_logprobs.iter().take(max_budget).enumerate() {
+        let b = i + 1;
+        expected += (lp as f64).exp();
+        let rate = expected / (fixed + cost.verify_us(b + 1));
+        if rate > best.1 {
+            best = (b, rate);
+        }
+    }
+    best.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> CostModel {
+        CostModel::new("t", 100.0, 10.0, 20.0, &[(64, 2000.0), (1, 1000.0), (32, 1000.0)]).unwrap()
+    }
+
+    #[test]
+    fn verify_latency_interpolates_and_extrapolates() {
+        let c = table();
+        assert_eq!(c.verify[0].tokens, 1, "points are sorted");
+        assert_eq!(c.verify_us(1), 1000.0);
+        assert_eq!(c.verify_us(16), 1000.0);
+        assert_eq!(c.verify_us(48), 1500.0);
+        assert_eq!(c.verify_us(64), 2000.0);
+        assert_eq!(c.verify_us(96), 3000.0, "the last slope continues");
+        assert_eq!(c.round_us(47), 130.0 + 1500.0);
+        let one = CostModel::new("one", 0.0, 0.0, 0.0, &[(8, 50.0)]).unwrap();
+        assert_eq!((one.verify_us(1), one.verify_us(500)), (50.0, 50.0));
+        // A noisy table whose last segment falls: flat past the end, never below.
+        let noisy = CostModel::new("n", 0.0, 0.0, 0.0, &[(1, 50.0), (64, 60.0), (128, 55.0)]).unwrap();
+        assert_eq!(noisy.verify_us(1000), 55.0);
+        let f = CostModel::fallback();
+        assert_eq!(
+            (f.verify_us(1), f.verify_us(64), f.verify_us(164)),
+            (10_000.0, 10_630.0, 25_630.0)
+        );
+    }
+
+    #[test]
+    fn invalid_models_are_rejected() {
+        assert!(CostModel::new("x", 1.0, 1.0, 1.0, &[]).is_err());
+        assert!(CostModel::new("x", 1.0, 1.0, 1.0, &[(0, 5.0)]).is_err());
+        assert!(CostModel::new("x", 1.0, 1.0, 1.0, &[(2, 5.0), (2, 6.0)]).is_err());
+        assert!(CostModel::new("x", f64::NAN, 1.0, 1.0, &[(2, 5.0)]).is_err());
+        assert!(CostModel::new("x", 1.0, 1.0, 1.0, &[(2, -5.0)]).is_err());
+        assert!(CostModel::new("x", 0.0, 0.0, 0.0, &[(1, 0.0)]).is_err(), "a free round");
+        let err = CostModel::from_json(r#"{"source":"s","draft_us":1,"build_us":1,"accept_us":1,"verify":[]}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no verify latency points"), "{err}");
+        assert!(CostModel::from_json("{").is_err());
+    }
+
+    #[test]
+    fn json_round_trip() {
+        let c = table();
+        assert_eq!(CostModel::from_json(&c.to_json()).unwrap(), c);
+        let doc = r#"{"source": "H200", "draft_us": 1500.0, "build_us": 60.0, "accept_us": 80.0,
+            "verify": [{"tokens": 1, "us": 21000.0}, {"tokens": 64, "us": 23000.0}]}"#;
+        let c = CostModel::from_json(doc).unwrap();
+        assert_eq!(c.verify_us(32), 21000.0 + 2000.0 * 31.0 / 63.0);
+    }
+
+    /// Brute force: the argmax over every B of the ratio, recomputing the sum each time.
+    fn brute(lp: &[f32], cost: &CostModel, max: usize) -> usize {
+        let mut best = (0, f64::NEG_INFINITY);
+        for b in 1..=max.min(lp.len()) {
+            let e: f64 = 1.0 + lp[..b].iter().map(|&x| (x as f64).exp()).sum::<f64>();
+            let r = e / cost.round_us(b);
+            if r > best.1 {
+                best = (b, r);
+            }
+        }
+        best.0
+    }
+
+    #[test]
+    fn choice_follows_the_gain_and_the_cost() {
+        let flat = CostModel::new("flat", 0.0, 0.0, 0.0, &[(1, 100.0), (300, 100.0)]).unwrap();
+        let lp: Vec<f32> = (0..40).map(|i| -0.1 * i as f32).collect();
+        // Free nodes: take all of them, up to the cap.
+        assert_eq!(choose_budget(&lp, &flat, 256), 40);
+        assert_eq!(choose_budget(&lp, &flat, 7), 7);
+        assert_eq!(choose_budget(&[], &flat, 7), 0);
+        assert_eq!(choose_budget(&lp, &flat, 0), 0);
+        // Every extra token costs as much as a whole round: one node.
+        let steep = CostModel::new("steep", 0.0, 0.0, 0.0, &[(1, 100.0), (2, 200.0)]).unwrap();
+        assert_eq!(choose_budget(&lp, &steep, 256), 1);
+        // A node is worth its cost when p > (E + 1) * slope / round: confident chain then a
+        // tail of improbable nodes.
+        let lin = CostModel::new("lin", 0.0, 0.0, 0.0, &[(1, 1000.0), (2, 1010.0)]).unwrap();
+        let mut lp = vec![-0.05f32; 7];
+        lp.extend([-6.0f32; 50]);
+        assert_eq!(choose_budget(&lp, &lin, 256), 7);
+        for seed in 0..50u64 {
+            let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let mut acc = 0f32;
+            let lp: Vec<f32> = (0..120)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    acc -= (x >> 40) as f32 / (1u64 << 24) as f32 * 0.3;
+                    acc
+                })
+                .collect();
+            for cost in [&table(), &lin, &CostModel::fallback()] {
+                assert_eq!(choose_budget(&lp, cost, 100), brute(&lp, cost, 100), "seed {seed}");
+            }
+        }
+    }
+}
