@@ -107,6 +107,25 @@ impl Generation {
     }
 }
 
+/// The token chosen at every row of `logits` (row `i` at position `positions[i]`), and the
+/// logits on the host when they are needed (sampling, or `record_logits`). Greedy decoding
+/// without recording reads back only the argmax of each row.
+pub(crate) fn choose_rows<B: Backend>(
+    b: &B,
+    logits: &B::Tensor,
+    options: &GenerateOptions,
+    positions: &[u32],
+) -> Result<(Vec<u32>, Option<crate::backend::Matrix>)> {
+    if options.sampling.is_greedy() && !options.record_logits {
+        return Ok((b.argmax_rows(logits)?, None));
+    }
+    let host = b.to_host(logits)?;
+    let tokens = (0..host.rows)
+        .map(|i| options.sampling.choose(host.row(i), positions[i]))
+        .collect();
+    Ok((tokens, Some(host)))
+}
+
 /// Plain decoding (one forward per token) of up to `options.max_new_tokens` tokens after `prompt`.
 pub fn generate_plain<B: Backend>(model: &Model<B>, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
     check_prompt(model, prompt)?;
@@ -129,9 +148,10 @@ pub fn generate_plain<B: Backend>(model: &Model<B>, prompt: &[u32], options: &Ge
             mask: None,
             logits: LogitRows::Last,
         };
-        let logits = model.backend().to_host(&model.forward(&mut cache, input)?)?;
-        let row = logits.row(logits.rows - 1);
-        let next = options.sampling.choose(row, position as u32 - 1);
+        let logits = model.forward(&mut cache, input)?;
+        let (chosen, host) = choose_rows(model.backend(), &logits, options, &[position as u32 - 1])?;
+        let next = chosen[0];
+        let row = host.as_ref().map_or(&[][..], |h| h.row(0));
         if out.tokens.is_empty() {
             out.prefill = start.elapsed();
         } else {

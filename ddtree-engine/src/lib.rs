@@ -3,7 +3,8 @@
 //! - [`config`]: HF `config.json` (`deepseek_v3`, `kimi_k2`, `kimi_k25`) with YaRN, routing and
 //!   compressed-tensors INT4 settings;
 //! - [`weights`]: sharded, memory-mapped safetensors checkpoints;
-//! - [`backend`]: the op-level [`Backend`] trait and the f32 [`CpuBackend`];
+//! - [`backend`]: the op-level [`Backend`] trait, the f32 [`CpuBackend`] and the [`CudaBackend`];
+//! - [`bench`]: `ddtree bench` on synthetic models of real shapes;
 //! - [`model`]: the forward (MLA with absorbed attention over the latent cache, tree masks, MoE),
 //!   written once against [`Backend`];
 //! - [`generate`]: plain (greedy or sampled) generation;
@@ -14,6 +15,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bench;
 pub mod config;
 pub mod error;
 pub mod generate;
@@ -25,7 +27,7 @@ pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend};
+pub use backend::{Backend, CpuBackend, CudaBackend, CudaOptions};
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use generate::{generate_plain, GenerateOptions, Generation, StopReason};

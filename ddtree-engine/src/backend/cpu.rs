@@ -190,6 +190,10 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn dims(&self, x: &Matrix) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
     fn to_host(&self, x: &Matrix) -> Result<Matrix> {
         Ok(x.clone())
     }

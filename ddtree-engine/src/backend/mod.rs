@@ -5,8 +5,10 @@
 //! implements the same trait with device buffers and generated kernels.
 
 mod cpu;
+pub mod cuda;
 
 pub use cpu::{CpuBackend, CpuKvCache, CpuRouting};
+pub use cuda::{CudaBackend, CudaOptions};
 
 use ddtree_kernels::tree::{build_reference, DraftTree};
 
@@ -221,6 +223,8 @@ pub trait Backend {
     /// tokens.
     fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<Self::KvCache>;
 
+    /// `(rows, cols)` of a tensor.
+    fn dims(&self, x: &Self::Tensor) -> (usize, usize);
     /// Copies a tensor back to the host.
     fn to_host(&self, x: &Self::Tensor) -> Result<Matrix>;
     /// Gathers rows `rows` of `x` (in that order).

@@ -13,11 +13,11 @@
 
 use std::time::Instant;
 
-use ddtree_kernels::tree::{accept_reference, build_reference};
+use ddtree_kernels::tree::accept_reference;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Matrix};
 use crate::error::{EngineError, Result};
-use crate::generate::{check_prompt, GenerateOptions, Generation};
+use crate::generate::{check_prompt, choose_rows, GenerateOptions, Generation};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows, Model};
 use crate::spec::budget::{choose_budget, CostModel};
@@ -159,15 +159,16 @@ pub fn generate_speculative<B: Backend>(
         logits: LogitRows::Last,
     };
     let prefill = model.forward_with_features(&mut cache, input, &layers)?;
-    let logits = b.to_host(&prefill.logits)?;
+    let (chosen, logits) = choose_rows(b, &prefill.logits, options, &[prompt.len() as u32 - 1])?;
+    let row = |logits: &Option<Matrix>, i: usize| logits.as_ref().map_or(&[][..], |h| h.row(i)).to_vec();
     let mut features = prefill.features;
-    let first = options.sampling.choose(logits.row(0), prompt.len() as u32 - 1);
+    let first = chosen[0];
     stats.target_forwards = 1;
     stats.prefill = started.elapsed();
     out.prefill = stats.prefill;
     let mut tokens = prompt.to_vec();
     tokens.push(first);
-    let mut going = out.emit(options, first, prompt.len(), context, logits.row(0));
+    let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
 
     while going {
         let start = tokens.len() - 1;
@@ -182,19 +183,17 @@ pub fn generate_speculative<B: Backend>(
         stats.draft += t.elapsed();
 
         let t = Instant::now();
-        let drafted = b.to_host(&drafted)?;
-        if drafted.rows != block_size - 1 || drafted.cols != vocab {
+        let (rows, cols) = b.dims(&drafted);
+        if rows != block_size - 1 || cols != vocab {
             return Err(EngineError::Forward(format!(
-                "drafter {} returned {}x{} logits, expected {}x{vocab}",
+                "drafter {} returned {rows}x{cols} logits, expected {}x{vocab}",
                 stats.drafter,
-                drafted.rows,
-                drafted.cols,
                 block_size - 1
             )));
         }
         // Positions past the context cannot be verified.
         let depth = (block_size - 1).min(context - 1 - start);
-        let mut tree = build_reference(&drafted.data[..depth * vocab], depth, vocab, budget, bonus);
+        let mut tree = b.draft_tree(&drafted, depth, budget, bonus)?;
         if let Some(cost) = auto_cost {
             // Best-first order: the first B nodes are the top-B tree, the one the builder gives
             // at budget B.
@@ -214,10 +213,7 @@ pub fn generate_speculative<B: Backend>(
             logits: LogitRows::All,
         };
         let verified = model.forward_with_features(&mut cache, input, &layers)?;
-        let logits = b.to_host(&verified.logits)?;
-        let target: Vec<u32> = (0..tree.len())
-            .map(|i| options.sampling.choose(logits.row(i), positions[i]))
-            .collect();
+        let (target, logits) = choose_rows(b, &verified.logits, options, &positions)?;
         stats.verify += t.elapsed();
 
         let t = Instant::now();
@@ -239,7 +235,7 @@ pub fn generate_speculative<B: Backend>(
         for (k, pair) in keep.windows(2).enumerate() {
             let token = tree.token[pair[1]];
             tokens.push(token);
-            going = out.emit(options, token, start + k + 1, context, logits.row(pair[0]));
+            going = out.emit(options, token, start + k + 1, context, &row(&logits, pair[0]));
             if !going {
                 break;
             }
@@ -247,7 +243,7 @@ pub fn generate_speculative<B: Backend>(
         if going {
             tokens.push(accepted.bonus);
             let last = *keep.last().expect("the root is always accepted");
-            going = out.emit(options, accepted.bonus, start + keep.len(), context, logits.row(last));
+            going = out.emit(options, accepted.bonus, start + keep.len(), context, &row(&logits, last));
         }
     }
     out.decode = stats.draft + stats.build + stats.verify + stats.accept;

@@ -1,0 +1,1202 @@
+//! The CUDA backend: bf16 activations on the GPU, the generated kernels of `ddtree-kernels`
+//! (tuned variants from the per-GPU tune cache), cuBLAS for the dense bf16 products, INT4
+//! routed experts through the grouped W4A16 MoE kernels, and the latent cache in device memory.
+//!
+//! Every op enqueues on the GPU's one stream; nothing synchronises except the copies back to
+//! the host ([`Backend::to_host`], [`Backend::argmax_rows`]).
+
+mod types;
+
+use std::sync::{Arc, Mutex};
+
+use ddtree_kernels::tree::{LATENT, ROPE};
+use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
+use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
+use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeKernels};
+use ddtree_kernels::w4a16::{Epilogue, RepackParams, W4a16Params, W4a16Repack};
+use ddtree_kernels::{add, fill, tree, tune};
+use ddtree_kernels::{
+    AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
+    GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute, MoeRouteParams,
+    RmsNorm, RopeInterleaved, RopeParams, RowTopk, SiluMulParams, SiluMulSplit,
+};
+use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
+use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
+use half::bf16;
+
+pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, CudaWeight, DeviceData};
+
+use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims};
+use crate::config::MoeConfig;
+use crate::error::{EngineError, Result};
+use crate::model::Ffn;
+use crate::rope::Rope;
+
+/// Options of [`CudaBackend::new`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CudaOptions {
+    /// Ignore the tune cache: every kernel runs its default variant (`--no-autotune`).
+    pub no_autotune: bool,
+}
+
+/// Rope tables uploaded for one [`Rope`].
+struct RopeTables {
+    rope: Rope,
+    positions: usize,
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+/// Scratch state behind the backend's `&self` ops.
+struct State {
+    ropes: Vec<Arc<RopeTables>>,
+    identity: CudaSlice<u32>,
+    w4a16: Scratch,
+    verify: Option<tree::gpu::GpuVerify>,
+    moe: Vec<((bool, usize), Arc<MoeKernels>)>,
+}
+
+/// The CUDA backend on one GPU.
+pub struct CudaBackend {
+    kernels: TunedKernels,
+    stream: Arc<CudaStream>,
+    blas: Blas,
+    state: Mutex<State>,
+}
+
+pub(crate) fn fail(reason: String) -> EngineError {
+    EngineError::Backend {
+        backend: "cuda".into(),
+        reason,
+    }
+}
+
+fn rt(e: RuntimeError) -> EngineError {
+    fail(e.to_string())
+}
+
+impl From<RuntimeError> for EngineError {
+    fn from(e: RuntimeError) -> Self {
+        rt(e)
+    }
+}
+
+fn drv(what: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> EngineError {
+    move |e| fail(format!("{what}: {e}"))
+}
+
+/// The largest `u32` element index the kernels take.
+fn check_u32(what: &str, n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| fail(format!("{what}: {n} elements exceed the kernels' 32-bit indexing")))
+}
+
+const FILL: FillParams = FillParams { block: 256 };
+/// Split count of the verify attention's partial buffers: rows x splits.
+const VERIFY_PARTIALS: usize = 1 << 16;
+
+impl CudaBackend {
+    /// The backend on `gpu`, with tuned variants from `gpu`'s tune cache (defaults with
+    /// `options.no_autotune`).
+    pub fn new(gpu: Gpu, options: CudaOptions) -> Result<CudaBackend> {
+        let stream = gpu.stream().clone();
+        // One stream: cudarc's per-buffer event tracking only costs time here.
+        // SAFETY: every buffer of this backend lives on this one stream.
+        unsafe { gpu.context().disable_event_tracking() };
+        let blas = Blas::new(&gpu)?;
+        let state = State {
+            ropes: Vec::new(),
+            identity: stream.alloc_zeros::<u32>(1).map_err(drv("allocating"))?,
+            w4a16: Scratch::new(&stream, 1)?,
+            verify: None,
+            moe: Vec::new(),
+        };
+        Ok(CudaBackend {
+            kernels: if options.no_autotune {
+                TunedKernels::new(gpu).defaults_only()
+            } else {
+                TunedKernels::new(gpu)
+            },
+            stream,
+            blas,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// Opens GPU 0 (`Gpu::open`) and builds the backend on it.
+    pub fn open(options: CudaOptions) -> Result<CudaBackend> {
+        CudaBackend::new(Gpu::open(0)?, options)
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Gpu {
+        self.kernels.gpu()
+    }
+
+    /// The tuned kernels (tune cache and compiled variants).
+    pub fn kernels(&self) -> &TunedKernels {
+        &self.kernels
+    }
+
+    /// Waits for every enqueued op.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("synchronizing"))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("backend state lock")
+    }
+
+    fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every caller writes the buffer fully before reading it.
+        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(drv("allocating GPU memory"))
+    }
+
+    fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        if v.is_empty() {
+            return self.stream.alloc_zeros::<T>(1).map_err(drv("allocating"));
+        }
+        self.stream.clone_htod(v).map_err(drv("copying to the GPU"))
+    }
+
+    fn tensor_bf16(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor {
+            rows,
+            cols,
+            data: DeviceData::Bf16(self.alloc(rows * cols)?),
+        })
+    }
+
+    fn variant<K: ddtree_codegen::Kernel>(&self, p: &K::Params) -> Result<Arc<CompiledKernel<K>>> {
+        Ok(self.kernels.variant::<K>(p)?)
+    }
+
+    /// The first variant in `K`'s space that `ok` accepts.
+    fn first_variant<K: ddtree_codegen::Kernel>(&self, ok: impl Fn(&K::Params) -> bool) -> Result<Arc<CompiledKernel<K>>> {
+        let p = K::space()
+            .into_iter()
+            .find(|p| ok(p))
+            .ok_or_else(|| fail(format!("no variant of `{}` fits", K::NAME)))?;
+        self.variant::<K>(&p)
+    }
+
+    /// `0, 1, .., n - 1` on the device.
+    fn identity(&self, n: usize) -> Result<CudaSlice<u32>> {
+        let mut st = self.state();
+        if st.identity.len() < n {
+            let ids: Vec<u32> = (0..n.next_power_of_two() as u32).collect();
+            st.identity = self.upload(&ids)?;
+        }
+        Ok(st.identity.clone())
+    }
+
+    /// Rope tables covering `positions` positions for `rope` (grown on demand).
+    fn rope_tables(&self, rope: &Rope, max_position: u32) -> Result<Arc<RopeTables>> {
+        let need = max_position as usize + 1;
+        let mut st = self.state();
+        if let Some(t) = st.ropes.iter().find(|t| t.rope == *rope && t.positions >= need) {
+            return Ok(t.clone());
+        }
+        let positions = need.next_power_of_two().max(4096);
+        let (cos, sin) = rope.tables(positions);
+        let t = Arc::new(RopeTables {
+            rope: rope.clone(),
+            positions,
+            cos: self.upload(&cos)?,
+            sin: self.upload(&sin)?,
+        });
+        st.ropes.retain(|old| old.rope != *rope);
+        st.ropes.push(t.clone());
+        Ok(t)
+    }
+
+    /// Copies `rows` rows: `dst[r, dst_off..] = src[idx[r], src_off..]`, `cols` values each.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_rows(
+        &self,
+        src: &impl ddtree_runtime::cudarc::driver::DevicePtr<bf16>,
+        idx: &CudaSlice<u32>,
+        dst: &mut impl ddtree_runtime::cudarc::driver::DevicePtrMut<bf16>,
+        rows: usize,
+        cols: usize,
+        (src_stride, src_off): (usize, usize),
+        (dst_stride, dst_off): (usize, usize),
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let k = self.first_variant::<CopyRows>(|_: &CopyParams| true)?;
+        // SAFETY: the callers size src, idx and dst for `rows` rows of the given strides.
+        unsafe {
+            CopyRows::launch(
+                &k,
+                &self.stream,
+                rows as u32,
+                src,
+                idx,
+                dst,
+                rows as u32,
+                cols as u32,
+                src_stride as u32,
+                src_off as u32,
+                dst_stride as u32,
+                dst_off as u32,
+            )?
+        };
+        Ok(())
+    }
+
+    fn rope_variant(&self, rope: &Rope) -> Result<Arc<CompiledKernel<RopeInterleaved>>> {
+        let (dim, interleave) = (rope.dim() as u32, rope.interleaved());
+        self.first_variant::<RopeInterleaved>(|p| p.dim == dim && p.interleave == interleave)
+            .map_err(|_| fail(format!("no rope kernel variant for {dim} dims (interleave {interleave})")))
+    }
+
+    /// Ropes `rows = tokens * heads` rows of `stride` values at `offset` in place.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_rows(
+        &self,
+        x: &mut CudaSlice<bf16>,
+        rope: &Rope,
+        positions: &[u32],
+        heads: usize,
+        stride: usize,
+        offset: usize,
+    ) -> Result<()> {
+        let max = positions.iter().copied().max().unwrap_or(0);
+        let tables = self.rope_tables(rope, max)?;
+        let k = self.rope_variant(rope)?;
+        let pos = self.upload(positions)?;
+        let rows = positions.len() * heads;
+        let pairs = rows * rope.dim() / 2;
+        let grid = pairs.div_ceil(k.params().block as usize).max(1) as u32;
+        // SAFETY: x holds rows * stride values; positions one per token; tables cover max.
+        unsafe {
+            RopeInterleaved::launch(
+                &k,
+                &self.stream,
+                grid,
+                x,
+                &pos,
+                &tables.cos,
+                &tables.sin,
+                rows as u32,
+                heads as u32,
+                stride as u32,
+                offset as u32,
+            )?
+        };
+        Ok(())
+    }
+
+    /// Uploads checkpoint-layout INT4 words `[experts * n, k / 8]` and repacks them on the GPU
+    /// into the interleaved layout.
+    fn repack(&self, packed: &[u32], n: usize, k: usize, experts: usize) -> Result<CudaSlice<u32>> {
+        let src = self.upload(packed)?;
+        let total = interleaved_words(n, k) * experts;
+        let mut dst = self.alloc::<u32>(total)?;
+        let p = RepackParams { block: 256 };
+        let kern = self.variant::<W4a16Repack>(&p)?;
+        let grid = total.div_ceil(256).clamp(1, 65535) as u32;
+        // SAFETY: src holds experts * n * k / 8 words, dst the interleaved words of every expert.
+        unsafe {
+            W4a16Repack::launch(&kern, &self.stream, grid, &src, &mut dst, n as u32, k as u32, experts as u32)?
+        };
+        Ok(dst)
+    }
+
+    /// Random words (INT4 codes of every value 0..16) and constant scales, straight in the
+    /// interleaved layout (random is random in any layout).
+    fn random_int4(&self, n: usize, k: usize, experts: usize, group: usize, seed: u64) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
+        let words = interleaved_words(n, k) * experts;
+        let mut packed = self.alloc::<u32>(words)?;
+        self.fill_u32(&mut packed, words, seed)?;
+        let scale = bf16::from_f32((3.0 / k as f32).sqrt() / 8.0);
+        let groups = experts * n * k.div_ceil(group);
+        let scales = self.upload(&scale_words(&vec![scale; groups]))?;
+        Ok((packed, scales))
+    }
+
+    fn fill_u32(&self, out: &mut CudaSlice<u32>, n: usize, seed: u64) -> Result<()> {
+        let k = self.variant::<FillRandomU32>(&FILL)?;
+        // SAFETY: out holds n words.
+        unsafe { FillRandomU32::launch(&k, &self.stream, fill::grid(&FILL, n), out, check_u32("fill", n)?, seed as u32)? };
+        Ok(())
+    }
+
+    fn fill_bf16(&self, out: &mut CudaSlice<bf16>, n: usize, lo: f32, hi: f32, seed: u64) -> Result<()> {
+        let k = self.variant::<FillRandomBf16>(&FILL)?;
+        // SAFETY: out holds n values.
+        unsafe {
+            FillRandomBf16::launch(&k, &self.stream, fill::grid(&FILL, n), out, check_u32("fill", n)?, seed as u32, lo, hi)?
+        };
+        Ok(())
+    }
+
+    /// The MoE kernel pair for `pairs` token-expert pairs at scale group `group`: half m tiles
+    /// for up to 32 pairs (decode and small trees), one m tile above (the H200 bench's best).
+    fn moe_kernels(&self, pairs: usize, group: usize) -> Result<Arc<MoeKernels>> {
+        let m8 = pairs <= 32;
+        if let Some((_, k)) = self.state().moe.iter().find(|(key, _)| *key == (m8, group)) {
+            return Ok(k.clone());
+        }
+        let pick = |epi: Epilogue| -> Result<W4a16Params> {
+            FUSED_SPACE
+                .iter()
+                .find(|p| p.moe && p.epilogue == epi && p.m8 == m8 && p.mt == 1 && p.aring == m8)
+                .map(|p| W4a16Params { group: group as u32, ..*p })
+                .ok_or_else(|| fail("no grouped W4A16 variant".into()))
+        };
+        let k = Arc::new(MoeKernels::new(self.gpu(), &pick(Epilogue::SiluMul)?, &pick(Epilogue::RouteScale)?)?);
+        self.state().moe.push(((m8, group), k.clone()));
+        Ok(k)
+    }
+}
+
+/// Stacks the experts' INT4 (or, quantized here, dense) weights in checkpoint layout:
+/// gate_up `[E, 2I, H]` and down `[E, H, I]`.
+fn stack_experts(experts: &[Ffn<HostLinear>], group_default: usize) -> Result<(PackedInt4, PackedInt4)> {
+    let first = experts.first().ok_or_else(|| fail("a MoE layer without experts".into()))?;
+    let (inter, hidden) = first.gate.shape();
+    let group = match &first.gate {
+        HostLinear::Int4 { group_size, .. } => *group_size,
+        HostLinear::Dense { .. } => group_default,
+    };
+    let as_int4 = |w: &HostLinear| -> Result<PackedInt4> {
+        let (n, k) = w.shape();
+        match w {
+            HostLinear::Int4 {
+                group_size,
+                packed,
+                scales,
+                ..
+            } if *group_size == group => Ok(PackedInt4 {
+                packed: packed.clone(),
+                scales: scales.iter().map(|&s| bf16::from_f32(s)).collect(),
+                n,
+                k,
+                group,
+                experts: 1,
+            }),
+            HostLinear::Int4 { group_size, .. } => Err(fail(format!(
+                "experts mix scale groups {group_size} and {group}"
+            ))),
+            HostLinear::Dense { data, .. } => {
+                let w: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+                Ok(quantize(&w, n, k, group, 1))
+            }
+        }
+    };
+    let mut up = PackedInt4 {
+        packed: Vec::new(),
+        scales: Vec::new(),
+        n: 2 * inter,
+        k: hidden,
+        group,
+        experts: experts.len(),
+    };
+    let mut down = PackedInt4 {
+        packed: Vec::new(),
+        scales: Vec::new(),
+        n: hidden,
+        k: inter,
+        group,
+        experts: experts.len(),
+    };
+    for (e, f) in experts.iter().enumerate() {
+        if f.gate.shape() != (inter, hidden) || f.up.shape() != (inter, hidden) || f.down.shape() != (hidden, inter) {
+            return Err(fail(format!("expert {e} differs in shape from expert 0")));
+        }
+        for (w, dst) in [(&f.gate, &mut up), (&f.up, &mut up), (&f.down, &mut down)] {
+            let q = as_int4(w)?;
+            dst.packed.extend_from_slice(&q.packed);
+            dst.scales.extend_from_slice(&q.scales);
+        }
+    }
+    Ok((up, down))
+}
+
+/// The chain (causal) mask over `n` new rows, `[n, ceil(n / 32)]` words.
+fn chain_mask(n: usize) -> Vec<u32> {
+    let words = n.div_ceil(32);
+    let mut m = vec![0u32; n * words];
+    for i in 0..n {
+        for j in 0..=i {
+            m[i * words + j / 32] |= 1 << (j % 32);
+        }
+    }
+    m
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Vector = CudaVector;
+    type Weight = CudaWeight;
+    type KvCache = CudaKvCache;
+    type Routing = CudaRouting;
+    type Experts = CudaExperts;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn load_vector(&self, data: Vec<f32>) -> Result<CudaVector> {
+        let half: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+        Ok(CudaVector {
+            len: data.len(),
+            bf16: self.upload(&half)?,
+            f32: self.upload(&data)?,
+        })
+    }
+
+    fn load_matrix(&self, m: Matrix) -> Result<CudaTensor> {
+        let half: Vec<bf16> = m.data.iter().map(|&v| bf16::from_f32(v)).collect();
+        Ok(CudaTensor {
+            rows: m.rows,
+            cols: m.cols,
+            data: DeviceData::Bf16(self.upload(&half)?),
+        })
+    }
+
+    fn load_weight(&self, w: HostLinear) -> Result<CudaWeight> {
+        match w {
+            HostLinear::Dense { out, inp, data } => {
+                let half: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+                Ok(CudaWeight::Dense {
+                    out,
+                    inp,
+                    w: self.upload(&half)?,
+                })
+            }
+            HostLinear::Int4 {
+                out,
+                inp,
+                group_size,
+                packed,
+                scales,
+            } => {
+                let scales: Vec<bf16> = scales.iter().map(|&v| bf16::from_f32(v)).collect();
+                Ok(CudaWeight::Int4 {
+                    out,
+                    inp,
+                    group: group_size,
+                    packed: self.repack(&packed, out, inp, 1)?,
+                    scales: self.upload(&scale_words(&scales))?,
+                })
+            }
+        }
+    }
+
+    fn load_experts(&self, experts: Vec<Ffn<HostLinear>>) -> Result<CudaExperts> {
+        if experts.iter().any(|f| matches!(f.gate, HostLinear::Dense { .. })) {
+            tracing::warn!("routed experts are dense in the checkpoint: quantizing them to INT4 g32 for the grouped kernels");
+        }
+        let (up, down) = stack_experts(&experts, 32)?;
+        Ok(CudaExperts {
+            count: experts.len(),
+            inter: up.n / 2,
+            hidden: up.k,
+            group: up.group,
+            w13: self.repack(&up.packed, up.n, up.k, up.experts)?,
+            s13: self.upload(&scale_words(&up.scales))?,
+            w2: self.repack(&down.packed, down.n, down.k, down.experts)?,
+            s2: self.upload(&scale_words(&down.scales))?,
+        })
+    }
+
+    fn random_weight(&self, out: usize, inp: usize, int4_group: Option<usize>, seed: u64) -> Result<CudaWeight> {
+        match int4_group {
+            None => {
+                let mut w = self.alloc::<bf16>(out * inp)?;
+                let bound = (3.0 / inp as f32).sqrt();
+                self.fill_bf16(&mut w, out * inp, -bound, bound, seed)?;
+                Ok(CudaWeight::Dense { out, inp, w })
+            }
+            Some(group) => {
+                let (packed, scales) = self.random_int4(out, inp, 1, group, seed)?;
+                Ok(CudaWeight::Int4 {
+                    out,
+                    inp,
+                    group,
+                    packed,
+                    scales,
+                })
+            }
+        }
+    }
+
+    fn random_experts(
+        &self,
+        count: usize,
+        inter: usize,
+        hidden: usize,
+        int4_group: Option<usize>,
+        seed: u64,
+    ) -> Result<CudaExperts> {
+        let group = int4_group.unwrap_or(32);
+        let (w13, s13) = self.random_int4(2 * inter, hidden, count, group, seed)?;
+        let (w2, s2) = self.random_int4(hidden, inter, count, group, seed ^ 0x5555)?;
+        Ok(CudaExperts {
+            count,
+            inter,
+            hidden,
+            group,
+            w13,
+            s13,
+            w2,
+            s2,
+        })
+    }
+
+    fn random_vector(&self, len: usize, lo: f32, hi: f32, seed: u64) -> Result<CudaVector> {
+        let mut half = self.alloc::<bf16>(len)?;
+        self.fill_bf16(&mut half, len, lo, hi, seed)?;
+        let mut f = self.alloc::<f32>(len)?;
+        let k = self.variant::<FillRandomF32>(&FILL)?;
+        // SAFETY: f holds len values.
+        unsafe {
+            FillRandomF32::launch(&k, &self.stream, fill::grid(&FILL, len), &mut f, len as u32, seed as u32, lo, hi)?
+        };
+        Ok(CudaVector { len, bf16: half, f32: f })
+    }
+
+    fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CudaTensor> {
+        let mut t = self.tensor_bf16(rows, cols)?;
+        self.fill_bf16(t.bf16_mut("random_matrix")?, rows * cols, -1.0, 1.0, seed)?;
+        Ok(t)
+    }
+
+    fn kv_fill_random(&self, cache: &mut CudaKvCache, len: usize, seed: u64) -> Result<()> {
+        if len > cache.capacity {
+            return Err(fail(format!(
+                "kv_fill_random: {len} rows exceed the capacity {}",
+                cache.capacity
+            )));
+        }
+        let n = cache.buf.len();
+        let mut buf = std::mem::replace(&mut cache.buf, self.alloc(1)?);
+        self.fill_bf16(&mut buf, n, -1.0, 1.0, seed)?;
+        cache.buf = buf;
+        cache.lens.iter_mut().for_each(|l| *l = len);
+        Ok(())
+    }
+
+    fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<CudaKvCache> {
+        if row_width == 0 {
+            return Err(fail("KV cache rows must not be empty".into()));
+        }
+        Ok(CudaKvCache {
+            width: row_width,
+            capacity,
+            lens: vec![0; layers],
+            buf: self
+                .stream
+                .alloc_zeros::<bf16>((layers * capacity * row_width).max(1))
+                .map_err(drv("allocating the KV cache"))?,
+        })
+    }
+
+    fn dims(&self, x: &CudaTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn to_host(&self, x: &CudaTensor) -> Result<Matrix> {
+        let n = x.rows * x.cols;
+        let data = match &x.data {
+            DeviceData::Bf16(d) => {
+                let v: Vec<bf16> = self.stream.clone_dtoh(&d.slice(..n)).map_err(drv("copying from the GPU"))?;
+                v.into_iter().map(f32::from).collect()
+            }
+            DeviceData::F32(d) => self.stream.clone_dtoh(&d.slice(..n)).map_err(drv("copying from the GPU"))?,
+        };
+        Ok(Matrix {
+            rows: x.rows,
+            cols: x.cols,
+            data,
+        })
+    }
+
+    fn take_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(fail(format!("take_rows: row {r} of {}", x.rows)));
+        }
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.upload(&idx)?;
+        let mut out = self.tensor_bf16(rows.len(), x.cols)?;
+        let src = x.bf16("take_rows")?;
+        let dst = out.bf16_mut("take_rows")?;
+        self.copy_rows(src, &idx, dst, rows.len(), x.cols, (x.cols, 0), (x.cols, 0))?;
+        Ok(out)
+    }
+
+    fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
+        let hidden = table.cols;
+        let key = tune::EmbeddingKey {
+            tokens: ids.len(),
+            vocab: table.rows,
+            hidden,
+        };
+        let k = self.kernels.get::<Embedding>(&key)?;
+        let d_ids = self.upload(ids)?;
+        let mut out = self.tensor_bf16(ids.len(), hidden)?;
+        // SAFETY: the table is [vocab, hidden]; ids are checked by the model; out [ids, hidden].
+        unsafe {
+            Embedding::launch(
+                &k,
+                &self.stream,
+                ids.len() as u32,
+                &d_ids,
+                table.bf16("embedding")?,
+                out.bf16_mut("embedding")?,
+                hidden as u32,
+                table.rows as u32,
+            )?
+        };
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {
+        if x.cols != weight.len {
+            return Err(fail(format!("rms_norm: {} columns, weight of {}", x.cols, weight.len)));
+        }
+        let mut out = self.tensor_bf16(x.rows, x.cols)?;
+        self.rms_rows(x.bf16("rms_norm")?, &weight.bf16, out.bf16_mut("rms_norm")?, x.rows, x.cols, eps)?;
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+        let (n, k) = w.shape();
+        if x.cols != k {
+            return Err(fail(format!("linear: {} columns into a [{n}, {k}] weight", x.cols)));
+        }
+        let mut out = self.tensor_bf16(x.rows, n)?;
+        let a = x.bf16("linear")?;
+        match w {
+            CudaWeight::Dense { w, .. } => {
+                // SAFETY: a [m, k], w [n, k], out [m, n].
+                unsafe { self.blas.linear(a, w, out.bf16_mut("linear")?, x.rows, n, k)? }
+            }
+            CudaWeight::Int4 {
+                group, packed, scales, ..
+            } => {
+                let (p, splits) = default_dense(x.rows as u32, n as u32, k as u32);
+                let p = W4a16Params { group: *group as u32, ..p };
+                let gemm_k = self.variant::<gemm::W4a16Gemm>(&p)?;
+                let reduce = if p.splitk {
+                    Some(self.variant::<gemm::W4a16Reduce>(&ddtree_kernels::w4a16::ReduceParams {
+                        block: 256,
+                        epilogue: Epilogue::Plain,
+                    })?)
+                } else {
+                    None
+                };
+                let args = GemmArgs {
+                    a,
+                    w: packed,
+                    scales,
+                    residual: None,
+                    routing: None,
+                    m: x.rows as u32,
+                    n: n as u32,
+                    k: k as u32,
+                };
+                let mut st = self.state();
+                let need = splits as usize * x.rows * n;
+                if st.w4a16.part.len() < need {
+                    st.w4a16 = Scratch::new(&self.stream, need.next_power_of_two())?;
+                }
+                let dst = out.bf16_mut("linear")?;
+                // SAFETY: weights in the variant's (interleaved) layout; partials sized above.
+                unsafe { gemm::launch(&gemm_k, reduce.as_deref(), &self.stream, &args, &mut st.w4a16, dst, splits)? };
+            }
+        }
+        Ok(out)
+    }
+
+    fn linear_f32(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+        let CudaWeight::Dense { w, out: n, inp: k } = w else {
+            return Err(fail("linear_f32 (router, LM head) needs a dense weight".into()));
+        };
+        if x.cols != *k {
+            return Err(fail(format!("linear_f32: {} columns into a [{n}, {k}] weight", x.cols)));
+        }
+        let mut out = self.alloc::<f32>(x.rows * n)?;
+        // SAFETY: a [m, k], w [n, k], out [m, n].
+        unsafe { self.blas.linear(x.bf16("linear_f32")?, w, &mut out, x.rows, *n, *k)? };
+        Ok(CudaTensor {
+            rows: x.rows,
+            cols: *n,
+            data: DeviceData::F32(out),
+        })
+    }
+
+    fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
+        let key = tune::TopkKey {
+            rows: logits.rows,
+            n: logits.cols,
+            k: 1,
+        };
+        let k = self.kernels.get::<RowTopk>(&key)?;
+        if k.params().k != 1 {
+            return Err(fail("argmax_rows: the tuned top-k variant is not k = 1".into()));
+        }
+        let mut values = self.alloc::<f32>(logits.rows)?;
+        let mut indices = self.alloc::<u32>(logits.rows)?;
+        // SAFETY: logits [rows, n]; one value and index per row.
+        unsafe {
+            RowTopk::launch(
+                &k,
+                &self.stream,
+                logits.rows as u32,
+                logits.f32("argmax_rows")?,
+                &mut values,
+                &mut indices,
+                logits.cols as u32,
+            )?
+        };
+        self.stream.clone_dtoh(&indices).map_err(drv("copying from the GPU"))
+    }
+
+    fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(fail(format!("add: {}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols)));
+        }
+        let n = x.rows * x.cols;
+        let k = self.first_variant::<AddAssign>(|p: &AddParams| !p.vec || n % 8 == 0)?;
+        let grid = add::grid(k.params(), n as u32);
+        // SAFETY: both hold n values.
+        unsafe { AddAssign::launch(&k, &self.stream, grid, x.bf16_mut("add")?, y.bf16("add")?, n as u32)? };
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(fail("silu_mul: gate and up differ in shape".into()));
+        }
+        let n = gate.rows * gate.cols;
+        let k = self.first_variant::<SiluMulSplit>(|p: &SiluMulParams| !p.vec || n % 8 == 0)?;
+        let grid = n.div_ceil(k.params().block as usize * if k.params().vec { 8 } else { 1 }).clamp(1, 65535) as u32;
+        let mut out = self.tensor_bf16(gate.rows, gate.cols)?;
+        // SAFETY: all hold n values.
+        unsafe {
+            SiluMulSplit::launch(
+                &k,
+                &self.stream,
+                grid,
+                gate.bf16("silu_mul")?,
+                up.bf16("silu_mul")?,
+                out.bf16_mut("silu_mul")?,
+                n as u32,
+            )?
+        };
+        Ok(out)
+    }
+
+    fn concat_cols(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+        let rows = parts.first().map_or(0, |p| p.rows);
+        if parts.iter().any(|p| p.rows != rows) {
+            return Err(fail("concat_cols: parts differ in rows".into()));
+        }
+        let cols: usize = parts.iter().map(|p| p.cols).sum();
+        let idx = self.identity(rows)?;
+        let mut out = self.tensor_bf16(rows, cols)?;
+        let mut off = 0;
+        for p in parts {
+            let dst = out.bf16_mut("concat_cols")?;
+            self.copy_rows(p.bf16("concat_cols")?, &idx, dst, rows, p.cols, (p.cols, 0), (cols, off))?;
+            off += p.cols;
+        }
+        Ok(out)
+    }
+
+    fn head_rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {
+        let d = weight.len;
+        if d == 0 || x.cols % d != 0 {
+            return Err(fail(format!("head_rms_norm: {} columns, heads of {d}", x.cols)));
+        }
+        let mut out = self.tensor_bf16(x.rows, x.cols)?;
+        let rows = x.rows * x.cols / d;
+        self.rms_rows(x.bf16("head_rms_norm")?, &weight.bf16, out.bf16_mut("head_rms_norm")?, rows, d, eps)?;
+        Ok(out)
+    }
+
+    fn rope_heads(&self, x: &mut CudaTensor, rope: &Rope, positions: &[u32]) -> Result<()> {
+        let d = rope.dim();
+        if x.cols % d != 0 || positions.len() != x.rows {
+            return Err(fail(format!(
+                "rope_heads: {}x{} input, rotary size {d}, {} positions",
+                x.rows,
+                x.cols,
+                positions.len()
+            )));
+        }
+        let heads = x.cols / d;
+        self.rope_rows(x.bf16_mut("rope_heads")?, rope, positions, heads, d, 0)
+    }
+
+    fn mla_append_kv(
+        &self,
+        kv_a: &CudaTensor,
+        norm: &CudaVector,
+        eps: f32,
+        rope: &Rope,
+        positions: &[u32],
+        cache: &mut CudaKvCache,
+        layer: usize,
+    ) -> Result<()> {
+        let lora = norm.len;
+        let width = cache.width;
+        if kv_a.cols != width || layer >= cache.lens.len() || lora > width || positions.len() != kv_a.rows {
+            return Err(fail(format!("mla_append_kv: bad layer {layer} or shapes")));
+        }
+        if !rope.interleaved() {
+            return Err(fail("mla_append_kv: the kernel ropes interleaved pairs only".into()));
+        }
+        let start = cache.lens[layer];
+        if start + kv_a.rows > cache.capacity {
+            return Err(EngineError::Forward(format!(
+                "KV cache full: {start} + {} rows exceed its capacity of {}",
+                kv_a.rows, cache.capacity
+            )));
+        }
+        let max = positions.iter().copied().max().unwrap_or(0);
+        let tables = self.rope_tables(rope, max)?;
+        let pos = self.upload(positions)?;
+        let k = self.first_variant::<MlaKvAppend>(|_: &MlaAppendParams| true)?;
+        let mut dst = cache.layer_mut(layer);
+        // SAFETY: kv_a [rows, width]; the layer holds capacity rows and start + rows fit.
+        unsafe {
+            MlaKvAppend::launch(
+                &k,
+                &self.stream,
+                kv_a.rows as u32,
+                kv_a.bf16("mla_append_kv")?,
+                &norm.bf16,
+                &pos,
+                &tables.cos,
+                &tables.sin,
+                &mut dst,
+                kv_a.rows as u32,
+                lora as u32,
+                (width - lora) as u32,
+                start as u32,
+                eps,
+            )?
+        };
+        cache.lens[layer] = start + kv_a.rows;
+        Ok(())
+    }
+
+    fn mla_query(&self, q: &CudaTensor, kv_b: &CudaWeight, rope: &Rope, positions: &[u32], d: MlaDims) -> Result<CudaTensor> {
+        let qk = d.nope + d.rope;
+        let lw = d.latent_width();
+        let CudaWeight::Dense { w, out, inp } = kv_b else {
+            return Err(fail("mla_query: kv_b must be dense".into()));
+        };
+        if q.cols != d.heads * qk || (*out, *inp) != (d.heads * (d.nope + d.v), d.kv_lora) || positions.len() != q.rows {
+            return Err(fail("mla_query: q, kv_b or positions do not match the MLA dims".into()));
+        }
+        let t = q.rows;
+        let mut q_abs = self.tensor_bf16(t, d.heads * lw)?;
+        let g = BatchedGemm {
+            m: t,
+            n: d.kv_lora,
+            k: d.nope,
+            batch: d.heads,
+            a: Strided { offset: 0, ld: d.heads * qk, stride: qk },
+            b: Strided { offset: 0, ld: d.kv_lora, stride: (d.nope + d.v) * d.kv_lora },
+            b_op: RightOperand::Plain,
+            c: Strided { offset: 0, ld: d.heads * lw, stride: lw },
+        };
+        let qv = q.bf16("mla_query")?;
+        // SAFETY: the strides stay inside q [t, heads * qk], kv_b and q_abs [t, heads * lw].
+        unsafe { self.blas.batched(&g, qv, w, q_abs.bf16_mut("mla_query")?)? };
+        let idx = self.identity(t * d.heads)?;
+        self.copy_rows(qv, &idx, q_abs.bf16_mut("mla_query")?, t * d.heads, d.rope, (qk, d.nope), (lw, d.kv_lora))?;
+        self.rope_rows(q_abs.bf16_mut("mla_query")?, rope, positions, d.heads, lw, d.kv_lora)?;
+        Ok(q_abs)
+    }
+
+    fn mla_attention(
+        &self,
+        q_abs: &CudaTensor,
+        cache: &CudaKvCache,
+        layer: usize,
+        span: AttentionSpan<'_>,
+        d: MlaDims,
+        scale: f32,
+    ) -> Result<CudaTensor> {
+        let lw = d.latent_width();
+        let n = q_abs.rows;
+        if q_abs.cols != d.heads * lw || layer >= cache.lens.len() || cache.width != lw {
+            return Err(fail(format!("mla_attention: bad layer {layer} or widths")));
+        }
+        if cache.lens[layer] != span.prefix_len + n {
+            return Err(fail(format!(
+                "mla_attention: cache holds {} rows, expected prefix {} + {n} new",
+                cache.lens[layer], span.prefix_len
+            )));
+        }
+        let (mask, words) = match span.mask {
+            Some(m) => (self.upload(m.words())?, m.words_per_row()),
+            None => (self.upload(&chain_mask(n))?, n.div_ceil(32)),
+        };
+        let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
+        let q = q_abs.bf16("mla_attention")?;
+        let kv = cache.layer(layer);
+        if d.kv_lora == LATENT && d.rope == ROPE {
+            let mut st = self.state();
+            if st.verify.is_none() {
+                let p = <tree::MlaVerifySplit as ddtree_codegen::Kernel>::space()[0];
+                st.verify = Some(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
+            }
+            let verify = st.verify.as_mut().expect("made above");
+            let sh = tree::gpu::VerifyShape {
+                nodes: n,
+                heads: d.heads,
+                prefix: span.prefix_len,
+                words,
+                scale,
+            };
+            if n * d.heads <= VERIFY_PARTIALS {
+                let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
+                let mut lse = self.alloc::<f32>(n * d.heads)?;
+                verify.run(&self.stream, &sh, splits, q, &kv, &mask, out.bf16_mut("mla_attention")?, &mut lse)?;
+                return Ok(out);
+            }
+        }
+        let k = self.first_variant::<MlaAttention>(|_: &MlaAttnParams| true)?;
+        // SAFETY: q [n, heads, lw], the layer's first prefix + n rows, mask [n, words].
+        unsafe {
+            MlaAttention::launch(
+                &k,
+                &self.stream,
+                (n * d.heads) as u32,
+                q,
+                &kv,
+                &mask,
+                out.bf16_mut("mla_attention")?,
+                d.heads as u32,
+                span.prefix_len as u32,
+                n as u32,
+                words as u32,
+                d.kv_lora as u32,
+                d.rope as u32,
+                scale,
+            )?
+        };
+        Ok(out)
+    }
+
+    fn mla_output(&self, o_lat: &CudaTensor, kv_b: &CudaWeight, d: MlaDims) -> Result<CudaTensor> {
+        let CudaWeight::Dense { w, out, inp } = kv_b else {
+            return Err(fail("mla_output: kv_b must be dense".into()));
+        };
+        if o_lat.cols != d.heads * d.kv_lora || (*out, *inp) != (d.heads * (d.nope + d.v), d.kv_lora) {
+            return Err(fail("mla_output: o_lat or kv_b do not match the MLA dims".into()));
+        }
+        let t = o_lat.rows;
+        let mut o = self.tensor_bf16(t, d.heads * d.v)?;
+        let g = BatchedGemm {
+            m: t,
+            n: d.v,
+            k: d.kv_lora,
+            batch: d.heads,
+            a: Strided { offset: 0, ld: d.heads * d.kv_lora, stride: d.kv_lora },
+            b: Strided { offset: d.nope * d.kv_lora, ld: d.kv_lora, stride: (d.nope + d.v) * d.kv_lora },
+            b_op: RightOperand::Transposed,
+            c: Strided { offset: 0, ld: d.heads * d.v, stride: d.v },
+        };
+        // SAFETY: the strides stay inside o_lat [t, heads * L], kv_b and o [t, heads * V].
+        unsafe { self.blas.batched(&g, o_lat.bf16("mla_output")?, w, o.bf16_mut("mla_output")?)? };
+        Ok(o)
+    }
+
+    fn moe_route(&self, logits: &CudaTensor, bias: &CudaVector, cfg: &MoeConfig) -> Result<CudaRouting> {
+        let experts = cfg.n_routed_experts;
+        if logits.cols != experts || bias.len != experts {
+            return Err(fail("moe_route: logits or bias do not match the expert count".into()));
+        }
+        let (t, topk) = (logits.rows, cfg.num_experts_per_tok);
+        let mut ids = self.alloc::<u32>(t * topk)?;
+        let mut weights = self.alloc::<f32>(t * topk)?;
+        let k = self.first_variant::<MoeRoute>(|_: &MoeRouteParams| true)?;
+        // SAFETY: logits [t, experts] f32, bias [experts]; outputs [t, topk].
+        unsafe {
+            MoeRoute::launch(
+                &k,
+                &self.stream,
+                t as u32,
+                logits.f32("moe_route")?,
+                &bias.f32,
+                &mut ids,
+                &mut weights,
+                experts as u32,
+                topk as u32,
+                cfg.n_group as u32,
+                cfg.topk_group as u32,
+                u32::from(cfg.norm_topk_prob),
+                cfg.routed_scaling_factor as f32,
+            )?
+        };
+        Ok(CudaRouting {
+            tokens: t,
+            topk,
+            ids,
+            weights,
+        })
+    }
+
+    fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, ex: &CudaExperts) -> Result<CudaTensor> {
+        if routing.tokens != x.rows || x.cols != ex.hidden {
+            return Err(fail("moe_experts: routing, input and experts disagree in shape".into()));
+        }
+        let kern = self.moe_kernels(routing.tokens * routing.topk, ex.group)?;
+        let dev = DeviceExperts {
+            w13: &ex.w13,
+            s13: &ex.s13,
+            w2: &ex.w2,
+            s2: &ex.s2,
+            experts: ex.count as u32,
+            hidden: ex.hidden as u32,
+            inter: ex.inter as u32,
+        };
+        let mut bufs = kern.buffers(&self.stream, routing.tokens, routing.topk, &dev)?;
+        let mut out = self.tensor_bf16(x.rows, x.cols)?;
+        // SAFETY: x [T, H], routing [T, topk], experts stacked in the variants' layout.
+        unsafe {
+            kern.run(
+                &self.stream,
+                &dev,
+                x.bf16("moe_experts")?,
+                &routing.ids,
+                &routing.weights,
+                out.bf16_mut("moe_experts")?,
+                &mut bufs,
+                routing.tokens as u32,
+                routing.topk as u32,
+            )?
+        };
+        Ok(out)
+    }
+
+    fn kv_append(&self, cache: &mut CudaKvCache, layer: usize, rows: &CudaTensor) -> Result<()> {
+        if layer >= cache.lens.len() || rows.cols != cache.width {
+            return Err(fail(format!("kv_append: bad layer {layer} or width {}", rows.cols)));
+        }
+        let start = cache.lens[layer];
+        if start + rows.rows > cache.capacity {
+            return Err(EngineError::Forward(format!(
+                "cache full: {start} + {} rows exceed its capacity of {}",
+                rows.rows, cache.capacity
+            )));
+        }
+        let idx = self.identity(rows.rows)?;
+        let w = cache.width;
+        let mut dst = cache.layer_mut(layer).slice_mut(start * w..);
+        self.copy_rows(rows.bf16("kv_append")?, &idx, &mut dst, rows.rows, w, (w, 0), (w, 0))?;
+        cache.lens[layer] = start + rows.rows;
+        Ok(())
+    }
+
+    fn gqa_attention(
+        &self,
+        q: &CudaTensor,
+        cache: &CudaKvCache,
+        k_layer: usize,
+        v_layer: usize,
+        dims: GqaDims,
+        scale: f32,
+    ) -> Result<CudaTensor> {
+        let kv_w = dims.kv_heads * dims.head_dim;
+        if q.cols != dims.heads * dims.head_dim || cache.width != kv_w || k_layer.max(v_layer) >= cache.lens.len() {
+            return Err(fail("gqa_attention: shapes do not match the head layout".into()));
+        }
+        let keys = cache.lens[k_layer];
+        if cache.lens[v_layer] != keys {
+            return Err(fail("gqa_attention: key and value layers differ in length".into()));
+        }
+        let mut out = self.tensor_bf16(q.rows, q.cols)?;
+        let k = self.first_variant::<GqaAttention>(|_: &GqaParams| true)?;
+        // SAFETY: q [rows, heads * hd], k/v layers hold `keys` rows of kv_heads * hd.
+        unsafe {
+            GqaAttention::launch(
+                &k,
+                &self.stream,
+                (q.rows * dims.heads) as u32,
+                q.bf16("gqa_attention")?,
+                &cache.layer(k_layer),
+                &cache.layer(v_layer),
+                out.bf16_mut("gqa_attention")?,
+                q.rows as u32,
+                keys as u32,
+                dims.heads as u32,
+                dims.kv_heads as u32,
+                dims.head_dim as u32,
+                scale,
+            )?
+        };
+        Ok(out)
+    }
+
+    fn kv_len(&self, cache: &CudaKvCache) -> usize {
+        cache.lens.first().copied().unwrap_or(0)
+    }
+
+    fn kv_truncate(&self, cache: &mut CudaKvCache, len: usize) -> Result<()> {
+        cache.lens.iter_mut().for_each(|l| *l = (*l).min(len));
+        Ok(())
+    }
+
+    fn kv_compact(&self, cache: &mut CudaKvCache, base: usize, keep: &[usize]) -> Result<()> {
+        let len = self.kv_len(cache);
+        let ascending = keep.windows(2).all(|w| w[0] < w[1]);
+        if !ascending || keep.last().is_some_and(|&k| base + k >= len) {
+            return Err(EngineError::Forward(format!(
+                "kv_compact: keep list {keep:?} after row {base} must ascend and stay below {len}"
+            )));
+        }
+        let moved: Vec<u32> = keep.iter().map(|&k| k as u32).collect();
+        if moved.iter().enumerate().any(|(i, &k)| k as usize != i) {
+            let accepted = self.upload(&moved)?;
+            let count = self.upload(&[moved.len() as u32])?;
+            let k = self.variant::<tree::CompactRows>(&())?;
+            let layers = cache.lens.len();
+            let stride = cache.capacity * cache.width;
+            // SAFETY: every kept row is below len; rows move down in ascending order.
+            unsafe {
+                tree::CompactRows::launch(
+                    &k,
+                    &self.stream,
+                    layers as u32,
+                    &mut cache.buf,
+                    &accepted,
+                    &count,
+                    base as u32,
+                    cache.width as u32,
+                    check_u32("kv_compact", stride)?,
+                )?
+            };
+        }
+        cache.lens.iter_mut().for_each(|l| *l = base + keep.len());
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// RMSNorm of `rows` rows of `n` values with the tuned variant for the shape.
+    fn rms_rows(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+        rows: usize,
+        n: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let k = self.kernels.get::<RmsNorm>(&tune::RowsKey { rows, n })?;
+        // SAFETY: x and out hold rows * n values, w n; the tuner's candidates respect n % 8.
+        unsafe { RmsNorm::launch(&k, &self.stream, rows as u32, x, w, out, n as u32, eps)? };
+        Ok(())
+    }
+}

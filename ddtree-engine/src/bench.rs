@@ -1,0 +1,548 @@
+//! `ddtree bench`: the engine on a synthetic model of real shapes (random weights made on the
+//! backend, no files): plain decode at several contexts against the bytes-per-token floor, and
+//! DDTree rounds for a range of budgets with scripted drafters of controlled acceptance.
+//!
+//! Presets: [`Preset::KimiK26Ep8`] is one GPU's share of an 8-GPU expert-parallel Kimi K2.6
+//! deployment (61 layers, the first dense; 48 local routed experts of 7168/2048 INT4 g32 with
+//! top-8 routing over them, one shared expert, MLA with 64 heads, vocabulary 163840; about
+//! 100 GB). [`Preset::Tiny`] has the embedded tiny model's shapes, so the whole path runs on
+//! the CPU in tests.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::backend::{Backend, Matrix};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::generate::{generate_plain, GenerateOptions};
+use crate::model::{ForwardInput, LogitRows, Model};
+use crate::spec::drafter::{DraftRequest, Drafter};
+use crate::spec::budget::CostModel;
+use crate::spec::{generate_speculative, Budget, SpecOptions, SpecStats, AUTO_MAX_BUDGET};
+
+/// A synthetic model to benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// Kimi K2.6, one GPU's share of 8-way expert parallelism.
+    KimiK26Ep8,
+    /// The embedded tiny model's shapes (CPU-sized).
+    Tiny,
+}
+
+impl Preset {
+    /// The preset's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::KimiK26Ep8 => "kimi-k2.6-ep8",
+            Self::Tiny => "tiny",
+        }
+    }
+
+    /// Parses a preset name.
+    pub fn parse(s: &str) -> Result<Preset> {
+        match s {
+            "kimi-k2.6-ep8" => Ok(Self::KimiK26Ep8),
+            "tiny" => Ok(Self::Tiny),
+            _ => Err(EngineError::Forward(format!(
+                "unknown bench preset {s:?}; presets: kimi-k2.6-ep8, tiny"
+            ))),
+        }
+    }
+
+    /// The model configuration (a `config.json` as the checkpoint would carry it).
+    pub fn config(self) -> Result<ModelConfig> {
+        match self {
+            Self::Tiny => crate::tiny::config(),
+            Self::KimiK26Ep8 => ModelConfig::from_json(KIMI_K26_EP8, std::path::Path::new("<kimi-k2.6-ep8 preset>")),
+        }
+    }
+}
+
+/// Kimi K2.6's text config with the routed experts cut to one GPU's 48 of 384 (top-8 routing
+/// over the local experts, one routing group).
+const KIMI_K26_EP8: &str = r#"{
+  "model_type": "kimi_k2",
+  "architectures": ["DeepseekV3ForCausalLM"],
+  "vocab_size": 163840,
+  "hidden_size": 7168,
+  "intermediate_size": 18432,
+  "moe_intermediate_size": 2048,
+  "num_hidden_layers": 61,
+  "num_attention_heads": 64,
+  "num_key_value_heads": 64,
+  "n_shared_experts": 1,
+  "n_routed_experts": 48,
+  "routed_scaling_factor": 2.827,
+  "kv_lora_rank": 512,
+  "q_lora_rank": 1536,
+  "qk_rope_head_dim": 64,
+  "v_head_dim": 128,
+  "qk_nope_head_dim": 128,
+  "topk_method": "noaux_tc",
+  "n_group": 1,
+  "topk_group": 1,
+  "num_experts_per_tok": 8,
+  "moe_layer_freq": 1,
+  "first_k_dense_replace": 1,
+  "norm_topk_prob": true,
+  "scoring_func": "sigmoid",
+  "hidden_act": "silu",
+  "max_position_embeddings": 262144,
+  "rms_norm_eps": 1e-5,
+  "rope_theta": 50000.0,
+  "rope_scaling": {
+    "type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0
+  },
+  "tie_word_embeddings": false,
+  "bos_token_id": 163584,
+  "eos_token_id": 163585,
+  "quantization_config": {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+      "group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32}
+      }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+  }
+}"#;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Contexts (cache rows before the first decoded token) of the plain-decode runs.
+    pub contexts: Vec<usize>,
+    /// Decode steps timed per context.
+    pub decode_steps: usize,
+    /// Tree budgets of the DDTree runs.
+    pub budgets: Vec<usize>,
+    /// Acceptance probabilities of the scripted drafters (1.0 is the oracle).
+    pub accept: Vec<f32>,
+    /// Prompt length of the DDTree runs.
+    pub prompt_len: usize,
+    /// Tokens generated per DDTree run (and by the plain run they are compared with).
+    pub spec_tokens: usize,
+    /// Drafter block size (bonus slot included).
+    pub block_size: usize,
+    /// Seed of the weights, prompts and drafters.
+    pub seed: u64,
+}
+
+impl BenchOptions {
+    /// The defaults for `preset`: contexts 1K/8K/32K and budgets 8..256 for Kimi; small ones
+    /// for the tiny model.
+    pub fn for_preset(preset: Preset) -> BenchOptions {
+        match preset {
+            Preset::KimiK26Ep8 => BenchOptions {
+                contexts: vec![1024, 8192, 32768],
+                decode_steps: 24,
+                budgets: vec![8, 16, 32, 64, 128, 256],
+                accept: vec![1.0, 0.9, 0.7, 0.5],
+                prompt_len: 128,
+                spec_tokens: 48,
+                block_size: 8,
+                seed: 1,
+            },
+            Preset::Tiny => BenchOptions {
+                contexts: vec![16, 64],
+                decode_steps: 4,
+                budgets: vec![4, 16],
+                accept: vec![1.0, 0.5],
+                prompt_len: 8,
+                spec_tokens: 12,
+                block_size: 4,
+                seed: 1,
+            },
+        }
+    }
+}
+
+/// One plain-decode measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeRow {
+    /// Cache rows before the first timed token.
+    pub context: usize,
+    /// Median step time (ms).
+    pub step_ms: f64,
+    /// Tokens per second at the median step.
+    pub tokens_per_s: f64,
+    /// Weight and cache bytes one step must read.
+    pub bytes_per_token: u64,
+    /// `bytes_per_token / step` in GB/s.
+    pub gb_per_s: f64,
+    /// Of the measured copy bandwidth, when known.
+    pub floor_fraction: Option<f64>,
+}
+
+/// One DDTree run.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpecRow {
+    /// Drafter acceptance probability (1.0: the oracle).
+    pub accept: f32,
+    /// Budget (`None`: auto).
+    pub budget: Option<usize>,
+    /// Mean budget chosen per round (auto).
+    pub mean_budget: f64,
+    /// Rounds.
+    pub rounds: usize,
+    /// Mean accepted length per round (root included).
+    pub mean_accept_len: f64,
+    /// Mean round time (ms).
+    pub round_ms: f64,
+    /// Generated tokens per second after the prefill.
+    pub tokens_per_s: f64,
+    /// Over plain decoding on the same prompt.
+    pub speedup: f64,
+    /// Mean per-round phase times (ms): draft, build, verify, accept.
+    pub phase_ms: [f64; 4],
+    /// Whether the tokens equal plain greedy decoding's.
+    pub identical: bool,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Preset name.
+    pub preset: String,
+    /// Backend name.
+    pub backend: String,
+    /// Parameters of the model.
+    pub parameters: u64,
+    /// Measured copy bandwidth (GB/s), when known.
+    pub copy_gb_per_s: Option<f64>,
+    /// Plain decode per context.
+    pub decode: Vec<DecodeRow>,
+    /// Plain decode tokens/s on the DDTree prompt (the speedup baseline).
+    pub plain_tokens_per_s: f64,
+    /// DDTree runs.
+    pub spec: Vec<SpecRow>,
+}
+
+/// Bytes one plain decode step reads at `context` cached rows: every dense weight, the
+/// routed experts of one token (top-k, INT4 codes plus scales), the shared experts, the LM
+/// head, the latent cache of every layer, and one embedding row.
+pub fn decode_bytes(cfg: &ModelConfig, context: usize) -> u64 {
+    let (h, heads) = (cfg.hidden_size as u64, cfg.num_attention_heads as u64);
+    let lw = cfg.latent_row_width() as u64;
+    let q = match cfg.q_lora_rank {
+        Some(r) => h * r as u64 + r as u64 * heads * cfg.qk_head_dim() as u64,
+        None => h * heads * cfg.qk_head_dim() as u64,
+    };
+    let attn = 2
+        * (q + h * lw
+            + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) as u64 * cfg.kv_lora_rank as u64
+            + heads * cfg.v_head_dim as u64 * h);
+    let cache = 2 * lw * context as u64;
+    let moe = &cfg.moe;
+    let inter = moe.moe_intermediate_size as u64;
+    let expert = match &cfg.quantization {
+        Some(qc) => 3 * h * inter / 2 + 2 * 3 * h * inter / qc.group_size as u64,
+        None => 2 * 3 * h * inter,
+    };
+    let mut total = 2 * h + 2 * cfg.vocab_size as u64 * h;
+    for l in 0..cfg.num_hidden_layers {
+        total += attn + cache;
+        total += if cfg.is_moe_layer(l) {
+            2 * moe.n_routed_experts as u64 * h
+                + moe.num_experts_per_tok as u64 * expert
+                + 2 * 3 * h * inter * moe.n_shared_experts as u64
+        } else {
+            2 * 3 * h * cfg.intermediate_size as u64
+        };
+    }
+    total
+}
+
+/// A drafter that knows the target's greedy continuation: at each drafted position its top
+/// token is the right one with probability `accept`, otherwise a wrong token (the right one then
+/// ranks second). The logits are made on the host and handed over with
+/// [`Backend::load_logits`].
+pub struct Scripted {
+    block_size: usize,
+    accept: f32,
+    continuation: Vec<u32>,
+    vocab: usize,
+    state: u64,
+}
+
+impl Scripted {
+    /// A drafter of `block_size - 1` positions over `continuation` (prompt + greedy tokens).
+    pub fn new(block_size: usize, accept: f32, continuation: Vec<u32>, vocab: usize, seed: u64) -> Scripted {
+        Scripted {
+            block_size,
+            accept,
+            continuation,
+            vocab,
+            state: seed | 1,
+        }
+    }
+
+    fn next(&mut self) -> u64 {
+        // xorshift64*: enough for drafting noise.
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        self.state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+impl<B: Backend> Drafter<B> for Scripted {
+    fn name(&self) -> String {
+        if self.accept >= 1.0 {
+            "scripted oracle".into()
+        } else {
+            format!("scripted:{}", self.accept)
+        }
+    }
+
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    fn target_layers(&self) -> &[usize] {
+        &[]
+    }
+
+    fn begin(&mut self, _target: &Model<B>, _capacity: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn draft(&mut self, target: &Model<B>, request: DraftRequest<'_, B::Tensor>) -> Result<B::Tensor> {
+        let depth = self.block_size - 1;
+        let mut m = Matrix::zeros(depth, self.vocab);
+        for i in 0..depth {
+            let pos = request.tokens.len() + i;
+            let right = self.continuation.get(pos).copied().unwrap_or(0) as usize;
+            let hit = (self.next() >> 40) as f32 / (1u64 << 24) as f32 <= self.accept;
+            let row = m.row_mut(i);
+            row[right] = 6.0;
+            if !hit {
+                let wrong = (right + 1 + (self.next() as usize) % (self.vocab - 1)) % self.vocab;
+                row[wrong] = 8.0;
+            }
+            for _ in 0..3 {
+                let other = self.next() as usize % self.vocab;
+                if row[other] == 0.0 {
+                    row[other] = 4.0;
+                }
+            }
+        }
+        target.backend().load_logits(m)
+    }
+}
+
+/// Runs the benchmark on `model` (made with [`Model::random`]). `copy_gb_per_s` is the
+/// measured bandwidth floor of the device, when known; `progress` gets one line per run.
+pub fn run<B: Backend>(
+    model: &Model<B>,
+    preset: Preset,
+    opts: &BenchOptions,
+    copy_gb_per_s: Option<f64>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<BenchReport> {
+    let cfg = model.config().clone();
+    let b = model.backend();
+    let mut decode = Vec::new();
+    for &context in &opts.contexts {
+        let mut cache = model.new_cache(context + opts.decode_steps + 1)?;
+        b.kv_fill_random(&mut cache, context, opts.seed)?;
+        let mut token = 1u32;
+        let mut steps = Vec::with_capacity(opts.decode_steps);
+        for i in 0..opts.decode_steps + 2 {
+            let t = Instant::now();
+            let position = [(context + i) as u32];
+            let input = ForwardInput {
+                tokens: &[token],
+                positions: &position,
+                mask: None,
+                logits: LogitRows::Last,
+            };
+            let logits = model.forward(&mut cache, input)?;
+            token = b.argmax_rows(&logits)?[0];
+            // The first two steps warm up (kernel loads, allocator pools).
+            if i >= 2 {
+                steps.push(t.elapsed());
+            }
+        }
+        let step = median(&mut steps);
+        let bytes = decode_bytes(&cfg, context);
+        let gbs = bytes as f64 / step.as_secs_f64() / 1e9;
+        let row = DecodeRow {
+            context,
+            step_ms: step.as_secs_f64() * 1e3,
+            tokens_per_s: 1.0 / step.as_secs_f64(),
+            bytes_per_token: bytes,
+            gb_per_s: gbs,
+            floor_fraction: copy_gb_per_s.map(|c| gbs / c),
+        };
+        progress(&format!(
+            "decode ctx {context}: {:.2} ms/token, {:.1} tok/s, {:.2} GB/token, {:.0} GB/s",
+            row.step_ms,
+            row.tokens_per_s,
+            bytes as f64 / 1e9,
+            gbs
+        ));
+        decode.push(row);
+    }
+
+    // DDTree against plain decoding on one random prompt.
+    let prompt: Vec<u32> = (0..opts.prompt_len)
+        .map(|i| ((opts.seed as usize + 7919 * (i + 1)) % cfg.vocab_size) as u32)
+        .collect();
+    let gen = GenerateOptions {
+        max_new_tokens: opts.spec_tokens,
+        ..GenerateOptions::default()
+    };
+    let plain = generate_plain(model, &prompt, &gen)?;
+    let plain_tps = rate(plain.tokens.len().saturating_sub(1), plain.decode);
+    progress(&format!("plain decode on the {}-token prompt: {plain_tps:.1} tok/s", prompt.len()));
+    let continuation: Vec<u32> = prompt.iter().chain(&plain.tokens).copied().collect();
+    let mut spec = Vec::new();
+    // The verify latency t(B) measured by the fixed-budget runs (first drafter) feeds `auto`.
+    let mut cost: Option<CostModel> = None;
+    let mut points: Vec<(usize, f64)> = Vec::new();
+    let mut fixed_us = [0.0f64; 3];
+    for &accept in &opts.accept {
+        let budgets = opts.budgets.iter().map(|&n| Budget::Fixed(n)).chain([Budget::Auto]);
+        for budget in budgets {
+            let mut drafter = Scripted::new(opts.block_size, accept, continuation.clone(), cfg.vocab_size, opts.seed);
+            let options = match budget {
+                Budget::Fixed(n) => SpecOptions::fixed(n),
+                Budget::Auto => {
+                    if cost.is_none() && !points.is_empty() {
+                        let n = points.len() as f64;
+                        let [d, b_, a] = fixed_us.map(|x| x / n);
+                        cost = Some(CostModel::new(format!("bench {} fixed-budget rounds", preset.name()), d, b_, a, &points)?);
+                    }
+                    SpecOptions {
+                        max_auto_budget: opts.budgets.iter().copied().max().unwrap_or(AUTO_MAX_BUDGET),
+                        ..SpecOptions::auto(cost.clone())
+                    }
+                }
+            };
+            let out = generate_speculative(model, &mut drafter, &prompt, &gen, &options)?;
+            if let (Budget::Fixed(n), None) = (budget, &cost) {
+                let st = &out.stats;
+                let rounds = st.rounds.max(1) as f64;
+                let us = |d: Duration| d.as_secs_f64() * 1e6 / rounds;
+                points.push((n + 1, us(st.verify)));
+                fixed_us[0] += us(st.draft);
+                fixed_us[1] += us(st.build);
+                fixed_us[2] += us(st.accept);
+            }
+            let row = spec_row(accept, budget, &out.stats, &out.generation.tokens, &plain.tokens, plain_tps);
+            progress(&format!(
+                "ddtree accept {accept} budget {}: {:.2} ms/round, accept {:.2}, {:.1} tok/s ({:.2}x)",
+                row.budget.map_or("auto".to_string(), |n| n.to_string()),
+                row.round_ms,
+                row.mean_accept_len,
+                row.tokens_per_s,
+                row.speedup
+            ));
+            spec.push(row);
+        }
+    }
+    Ok(BenchReport {
+        preset: preset.name().into(),
+        backend: b.name().into(),
+        parameters: model.parameter_count(),
+        copy_gb_per_s,
+        decode,
+        plain_tokens_per_s: plain_tps,
+        spec,
+    })
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn rate(tokens: usize, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        tokens as f64 / d.as_secs_f64()
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn spec_row(accept: f32, budget: Budget, s: &SpecStats, tokens: &[u32], plain: &[u32], plain_tps: f64) -> SpecRow {
+    let rounds = s.rounds.max(1) as f64;
+    let decode = s.draft + s.build + s.verify + s.accept;
+    let tps = rate(s.tokens.saturating_sub(1), decode);
+    SpecRow {
+        accept,
+        budget: match budget {
+            Budget::Fixed(n) => Some(n),
+            Budget::Auto => None,
+        },
+        mean_budget: s.mean_budget(),
+        rounds: s.rounds,
+        mean_accept_len: s.mean_accept_len(),
+        round_ms: ms(decode) / rounds,
+        tokens_per_s: tps,
+        speedup: if plain_tps > 0.0 { tps / plain_tps } else { 0.0 },
+        phase_ms: [
+            ms(s.draft) / rounds,
+            ms(s.build) / rounds,
+            ms(s.verify) / rounds,
+            ms(s.accept) / rounds,
+        ],
+        identical: tokens == plain,
+    }
+}
+
+/// The report as a readable table.
+pub fn render(r: &BenchReport) -> String {
+    let mut out = format!(
+        "ddtree bench: preset {}, backend {}, {:.1} B parameters{}\n\nplain decode\n",
+        r.preset,
+        r.backend,
+        r.parameters as f64 / 1e9,
+        r.copy_gb_per_s.map_or(String::new(), |c| format!(", copy bandwidth {c:.0} GB/s")),
+    );
+    out += "| context | ms/token | tok/s | GB/token | GB/s | % of floor |\n|---:|---:|---:|---:|---:|---:|\n";
+    for d in &r.decode {
+        out += &format!(
+            "| {} | {:.2} | {:.1} | {:.2} | {:.0} | {} |\n",
+            d.context,
+            d.step_ms,
+            d.tokens_per_s,
+            d.bytes_per_token as f64 / 1e9,
+            d.gb_per_s,
+            d.floor_fraction.map_or("-".into(), |f| format!("{:.0}%", 100.0 * f))
+        );
+    }
+    out += &format!(
+        "\nDDTree vs plain decode ({:.1} tok/s on the same prompt)\n",
+        r.plain_tokens_per_s
+    );
+    out += "| accept P | budget | rounds | accept len | ms/round | draft | build | verify | accept | tok/s | speedup | = greedy |\n";
+    out += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|\n";
+    for s in &r.spec {
+        let budget = s.budget.map_or(format!("auto ({:.0})", s.mean_budget), |n| n.to_string());
+        out += &format!(
+            "| {} | {budget} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.2}x | {} |\n",
+            s.accept,
+            s.rounds,
+            s.mean_accept_len,
+            s.round_ms,
+            s.phase_ms[0],
+            s.phase_ms[1],
+            s.phase_ms[2],
+            s.phase_ms[3],
+            s.tokens_per_s,
+            s.speedup,
+            if s.identical { "yes" } else { "NO" }
+        );
+    }
+    out
+}
