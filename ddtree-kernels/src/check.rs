@@ -874,6 +874,9 @@ pub const SUITES: &[Suite] = &[
     topk_split_suite,
     gemm_suite,
     crate::w4a16::check::suite,
+    crate::attention::check::kv_append_suite,
+    crate::attention::check::mla_attention_suite,
+    crate::attention::check::gqa_attention_suite,
 ];
 
 /// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.

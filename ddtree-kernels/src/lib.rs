@@ -7,6 +7,7 @@
 // Check errors carry the interpreter's located hazard report; they are cold.
 #![allow(clippy::result_large_err)]
 
+pub mod attention;
 pub mod check;
 pub mod common;
 pub mod embedding;
@@ -20,6 +21,7 @@ pub mod tree;
 pub mod tune;
 pub mod w4a16;
 
+pub use attention::{GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend};
 pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
@@ -79,5 +81,8 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<tree::TreeAccept>()?);
     all.extend(variants::<tree::TreeSample>()?);
     all.extend(variants::<tree::CompactRows>()?);
+    all.extend(variants::<MlaKvAppend>()?);
+    all.extend(variants::<MlaAttention>()?);
+    all.extend(variants::<GqaAttention>()?);
     Ok(all)
 }
