@@ -13,6 +13,7 @@ pub mod common;
 pub mod embedding;
 pub mod fill;
 pub mod gemm_bf16;
+pub mod moe_route;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
@@ -25,6 +26,7 @@ pub use attention::{GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaA
 pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
+pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
 pub use silu_mul::{SiluMul, SiluMulParams};
@@ -84,5 +86,6 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<MlaKvAppend>()?);
     all.extend(variants::<MlaAttention>()?);
     all.extend(variants::<GqaAttention>()?);
+    all.extend(variants::<MoeRoute>()?);
     Ok(all)
 }

@@ -8,8 +8,8 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
-    Embedding, GemmBf16, GqaAttention, MlaAttention, MlaKvAppend, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit,
-    SiluMul,
+    Embedding, GemmBf16, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk,
+    RowTopkSplit, SiluMul,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -82,6 +82,11 @@ fn mla_attention() {
 #[test]
 fn gqa_attention() {
     every_candidate::<GqaAttention>(ddtree_kernels::attention::check::gqa_attention_suite);
+}
+
+#[test]
+fn moe_route() {
+    every_candidate::<MoeRoute>(check::moe_route_suite);
 }
 
 /// The W4A16 suite covers the GEMM, its reduce, the repack and the MoE block's kernels.

@@ -1,11 +1,12 @@
-//! CPU properties of the references of the MLA append / attention and GQA attention kernels:
-//! the MLA references agree with the RMSNorm, RoPE and tree-verify references they generalize,
-//! and GQA equals independent single-head attention.
+//! CPU properties of the references of the MLA append / attention, GQA attention and MoE
+//! routing kernels: the MLA references agree with the RMSNorm, RoPE and tree-verify references
+//! they generalize, GQA equals independent single-head attention, and the routing reference
+//! shows the HF quirks (dropped groups score 0.0, ties to the lower index) on small hand cases.
 
 use ddtree_kernels::attention::check::rope_tables;
 use ddtree_kernels::attention::{gqa, mla};
 use ddtree_kernels::tree::{chain_mask, verify_attention_reference, LATENT, ROPE, ROW};
-use ddtree_kernels::{rms_norm, rope};
+use ddtree_kernels::{moe_route, rms_norm, rope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -103,4 +104,34 @@ fn gqa_is_per_head_attention_over_the_shared_kv_head() {
     let (mask, words) = chain_mask(1);
     let one = mla::attention_reference(&q[..hd], &k[..hd], &mask, 1, 0, 1, words, hd, 0, 0.5);
     assert_close(&one, &k[..hd], 1e-6);
+}
+
+#[test]
+fn routing_drops_groups_to_zero_not_minus_infinity() {
+    // Two groups of four, one kept. Every choice is negative (score 0.5 + bias <= -1.5), so the
+    // dropped group's zeros win; among equal zeros the lower index wins.
+    let logits = vec![0.0f32; 8];
+    let bias = vec![-2.0, -2.0, -2.0, -2.0, -3.0, -3.0, -3.0, -3.0];
+    let (ids, w) = moe_route::reference(&logits, &bias, 8, 2, 2, 1, true, 2.0);
+    assert_eq!(ids, vec![4, 5]);
+    assert_close(&w, &[1.0, 1.0], 1e-7);
+    // Without groups the best choice wins, ties to the lower index; unnormalized weights are
+    // scale * sigmoid(logit).
+    let logits = vec![1.0f32, 3.0, 3.0, -1.0];
+    let (ids, w) = moe_route::reference(&logits, &[0.0; 4], 4, 3, 1, 1, false, 1.5);
+    assert_eq!(ids, vec![1, 2, 0]);
+    let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+    assert_close(&w, &[1.5 * sig(3.0), 1.5 * sig(3.0), 1.5 * sig(1.0)], 1e-7);
+    // The bias steers the choice but not the weight.
+    let (ids, w) = moe_route::reference(&logits, &[0.0, 0.0, 0.0, 5.0], 4, 1, 1, 1, true, 1.0);
+    assert_eq!(ids, vec![3]);
+    assert_close(&w, &[1.0], 1e-7);
+}
+
+#[test]
+fn routing_group_score_is_the_sum_of_the_top_two() {
+    // Group 0 has one large choice, group 1 two medium ones: the sum of the top two keeps group 1.
+    let logits = vec![4.0f32, -4.0, -4.0, -4.0, 1.0, 1.0, -4.0, -4.0];
+    let (ids, _) = moe_route::reference(&logits, &[0.0; 8], 8, 1, 2, 1, true, 1.0);
+    assert_eq!(ids, vec![4]);
 }
