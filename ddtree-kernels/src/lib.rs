@@ -7,11 +7,13 @@
 // Check errors carry the interpreter's located hazard report; they are cold.
 #![allow(clippy::result_large_err)]
 
+pub mod attention;
 pub mod check;
 pub mod common;
 pub mod embedding;
 pub mod fill;
 pub mod gemm_bf16;
+pub mod moe_route;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
@@ -20,9 +22,11 @@ pub mod tree;
 pub mod tune;
 pub mod w4a16;
 
+pub use attention::{GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend};
 pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
+pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
 pub use silu_mul::{SiluMul, SiluMulParams};
@@ -79,5 +83,9 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<tree::TreeAccept>()?);
     all.extend(variants::<tree::TreeSample>()?);
     all.extend(variants::<tree::CompactRows>()?);
+    all.extend(variants::<MlaKvAppend>()?);
+    all.extend(variants::<MlaAttention>()?);
+    all.extend(variants::<GqaAttention>()?);
+    all.extend(variants::<MoeRoute>()?);
     Ok(all)
 }

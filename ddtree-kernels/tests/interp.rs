@@ -7,7 +7,10 @@ use std::time::Instant;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
-use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul};
+use ddtree_kernels::{
+    Embedding, GemmBf16, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk,
+    RowTopkSplit, SiluMul,
+};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -64,6 +67,26 @@ fn topk_split() {
 #[test]
 fn gemm_bf16() {
     every_candidate::<GemmBf16>(check::gemm_suite);
+}
+
+#[test]
+fn mla_kv_append() {
+    every_candidate::<MlaKvAppend>(ddtree_kernels::attention::check::kv_append_suite);
+}
+
+#[test]
+fn mla_attention() {
+    every_candidate::<MlaAttention>(ddtree_kernels::attention::check::mla_attention_suite);
+}
+
+#[test]
+fn gqa_attention() {
+    every_candidate::<GqaAttention>(ddtree_kernels::attention::check::gqa_attention_suite);
+}
+
+#[test]
+fn moe_route() {
+    every_candidate::<MoeRoute>(check::moe_route_suite);
 }
 
 /// The W4A16 suite covers the GEMM, its reduce, the repack and the MoE block's kernels.
