@@ -361,20 +361,23 @@ impl Comparison {
     }
 }
 
-/// Compares `got` with `want`. A NaN in `got` (an unwritten, poisoned element) always fails.
+/// Compares `got` with `want`. A NaN in `got` (an unwritten, poisoned element) always fails;
+/// equal values pass, infinities included.
 pub fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Comparison {
     assert_eq!(got.len(), want.len(), "compare: length mismatch");
     let (mut num, mut den, mut max_abs, mut bad, mut first_bad) = (0f64, 0f64, 0f32, 0, None);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let d = (g - w).abs();
-        let ok = !g.is_nan() && d <= tol.atol + tol.rtol * w.abs();
+        let d = if g == w { 0.0 } else { (g - w).abs() };
+        let ok = g == w || (!g.is_nan() && d <= tol.atol + tol.rtol * w.abs());
         if !ok {
             bad += 1;
             first_bad.get_or_insert((i, g, w));
         }
         max_abs = if d.is_nan() { f32::INFINITY } else { max_abs.max(d) };
         num += (d as f64).powi(2);
-        den += (w as f64).powi(2);
+        if w.is_finite() {
+            den += (w as f64).powi(2);
+        }
     }
     let rel_l2 = if den > 0.0 {
         (num / den).sqrt() as f32
@@ -597,7 +600,6 @@ pub fn topk(
     n: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let kk = p.k as usize;
     let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
     for r in 0..rows {
         // A few exact ties at the top, at random places.
@@ -606,7 +608,77 @@ pub fn topk(
             logits[r * n + rng.random_range(0..n)] = top;
         }
     }
-    let dl = t.upload(&logits)?;
+    topk_rows(t, p, &logits, n, format!("rows={rows} n={n}"))
+}
+
+/// Rows of `n` logits made of ties, row `r` by `r % 4`: (0) every value `±0.0` (all equal);
+/// (1) the maximum at every third column from a random start, random smaller values between,
+/// a few NaN; (2) every value `-inf` but a few NaN; (3) the maximum in the last `min(n, 40)`
+/// columns and at a few random places. NaN never lands in column 0 (the engine's CPU argmax
+/// returns 0 for a row starting with NaN, see [`topk::reference`]).
+pub fn tie_rows(rows: usize, n: usize, rng: &mut StdRng) -> Vec<f32> {
+    let mut logits = vec![0f32; rows * n];
+    for (r, row) in logits.chunks_mut(n).enumerate() {
+        let top = 3.0 + r as f32;
+        match r % 4 {
+            0 => row
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v = if i % 2 == 1 { -0.0 } else { 0.0 }),
+            1 => {
+                let start = rng.random_range(0..3);
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v = if i % 3 == start {
+                        top
+                    } else {
+                        rng.random_range(-20.0..top - 0.5)
+                    };
+                }
+            }
+            2 => row.fill(f32::NEG_INFINITY),
+            _ => {
+                for v in row.iter_mut() {
+                    *v = rng.random_range(-20.0..top - 0.5);
+                }
+                let tail = n.min(40);
+                row[n - tail..].fill(top);
+                for _ in 0..8 {
+                    row[rng.random_range(0..n)] = top;
+                }
+            }
+        }
+        if r % 4 != 0 && n > 1 {
+            for _ in 0..3.min(n / 8) {
+                row[rng.random_range(1..n)] = f32::NAN;
+            }
+        }
+    }
+    logits
+}
+
+/// Checks row top-k on [`tie_rows`]: equal values must come back lowest column first.
+pub fn topk_ties(
+    t: &Target<'_>,
+    p: &TopkParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let logits = tie_rows(rows, n, rng);
+    topk_rows(t, p, &logits, n, format!("ties rows={rows} n={n}"))
+}
+
+/// Row top-k of `logits` (`[rows, n]`) against [`topk::reference`], values and indices exact.
+fn topk_rows(
+    t: &Target<'_>,
+    p: &TopkParams,
+    logits: &[f32],
+    n: usize,
+    case: String,
+) -> Result<CheckResult, CheckError> {
+    let kk = p.k as usize;
+    let rows = logits.len() / n;
+    let dl = t.upload(logits)?;
     let mut vals = t.upload(&vec![f32::NAN; rows * kk])?;
     let mut idx = t.upload(&vec![u32::MAX; rows * kk])?;
     let mut args = [
@@ -618,17 +690,11 @@ pub fn topk(
     // SAFETY: logits hold rows * n values with n >= k; outputs hold rows * k.
     unsafe { t.launch::<RowTopk>(p, rows as u32, &mut args)? };
     let (gv, gi) = (t.download(&vals)?, t.download(&idx)?);
-    let want = topk::reference(&logits, n, kk);
+    let want = topk::reference(logits, n, kk);
     // Compare values and indices as one exact vector.
     let got: Vec<f32> = gv.iter().zip(&gi).flat_map(|(v, i)| [*v, *i as f32]).collect();
     let want: Vec<f32> = want.iter().flat_map(|(v, i)| [*v, *i as f32]).collect();
-    Ok(result::<RowTopk>(
-        p,
-        format!("rows={rows} n={n}"),
-        &got,
-        &want,
-        Tolerance::EXACT,
-    ))
+    Ok(result::<RowTopk>(p, case, &got, &want, Tolerance::EXACT))
 }
 
 /// Checks the split row top-k (part pass `part`, then the merge variant for the same `k`) on
@@ -641,10 +707,7 @@ pub fn topk_split(
     n: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let merge = TopkSplitParams::merge(part.k)
-        .ok_or_else(|| CheckError::Args(format!("no merge variant for k = {}", part.k)))?;
     let kk = part.k as usize;
-    let parts = part.parts(n);
     let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
     for r in 0..rows {
         let row = &mut logits[r * n..(r + 1) * n];
@@ -660,7 +723,37 @@ pub fn topk_split(
         }
         row[rng.random_range(0..n)] = f32::NAN;
     }
-    let dl = t.upload(&logits)?;
+    topk_split_rows(t, part, &logits, n, "")
+}
+
+/// Checks the split row top-k (as [`topk_split`]) on [`tie_rows`]: equal values must come back
+/// lowest column first, within a slice and across slices.
+pub fn topk_split_ties(
+    t: &Target<'_>,
+    part: &TopkSplitParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let logits = tie_rows(rows, n, rng);
+    topk_split_rows(t, part, &logits, n, "ties ")
+}
+
+/// The split row top-k (part pass `part`, then the merge variant for its `k`) of `logits`
+/// (`[rows, n]`) against [`topk::reference`], exact; candidates and outputs poisoned.
+fn topk_split_rows(
+    t: &Target<'_>,
+    part: &TopkSplitParams,
+    logits: &[f32],
+    n: usize,
+    label: &str,
+) -> Result<CheckResult, CheckError> {
+    let merge = TopkSplitParams::merge(part.k)
+        .ok_or_else(|| CheckError::Args(format!("no merge variant for k = {}", part.k)))?;
+    let kk = part.k as usize;
+    let parts = part.parts(n);
+    let rows = logits.len() / n;
+    let dl = t.upload(logits)?;
     let mut cv = t.upload(&vec![f32::NAN; rows * parts * kk])?;
     let mut ci = t.upload(&vec![u32::MAX - 1; rows * parts * kk])?;
     let mut vals = t.upload(&vec![f32::NAN; rows * kk])?;
@@ -686,12 +779,12 @@ pub fn topk_split(
     // SAFETY: the candidates hold rows * parts * k entries; the outputs rows * k.
     unsafe { t.launch::<RowTopkSplit>(&merge, (1u32, rows as u32), &mut args)? };
     let (gv, gi) = (t.download(&vals)?, t.download(&idx)?);
-    let want = topk::reference(&logits, n, kk);
+    let want = topk::reference(logits, n, kk);
     let got: Vec<f32> = gv.iter().zip(&gi).flat_map(|(v, i)| [*v, *i as f32]).collect();
     let want: Vec<f32> = want.iter().flat_map(|(v, i)| [*v, *i as f32]).collect();
     let mut r = result::<RowTopkSplit>(
         part,
-        format!("rows={rows} n={n} parts={parts}"),
+        format!("{label}rows={rows} n={n} parts={parts}"),
         &got,
         &want,
         Tolerance::EXACT,
@@ -822,6 +915,16 @@ pub fn topk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
             }
             out.push(topk(t, &p, rows, n, rng)?);
         }
+        // Rows of ties (every pattern of `tie_rows` at least once).
+        let mut ties = vec![(4, 97), (4, 1000)];
+        if sizes == Sizes::Full {
+            ties.push((8, 163840));
+        }
+        for (rows, n) in ties {
+            if n >= p.k as usize + 3 {
+                out.push(topk_ties(t, &p, rows, n, rng)?);
+            }
+        }
     }
     Ok(out)
 }
@@ -841,6 +944,16 @@ pub fn topk_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Resul
                 continue;
             }
             out.push(topk_split(t, &p, rows, n, rng)?);
+        }
+        // Rows of ties, within one slice and across several (ragged last slice).
+        let mut ties = vec![(4, 97), (4, 2 * span + 5)];
+        if sizes == Sizes::Full {
+            ties.push((8, 163840));
+        }
+        for (rows, n) in ties {
+            if n >= p.k as usize + 3 {
+                out.push(topk_split_ties(t, &p, rows, n, rng)?);
+            }
         }
     }
     Ok(out)
@@ -885,4 +998,23 @@ pub fn run_all(t: &Target<'_>, sizes: Sizes, seed: u64) -> Result<Vec<CheckResul
         out.extend(suite(t, sizes, &mut rng)?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_infinities_pass_and_nan_never_does() {
+        let inf = f32::INFINITY;
+        let c = compare(&[-inf, 1.0, inf], &[-inf, 1.0, inf], Tolerance::EXACT);
+        assert!(c.passed(Tolerance::EXACT), "{c:?}");
+        assert_eq!(c.rel_l2, 0.0);
+        for got in [[inf, 1.0], [f32::NAN, 1.0], [-inf, 1.5]] {
+            let c = compare(&got, &[-inf, 1.0], Tolerance::BF16);
+            assert!(!c.passed(Tolerance::BF16), "{got:?} passed: {c:?}");
+        }
+        assert!(!compare(&[f32::NAN], &[f32::NAN], Tolerance::BF16).passed(Tolerance::BF16));
+        assert!(!compare(&[-inf], &[2.0], Tolerance::BF16).passed(Tolerance::BF16));
+    }
 }
