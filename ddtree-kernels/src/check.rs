@@ -510,7 +510,7 @@ pub fn silu_mul(
     ))
 }
 
-/// Checks interleaved RoPE (in place).
+/// Checks RoPE (in place, in the pair layout of `p`).
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     t: &Target<'_>,
@@ -546,7 +546,17 @@ pub fn rope(
     // SAFETY: x holds rows * stride elements with offset + dim <= stride; tables hold max_pos * dim/2.
     unsafe { t.launch::<RopeInterleaved>(p, grid, &mut args)? };
     let got = to_f32(&t.download(&dx)?);
-    rope::reference(&mut xf, &positions, &cos, &sin, heads, stride, offset, dim);
+    rope::reference(
+        &mut xf,
+        &positions,
+        &cos,
+        &sin,
+        heads,
+        stride,
+        offset,
+        dim,
+        p.interleave,
+    );
     let case = format!("tokens={tokens} heads={heads} stride={stride} offset={offset}");
     Ok(result::<RopeInterleaved>(p, case, &got, &xf, Tolerance::BF16))
 }
