@@ -22,9 +22,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::{
-    embedding, gemm_bf16, rms_norm, rope, silu_mul, topk, Embedding, EmbeddingParams, GemmBf16, GemmParams, RmsNorm,
-    RmsNormParams, RopeInterleaved, RopeParams, RowTopk, RowTopkSplit, SiluMul, SiluMulParams, TopkParams,
-    TopkSplitParams,
+    add, copy_rows, embedding, fill, gemm_bf16, rms_norm, rope, silu_mul, topk, AddAssign, AddParams, CopyParams,
+    CopyRows, Embedding, EmbeddingParams, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32, GemmBf16,
+    GemmParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams, RowTopk, RowTopkSplit, SiluMul, SiluMulParams,
+    SiluMulSplit, TopkParams, TopkSplitParams,
 };
 
 /// Where checks run.
@@ -510,6 +511,33 @@ pub fn silu_mul(
     ))
 }
 
+/// Checks SiLU-and-mul of separate gate and up buffers over `n` elements, on `grid` blocks
+/// (`None`: [`silu_mul::grid_split`]; fewer blocks make the threads stride).
+pub fn silu_mul_split(
+    t: &Target<'_>,
+    p: &SiluMulParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let (g, gf) = random_bf16(rng, n, -8.0, 8.0);
+    let (u, uf) = random_bf16(rng, n, -4.0, 4.0);
+    let (dg, du) = (t.upload(&g)?, t.upload(&u)?);
+    let mut out = poisoned_bf16(t, n)?;
+    let grid = grid.unwrap_or_else(|| silu_mul::grid_split(p, n));
+    let mut args = [Arg::In(&dg), Arg::In(&du), Arg::Out(&mut out), Arg::from(n as u32)];
+    // SAFETY: gate, up and out hold n elements; vec variants need n % 8 == 0.
+    unsafe { t.launch::<SiluMulSplit>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    Ok(result::<SiluMulSplit>(
+        p,
+        format!("n={n} grid={grid}"),
+        &got,
+        &silu_mul::reference_split(&gf, &uf),
+        Tolerance::BF16,
+    ))
+}
+
 /// Checks RoPE (in place, in the pair layout of `p`).
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
@@ -600,6 +628,117 @@ pub fn embedding(
         &embedding::reference(&ids, &tf, hidden),
         Tolerance::EXACT,
     ))
+}
+
+/// Checks the in-place add over `n` elements on `grid` blocks (`None`: [`add::grid`]; fewer
+/// blocks make the threads stride). `y` is at least 0.5 in magnitude, so an element the kernel
+/// skips keeps a value that fails the comparison; 8 guard elements after `n` (1.0 in both
+/// buffers) must stay 1.0. The reference is the f32 sum rounded to bf16 (nearest even), exact.
+pub fn add_assign(
+    t: &Target<'_>,
+    p: &AddParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    const GUARD: usize = 8;
+    let (mut x, mut xf) = random_bf16(rng, n, -2.0, 2.0);
+    let (mut y, mut yf) = random_bf16(rng, n, 0.5, 2.0);
+    for (h, f) in y.iter_mut().zip(yf.iter_mut()) {
+        if rng.random_bool(0.5) {
+            *h = -*h;
+            *f = -*f;
+        }
+    }
+    x.extend([bf16::ONE; GUARD]);
+    y.extend([bf16::ONE; GUARD]);
+    xf.extend([1.0; GUARD]);
+    let mut dx = t.upload(&x)?;
+    let dy = t.upload(&y)?;
+    let grid = grid.unwrap_or_else(|| add::grid(p, n as u32));
+    let mut args = [Arg::Out(&mut dx), Arg::In(&dy), Arg::from(n as u32)];
+    // SAFETY: x and y hold n + 8 elements; vec variants need n % 8 == 0.
+    unsafe { t.launch::<AddAssign>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&dx)?);
+    let mut want: Vec<f32> = add::reference(&xf[..n], &yf)
+        .into_iter()
+        .map(|v| bf16::from_f32(v).to_f32())
+        .collect();
+    want.extend(&xf[n..]);
+    Ok(result::<AddAssign>(
+        p,
+        format!("n={n} grid={grid}"),
+        &got,
+        &want,
+        Tolerance::EXACT,
+    ))
+}
+
+/// One [`copy_rows`] case: `rows` rows of `cols` columns gathered from a `src_rows` x
+/// `src_stride` source at column `src_off` into a `rows` x `dst_stride` destination at column
+/// `dst_off`.
+#[derive(Clone, Copy, Debug)]
+pub struct CopyCase {
+    /// Rows copied (the grid).
+    pub rows: usize,
+    /// Columns per row.
+    pub cols: usize,
+    /// Rows of the source.
+    pub src_rows: usize,
+    /// Source row stride.
+    pub src_stride: usize,
+    /// Source column offset.
+    pub src_off: usize,
+    /// Destination row stride.
+    pub dst_stride: usize,
+    /// Destination column offset.
+    pub dst_off: usize,
+}
+
+/// Checks the row copy: random row indices (repeats included), the copied region of `dst`
+/// poisoned with NaN and the rest random (it must come back unchanged); exact.
+pub fn copy_rows(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) -> Result<CheckResult, CheckError> {
+    let (src, _) = random_bf16(rng, c.src_rows * c.src_stride, -4.0, 4.0);
+    let (mut dst, _) = random_bf16(rng, c.rows * c.dst_stride, -4.0, 4.0);
+    let mut want = dst.clone();
+    // One spare index: the idx buffer is never empty.
+    let idx: Vec<u32> = (0..c.rows + 1)
+        .map(|_| rng.random_range(0..c.src_rows as u32))
+        .collect();
+    copy_rows::reference(
+        &src,
+        &idx[..c.rows],
+        &mut want,
+        c.cols,
+        c.src_stride,
+        c.src_off,
+        c.dst_stride,
+        c.dst_off,
+    );
+    let nan = vec![bf16::NAN; c.cols];
+    copy_rows::reference(&nan, &vec![0; c.rows], &mut dst, c.cols, 0, 0, c.dst_stride, c.dst_off);
+    let (ds, di) = (t.upload(&src)?, t.upload(&idx)?);
+    let mut dd = t.upload(&dst)?;
+    let mut args = [
+        Arg::In(&ds),
+        Arg::In(&di),
+        Arg::Out(&mut dd),
+        Arg::from(c.rows as u32),
+        Arg::from(c.cols as u32),
+        Arg::from(c.src_stride as u32),
+        Arg::from(c.src_off as u32),
+        Arg::from(c.dst_stride as u32),
+        Arg::from(c.dst_off as u32),
+    ];
+    // SAFETY: indices are below src_rows; src_off + cols <= src_stride and dst_off + cols <=
+    // dst_stride (the suite's cases); dst holds rows * dst_stride elements.
+    unsafe { t.launch::<CopyRows>(p, copy_rows::grid(c.rows as u32), &mut args)? };
+    let got = to_f32(&t.download(&dd)?);
+    let case = format!(
+        "rows={} cols={} src={}x{}+{} dst_stride={} dst_off={}",
+        c.rows, c.cols, c.src_rows, c.src_stride, c.src_off, c.dst_stride, c.dst_off
+    );
+    Ok(result::<CopyRows>(p, case, &got, &to_f32(&want), Tolerance::EXACT))
 }
 
 /// Checks row top-k (rows seeded with repeated values to exercise the tie rule).
@@ -875,6 +1014,25 @@ pub fn silu_mul_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<
     Ok(out)
 }
 
+/// Every candidate of [`SiluMulSplit`] at the sizes of `sizes` (one case on 2 blocks, so
+/// threads stride).
+pub fn silu_mul_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in SiluMulSplit::space() {
+        let mut cases = vec![(8, None), (600, None), (37, None), (5000, Some(2))];
+        if sizes == Sizes::Full {
+            cases.extend([(16 * 2048, None), (9 * 18432, None), ((1 << 22) + 8, None)]);
+        }
+        for (n, grid) in cases {
+            if p.vec && n % 8 != 0 {
+                continue;
+            }
+            out.push(silu_mul_split(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// Every candidate of [`RopeInterleaved`] at the sizes of `sizes`.
 pub fn rope_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
@@ -906,6 +1064,59 @@ pub fn embedding_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result
                 continue;
             }
             out.push(embedding(t, &p, tk, v, h, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Every candidate of [`AddAssign`] at the sizes of `sizes` (one case on 2 blocks, so threads
+/// stride; the full sizes pass the grid cap).
+pub fn add_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in AddAssign::space() {
+        let mut cases = vec![(8, None), (1000, None), (37, None), (5000, Some(2))];
+        if sizes == Sizes::Full {
+            cases.extend([(7168, None), (33 * 7168, None), ((1 << 22) + 8, None)]);
+        }
+        for (n, grid) in cases {
+            if p.vec && n % 8 != 0 {
+                continue;
+            }
+            out.push(add_assign(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Every candidate of [`CopyRows`] at the sizes of `sizes`: a row gather, a column block into a
+/// wider row, strided head copies (ragged offsets), rows wider than a block, and no rows.
+pub fn copy_rows_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let case = |rows, cols, src_rows, src_stride, src_off, dst_stride, dst_off| CopyCase {
+        rows,
+        cols,
+        src_rows,
+        src_stride,
+        src_off,
+        dst_stride,
+        dst_off,
+    };
+    let mut cases = vec![
+        case(5, 72, 9, 72, 0, 72, 0),
+        case(3, 100, 3, 100, 0, 164, 64),
+        case(7, 16, 7, 576, 512, 24, 3),
+        case(2, 1100, 4, 1103, 3, 1100, 0),
+        case(0, 8, 1, 8, 0, 8, 0),
+    ];
+    if sizes == Sizes::Full {
+        cases.extend([
+            case(64, 7168, 1024, 7168, 0, 7168, 0),
+            case(17 * 64, 64, 17 * 64, 192, 128, 576, 512),
+        ]);
+    }
+    let mut out = Vec::new();
+    for p in CopyRows::space() {
+        for &c in &cases {
+            out.push(copy_rows(t, &p, c, rng)?);
         }
     }
     Ok(out)
@@ -984,6 +1195,76 @@ pub fn gemm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
     Ok(out)
 }
 
+/// Checks the three random fills at `n` elements on `grid` blocks (`None`: [`fill::grid`]),
+/// outputs poisoned, bit-exact against [`fill::reference_bf16`] / [`fill::reference_f32`] /
+/// [`fill::reference_u32`] (a word is compared as its two 16-bit halves, exact in f32).
+pub fn fills(
+    t: &Target<'_>,
+    p: &FillParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let seed: u32 = rng.random();
+    let (lo, hi) = (-3.0f32, 5.0f32);
+    let grid = grid.unwrap_or_else(|| fill::grid(p, n));
+    let case = format!("n={n} grid={grid} seed={seed}");
+    let mut b = poisoned_bf16(t, n)?;
+    let mut args = [
+        Arg::Out(&mut b),
+        Arg::from(n as u32),
+        Arg::from(seed),
+        Arg::from(lo),
+        Arg::from(hi),
+    ];
+    // SAFETY: out holds n elements.
+    unsafe { t.launch::<FillRandomBf16>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&b)?);
+    let want = to_f32(&fill::reference_bf16(n, seed, lo, hi));
+    let mut out = vec![result::<FillRandomBf16>(p, case.clone(), &got, &want, Tolerance::EXACT)];
+
+    let mut f = t.upload(&vec![f32::NAN; n])?;
+    let mut args = [
+        Arg::Out(&mut f),
+        Arg::from(n as u32),
+        Arg::from(seed),
+        Arg::from(lo),
+        Arg::from(hi),
+    ];
+    // SAFETY: out holds n elements.
+    unsafe { t.launch::<FillRandomF32>(p, grid, &mut args)? };
+    let got = t.download(&f)?;
+    let want = fill::reference_f32(n, seed, lo, hi);
+    out.push(result::<FillRandomF32>(p, case.clone(), &got, &want, Tolerance::EXACT));
+
+    // Poison: a word the hash gives for no element near (u32::MAX is as good as any).
+    let mut w = t.upload(&vec![u32::MAX; n])?;
+    let mut args = [Arg::Out(&mut w), Arg::from(n as u32), Arg::from(seed)];
+    // SAFETY: out holds n elements.
+    unsafe { t.launch::<FillRandomU32>(p, grid, &mut args)? };
+    let halves = |v: &[u32]| -> Vec<f32> { v.iter().flat_map(|x| [(x >> 16) as f32, (x & 0xffff) as f32]).collect() };
+    let got = halves(&t.download(&w)?);
+    let want = halves(&fill::reference_u32(n, seed));
+    out.push(result::<FillRandomU32>(p, case, &got, &want, Tolerance::EXACT));
+    Ok(out)
+}
+
+/// Every candidate of the fill kernels at the sizes of `sizes` (one case on 2 blocks, so
+/// threads stride; the full sizes pass the grid cap).
+pub fn fill_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut cases = vec![(1, None), (1000, None), (4099, Some(2))];
+    if sizes == Sizes::Full {
+        cases.extend([(1 << 20, None), ((1 << 24) + 3, None)]);
+    }
+    let mut out = Vec::new();
+    for p in FillRandomU32::space() {
+        for &(n, grid) in &cases {
+            out.extend(fills(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
@@ -991,11 +1272,15 @@ pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>,
 pub const SUITES: &[Suite] = &[
     rms_norm_suite,
     silu_mul_suite,
+    silu_mul_split_suite,
     rope_suite,
     embedding_suite,
+    add_suite,
+    copy_rows_suite,
     topk_suite,
     topk_split_suite,
     gemm_suite,
+    fill_suite,
     crate::w4a16::check::suite,
 ];
 
