@@ -17,8 +17,8 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::generate::{generate_plain, GenerateOptions};
 use crate::model::{ForwardInput, LogitRows, Model};
-use crate::spec::drafter::{DraftRequest, Drafter};
 use crate::spec::budget::CostModel;
+use crate::spec::drafter::{DraftRequest, Drafter};
 use crate::spec::{generate_speculative, Budget, SpecOptions, SpecStats, AUTO_MAX_BUDGET};
 
 /// A synthetic model to benchmark.
@@ -399,7 +399,10 @@ pub fn run<B: Backend>(
     };
     let plain = generate_plain(model, &prompt, &gen)?;
     let plain_tps = rate(plain.tokens.len().saturating_sub(1), plain.decode);
-    progress(&format!("plain decode on the {}-token prompt: {plain_tps:.1} tok/s", prompt.len()));
+    progress(&format!(
+        "plain decode on the {}-token prompt: {plain_tps:.1} tok/s",
+        prompt.len()
+    ));
     let continuation: Vec<u32> = prompt.iter().chain(&plain.tokens).copied().collect();
     let mut spec = Vec::new();
     // The verify latency t(B) measured by the fixed-budget runs (first drafter) feeds `auto`.
@@ -416,7 +419,13 @@ pub fn run<B: Backend>(
                     if cost.is_none() && !points.is_empty() {
                         let n = points.len() as f64;
                         let [d, b_, a] = fixed_us.map(|x| x / n);
-                        cost = Some(CostModel::new(format!("bench {} fixed-budget rounds", preset.name()), d, b_, a, &points)?);
+                        cost = Some(CostModel::new(
+                            format!("bench {} fixed-budget rounds", preset.name()),
+                            d,
+                            b_,
+                            a,
+                            &points,
+                        )?);
                     }
                     SpecOptions {
                         max_auto_budget: opts.budgets.iter().copied().max().unwrap_or(AUTO_MAX_BUDGET),
@@ -434,7 +443,14 @@ pub fn run<B: Backend>(
                 fixed_us[1] += us(st.build);
                 fixed_us[2] += us(st.accept);
             }
-            let row = spec_row(accept, budget, &out.stats, &out.generation.tokens, &plain.tokens, plain_tps);
+            let row = spec_row(
+                accept,
+                budget,
+                &out.stats,
+                &out.generation.tokens,
+                &plain.tokens,
+                plain_tps,
+            );
             progress(&format!(
                 "ddtree accept {accept} budget {}: {:.2} ms/round, accept {:.2}, {:.1} tok/s ({:.2}x)",
                 row.budget.map_or("auto".to_string(), |n| n.to_string()),
@@ -507,7 +523,8 @@ pub fn render(r: &BenchReport) -> String {
         r.preset,
         r.backend,
         r.parameters as f64 / 1e9,
-        r.copy_gb_per_s.map_or(String::new(), |c| format!(", copy bandwidth {c:.0} GB/s")),
+        r.copy_gb_per_s
+            .map_or(String::new(), |c| format!(", copy bandwidth {c:.0} GB/s")),
     );
     out += "| context | ms/token | tok/s | GB/token | GB/s | % of floor |\n|---:|---:|---:|---:|---:|---:|\n";
     for d in &r.decode {
@@ -528,7 +545,9 @@ pub fn render(r: &BenchReport) -> String {
     out += "| accept P | budget | rounds | accept len | ms/round | draft | build | verify | accept | tok/s | speedup | = greedy |\n";
     out += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|\n";
     for s in &r.spec {
-        let budget = s.budget.map_or(format!("auto ({:.0})", s.mean_budget), |n| n.to_string());
+        let budget = s
+            .budget
+            .map_or(format!("auto ({:.0})", s.mean_budget), |n| n.to_string());
         out += &format!(
             "| {} | {budget} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.2}x | {} |\n",
             s.accept,

@@ -22,9 +22,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::{
-    embedding, gemm_bf16, moe_route, rms_norm, rope, silu_mul, topk, Embedding, EmbeddingParams, GemmBf16, GemmParams,
-    MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams, RowTopk, RowTopkSplit, SiluMul,
-    SiluMulParams, TopkParams, TopkSplitParams,
+    add, copy_rows, embedding, fill, gemm_bf16, moe_route, rms_norm, rope, silu_mul, topk, AddAssign, AddParams,
+    CopyParams, CopyRows, Embedding, EmbeddingParams, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
+    GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams, RowTopk,
+    RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
 
 /// Where checks run.
@@ -361,20 +362,23 @@ impl Comparison {
     }
 }
 
-/// Compares `got` with `want`. A NaN in `got` (an unwritten, poisoned element) always fails.
+/// Compares `got` with `want`. A NaN in `got` (an unwritten, poisoned element) always fails;
+/// equal values pass, infinities included.
 pub fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Comparison {
     assert_eq!(got.len(), want.len(), "compare: length mismatch");
     let (mut num, mut den, mut max_abs, mut bad, mut first_bad) = (0f64, 0f64, 0f32, 0, None);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let d = (g - w).abs();
-        let ok = !g.is_nan() && d <= tol.atol + tol.rtol * w.abs();
+        let d = if g == w { 0.0 } else { (g - w).abs() };
+        let ok = g == w || (!g.is_nan() && d <= tol.atol + tol.rtol * w.abs());
         if !ok {
             bad += 1;
             first_bad.get_or_insert((i, g, w));
         }
         max_abs = if d.is_nan() { f32::INFINITY } else { max_abs.max(d) };
         num += (d as f64).powi(2);
-        den += (w as f64).powi(2);
+        if w.is_finite() {
+            den += (w as f64).powi(2);
+        }
     }
     let rel_l2 = if den > 0.0 {
         (num / den).sqrt() as f32
@@ -507,7 +511,34 @@ pub fn silu_mul(
     ))
 }
 
-/// Checks interleaved RoPE (in place).
+/// Checks SiLU-and-mul of separate gate and up buffers over `n` elements, on `grid` blocks
+/// (`None`: [`silu_mul::grid_split`]; fewer blocks make the threads stride).
+pub fn silu_mul_split(
+    t: &Target<'_>,
+    p: &SiluMulParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let (g, gf) = random_bf16(rng, n, -8.0, 8.0);
+    let (u, uf) = random_bf16(rng, n, -4.0, 4.0);
+    let (dg, du) = (t.upload(&g)?, t.upload(&u)?);
+    let mut out = poisoned_bf16(t, n)?;
+    let grid = grid.unwrap_or_else(|| silu_mul::grid_split(p, n));
+    let mut args = [Arg::In(&dg), Arg::In(&du), Arg::Out(&mut out), Arg::from(n as u32)];
+    // SAFETY: gate, up and out hold n elements; vec variants need n % 8 == 0.
+    unsafe { t.launch::<SiluMulSplit>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    Ok(result::<SiluMulSplit>(
+        p,
+        format!("n={n} grid={grid}"),
+        &got,
+        &silu_mul::reference_split(&gf, &uf),
+        Tolerance::BF16,
+    ))
+}
+
+/// Checks RoPE (in place, in the pair layout of `p`).
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     t: &Target<'_>,
@@ -543,7 +574,17 @@ pub fn rope(
     // SAFETY: x holds rows * stride elements with offset + dim <= stride; tables hold max_pos * dim/2.
     unsafe { t.launch::<RopeInterleaved>(p, grid, &mut args)? };
     let got = to_f32(&t.download(&dx)?);
-    rope::reference(&mut xf, &positions, &cos, &sin, heads, stride, offset, dim);
+    rope::reference(
+        &mut xf,
+        &positions,
+        &cos,
+        &sin,
+        heads,
+        stride,
+        offset,
+        dim,
+        p.interleave,
+    );
     let case = format!("tokens={tokens} heads={heads} stride={stride} offset={offset}");
     Ok(result::<RopeInterleaved>(p, case, &got, &xf, Tolerance::BF16))
 }
@@ -589,6 +630,117 @@ pub fn embedding(
     ))
 }
 
+/// Checks the in-place add over `n` elements on `grid` blocks (`None`: [`add::grid`]; fewer
+/// blocks make the threads stride). `y` is at least 0.5 in magnitude, so an element the kernel
+/// skips keeps a value that fails the comparison; 8 guard elements after `n` (1.0 in both
+/// buffers) must stay 1.0. The reference is the f32 sum rounded to bf16 (nearest even), exact.
+pub fn add_assign(
+    t: &Target<'_>,
+    p: &AddParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    const GUARD: usize = 8;
+    let (mut x, mut xf) = random_bf16(rng, n, -2.0, 2.0);
+    let (mut y, mut yf) = random_bf16(rng, n, 0.5, 2.0);
+    for (h, f) in y.iter_mut().zip(yf.iter_mut()) {
+        if rng.random_bool(0.5) {
+            *h = -*h;
+            *f = -*f;
+        }
+    }
+    x.extend([bf16::ONE; GUARD]);
+    y.extend([bf16::ONE; GUARD]);
+    xf.extend([1.0; GUARD]);
+    let mut dx = t.upload(&x)?;
+    let dy = t.upload(&y)?;
+    let grid = grid.unwrap_or_else(|| add::grid(p, n as u32));
+    let mut args = [Arg::Out(&mut dx), Arg::In(&dy), Arg::from(n as u32)];
+    // SAFETY: x and y hold n + 8 elements; vec variants need n % 8 == 0.
+    unsafe { t.launch::<AddAssign>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&dx)?);
+    let mut want: Vec<f32> = add::reference(&xf[..n], &yf)
+        .into_iter()
+        .map(|v| bf16::from_f32(v).to_f32())
+        .collect();
+    want.extend(&xf[n..]);
+    Ok(result::<AddAssign>(
+        p,
+        format!("n={n} grid={grid}"),
+        &got,
+        &want,
+        Tolerance::EXACT,
+    ))
+}
+
+/// One [`copy_rows`] case: `rows` rows of `cols` columns gathered from a `src_rows` x
+/// `src_stride` source at column `src_off` into a `rows` x `dst_stride` destination at column
+/// `dst_off`.
+#[derive(Clone, Copy, Debug)]
+pub struct CopyCase {
+    /// Rows copied (the grid).
+    pub rows: usize,
+    /// Columns per row.
+    pub cols: usize,
+    /// Rows of the source.
+    pub src_rows: usize,
+    /// Source row stride.
+    pub src_stride: usize,
+    /// Source column offset.
+    pub src_off: usize,
+    /// Destination row stride.
+    pub dst_stride: usize,
+    /// Destination column offset.
+    pub dst_off: usize,
+}
+
+/// Checks the row copy: random row indices (repeats included), the copied region of `dst`
+/// poisoned with NaN and the rest random (it must come back unchanged); exact.
+pub fn copy_rows(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) -> Result<CheckResult, CheckError> {
+    let (src, _) = random_bf16(rng, c.src_rows * c.src_stride, -4.0, 4.0);
+    let (mut dst, _) = random_bf16(rng, c.rows * c.dst_stride, -4.0, 4.0);
+    let mut want = dst.clone();
+    // One spare index: the idx buffer is never empty.
+    let idx: Vec<u32> = (0..c.rows + 1)
+        .map(|_| rng.random_range(0..c.src_rows as u32))
+        .collect();
+    copy_rows::reference(
+        &src,
+        &idx[..c.rows],
+        &mut want,
+        c.cols,
+        c.src_stride,
+        c.src_off,
+        c.dst_stride,
+        c.dst_off,
+    );
+    let nan = vec![bf16::NAN; c.cols];
+    copy_rows::reference(&nan, &vec![0; c.rows], &mut dst, c.cols, 0, 0, c.dst_stride, c.dst_off);
+    let (ds, di) = (t.upload(&src)?, t.upload(&idx)?);
+    let mut dd = t.upload(&dst)?;
+    let mut args = [
+        Arg::In(&ds),
+        Arg::In(&di),
+        Arg::Out(&mut dd),
+        Arg::from(c.rows as u32),
+        Arg::from(c.cols as u32),
+        Arg::from(c.src_stride as u32),
+        Arg::from(c.src_off as u32),
+        Arg::from(c.dst_stride as u32),
+        Arg::from(c.dst_off as u32),
+    ];
+    // SAFETY: indices are below src_rows; src_off + cols <= src_stride and dst_off + cols <=
+    // dst_stride (the suite's cases); dst holds rows * dst_stride elements.
+    unsafe { t.launch::<CopyRows>(p, copy_rows::grid(c.rows as u32), &mut args)? };
+    let got = to_f32(&t.download(&dd)?);
+    let case = format!(
+        "rows={} cols={} src={}x{}+{} dst_stride={} dst_off={}",
+        c.rows, c.cols, c.src_rows, c.src_stride, c.src_off, c.dst_stride, c.dst_off
+    );
+    Ok(result::<CopyRows>(p, case, &got, &to_f32(&want), Tolerance::EXACT))
+}
+
 /// Checks row top-k (rows seeded with repeated values to exercise the tie rule).
 pub fn topk(
     t: &Target<'_>,
@@ -597,7 +749,6 @@ pub fn topk(
     n: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let kk = p.k as usize;
     let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
     for r in 0..rows {
         // A few exact ties at the top, at random places.
@@ -606,7 +757,77 @@ pub fn topk(
             logits[r * n + rng.random_range(0..n)] = top;
         }
     }
-    let dl = t.upload(&logits)?;
+    topk_rows(t, p, &logits, n, format!("rows={rows} n={n}"))
+}
+
+/// Rows of `n` logits made of ties, row `r` by `r % 4`: (0) every value `±0.0` (all equal);
+/// (1) the maximum at every third column from a random start, random smaller values between,
+/// a few NaN; (2) every value `-inf` but a few NaN; (3) the maximum in the last `min(n, 40)`
+/// columns and at a few random places. NaN never lands in column 0 (the engine's CPU argmax
+/// returns 0 for a row starting with NaN, see [`topk::reference`]).
+pub fn tie_rows(rows: usize, n: usize, rng: &mut StdRng) -> Vec<f32> {
+    let mut logits = vec![0f32; rows * n];
+    for (r, row) in logits.chunks_mut(n).enumerate() {
+        let top = 3.0 + r as f32;
+        match r % 4 {
+            0 => row
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v = if i % 2 == 1 { -0.0 } else { 0.0 }),
+            1 => {
+                let start = rng.random_range(0..3);
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v = if i % 3 == start {
+                        top
+                    } else {
+                        rng.random_range(-20.0..top - 0.5)
+                    };
+                }
+            }
+            2 => row.fill(f32::NEG_INFINITY),
+            _ => {
+                for v in row.iter_mut() {
+                    *v = rng.random_range(-20.0..top - 0.5);
+                }
+                let tail = n.min(40);
+                row[n - tail..].fill(top);
+                for _ in 0..8 {
+                    row[rng.random_range(0..n)] = top;
+                }
+            }
+        }
+        if r % 4 != 0 && n > 1 {
+            for _ in 0..3.min(n / 8) {
+                row[rng.random_range(1..n)] = f32::NAN;
+            }
+        }
+    }
+    logits
+}
+
+/// Checks row top-k on [`tie_rows`]: equal values must come back lowest column first.
+pub fn topk_ties(
+    t: &Target<'_>,
+    p: &TopkParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let logits = tie_rows(rows, n, rng);
+    topk_rows(t, p, &logits, n, format!("ties rows={rows} n={n}"))
+}
+
+/// Row top-k of `logits` (`[rows, n]`) against [`topk::reference`], values and indices exact.
+fn topk_rows(
+    t: &Target<'_>,
+    p: &TopkParams,
+    logits: &[f32],
+    n: usize,
+    case: String,
+) -> Result<CheckResult, CheckError> {
+    let kk = p.k as usize;
+    let rows = logits.len() / n;
+    let dl = t.upload(logits)?;
     let mut vals = t.upload(&vec![f32::NAN; rows * kk])?;
     let mut idx = t.upload(&vec![u32::MAX; rows * kk])?;
     let mut args = [
@@ -618,17 +839,11 @@ pub fn topk(
     // SAFETY: logits hold rows * n values with n >= k; outputs hold rows * k.
     unsafe { t.launch::<RowTopk>(p, rows as u32, &mut args)? };
     let (gv, gi) = (t.download(&vals)?, t.download(&idx)?);
-    let want = topk::reference(&logits, n, kk);
+    let want = topk::reference(logits, n, kk);
     // Compare values and indices as one exact vector.
     let got: Vec<f32> = gv.iter().zip(&gi).flat_map(|(v, i)| [*v, *i as f32]).collect();
     let want: Vec<f32> = want.iter().flat_map(|(v, i)| [*v, *i as f32]).collect();
-    Ok(result::<RowTopk>(
-        p,
-        format!("rows={rows} n={n}"),
-        &got,
-        &want,
-        Tolerance::EXACT,
-    ))
+    Ok(result::<RowTopk>(p, case, &got, &want, Tolerance::EXACT))
 }
 
 /// Checks the split row top-k (part pass `part`, then the merge variant for the same `k`) on
@@ -641,10 +856,7 @@ pub fn topk_split(
     n: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let merge = TopkSplitParams::merge(part.k)
-        .ok_or_else(|| CheckError::Args(format!("no merge variant for k = {}", part.k)))?;
     let kk = part.k as usize;
-    let parts = part.parts(n);
     let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-20.0f32..20.0)).collect();
     for r in 0..rows {
         let row = &mut logits[r * n..(r + 1) * n];
@@ -660,7 +872,37 @@ pub fn topk_split(
         }
         row[rng.random_range(0..n)] = f32::NAN;
     }
-    let dl = t.upload(&logits)?;
+    topk_split_rows(t, part, &logits, n, "")
+}
+
+/// Checks the split row top-k (as [`topk_split`]) on [`tie_rows`]: equal values must come back
+/// lowest column first, within a slice and across slices.
+pub fn topk_split_ties(
+    t: &Target<'_>,
+    part: &TopkSplitParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let logits = tie_rows(rows, n, rng);
+    topk_split_rows(t, part, &logits, n, "ties ")
+}
+
+/// The split row top-k (part pass `part`, then the merge variant for its `k`) of `logits`
+/// (`[rows, n]`) against [`topk::reference`], exact; candidates and outputs poisoned.
+fn topk_split_rows(
+    t: &Target<'_>,
+    part: &TopkSplitParams,
+    logits: &[f32],
+    n: usize,
+    label: &str,
+) -> Result<CheckResult, CheckError> {
+    let merge = TopkSplitParams::merge(part.k)
+        .ok_or_else(|| CheckError::Args(format!("no merge variant for k = {}", part.k)))?;
+    let kk = part.k as usize;
+    let parts = part.parts(n);
+    let rows = logits.len() / n;
+    let dl = t.upload(logits)?;
     let mut cv = t.upload(&vec![f32::NAN; rows * parts * kk])?;
     let mut ci = t.upload(&vec![u32::MAX - 1; rows * parts * kk])?;
     let mut vals = t.upload(&vec![f32::NAN; rows * kk])?;
@@ -686,12 +928,12 @@ pub fn topk_split(
     // SAFETY: the candidates hold rows * parts * k entries; the outputs rows * k.
     unsafe { t.launch::<RowTopkSplit>(&merge, (1u32, rows as u32), &mut args)? };
     let (gv, gi) = (t.download(&vals)?, t.download(&idx)?);
-    let want = topk::reference(&logits, n, kk);
+    let want = topk::reference(logits, n, kk);
     let got: Vec<f32> = gv.iter().zip(&gi).flat_map(|(v, i)| [*v, *i as f32]).collect();
     let want: Vec<f32> = want.iter().flat_map(|(v, i)| [*v, *i as f32]).collect();
     let mut r = result::<RowTopkSplit>(
         part,
-        format!("rows={rows} n={n} parts={parts}"),
+        format!("{label}rows={rows} n={n} parts={parts}"),
         &got,
         &want,
         Tolerance::EXACT,
@@ -772,6 +1014,25 @@ pub fn silu_mul_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<
     Ok(out)
 }
 
+/// Every candidate of [`SiluMulSplit`] at the sizes of `sizes` (one case on 2 blocks, so
+/// threads stride).
+pub fn silu_mul_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in SiluMulSplit::space() {
+        let mut cases = vec![(8, None), (600, None), (37, None), (5000, Some(2))];
+        if sizes == Sizes::Full {
+            cases.extend([(16 * 2048, None), (9 * 18432, None), ((1 << 22) + 8, None)]);
+        }
+        for (n, grid) in cases {
+            if p.vec && n % 8 != 0 {
+                continue;
+            }
+            out.push(silu_mul_split(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// Every candidate of [`RopeInterleaved`] at the sizes of `sizes`.
 pub fn rope_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
@@ -808,6 +1069,59 @@ pub fn embedding_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result
     Ok(out)
 }
 
+/// Every candidate of [`AddAssign`] at the sizes of `sizes` (one case on 2 blocks, so threads
+/// stride; the full sizes pass the grid cap).
+pub fn add_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in AddAssign::space() {
+        let mut cases = vec![(8, None), (1000, None), (37, None), (5000, Some(2))];
+        if sizes == Sizes::Full {
+            cases.extend([(7168, None), (33 * 7168, None), ((1 << 22) + 8, None)]);
+        }
+        for (n, grid) in cases {
+            if p.vec && n % 8 != 0 {
+                continue;
+            }
+            out.push(add_assign(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Every candidate of [`CopyRows`] at the sizes of `sizes`: a row gather, a column block into a
+/// wider row, strided head copies (ragged offsets), rows wider than a block, and no rows.
+pub fn copy_rows_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let case = |rows, cols, src_rows, src_stride, src_off, dst_stride, dst_off| CopyCase {
+        rows,
+        cols,
+        src_rows,
+        src_stride,
+        src_off,
+        dst_stride,
+        dst_off,
+    };
+    let mut cases = vec![
+        case(5, 72, 9, 72, 0, 72, 0),
+        case(3, 100, 3, 100, 0, 164, 64),
+        case(7, 16, 7, 576, 512, 24, 3),
+        case(2, 1100, 4, 1103, 3, 1100, 0),
+        case(0, 8, 1, 8, 0, 8, 0),
+    ];
+    if sizes == Sizes::Full {
+        cases.extend([
+            case(64, 7168, 1024, 7168, 0, 7168, 0),
+            case(17 * 64, 64, 17 * 64, 192, 128, 576, 512),
+        ]);
+    }
+    let mut out = Vec::new();
+    for p in CopyRows::space() {
+        for &c in &cases {
+            out.push(copy_rows(t, &p, c, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// Every candidate of [`RowTopk`] at the sizes of `sizes`.
 pub fn topk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
@@ -821,6 +1135,16 @@ pub fn topk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
                 continue;
             }
             out.push(topk(t, &p, rows, n, rng)?);
+        }
+        // Rows of ties (every pattern of `tie_rows` at least once).
+        let mut ties = vec![(4, 97), (4, 1000)];
+        if sizes == Sizes::Full {
+            ties.push((8, 163840));
+        }
+        for (rows, n) in ties {
+            if n >= p.k as usize + 3 {
+                out.push(topk_ties(t, &p, rows, n, rng)?);
+            }
         }
     }
     Ok(out)
@@ -841,6 +1165,16 @@ pub fn topk_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Resul
                 continue;
             }
             out.push(topk_split(t, &p, rows, n, rng)?);
+        }
+        // Rows of ties, within one slice and across several (ragged last slice).
+        let mut ties = vec![(4, 97), (4, 2 * span + 5)];
+        if sizes == Sizes::Full {
+            ties.push((8, 163840));
+        }
+        for (rows, n) in ties {
+            if n >= p.k as usize + 3 {
+                out.push(topk_split_ties(t, &p, rows, n, rng)?);
+            }
         }
     }
     Ok(out)
@@ -997,6 +1331,76 @@ pub fn moe_route_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result
     Ok(out)
 }
 
+/// Checks the three random fills at `n` elements on `grid` blocks (`None`: [`fill::grid`]),
+/// outputs poisoned, bit-exact against [`fill::reference_bf16`] / [`fill::reference_f32`] /
+/// [`fill::reference_u32`] (a word is compared as its two 16-bit halves, exact in f32).
+pub fn fills(
+    t: &Target<'_>,
+    p: &FillParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let seed: u32 = rng.random();
+    let (lo, hi) = (-3.0f32, 5.0f32);
+    let grid = grid.unwrap_or_else(|| fill::grid(p, n));
+    let case = format!("n={n} grid={grid} seed={seed}");
+    let mut b = poisoned_bf16(t, n)?;
+    let mut args = [
+        Arg::Out(&mut b),
+        Arg::from(n as u32),
+        Arg::from(seed),
+        Arg::from(lo),
+        Arg::from(hi),
+    ];
+    // SAFETY: out holds n elements.
+    unsafe { t.launch::<FillRandomBf16>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&b)?);
+    let want = to_f32(&fill::reference_bf16(n, seed, lo, hi));
+    let mut out = vec![result::<FillRandomBf16>(p, case.clone(), &got, &want, Tolerance::EXACT)];
+
+    let mut f = t.upload(&vec![f32::NAN; n])?;
+    let mut args = [
+        Arg::Out(&mut f),
+        Arg::from(n as u32),
+        Arg::from(seed),
+        Arg::from(lo),
+        Arg::from(hi),
+    ];
+    // SAFETY: out holds n elements.
+    unsafe { t.launch::<FillRandomF32>(p, grid, &mut args)? };
+    let got = t.download(&f)?;
+    let want = fill::reference_f32(n, seed, lo, hi);
+    out.push(result::<FillRandomF32>(p, case.clone(), &got, &want, Tolerance::EXACT));
+
+    // Poison: a word the hash gives for no element near (u32::MAX is as good as any).
+    let mut w = t.upload(&vec![u32::MAX; n])?;
+    let mut args = [Arg::Out(&mut w), Arg::from(n as u32), Arg::from(seed)];
+    // SAFETY: out holds n elements.
+    unsafe { t.launch::<FillRandomU32>(p, grid, &mut args)? };
+    let halves = |v: &[u32]| -> Vec<f32> { v.iter().flat_map(|x| [(x >> 16) as f32, (x & 0xffff) as f32]).collect() };
+    let got = halves(&t.download(&w)?);
+    let want = halves(&fill::reference_u32(n, seed));
+    out.push(result::<FillRandomU32>(p, case, &got, &want, Tolerance::EXACT));
+    Ok(out)
+}
+
+/// Every candidate of the fill kernels at the sizes of `sizes` (one case on 2 blocks, so
+/// threads stride; the full sizes pass the grid cap).
+pub fn fill_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut cases = vec![(1, None), (1000, None), (4099, Some(2))];
+    if sizes == Sizes::Full {
+        cases.extend([(1 << 20, None), ((1 << 24) + 3, None)]);
+    }
+    let mut out = Vec::new();
+    for p in FillRandomU32::space() {
+        for &(n, grid) in &cases {
+            out.extend(fills(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
@@ -1004,11 +1408,15 @@ pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>,
 pub const SUITES: &[Suite] = &[
     rms_norm_suite,
     silu_mul_suite,
+    silu_mul_split_suite,
     rope_suite,
     embedding_suite,
+    add_suite,
+    copy_rows_suite,
     topk_suite,
     topk_split_suite,
     gemm_suite,
+    fill_suite,
     crate::w4a16::check::suite,
     crate::attention::check::kv_append_suite,
     crate::attention::check::mla_attention_suite,
@@ -1025,4 +1433,23 @@ pub fn run_all(t: &Target<'_>, sizes: Sizes, seed: u64) -> Result<Vec<CheckResul
         out.extend(suite(t, sizes, &mut rng)?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_infinities_pass_and_nan_never_does() {
+        let inf = f32::INFINITY;
+        let c = compare(&[-inf, 1.0, inf], &[-inf, 1.0, inf], Tolerance::EXACT);
+        assert!(c.passed(Tolerance::EXACT), "{c:?}");
+        assert_eq!(c.rel_l2, 0.0);
+        for got in [[inf, 1.0], [f32::NAN, 1.0], [-inf, 1.5]] {
+            let c = compare(&got, &[-inf, 1.0], Tolerance::BF16);
+            assert!(!c.passed(Tolerance::BF16), "{got:?} passed: {c:?}");
+        }
+        assert!(!compare(&[f32::NAN], &[f32::NAN], Tolerance::BF16).passed(Tolerance::BF16));
+        assert!(!compare(&[-inf], &[2.0], Tolerance::BF16).passed(Tolerance::BF16));
+    }
 }

@@ -2,7 +2,8 @@
 //! `[0, 1)` from a hash of the index. The autotuner builds its timing inputs with these (GiB-sized
 //! weights in well under a millisecond instead of seconds of host random numbers and copies); the
 //! values depend only on `(seed, i, lo, hi)`, so [`reference_bf16`] / [`reference_f32`] reproduce
-//! them bit for bit on the CPU.
+//! them bit for bit on the CPU. [`FillRandomU32`] writes the raw 32-bit hash words (random packed
+//! INT4 weights), reproduced by [`reference_u32`].
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
@@ -57,6 +58,18 @@ pub fn fill_random_f32(#[comptime] p: &FillParams, out: &mut [f32], n: u32, seed
     }
 }
 
+/// `n` uniformly random 32-bit words: `out[i]` is the hash of `(seed, i)` that the other fills
+/// scale ([`word`]). Any grid: the kernel strides over all elements; `n` must be below
+/// [`FILL_MAX`].
+#[kernel(block = p.block, space = [FillParams { block: 256 }])]
+pub fn fill_random_u32(#[comptime] p: &FillParams, out: &mut [u32], n: u32, seed: u32) {
+    let stride = grid_dim_x() * p.block;
+    let first = block_idx_x() * p.block + thread_idx_x();
+    for i in (first..n).step_by(stride) {
+        out[i] = fill_mix(fill_mix(i) ^ (seed * 0x9e3779b9u32));
+    }
+}
+
 /// The launch grid for `n` elements: one per thread, capped at 8192 blocks (the kernels
 /// grid-stride past that).
 pub fn grid(p: &FillParams, n: usize) -> u32 {
@@ -73,9 +86,14 @@ fn mix(x: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-/// Element `i` of a fill: what the kernels compute.
+/// Word `i` of a fill with `seed`: what [`FillRandomU32`] writes and the float fills scale.
+pub fn word(i: u32, seed: u32) -> u32 {
+    mix(mix(i) ^ seed.wrapping_mul(0x9e37_79b9))
+}
+
+/// Element `i` of a float fill: what the kernels compute.
 pub fn value(i: u32, seed: u32, lo: f32, hi: f32) -> f32 {
-    let h = mix(mix(i) ^ seed.wrapping_mul(0x9e37_79b9));
+    let h = word(i, seed);
     let u = (h >> 8) as f32 * 0.000_000_059_604_645;
     u.mul_add(hi - lo, lo)
 }
@@ -83,6 +101,11 @@ pub fn value(i: u32, seed: u32, lo: f32, hi: f32) -> f32 {
 /// CPU reference of [`FillRandomF32`].
 pub fn reference_f32(n: usize, seed: u32, lo: f32, hi: f32) -> Vec<f32> {
     (0..n as u32).map(|i| value(i, seed, lo, hi)).collect()
+}
+
+/// CPU reference of [`FillRandomU32`].
+pub fn reference_u32(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| word(i, seed)).collect()
 }
 
 /// CPU reference of [`FillRandomBf16`] (round to nearest even).
@@ -129,6 +152,40 @@ mod tests {
         let got: Vec<f32> = out.to_vec();
         let want = reference_f32(n, 7, -20.0, 20.0);
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+
+        let p = FillRandomU32::default_params();
+        let mut out = Buffer::from_slice(&vec![0xdead_beefu32; n]);
+        Program::of::<FillRandomU32>(&p)
+            .unwrap()
+            .launch(
+                [2, 1, 1],
+                &mut [
+                    HostArg::Out(&mut out),
+                    HostArg::Scalar((n as u32).into()),
+                    HostArg::Scalar(7u32.into()),
+                ],
+            )
+            .unwrap();
+        let got: Vec<u32> = out.to_vec();
+        assert_eq!(got, reference_u32(n, 7));
+    }
+
+    /// Every nibble of the words (a packed INT4 weight) is uniform over 0..16.
+    #[test]
+    fn words_have_uniform_nibbles() {
+        let w = reference_u32(1 << 14, 3);
+        let mut counts = [[0usize; 16]; 8];
+        for x in &w {
+            for (j, c) in counts.iter_mut().enumerate() {
+                c[(x >> (4 * j) & 15) as usize] += 1;
+            }
+        }
+        let expect = w.len() as f32 / 16.0;
+        for c in counts.iter().flatten() {
+            assert!((*c as f32 - expect).abs() < 0.1 * expect, "{counts:?}");
+        }
+        assert_ne!(w[..64], reference_u32(64, 4)[..]);
+        assert_eq!(value(5, 3, 0.0, 1.0), (word(5, 3) >> 8) as f32 * 0.000_000_059_604_645);
     }
 
     #[test]

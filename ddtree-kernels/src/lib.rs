@@ -7,9 +7,11 @@
 // Check errors carry the interpreter's located hazard report; they are cold.
 #![allow(clippy::result_large_err)]
 
+pub mod add;
 pub mod attention;
 pub mod check;
 pub mod common;
+pub mod copy_rows;
 pub mod embedding;
 pub mod fill;
 pub mod gemm_bf16;
@@ -22,14 +24,16 @@ pub mod tree;
 pub mod tune;
 pub mod w4a16;
 
+pub use add::{AddAssign, AddParams};
 pub use attention::{GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend};
+pub use copy_rows::{CopyParams, CopyRows};
 pub use embedding::{Embedding, EmbeddingParams};
-pub use fill::{FillParams, FillRandomBf16, FillRandomF32};
+pub use fill::{FillParams, FillRandomBf16, FillRandomF32, FillRandomU32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
 pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
-pub use silu_mul::{SiluMul, SiluMulParams};
+pub use silu_mul::{SiluMul, SiluMulParams, SiluMulSplit};
 pub use topk::{RowTopk, RowTopkSplit, TopkParams, TopkRunner, TopkSplitParams};
 
 use ddtree_codegen::{CodegenError, Kernel};
@@ -63,13 +67,17 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     let mut all = Vec::new();
     all.extend(variants::<RmsNorm>()?);
     all.extend(variants::<SiluMul>()?);
+    all.extend(variants::<SiluMulSplit>()?);
     all.extend(variants::<RopeInterleaved>()?);
     all.extend(variants::<Embedding>()?);
+    all.extend(variants::<AddAssign>()?);
+    all.extend(variants::<CopyRows>()?);
     all.extend(variants::<RowTopk>()?);
     all.extend(variants::<RowTopkSplit>()?);
     all.extend(variants::<GemmBf16>()?);
     all.extend(variants::<FillRandomBf16>()?);
     all.extend(variants::<FillRandomF32>()?);
+    all.extend(variants::<FillRandomU32>()?);
     all.extend(variants::<w4a16::W4a16Gemm>()?);
     all.extend(variants::<w4a16::W4a16Reduce>()?);
     all.extend(variants::<w4a16::W4a16Repack>()?);

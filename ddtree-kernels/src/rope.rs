@@ -1,30 +1,40 @@
-//! Rotary position embedding on interleaved pairs, in place.
+//! Rotary position embedding, in place, in either pair layout.
 //!
 //! DeepSeek-V3 / Kimi store rope dims as adjacent pairs; HF permutes them to half-split before
 //! `rotate_half`, which equals rotating each pair `(2i, 2i + 1)` by the angle of frequency `i`.
-//! Attention scores are unchanged by that permutation as long as q and k share it, so this
-//! kernel rotates the pairs where they are.
+//! Attention scores are unchanged by that permutation as long as q and k share it, so the
+//! interleaved mode (`interleave: true`) rotates the pairs where they are. Models without the
+//! permutation (Qwen3-style drafters) use HF's `rotate_half` layout directly: pairs
+//! `(i, i + dim / 2)` (`interleave: false`).
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
 
-/// Compile-time parameters of [`RopeInterleaved`].
+/// Compile-time parameters of [`RopeInterleaved`] (the name predates the `interleave` switch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct RopeParams {
     /// Threads per block (one thread per pair).
     pub block: u32,
     /// Rope dimensions per head (64 for Kimi).
     pub dim: u32,
+    /// Pair layout: `true` rotates adjacent pairs `(2i, 2i + 1)` (DeepSeek-V3 / Kimi), `false`
+    /// pairs `(i, i + dim / 2)` (HF `rotate_half`); frequency `i` either way.
+    pub interleave: bool,
 }
 
 /// Rotates the `dim` rope dims at `offset` of each of `rows` rows (`rows = tokens * heads`,
 /// row stride `stride` elements). Token `t` is at `positions[t]`; `cos`/`sin` are
-/// `[max_pos, dim / 2]` tables (YaRN scaling already folded in). Grid: `ceil(rows * dim / 2 / block)`.
+/// `[max_pos, dim / 2]` tables (YaRN scaling and attention factor already folded in); pair `i`
+/// (see [`RopeParams::interleave`]) is rotated by entry `i`. Grid: `ceil(rows * dim / 2 / block)`
+/// ([`grid`]).
 #[kernel(block = p.block, space = [
-    RopeParams { block: 256, dim: 64 },
-    RopeParams { block: 128, dim: 64 },
-    RopeParams { block: 512, dim: 64 },
-    RopeParams { block: 256, dim: 16 },
+    RopeParams { block: 256, dim: 64, interleave: true },
+    RopeParams { block: 128, dim: 64, interleave: true },
+    RopeParams { block: 512, dim: 64, interleave: true },
+    RopeParams { block: 256, dim: 16, interleave: true },
+    RopeParams { block: 256, dim: 64, interleave: false },
+    RopeParams { block: 128, dim: 128, interleave: false },
+    RopeParams { block: 256, dim: 16, interleave: false },
 ])]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_interleaved(
@@ -47,11 +57,13 @@ pub fn rope_interleaved(
         let pos = positions[row / heads];
         let c = cos[pos * half + i];
         let s = sin[pos * half + i];
-        let at = row * stride + offset + 2 * i;
-        let x0 = x[at] as f32;
-        let x1 = x[at + 1] as f32;
-        x[at] = (x0 * c - x1 * s) as bf16;
-        x[at + 1] = (x1 * c + x0 * s) as bf16;
+        // The pair's first element and the distance to its second.
+        let a = row * stride + offset + if p.interleave { 2 * i } else { i };
+        let b = a + comptime!(if p.interleave { 1 } else { p.dim / 2 });
+        let x0 = x[a] as f32;
+        let x1 = x[b] as f32;
+        x[a] = (x0 * c - x1 * s) as bf16;
+        x[b] = (x1 * c + x0 * s) as bf16;
     }
 }
 
@@ -60,7 +72,8 @@ pub fn grid(p: &RopeParams, rows: usize) -> u32 {
     (rows * p.dim as usize / 2).div_ceil(p.block as usize) as u32
 }
 
-/// CPU reference, in place on f32 rows (same layout and tables as the kernel).
+/// CPU reference, in place on f32 rows (same layout and tables as the kernel; `interleave` as
+/// [`RopeParams::interleave`]).
 #[allow(clippy::too_many_arguments)]
 pub fn reference(
     x: &mut [f32],
@@ -71,15 +84,21 @@ pub fn reference(
     stride: usize,
     offset: usize,
     dim: usize,
+    interleave: bool,
 ) {
     let half = dim / 2;
     for (row, r) in x.chunks_mut(stride).enumerate() {
         let pos = positions[row / heads] as usize;
         for i in 0..half {
             let (c, s) = (cos[pos * half + i], sin[pos * half + i]);
-            let (x0, x1) = (r[offset + 2 * i], r[offset + 2 * i + 1]);
-            r[offset + 2 * i] = x0 * c - x1 * s;
-            r[offset + 2 * i + 1] = x1 * c + x0 * s;
+            let (a, b) = if interleave {
+                (offset + 2 * i, offset + 2 * i + 1)
+            } else {
+                (offset + i, offset + i + half)
+            };
+            let (x0, x1) = (r[a], r[b]);
+            r[a] = x0 * c - x1 * s;
+            r[b] = x1 * c + x0 * s;
         }
     }
 }

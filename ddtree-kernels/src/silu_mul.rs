@@ -1,14 +1,16 @@
-//! SiLU-and-mul of a fused gate/up projection: `out[r, j] = silu(gate_up[r, j]) * gate_up[r, d + j]`.
+//! SiLU-and-mul of a fused gate/up projection: `out[r, j] = silu(gate_up[r, j]) * gate_up[r, d + j]`
+//! ([`SiluMul`]), and of separate gate and up buffers: `out[i] = silu(gate[i]) * up[i]`
+//! ([`SiluMulSplit`]).
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-/// Compile-time parameters of [`SiluMul`].
+/// Compile-time parameters of [`SiluMul`] and [`SiluMulSplit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct SiluMulParams {
     /// Threads per block.
     pub block: u32,
-    /// 128-bit loads of 8 bf16 (needs `d % 8 == 0`).
+    /// 128-bit loads of 8 bf16 (needs `d % 8 == 0`; for [`SiluMulSplit`] `n % 8 == 0`).
     pub vec: bool,
 }
 
@@ -66,10 +68,49 @@ pub fn grid(p: &SiluMulParams, rows: usize, d: usize) -> u32 {
     ((rows * d).div_ceil(p.block as usize * if p.vec { 8 } else { 1 })).clamp(1, 4096) as u32
 }
 
+/// `out[i] = bf16(silu(gate[i]) * up[i])` for `i < n` (f32 math as [`SiluMul`]). Any grid:
+/// the kernel strides over all elements ([`grid_split`] gives one).
+#[kernel(block = p.block, space = [
+    SiluMulParams { block: 256, vec: true },
+    SiluMulParams { block: 128, vec: true },
+    SiluMulParams { block: 512, vec: true },
+    SiluMulParams { block: 256, vec: false },
+])]
+pub fn silu_mul_split(#[comptime] p: &SiluMulParams, gate: &[bf16], up: &[bf16], out: &mut [bf16], n: u32) {
+    let stride = grid_dim_x() * p.block;
+    let first = block_idx_x() * p.block + thread_idx_x();
+    if p.vec {
+        for c in (first..n / 8).step_by(stride) {
+            let g = gate.vload(c * 8);
+            let u = up.vload(c * 8);
+            let mut o = g;
+            o.x = silu_mul_bf16x2(g.x, u.x);
+            o.y = silu_mul_bf16x2(g.y, u.y);
+            o.z = silu_mul_bf16x2(g.z, u.z);
+            o.w = silu_mul_bf16x2(g.w, u.w);
+            out.vstore(c * 8, o);
+        }
+    } else {
+        for i in (first..n).step_by(stride) {
+            out[i] = (silu(gate[i] as f32) * (up[i] as f32)) as bf16;
+        }
+    }
+}
+
+/// The launch grid of [`SiluMulSplit`] for `n` elements (as [`grid`] for one row of `n`).
+pub fn grid_split(p: &SiluMulParams, n: usize) -> u32 {
+    grid(p, 1, n)
+}
+
 /// CPU reference: `gate_up` is `[rows, 2 * d]`.
 pub fn reference(gate_up: &[f32], d: usize) -> Vec<f32> {
     gate_up
         .chunks(2 * d)
         .flat_map(|row| (0..d).map(move |j| row[j] / (1.0 + (-row[j]).exp()) * row[d + j]))
         .collect()
+}
+
+/// CPU reference of [`SiluMulSplit`]: `silu(gate[i]) * up[i]`.
+pub fn reference_split(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect()
 }

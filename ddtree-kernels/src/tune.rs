@@ -319,9 +319,9 @@ impl Tunable for SiluMul {
     }
 }
 
-/// Interleaved RoPE over `tokens` x `heads` rows of `stride` bf16, rotating `dim` values from
-/// `offset` (Kimi: q rows `heads=64 stride=192 offset=128`, the k_pe row `heads=1 stride=576
-/// offset=512`, `dim=64`). Tokens are bucketed to powers of two.
+/// RoPE over `tokens` x `heads` rows of `stride` bf16, rotating `dim` values from `offset` in the
+/// pair layout `interleave` (Kimi: q rows `heads=64 stride=192 offset=128`, the k_pe row `heads=1
+/// stride=576 offset=512`, `dim=64`, interleaved). Tokens are bucketed to powers of two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RopeKey {
     /// Tokens.
@@ -334,6 +334,8 @@ pub struct RopeKey {
     pub offset: usize,
     /// Rotated elements per row.
     pub dim: usize,
+    /// Pair layout ([`crate::RopeParams::interleave`]).
+    pub interleave: bool,
 }
 
 impl fmt::Display for RopeKey {
@@ -344,10 +346,11 @@ impl fmt::Display for RopeKey {
             stride,
             offset,
             dim,
+            interleave,
         } = self;
         write!(
             f,
-            "tokens={tokens} heads={heads} stride={stride} offset={offset} dim={dim}"
+            "tokens={tokens} heads={heads} stride={stride} offset={offset} dim={dim} interleave={interleave}"
         )
     }
 }
@@ -378,7 +381,7 @@ impl Tunable for RopeInterleaved {
     fn candidates(key: &RopeKey) -> Vec<Self::Params> {
         Self::space()
             .into_iter()
-            .filter(|p| p.dim as usize == key.dim)
+            .filter(|p| p.dim as usize == key.dim && p.interleave == key.interleave)
             .collect()
     }
 
@@ -807,9 +810,13 @@ mod tests {
             stride: 192,
             offset: 128,
             dim: 64,
+            interleave: true,
         };
         assert_eq!(RopeInterleaved::bucket(&rope).tokens, 32);
-        assert_eq!(rope.to_string(), "tokens=17 heads=64 stride=192 offset=128 dim=64");
+        assert_eq!(
+            rope.to_string(),
+            "tokens=17 heads=64 stride=192 offset=128 dim=64 interleave=true"
+        );
     }
 
     #[test]
@@ -830,9 +837,19 @@ mod tests {
             stride: 576,
             offset: 512,
             dim: 64,
+            interleave: true,
         });
-        assert!(rope.iter().all(|p| p.dim == 64));
+        assert!(rope.iter().all(|p| p.dim == 64 && p.interleave));
         assert_eq!(rope[0], RopeInterleaved::default_params());
+        let half = RopeInterleaved::candidates(&RopeKey {
+            tokens: 1,
+            heads: 32,
+            stride: 128,
+            offset: 0,
+            dim: 128,
+            interleave: false,
+        });
+        assert!(!half.is_empty() && half.iter().all(|p| p.dim == 128 && !p.interleave));
         let ragged = RmsNorm::candidates(&RowsKey { rows: 1, n: 1001 });
         assert!(!ragged.is_empty() && ragged.iter().all(|p| !p.vec));
         assert_eq!(

@@ -8,8 +8,8 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
-    Embedding, GemmBf16, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk,
-    RowTopkSplit, SiluMul,
+    AddAssign, CopyRows, Embedding, FillRandomBf16, FillRandomF32, FillRandomU32, GemmBf16, GqaAttention, MlaAttention,
+    MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -44,6 +44,11 @@ fn silu_mul() {
 }
 
 #[test]
+fn silu_mul_split() {
+    every_candidate::<SiluMulSplit>(check::silu_mul_split_suite);
+}
+
+#[test]
 fn rope() {
     every_candidate::<RopeInterleaved>(check::rope_suite);
 }
@@ -51,6 +56,16 @@ fn rope() {
 #[test]
 fn embedding() {
     every_candidate::<Embedding>(check::embedding_suite);
+}
+
+#[test]
+fn add_assign() {
+    every_candidate::<AddAssign>(check::add_suite);
+}
+
+#[test]
+fn copy_rows() {
+    every_candidate::<CopyRows>(check::copy_rows_suite);
 }
 
 #[test]
@@ -87,6 +102,18 @@ fn gqa_attention() {
 #[test]
 fn moe_route() {
     every_candidate::<MoeRoute>(check::moe_route_suite);
+}
+
+/// The fill suite covers the three random fills.
+#[test]
+fn fills() {
+    check::on_each_target(|t, rng| {
+        let results = check::fill_suite(t, Sizes::Small, rng)?;
+        assert_covers::<FillRandomBf16>(&results);
+        assert_covers::<FillRandomF32>(&results);
+        assert_covers::<FillRandomU32>(&results);
+        Ok(results)
+    });
 }
 
 /// The W4A16 suite covers the GEMM, its reduce, the repack and the MoE block's kernels.

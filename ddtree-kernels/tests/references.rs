@@ -34,7 +34,7 @@ fn mla_append_is_rms_norm_then_interleaved_rope() {
         let latent: Vec<f32> = kv.chunks(w).flat_map(|r| r[..lora].to_vec()).collect();
         let normed = rms_norm::reference(&latent, &g, lora, 1e-6);
         let mut want = kv.clone();
-        rope::reference(&mut want, &positions, &cos, &sin, 1, w, lora, rope_dim);
+        rope::reference(&mut want, &positions, &cos, &sin, 1, w, lora, rope_dim, true);
         for (t, row) in want.chunks_mut(w).enumerate() {
             row[..lora].copy_from_slice(&normed[t * lora..(t + 1) * lora]);
         }

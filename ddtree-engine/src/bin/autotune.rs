@@ -76,6 +76,8 @@ struct ModelDims {
     kv_lora_rank: usize,
     qk_nope: usize,
     qk_rope: usize,
+    /// `rope_interleave`: adjacent rope pairs (true) or rotate-half pairs.
+    rope_interleave: bool,
     v_head: usize,
 }
 
@@ -95,6 +97,7 @@ impl ModelDims {
             kv_lora_rank: 512,
             qk_nope: 128,
             qk_rope: 64,
+            rope_interleave: true,
             v_head: 128,
         }
     }
@@ -113,6 +116,7 @@ impl ModelDims {
             kv_lora_rank: c.kv_lora_rank,
             qk_nope: c.qk_nope_head_dim,
             qk_rope: c.qk_rope_head_dim,
+            rope_interleave: c.rope.interleave,
             v_head: c.v_head_dim,
         }
     }
@@ -195,6 +199,7 @@ fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
             stride: qk,
             offset: d.qk_nope,
             dim: d.qk_rope,
+            interleave: d.rope_interleave,
         };
         let k_pe = RopeKey {
             tokens: m,
@@ -202,6 +207,7 @@ fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
             stride: d.kv_lora_rank + d.qk_rope,
             offset: d.kv_lora_rank,
             dim: d.qk_rope,
+            interleave: d.rope_interleave,
         };
         jobs.push(job::<RopeInterleaved>(q));
         jobs.push(job::<RopeInterleaved>(k_pe));

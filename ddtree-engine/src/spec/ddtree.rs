@@ -243,7 +243,13 @@ pub fn generate_speculative<B: Backend>(
         if going {
             tokens.push(accepted.bonus);
             let last = *keep.last().expect("the root is always accepted");
-            going = out.emit(options, accepted.bonus, start + keep.len(), context, &row(&logits, last));
+            going = out.emit(
+                options,
+                accepted.bonus,
+                start + keep.len(),
+                context,
+                &row(&logits, last),
+            );
         }
     }
     out.decode = stats.draft + stats.build + stats.verify + stats.accept;

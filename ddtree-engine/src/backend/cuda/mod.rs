@@ -18,7 +18,7 @@ use ddtree_kernels::{add, fill, tree, tune};
 use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
     GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute, MoeRouteParams,
-    RmsNorm, RopeInterleaved, RopeParams, RowTopk, SiluMulParams, SiluMulSplit,
+    RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
@@ -172,7 +172,10 @@ impl CudaBackend {
     }
 
     /// The first variant in `K`'s space that `ok` accepts.
-    fn first_variant<K: ddtree_codegen::Kernel>(&self, ok: impl Fn(&K::Params) -> bool) -> Result<Arc<CompiledKernel<K>>> {
+    fn first_variant<K: ddtree_codegen::Kernel>(
+        &self,
+        ok: impl Fn(&K::Params) -> bool,
+    ) -> Result<Arc<CompiledKernel<K>>> {
         let p = K::space()
             .into_iter()
             .find(|p| ok(p))
@@ -249,7 +252,11 @@ impl CudaBackend {
     fn rope_variant(&self, rope: &Rope) -> Result<Arc<CompiledKernel<RopeInterleaved>>> {
         let (dim, interleave) = (rope.dim() as u32, rope.interleaved());
         self.first_variant::<RopeInterleaved>(|p| p.dim == dim && p.interleave == interleave)
-            .map_err(|_| fail(format!("no rope kernel variant for {dim} dims (interleave {interleave})")))
+            .map_err(|_| {
+                fail(format!(
+                    "no rope kernel variant for {dim} dims (interleave {interleave})"
+                ))
+            })
     }
 
     /// Ropes `rows = tokens * heads` rows of `stride` values at `offset` in place.
@@ -300,14 +307,30 @@ impl CudaBackend {
         let grid = total.div_ceil(256).clamp(1, 65535) as u32;
         // SAFETY: src holds experts * n * k / 8 words, dst the interleaved words of every expert.
         unsafe {
-            W4a16Repack::launch(&kern, &self.stream, grid, &src, &mut dst, n as u32, k as u32, experts as u32)?
+            W4a16Repack::launch(
+                &kern,
+                &self.stream,
+                grid,
+                &src,
+                &mut dst,
+                n as u32,
+                k as u32,
+                experts as u32,
+            )?
         };
         Ok(dst)
     }
 
     /// Random words (INT4 codes of every value 0..16) and constant scales, straight in the
     /// interleaved layout (random is random in any layout).
-    fn random_int4(&self, n: usize, k: usize, experts: usize, group: usize, seed: u64) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
+    fn random_int4(
+        &self,
+        n: usize,
+        k: usize,
+        experts: usize,
+        group: usize,
+        seed: u64,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
         let words = interleaved_words(n, k) * experts;
         let mut packed = self.alloc::<u32>(words)?;
         self.fill_u32(&mut packed, words, seed)?;
@@ -320,7 +343,16 @@ impl CudaBackend {
     fn fill_u32(&self, out: &mut CudaSlice<u32>, n: usize, seed: u64) -> Result<()> {
         let k = self.variant::<FillRandomU32>(&FILL)?;
         // SAFETY: out holds n words.
-        unsafe { FillRandomU32::launch(&k, &self.stream, fill::grid(&FILL, n), out, check_u32("fill", n)?, seed as u32)? };
+        unsafe {
+            FillRandomU32::launch(
+                &k,
+                &self.stream,
+                fill::grid(&FILL, n),
+                out,
+                check_u32("fill", n)?,
+                seed as u32,
+            )?
+        };
         Ok(())
     }
 
@@ -328,7 +360,16 @@ impl CudaBackend {
         let k = self.variant::<FillRandomBf16>(&FILL)?;
         // SAFETY: out holds n values.
         unsafe {
-            FillRandomBf16::launch(&k, &self.stream, fill::grid(&FILL, n), out, check_u32("fill", n)?, seed as u32, lo, hi)?
+            FillRandomBf16::launch(
+                &k,
+                &self.stream,
+                fill::grid(&FILL, n),
+                out,
+                check_u32("fill", n)?,
+                seed as u32,
+                lo,
+                hi,
+            )?
         };
         Ok(())
     }
@@ -344,10 +385,17 @@ impl CudaBackend {
             FUSED_SPACE
                 .iter()
                 .find(|p| p.moe && p.epilogue == epi && p.m8 == m8 && p.mt == 1 && p.aring == m8)
-                .map(|p| W4a16Params { group: group as u32, ..*p })
+                .map(|p| W4a16Params {
+                    group: group as u32,
+                    ..*p
+                })
                 .ok_or_else(|| fail("no grouped W4A16 variant".into()))
         };
-        let k = Arc::new(MoeKernels::new(self.gpu(), &pick(Epilogue::SiluMul)?, &pick(Epilogue::RouteScale)?)?);
+        let k = Arc::new(MoeKernels::new(
+            self.gpu(),
+            &pick(Epilogue::SiluMul)?,
+            &pick(Epilogue::RouteScale)?,
+        )?);
         self.state().moe.push(((m8, group), k.clone()));
         Ok(k)
     }
@@ -356,7 +404,9 @@ impl CudaBackend {
 /// Stacks the experts' INT4 (or, quantized here, dense) weights in checkpoint layout:
 /// gate_up `[E, 2I, H]` and down `[E, H, I]`.
 fn stack_experts(experts: &[Ffn<HostLinear>], group_default: usize) -> Result<(PackedInt4, PackedInt4)> {
-    let first = experts.first().ok_or_else(|| fail("a MoE layer without experts".into()))?;
+    let first = experts
+        .first()
+        .ok_or_else(|| fail("a MoE layer without experts".into()))?;
     let (inter, hidden) = first.gate.shape();
     let group = match &first.gate {
         HostLinear::Int4 { group_size, .. } => *group_size,
@@ -378,9 +428,9 @@ fn stack_experts(experts: &[Ffn<HostLinear>], group_default: usize) -> Result<(P
                 group,
                 experts: 1,
             }),
-            HostLinear::Int4 { group_size, .. } => Err(fail(format!(
-                "experts mix scale groups {group_size} and {group}"
-            ))),
+            HostLinear::Int4 { group_size, .. } => {
+                Err(fail(format!("experts mix scale groups {group_size} and {group}")))
+            }
             HostLinear::Dense { data, .. } => {
                 let w: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
                 Ok(quantize(&w, n, k, group, 1))
@@ -407,8 +457,9 @@ fn stack_experts(experts: &[Ffn<HostLinear>], group_default: usize) -> Result<(P
         if f.gate.shape() != (inter, hidden) || f.up.shape() != (inter, hidden) || f.down.shape() != (hidden, inter) {
             return Err(fail(format!("expert {e} differs in shape from expert 0")));
         }
-        for (w, dst) in [(&f.gate, &mut up), (&f.up, &mut up), (&f.down, &mut down)] {
+        for (w, dst) in [(&f.gate, 0), (&f.up, 0), (&f.down, 1)] {
             let q = as_int4(w)?;
+            let dst = if dst == 0 { &mut up } else { &mut down };
             dst.packed.extend_from_slice(&q.packed);
             dst.scales.extend_from_slice(&q.scales);
         }
@@ -458,6 +509,14 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn load_logits(&self, m: Matrix) -> Result<CudaTensor> {
+        Ok(CudaTensor {
+            rows: m.rows,
+            cols: m.cols,
+            data: DeviceData::F32(self.upload(&m.data)?),
+        })
+    }
+
     fn load_weight(&self, w: HostLinear) -> Result<CudaWeight> {
         match w {
             HostLinear::Dense { out, inp, data } => {
@@ -489,7 +548,9 @@ impl Backend for CudaBackend {
 
     fn load_experts(&self, experts: Vec<Ffn<HostLinear>>) -> Result<CudaExperts> {
         if experts.iter().any(|f| matches!(f.gate, HostLinear::Dense { .. })) {
-            tracing::warn!("routed experts are dense in the checkpoint: quantizing them to INT4 g32 for the grouped kernels");
+            tracing::warn!(
+                "routed experts are dense in the checkpoint: quantizing them to INT4 g32 for the grouped kernels"
+            );
         }
         let (up, down) = stack_experts(&experts, 32)?;
         Ok(CudaExperts {
@@ -555,9 +616,22 @@ impl Backend for CudaBackend {
         let k = self.variant::<FillRandomF32>(&FILL)?;
         // SAFETY: f holds len values.
         unsafe {
-            FillRandomF32::launch(&k, &self.stream, fill::grid(&FILL, len), &mut f, len as u32, seed as u32, lo, hi)?
+            FillRandomF32::launch(
+                &k,
+                &self.stream,
+                fill::grid(&FILL, len),
+                &mut f,
+                len as u32,
+                seed as u32,
+                lo,
+                hi,
+            )?
         };
-        Ok(CudaVector { len, bf16: half, f32: f })
+        Ok(CudaVector {
+            len,
+            bf16: half,
+            f32: f,
+        })
     }
 
     fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CudaTensor> {
@@ -604,10 +678,16 @@ impl Backend for CudaBackend {
         let n = x.rows * x.cols;
         let data = match &x.data {
             DeviceData::Bf16(d) => {
-                let v: Vec<bf16> = self.stream.clone_dtoh(&d.slice(..n)).map_err(drv("copying from the GPU"))?;
+                let v: Vec<bf16> = self
+                    .stream
+                    .clone_dtoh(&d.slice(..n))
+                    .map_err(drv("copying from the GPU"))?;
                 v.into_iter().map(f32::from).collect()
             }
-            DeviceData::F32(d) => self.stream.clone_dtoh(&d.slice(..n)).map_err(drv("copying from the GPU"))?,
+            DeviceData::F32(d) => self
+                .stream
+                .clone_dtoh(&d.slice(..n))
+                .map_err(drv("copying from the GPU"))?,
         };
         Ok(Matrix {
             rows: x.rows,
@@ -660,7 +740,14 @@ impl Backend for CudaBackend {
             return Err(fail(format!("rms_norm: {} columns, weight of {}", x.cols, weight.len)));
         }
         let mut out = self.tensor_bf16(x.rows, x.cols)?;
-        self.rms_rows(x.bf16("rms_norm")?, &weight.bf16, out.bf16_mut("rms_norm")?, x.rows, x.cols, eps)?;
+        self.rms_rows(
+            x.bf16("rms_norm")?,
+            &weight.bf16,
+            out.bf16_mut("rms_norm")?,
+            x.rows,
+            x.cols,
+            eps,
+        )?;
         Ok(out)
     }
 
@@ -680,7 +767,10 @@ impl Backend for CudaBackend {
                 group, packed, scales, ..
             } => {
                 let (p, splits) = default_dense(x.rows as u32, n as u32, k as u32);
-                let p = W4a16Params { group: *group as u32, ..p };
+                let p = W4a16Params {
+                    group: *group as u32,
+                    ..p
+                };
                 let gemm_k = self.variant::<gemm::W4a16Gemm>(&p)?;
                 let reduce = if p.splitk {
                     Some(self.variant::<gemm::W4a16Reduce>(&ddtree_kernels::w4a16::ReduceParams {
@@ -707,7 +797,17 @@ impl Backend for CudaBackend {
                 }
                 let dst = out.bf16_mut("linear")?;
                 // SAFETY: weights in the variant's (interleaved) layout; partials sized above.
-                unsafe { gemm::launch(&gemm_k, reduce.as_deref(), &self.stream, &args, &mut st.w4a16, dst, splits)? };
+                unsafe {
+                    gemm::launch(
+                        &gemm_k,
+                        reduce.as_deref(),
+                        &self.stream,
+                        &args,
+                        &mut st.w4a16,
+                        dst,
+                        splits,
+                    )?
+                };
             }
         }
         Ok(out)
@@ -775,7 +875,9 @@ impl Backend for CudaBackend {
         }
         let n = gate.rows * gate.cols;
         let k = self.first_variant::<SiluMulSplit>(|p: &SiluMulParams| !p.vec || n % 8 == 0)?;
-        let grid = n.div_ceil(k.params().block as usize * if k.params().vec { 8 } else { 1 }).clamp(1, 65535) as u32;
+        let grid = n
+            .div_ceil(k.params().block as usize * if k.params().vec { 8 } else { 1 })
+            .clamp(1, 65535) as u32;
         let mut out = self.tensor_bf16(gate.rows, gate.cols)?;
         // SAFETY: all hold n values.
         unsafe {
@@ -803,7 +905,15 @@ impl Backend for CudaBackend {
         let mut off = 0;
         for p in parts {
             let dst = out.bf16_mut("concat_cols")?;
-            self.copy_rows(p.bf16("concat_cols")?, &idx, dst, rows, p.cols, (p.cols, 0), (cols, off))?;
+            self.copy_rows(
+                p.bf16("concat_cols")?,
+                &idx,
+                dst,
+                rows,
+                p.cols,
+                (p.cols, 0),
+                (cols, off),
+            )?;
             off += p.cols;
         }
         Ok(out)
@@ -816,7 +926,14 @@ impl Backend for CudaBackend {
         }
         let mut out = self.tensor_bf16(x.rows, x.cols)?;
         let rows = x.rows * x.cols / d;
-        self.rms_rows(x.bf16("head_rms_norm")?, &weight.bf16, out.bf16_mut("head_rms_norm")?, rows, d, eps)?;
+        self.rms_rows(
+            x.bf16("head_rms_norm")?,
+            &weight.bf16,
+            out.bf16_mut("head_rms_norm")?,
+            rows,
+            d,
+            eps,
+        )?;
         Ok(out)
     }
 
@@ -887,13 +1004,21 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn mla_query(&self, q: &CudaTensor, kv_b: &CudaWeight, rope: &Rope, positions: &[u32], d: MlaDims) -> Result<CudaTensor> {
+    fn mla_query(
+        &self,
+        q: &CudaTensor,
+        kv_b: &CudaWeight,
+        rope: &Rope,
+        positions: &[u32],
+        d: MlaDims,
+    ) -> Result<CudaTensor> {
         let qk = d.nope + d.rope;
         let lw = d.latent_width();
         let CudaWeight::Dense { w, out, inp } = kv_b else {
             return Err(fail("mla_query: kv_b must be dense".into()));
         };
-        if q.cols != d.heads * qk || (*out, *inp) != (d.heads * (d.nope + d.v), d.kv_lora) || positions.len() != q.rows {
+        if q.cols != d.heads * qk || (*out, *inp) != (d.heads * (d.nope + d.v), d.kv_lora) || positions.len() != q.rows
+        {
             return Err(fail("mla_query: q, kv_b or positions do not match the MLA dims".into()));
         }
         let t = q.rows;
@@ -903,16 +1028,36 @@ impl Backend for CudaBackend {
             n: d.kv_lora,
             k: d.nope,
             batch: d.heads,
-            a: Strided { offset: 0, ld: d.heads * qk, stride: qk },
-            b: Strided { offset: 0, ld: d.kv_lora, stride: (d.nope + d.v) * d.kv_lora },
+            a: Strided {
+                offset: 0,
+                ld: d.heads * qk,
+                stride: qk,
+            },
+            b: Strided {
+                offset: 0,
+                ld: d.kv_lora,
+                stride: (d.nope + d.v) * d.kv_lora,
+            },
             b_op: RightOperand::Plain,
-            c: Strided { offset: 0, ld: d.heads * lw, stride: lw },
+            c: Strided {
+                offset: 0,
+                ld: d.heads * lw,
+                stride: lw,
+            },
         };
         let qv = q.bf16("mla_query")?;
         // SAFETY: the strides stay inside q [t, heads * qk], kv_b and q_abs [t, heads * lw].
         unsafe { self.blas.batched(&g, qv, w, q_abs.bf16_mut("mla_query")?)? };
         let idx = self.identity(t * d.heads)?;
-        self.copy_rows(qv, &idx, q_abs.bf16_mut("mla_query")?, t * d.heads, d.rope, (qk, d.nope), (lw, d.kv_lora))?;
+        self.copy_rows(
+            qv,
+            &idx,
+            q_abs.bf16_mut("mla_query")?,
+            t * d.heads,
+            d.rope,
+            (qk, d.nope),
+            (lw, d.kv_lora),
+        )?;
         self.rope_rows(q_abs.bf16_mut("mla_query")?, rope, positions, d.heads, lw, d.kv_lora)?;
         Ok(q_abs)
     }
@@ -961,7 +1106,16 @@ impl Backend for CudaBackend {
             if n * d.heads <= VERIFY_PARTIALS {
                 let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
                 let mut lse = self.alloc::<f32>(n * d.heads)?;
-                verify.run(&self.stream, &sh, splits, q, &kv, &mask, out.bf16_mut("mla_attention")?, &mut lse)?;
+                verify.run(
+                    &self.stream,
+                    &sh,
+                    splits,
+                    q,
+                    &kv,
+                    &mask,
+                    out.bf16_mut("mla_attention")?,
+                    &mut lse,
+                )?;
                 return Ok(out);
             }
         }
@@ -1002,13 +1156,28 @@ impl Backend for CudaBackend {
             n: d.v,
             k: d.kv_lora,
             batch: d.heads,
-            a: Strided { offset: 0, ld: d.heads * d.kv_lora, stride: d.kv_lora },
-            b: Strided { offset: d.nope * d.kv_lora, ld: d.kv_lora, stride: (d.nope + d.v) * d.kv_lora },
+            a: Strided {
+                offset: 0,
+                ld: d.heads * d.kv_lora,
+                stride: d.kv_lora,
+            },
+            b: Strided {
+                offset: d.nope * d.kv_lora,
+                ld: d.kv_lora,
+                stride: (d.nope + d.v) * d.kv_lora,
+            },
             b_op: RightOperand::Transposed,
-            c: Strided { offset: 0, ld: d.heads * d.v, stride: d.v },
+            c: Strided {
+                offset: 0,
+                ld: d.heads * d.v,
+                stride: d.v,
+            },
         };
         // SAFETY: the strides stay inside o_lat [t, heads * L], kv_b and o [t, heads * V].
-        unsafe { self.blas.batched(&g, o_lat.bf16("mla_output")?, w, o.bf16_mut("mla_output")?)? };
+        unsafe {
+            self.blas
+                .batched(&g, o_lat.bf16("mla_output")?, w, o.bf16_mut("mla_output")?)?
+        };
         Ok(o)
     }
 
@@ -1093,7 +1262,8 @@ impl Backend for CudaBackend {
         }
         let idx = self.identity(rows.rows)?;
         let w = cache.width;
-        let mut dst = cache.layer_mut(layer).slice_mut(start * w..);
+        let mut layer_rows = cache.layer_mut(layer);
+        let mut dst = layer_rows.slice_mut(start * w..);
         self.copy_rows(rows.bf16("kv_append")?, &idx, &mut dst, rows.rows, w, (w, 0), (w, 0))?;
         cache.lens[layer] = start + rows.rows;
         Ok(())
