@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use crate::RuntimeError;
+use crate::{Gpu, RuntimeError};
 
 /// Runs `f` `warmup` times, then times `reps` runs one by one with CUDA events on `stream` and
 /// returns the median in microseconds. `f` gets the repetition index (to rotate input buffers).
@@ -57,4 +57,16 @@ pub fn median_us_flushed(
     }
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])
+}
+
+/// Device-to-device copy bandwidth in GB/s (bytes read + written), median of 10 copies of 1 GiB.
+pub fn copy_bandwidth(gpu: &Gpu) -> Result<f64, RuntimeError> {
+    let s = gpu.stream();
+    let n = 1usize << 30;
+    let src = s.alloc_zeros::<u8>(n).map_err(RuntimeError::driver("allocating"))?;
+    let mut dst = s.alloc_zeros::<u8>(n).map_err(RuntimeError::driver("allocating"))?;
+    let us = median_us(s, 3, 10, |_| {
+        s.memcpy_dtod(&src, &mut dst).map_err(RuntimeError::driver("copying"))
+    })?;
+    Ok(2.0 * n as f64 / (us * 1e-6) / 1e9)
 }

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
-    generate_plain, generate_speculative, tiny, Budget, Checkpoint, CpuBackend, Drafter, EngineError, GenerateOptions,
+    bench, generate_plain, generate_speculative, tiny, Backend, Budget, Checkpoint, CpuBackend, CudaBackend,
+    CudaOptions, Drafter, EngineError, GenerateOptions,
     Generation, LoadOptions, Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -68,15 +69,47 @@ struct Cli {
 enum Command {
     /// Generation from a prompt: plain decoding, or DDTree speculative decoding with --drafter.
     Generate(GenerateArgs),
+    /// The engine on a synthetic model of real shapes (random weights made on the device):
+    /// plain decode against the bandwidth floor, DDTree rounds per budget, speedups.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Model shapes: `kimi-k2.6-ep8` (one GPU of 8-way expert parallel Kimi K2.6, ~100 GB) or
+    /// `tiny` (the built-in tiny model's shapes).
+    #[arg(long, default_value = "kimi-k2.6-ep8")]
+    preset: String,
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Run every kernel's default variant instead of the tuned one.
+    #[arg(long)]
+    no_autotune: bool,
+    /// Contexts of the plain-decode runs (comma-separated); default: the preset's.
+    #[arg(long, value_delimiter = ',')]
+    contexts: Option<Vec<usize>>,
+    /// Tree budgets of the DDTree runs; default: the preset's.
+    #[arg(long, value_delimiter = ',')]
+    budgets: Option<Vec<usize>>,
+    /// Drafter acceptance probabilities (1 = oracle); default: the preset's.
+    #[arg(long, value_delimiter = ',')]
+    accept: Option<Vec<f32>>,
+    /// Tokens generated per DDTree run; default: the preset's.
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Write the report as JSON to this file too.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Device {
     /// The f32 CPU reference backend.
     Cpu,
-    /// The CUDA backend (not built yet).
+    /// The CUDA backend on GPU 0.
     Cuda,
-    /// The best available backend (currently the CPU).
+    /// CUDA when a GPU is present, else the CPU.
     Auto,
 }
 
@@ -103,6 +136,9 @@ struct GenerateArgs {
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// Run every kernel's default variant instead of the tuned one (CUDA).
+    #[arg(long)]
+    no_autotune: bool,
     /// Print one JSON object on stdout instead of text (with --drafter, plus the speculative stats).
     #[arg(long)]
     json: bool,
@@ -133,8 +169,17 @@ struct GenerateArgs {
 }
 
 fn main() -> ExitCode {
-    let Command::Generate(args) = Cli::parse().command;
-    match generate(&args) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "ddtree=info,warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Generate(args) => on_device(args.device, args.no_autotune, |b| generate(b, &args)),
+        Command::Bench(args) => on_device(args.device, args.no_autotune, |b| run_bench(b, &args)),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -143,34 +188,55 @@ fn main() -> ExitCode {
     }
 }
 
+/// The backend `--device` picked.
+enum AnyBackend {
+    Cpu(CpuBackend),
+    Cuda(Box<CudaBackend>),
+}
+
+/// Opens the backend for `device` (`auto`: CUDA when a GPU opens, else the CPU) and runs `f`.
+fn on_device(
+    device: Device,
+    no_autotune: bool,
+    f: impl FnOnce(AnyBackend) -> Result<(), EngineError>,
+) -> Result<(), EngineError> {
+    let options = CudaOptions { no_autotune };
+    let backend = match device {
+        Device::Cpu => AnyBackend::Cpu(CpuBackend),
+        Device::Cuda => AnyBackend::Cuda(Box::new(CudaBackend::open(options)?)),
+        Device::Auto => match CudaBackend::open(options) {
+            Ok(b) => AnyBackend::Cuda(Box::new(b)),
+            Err(e) => {
+                tracing::info!("no usable GPU ({e}); running on the CPU");
+                AnyBackend::Cpu(CpuBackend)
+            }
+        },
+    };
+    f(backend)
+}
+
 /// A model loaded for the CLI, with what it needs to report.
-struct Loaded {
+struct Loaded<B: Backend> {
     name: String,
-    model: Model<CpuBackend>,
+    model: Model<B>,
     tokenizer: Option<Tokenizer>,
 }
 
-fn load(args: &GenerateArgs) -> Result<Loaded, EngineError> {
-    if args.device == Device::Cuda {
-        return Err(EngineError::Backend {
-            backend: "cuda".into(),
-            reason: "the CUDA backend is not built yet; use --device cpu or --device auto".into(),
-        });
-    }
+fn load<B: Backend>(backend: B, args: &GenerateArgs) -> Result<Loaded<B>, EngineError> {
     let options = LoadOptions {
         check_finite: !args.skip_nan_check,
     };
     let Some(dir) = &args.model else {
         return Ok(Loaded {
             name: tiny::NAME.into(),
-            model: tiny::load(CpuBackend, options)?,
+            model: tiny::load(backend, options)?,
             tokenizer: Some(tiny::tokenizer()?),
         });
     };
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let bar = progress_bar(ckpt.total_bytes());
-    let model = Model::load(CpuBackend, config, &ckpt, options, &mut |done, total| {
+    let bar = progress_bar(ckpt.total_bytes(), "loading weights {bar:40} {bytes}/{total_bytes} ({eta})");
+    let model = Model::load(backend, config, &ckpt, options, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;
@@ -182,19 +248,16 @@ fn load(args: &GenerateArgs) -> Result<Loaded, EngineError> {
     })
 }
 
-fn progress_bar(total: u64) -> ProgressBar {
+fn progress_bar(total: u64, template: &str) -> ProgressBar {
     if total < PROGRESS_MIN_BYTES {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-    bar.set_style(
-        ProgressStyle::with_template("loading weights {bar:40} {bytes}/{total_bytes} ({eta})")
-            .expect("static template is valid"),
-    );
+    bar.set_style(ProgressStyle::with_template(template).expect("static template is valid"));
     bar
 }
 
-fn prompt_ids(args: &GenerateArgs, loaded: &Loaded) -> Result<Vec<u32>, EngineError> {
+fn prompt_ids<B: Backend>(args: &GenerateArgs, loaded: &Loaded<B>) -> Result<Vec<u32>, EngineError> {
     if let Some(ids) = &args.prompt_ids {
         return Ok(ids.clone());
     }
@@ -225,22 +288,29 @@ fn stop_reason(reason: StopReason) -> &'static str {
 }
 
 /// One generation's results, before printing.
-struct Run {
-    loaded: Loaded,
+struct Run<B: Backend> {
+    loaded: Loaded<B>,
     prompt: Vec<u32>,
     out: Generation,
     stats: Option<SpecStats>,
     load_time: Duration,
 }
 
-fn generate(args: &GenerateArgs) -> Result<(), EngineError> {
+fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError> {
+    match backend {
+        AnyBackend::Cpu(b) => generate_on(b, args),
+        AnyBackend::Cuda(b) => generate_on(*b, args),
+    }
+}
+
+fn generate_on<B: Backend + 'static>(backend: B, args: &GenerateArgs) -> Result<(), EngineError> {
     let Run {
         loaded,
         prompt,
         out,
         stats,
         load_time,
-    } = run(args)?;
+    } = run(backend, args)?;
     let text = match &loaded.tokenizer {
         Some(t) => Some(t.decode(&out.tokens)?),
         None => None,
@@ -253,9 +323,9 @@ fn generate(args: &GenerateArgs) -> Result<(), EngineError> {
     Ok(())
 }
 
-fn run(args: &GenerateArgs) -> Result<Run, EngineError> {
+fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs) -> Result<Run<B>, EngineError> {
     let start = Instant::now();
-    let loaded = load(args)?;
+    let loaded = load(backend, args)?;
     let load_time = start.elapsed();
     let prompt = prompt_ids(args, &loaded)?;
     let options = GenerateOptions {
@@ -293,17 +363,66 @@ fn run(args: &GenerateArgs) -> Result<Run, EngineError> {
     })
 }
 
-fn make_drafter(
-    model: &Model<CpuBackend>,
+fn make_drafter<B: Backend + 'static>(
+    model: &Model<B>,
     which: &DrafterArg,
     args: &GenerateArgs,
-) -> Result<Box<dyn Drafter<CpuBackend>>, EngineError> {
+) -> Result<Box<dyn Drafter<B>>, EngineError> {
     let block = args.block_size.unwrap_or(TEST_DRAFTER_BLOCK_SIZE);
     Ok(match which {
         DrafterArg::Oracle => Box::new(Oracle::new(block)?),
         DrafterArg::Noisy(p) => Box::new(Noisy::new(block, *p, args.seed)?),
         DrafterArg::Dir(dir) => Box::new(DFlashDrafter::load(model, dir, args.block_size)?),
     })
+}
+
+fn run_bench(backend: AnyBackend, args: &BenchArgs) -> Result<(), EngineError> {
+    match backend {
+        AnyBackend::Cpu(b) => bench_on(b, args, None),
+        AnyBackend::Cuda(b) => {
+            let bw = ddtree_runtime::timing::copy_bandwidth(b.gpu())?;
+            bench_on(*b, args, Some(bw))
+        }
+    }
+}
+
+fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: Option<f64>) -> Result<(), EngineError> {
+    let preset = bench::Preset::parse(&args.preset)?;
+    let mut opts = bench::BenchOptions::for_preset(preset);
+    if let Some(c) = &args.contexts {
+        opts.contexts = c.clone();
+    }
+    if let Some(b) = &args.budgets {
+        opts.budgets = b.clone();
+    }
+    if let Some(a) = &args.accept {
+        opts.accept = a.clone();
+    }
+    if let Some(t) = args.tokens {
+        opts.spec_tokens = t;
+    }
+    let config = preset.config()?;
+    let start = Instant::now();
+    let bar = progress_bar(u64::MAX, "making random weights {bar:40} {human_pos}/{human_len} parameters ({eta})");
+    let model = Model::random(backend, config, opts.seed, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })?;
+    bar.finish_and_clear();
+    eprintln!(
+        "{}: {:.1} B random parameters on {} in {:.1} s",
+        preset.name(),
+        model.parameter_count() as f64 / 1e9,
+        model.backend().name(),
+        start.elapsed().as_secs_f64()
+    );
+    let report = bench::run(&model, preset, &opts, copy_gb_per_s, &mut |line| eprintln!("{line}"))?;
+    println!("{}", bench::render(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).expect("the report serializes");
+        std::fs::write(path, text).map_err(|e| EngineError::io(path, e))?;
+    }
+    Ok(())
 }
 
 /// The speculative statistics of the JSON report.
@@ -331,8 +450,8 @@ fn spec_json(s: &SpecStats) -> serde_json::Value {
     })
 }
 
-fn print_json(
-    loaded: &Loaded,
+fn print_json<B: Backend>(
+    loaded: &Loaded<B>,
     prompt_tokens: usize,
     out: &Generation,
     stats: Option<&SpecStats>,
@@ -342,7 +461,7 @@ fn print_json(
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let mut report = json!({
         "model": loaded.name,
-        "device": "cpu",
+        "device": loaded.model.backend().name(),
         "prompt_tokens": prompt_tokens,
         "tokens": out.tokens,
         "text": text,
@@ -362,8 +481,8 @@ fn print_json(
     println!("{report}");
 }
 
-fn print_human(
-    loaded: &Loaded,
+fn print_human<B: Backend>(
+    loaded: &Loaded<B>,
     prompt: &[u32],
     out: &Generation,
     stats: Option<&SpecStats>,
@@ -372,7 +491,12 @@ fn print_human(
 ) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let rate = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.1} tok/s"));
-    println!("model: {} (cpu), loaded in {:.1} ms", loaded.name, millis(load));
+    println!(
+        "model: {} ({}), loaded in {:.1} ms",
+        loaded.name,
+        loaded.model.backend().name(),
+        millis(load)
+    );
     println!("prompt: {} tokens {:?}", prompt.len(), prompt);
     println!("tokens: {:?}", out.tokens);
     if let Some(text) = text {
@@ -419,7 +543,7 @@ mod tests {
     #[test]
     fn cli_parses_prompt_ids_and_rejects_two_prompts() {
         let cli = Cli::try_parse_from(["ddtree", "generate", "--prompt-ids", "1,2,3", "--json"]).unwrap();
-        let Command::Generate(args) = cli.command;
+        let Command::Generate(args) = cli.command else { panic!("generate") };
         assert_eq!(args.prompt_ids, Some(vec![1, 2, 3]));
         assert!(args.json && args.device == Device::Auto && args.model.is_none());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--prompt", "a", "--prompt-ids", "1"]).is_err());
@@ -429,7 +553,9 @@ mod tests {
     #[test]
     fn cli_parses_drafters_and_budgets() {
         let parse = |extra: &[&str]| {
-            let Command::Generate(args) = Cli::try_parse_from([&["ddtree", "generate"], extra].concat())?.command;
+            let Command::Generate(args) = Cli::try_parse_from([&["ddtree", "generate"], extra].concat())?.command else {
+                panic!("generate")
+            };
             Ok::<_, clap::Error>(args)
         };
         let args = parse(&[]).unwrap();
@@ -461,8 +587,11 @@ mod tests {
                 .concat(),
             )
             .unwrap()
-            .command;
-            let r = run(&args).unwrap();
+            .command
+            else {
+                panic!("generate")
+            };
+            let r = run(CpuBackend, &args).unwrap();
             assert_eq!(r.stats.is_some(), args.drafter.is_some() && !args.no_spec);
             if let Some(stats) = &r.stats {
                 let report = spec_json(stats);
@@ -481,11 +610,35 @@ mod tests {
     }
 
     #[test]
-    fn cuda_device_is_a_clear_error() {
-        let cli = Cli::try_parse_from(["ddtree", "generate", "--device", "cuda"]).unwrap();
-        let Command::Generate(args) = cli.command;
-        let err = generate(&args).unwrap_err().to_string();
-        assert!(err.contains("CUDA backend is not built yet"), "{err}");
+    fn cuda_device_without_a_gpu_is_a_clear_error() {
+        if ddtree_runtime::driver_available() {
+            eprintln!("SKIP: a CUDA driver is present; this test checks the no-GPU message");
+            return;
+        }
+        let err = on_device(Device::Cuda, false, |_| Ok(())).unwrap_err().to_string();
+        assert!(err.contains("no CUDA driver"), "{err}");
+        // `auto` falls back to the CPU.
+        let mut picked = "";
+        on_device(Device::Auto, false, |b| {
+            picked = match b {
+                AnyBackend::Cpu(_) => "cpu",
+                AnyBackend::Cuda(_) => "cuda",
+            };
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(picked, "cpu");
+    }
+
+    #[test]
+    fn bench_runs_the_tiny_preset_on_the_cpu() {
+        let cli = Cli::try_parse_from(["ddtree", "bench", "--preset", "tiny", "--device", "cpu"]).unwrap();
+        let Command::Bench(args) = cli.command else { panic!("bench") };
+        bench_on(CpuBackend, &args, None).unwrap();
+        let cli = Cli::try_parse_from(["ddtree", "bench", "--preset", "kimi"]).unwrap();
+        let Command::Bench(args) = cli.command else { panic!("bench") };
+        let err = bench_on(CpuBackend, &args, None).unwrap_err().to_string();
+        assert!(err.contains("unknown bench preset"), "{err}");
     }
 
     #[test]
@@ -493,8 +646,8 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3");
         let cli =
             Cli::try_parse_from(["ddtree", "generate", "--prompt", "hi", "--model", dir.to_str().unwrap()]).unwrap();
-        let Command::Generate(args) = cli.command;
-        let err = generate(&args).unwrap_err().to_string();
+        let Command::Generate(args) = cli.command else { panic!("generate") };
+        let err = generate(AnyBackend::Cpu(CpuBackend), &args).unwrap_err().to_string();
         assert!(err.contains("tiny-dsv3") && err.contains("--prompt-ids"), "{err}");
     }
 }

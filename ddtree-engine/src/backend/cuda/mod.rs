@@ -9,7 +9,7 @@ mod types;
 
 use std::sync::{Arc, Mutex};
 
-use ddtree_kernels::tree::{LATENT, ROPE};
+use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeKernels};
@@ -55,6 +55,7 @@ struct State {
     w4a16: Scratch,
     verify: Option<tree::gpu::GpuVerify>,
     moe: Vec<((bool, usize), Arc<MoeKernels>)>,
+    builders: Vec<((usize, usize, usize), tree::gpu::GpuBuilder)>,
 }
 
 /// The CUDA backend on one GPU.
@@ -110,6 +111,7 @@ impl CudaBackend {
             w4a16: Scratch::new(&stream, 1)?,
             verify: None,
             moe: Vec::new(),
+            builders: Vec::new(),
         };
         Ok(CudaBackend {
             kernels: if options.no_autotune {
@@ -670,6 +672,29 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn draft_tree(&self, drafted: &CudaTensor, depth: usize, budget: usize, root: u32) -> Result<DraftTree> {
+        let vocab = drafted.cols;
+        if depth == 0 || depth > 16 || budget > tree::MAX_K || depth > drafted.rows {
+            let host = self.to_host(drafted)?;
+            return Ok(build_reference(&host.data[..depth * vocab], depth, vocab, budget, root));
+        }
+        let logits = drafted.f32("draft_tree")?;
+        let root = self.upload(&[root])?;
+        let mut st = self.state();
+        let key = (depth, vocab, budget);
+        let at = match st.builders.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                // Kernels load once; buffers are small (a few trees).
+                st.builders.push((key, tree::gpu::GpuBuilder::new(self.gpu(), depth, vocab, budget)?));
+                st.builders.len() - 1
+            }
+        };
+        let builder = &mut st.builders[at].1;
+        builder.build(&self.stream, logits, &root)?;
+        Ok(builder.download(&self.stream)?.0)
+    }
+
     fn dims(&self, x: &CudaTensor) -> (usize, usize) {
         (x.rows, x.cols)
     }
@@ -1089,7 +1114,9 @@ impl Backend for CudaBackend {
         let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
         let q = q_abs.bf16("mla_attention")?;
         let kv = cache.layer(layer);
-        if d.kv_lora == LATENT && d.rope == ROPE {
+        // The split-KV tensor-core kernel is checked on the H200 for trees of up to 64 nodes;
+        // longer chunks (prefill) take the generic kernel.
+        if d.kv_lora == LATENT && d.rope == ROPE && n <= 64 {
             let mut st = self.state();
             if st.verify.is_none() {
                 let p = <tree::MlaVerifySplit as ddtree_codegen::Kernel>::space()[0];
