@@ -7,22 +7,22 @@
 set -uo pipefail
 bin=${1:?BIN_DIR with ddtree, gpu-test, kernel-check}; shift
 out=${OUT:-./gpu-out}; mkdir -p "$out"
-run() { "$(dirname "$0")/gpu-run.sh" "$@"; }
+gpurun="$(dirname "$0")/gpu-run.sh"
 checks=1
 if [ "${1:-}" = "--skip-checks" ]; then checks=0; shift; fi
 [ "${1:-}" = "--" ] && shift
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 if [ $checks = 1 ]; then
-  timeout 240 run "$bin/kernel-check" --skip-bench --seed 29 > "$out/kernel-check.txt" 2>&1; echo "kernel-check rc=$?"
+  timeout 240 "$gpurun" "$bin/kernel-check" --skip-bench --seed 29 > "$out/kernel-check.txt" 2>&1; echo "kernel-check rc=$?"
   grep -E 'passed|FAILED' "$out/kernel-check.txt" | tail -3
-  DDTREE_REQUIRE_GPU=1 timeout 240 run "$bin/gpu-test" --nocapture --test-threads=1 > "$out/gpu-test.txt" 2>&1; echo "gpu-test rc=$?"
+  DDTREE_REQUIRE_GPU=1 timeout 240 "$gpurun" "$bin/gpu-test" --nocapture --test-threads=1 > "$out/gpu-test.txt" 2>&1; echo "gpu-test rc=$?"
   grep -E 'agreement|DDTree ==|DFlash on|test result|panicked' "$out/gpu-test.txt"
   for dev in cpu cuda; do
-    timeout 60 run "$bin/ddtree" generate --device $dev --prompt-ids 5,17 --max-tokens 24 --json > "$out/generate-$dev.json" 2>&1
+    timeout 60 "$gpurun" "$bin/ddtree" generate --device $dev --prompt-ids 5,17 --max-tokens 24 --json > "$out/generate-$dev.json" 2>&1
     echo "generate $dev rc=$?: $(grep -o '"tokens":\[[0-9,]*\]' "$out/generate-$dev.json")"
   done
 fi
 if [ $# -gt 0 ]; then
-  timeout 500 run "$bin/ddtree" bench "$@" --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"; echo "bench rc=$?"
+  timeout 500 "$gpurun" "$bin/ddtree" bench "$@" --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"; echo "bench rc=$?"
   tail -5 "$out/bench.log"; cat "$out/bench.txt"
 fi
