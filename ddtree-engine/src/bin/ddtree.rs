@@ -8,8 +8,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, Backend, Budget, Checkpoint, CpuBackend, CudaBackend,
-    CudaOptions, Drafter, EngineError, GenerateOptions,
-    Generation, LoadOptions, Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
+    CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions, Model, ModelConfig, Sampling,
+    SpecOptions, SpecStats, StopReason, Tokenizer,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -235,7 +235,10 @@ fn load<B: Backend>(backend: B, args: &GenerateArgs) -> Result<Loaded<B>, Engine
     };
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let bar = progress_bar(ckpt.total_bytes(), "loading weights {bar:40} {bytes}/{total_bytes} ({eta})");
+    let bar = progress_bar(
+        ckpt.total_bytes(),
+        "loading weights {bar:40} {bytes}/{total_bytes} ({eta})",
+    );
     let model = Model::load(backend, config, &ckpt, options, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
@@ -403,7 +406,10 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
     }
     let config = preset.config()?;
     let start = Instant::now();
-    let bar = progress_bar(u64::MAX, "making random weights {bar:40} {human_pos}/{human_len} parameters ({eta})");
+    let bar = progress_bar(
+        u64::MAX,
+        "making random weights {bar:40} {human_pos}/{human_len} parameters ({eta})",
+    );
     let model = Model::random(backend, config, opts.seed, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
@@ -543,7 +549,9 @@ mod tests {
     #[test]
     fn cli_parses_prompt_ids_and_rejects_two_prompts() {
         let cli = Cli::try_parse_from(["ddtree", "generate", "--prompt-ids", "1,2,3", "--json"]).unwrap();
-        let Command::Generate(args) = cli.command else { panic!("generate") };
+        let Command::Generate(args) = cli.command else {
+            panic!("generate")
+        };
         assert_eq!(args.prompt_ids, Some(vec![1, 2, 3]));
         assert!(args.json && args.device == Device::Auto && args.model.is_none());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--prompt", "a", "--prompt-ids", "1"]).is_err());
@@ -553,7 +561,8 @@ mod tests {
     #[test]
     fn cli_parses_drafters_and_budgets() {
         let parse = |extra: &[&str]| {
-            let Command::Generate(args) = Cli::try_parse_from([&["ddtree", "generate"], extra].concat())?.command else {
+            let Command::Generate(args) = Cli::try_parse_from([&["ddtree", "generate"], extra].concat())?.command
+            else {
                 panic!("generate")
             };
             Ok::<_, clap::Error>(args)
@@ -633,10 +642,14 @@ mod tests {
     #[test]
     fn bench_runs_the_tiny_preset_on_the_cpu() {
         let cli = Cli::try_parse_from(["ddtree", "bench", "--preset", "tiny", "--device", "cpu"]).unwrap();
-        let Command::Bench(args) = cli.command else { panic!("bench") };
+        let Command::Bench(args) = cli.command else {
+            panic!("bench")
+        };
         bench_on(CpuBackend, &args, None).unwrap();
         let cli = Cli::try_parse_from(["ddtree", "bench", "--preset", "kimi"]).unwrap();
-        let Command::Bench(args) = cli.command else { panic!("bench") };
+        let Command::Bench(args) = cli.command else {
+            panic!("bench")
+        };
         let err = bench_on(CpuBackend, &args, None).unwrap_err().to_string();
         assert!(err.contains("unknown bench preset"), "{err}");
     }
@@ -646,7 +659,9 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3");
         let cli =
             Cli::try_parse_from(["ddtree", "generate", "--prompt", "hi", "--model", dir.to_str().unwrap()]).unwrap();
-        let Command::Generate(args) = cli.command else { panic!("generate") };
+        let Command::Generate(args) = cli.command else {
+            panic!("generate")
+        };
         let err = generate(AnyBackend::Cpu(CpuBackend), &args).unwrap_err().to_string();
         assert!(err.contains("tiny-dsv3") && err.contains("--prompt-ids"), "{err}");
     }

@@ -13,7 +13,7 @@ use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeKernels};
-use ddtree_kernels::w4a16::{Epilogue, RepackParams, W4a16Params, W4a16Repack};
+use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
 use ddtree_kernels::{add, fill, tree, tune};
 use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
@@ -51,7 +51,11 @@ struct RopeTables {
 /// Scratch state behind the backend's `&self` ops.
 struct State {
     ropes: Vec<Arc<RopeTables>>,
-    identity: CudaSlice<u32>,
+    identity: Arc<CudaSlice<u32>>,
+    /// The last upload per [`Staged`] slot: a forward uploads its positions and mask once, not
+    /// once per layer.
+    staged: Vec<(Staged, Vec<u32>, Arc<CudaSlice<u32>>)>,
+    moe_bufs: Vec<((usize, usize, bool, usize), ddtree_kernels::w4a16::moe::MoeBuffers)>,
     w4a16: Scratch,
     verify: Option<tree::gpu::GpuVerify>,
     moe: Vec<((bool, usize), Arc<MoeKernels>)>,
@@ -93,6 +97,18 @@ fn check_u32(what: &str, n: usize) -> Result<u32> {
 }
 
 const FILL: FillParams = FillParams { block: 256 };
+/// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
+const MOE_BUFFER_SETS: usize = 16;
+
+/// Upload slots whose last contents are kept on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Staged {
+    /// A forward's token positions.
+    Positions,
+    /// A forward's attention mask.
+    Mask,
+}
+
 /// Split count of the verify attention's partial buffers: rows x splits.
 const VERIFY_PARTIALS: usize = 1 << 16;
 
@@ -107,7 +123,9 @@ impl CudaBackend {
         let blas = Blas::new(&gpu)?;
         let state = State {
             ropes: Vec::new(),
-            identity: stream.alloc_zeros::<u32>(1).map_err(drv("allocating"))?,
+            identity: Arc::new(stream.alloc_zeros::<u32>(1).map_err(drv("allocating"))?),
+            staged: Vec::new(),
+            moe_bufs: Vec::new(),
             w4a16: Scratch::new(&stream, 1)?,
             verify: None,
             moe: Vec::new(),
@@ -186,13 +204,25 @@ impl CudaBackend {
     }
 
     /// `0, 1, .., n - 1` on the device.
-    fn identity(&self, n: usize) -> Result<CudaSlice<u32>> {
+    fn identity(&self, n: usize) -> Result<Arc<CudaSlice<u32>>> {
         let mut st = self.state();
         if st.identity.len() < n {
             let ids: Vec<u32> = (0..n.next_power_of_two() as u32).collect();
-            st.identity = self.upload(&ids)?;
+            st.identity = Arc::new(self.upload(&ids)?);
         }
         Ok(st.identity.clone())
+    }
+
+    /// `v` on the device through slot `slot`: the previous upload when it holds the same values.
+    fn staged(&self, slot: Staged, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut st = self.state();
+        if let Some((_, _, d)) = st.staged.iter().find(|(s, old, _)| *s == slot && old == v) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(self.upload(v)?);
+        st.staged.retain(|(s, ..)| *s != slot);
+        st.staged.push((slot, v.to_vec(), d.clone()));
+        Ok(d)
     }
 
     /// Rope tables covering `positions` positions for `rope` (grown on demand).
@@ -275,7 +305,7 @@ impl CudaBackend {
         let max = positions.iter().copied().max().unwrap_or(0);
         let tables = self.rope_tables(rope, max)?;
         let k = self.rope_variant(rope)?;
-        let pos = self.upload(positions)?;
+        let pos = self.staged(Staged::Positions, positions)?;
         let rows = positions.len() * heads;
         let pairs = rows * rope.dim() / 2;
         let grid = pairs.div_ceil(k.params().block as usize).max(1) as u32;
@@ -286,7 +316,7 @@ impl CudaBackend {
                 &self.stream,
                 grid,
                 x,
-                &pos,
+                &*pos,
                 &tables.cos,
                 &tables.sin,
                 rows as u32,
@@ -386,7 +416,7 @@ impl CudaBackend {
         let pick = |epi: Epilogue| -> Result<W4a16Params> {
             FUSED_SPACE
                 .iter()
-                .find(|p| p.moe && p.epilogue == epi && p.m8 == m8 && p.mt == 1 && p.aring == m8)
+                .find(|p| p.moe && p.epilogue == epi && p.m8 == m8 && p.mt == 1 && p.layout == Layout::Interleaved)
                 .map(|p| W4a16Params {
                     group: group as u32,
                     ..*p
@@ -686,7 +716,8 @@ impl Backend for CudaBackend {
             Some(i) => i,
             None => {
                 // Kernels load once; buffers are small (a few trees).
-                st.builders.push((key, tree::gpu::GpuBuilder::new(self.gpu(), depth, vocab, budget)?));
+                st.builders
+                    .push((key, tree::gpu::GpuBuilder::new(self.gpu(), depth, vocab, budget)?));
                 st.builders.len() - 1
             }
         };
@@ -1003,7 +1034,7 @@ impl Backend for CudaBackend {
         }
         let max = positions.iter().copied().max().unwrap_or(0);
         let tables = self.rope_tables(rope, max)?;
-        let pos = self.upload(positions)?;
+        let pos = self.staged(Staged::Positions, positions)?;
         let k = self.first_variant::<MlaKvAppend>(|_: &MlaAppendParams| true)?;
         let mut dst = cache.layer_mut(layer);
         // SAFETY: kv_a [rows, width]; the layer holds capacity rows and start + rows fit.
@@ -1014,7 +1045,7 @@ impl Backend for CudaBackend {
                 kv_a.rows as u32,
                 kv_a.bf16("mla_append_kv")?,
                 &norm.bf16,
-                &pos,
+                &*pos,
                 &tables.cos,
                 &tables.sin,
                 &mut dst,
@@ -1108,8 +1139,8 @@ impl Backend for CudaBackend {
             )));
         }
         let (mask, words) = match span.mask {
-            Some(m) => (self.upload(m.words())?, m.words_per_row()),
-            None => (self.upload(&chain_mask(n))?, n.div_ceil(32)),
+            Some(m) => (self.staged(Staged::Mask, m.words())?, m.words_per_row()),
+            None => (self.staged(Staged::Mask, &chain_mask(n))?, n.div_ceil(32)),
         };
         let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
         let q = q_abs.bf16("mla_attention")?;
@@ -1155,7 +1186,7 @@ impl Backend for CudaBackend {
                 (n * d.heads) as u32,
                 q,
                 &kv,
-                &mask,
+                &*mask,
                 out.bf16_mut("mla_attention")?,
                 d.heads as u32,
                 span.prefix_len as u32,
@@ -1257,7 +1288,20 @@ impl Backend for CudaBackend {
             hidden: ex.hidden as u32,
             inter: ex.inter as u32,
         };
-        let mut bufs = kern.buffers(&self.stream, routing.tokens, routing.topk, &dev)?;
+        let key = (routing.tokens, routing.topk, kern.block_m() == 8, ex.inter);
+        let mut st = self.state();
+        let at = match st.moe_bufs.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
+            None => {
+                if st.moe_bufs.len() >= MOE_BUFFER_SETS {
+                    st.moe_bufs.remove(0);
+                }
+                st.moe_bufs
+                    .push((key, kern.buffers(&self.stream, routing.tokens, routing.topk, &dev)?));
+                st.moe_bufs.len() - 1
+            }
+        };
+        let bufs = &mut st.moe_bufs[at].1;
         let mut out = self.tensor_bf16(x.rows, x.cols)?;
         // SAFETY: x [T, H], routing [T, topk], experts stacked in the variants' layout.
         unsafe {
@@ -1268,7 +1312,7 @@ impl Backend for CudaBackend {
                 &routing.ids,
                 &routing.weights,
                 out.bf16_mut("moe_experts")?,
-                &mut bufs,
+                bufs,
                 routing.tokens as u32,
                 routing.topk as u32,
             )?
