@@ -725,20 +725,20 @@ impl<B: Backend> Model<B> {
         let n = input.tokens.len();
         let all_rows: Vec<usize> = (0..n).collect();
         let mut hidden: Vec<Option<B::Tensor>> = w.layers.iter().map(|_| None).collect();
-        let mut x = b.embedding(&w.embed, input.tokens)?;
+        let mut x = b.residual(b.embedding(&w.embed, input.tokens)?)?;
+        // Each residual add is fused with the norm that follows it: the next layer's input norm,
+        // or after the last layer the final norm.
+        let mut h = b.rms_norm(&x, w.layers.first().map_or(&w.norm, |l| &l.input_norm), eps)?;
         for (l, layer) in w.layers.iter().enumerate() {
-            let h = b.rms_norm(&x, &layer.input_norm, eps)?;
             let a = self.attention(l, &layer.attn, &h, cache, input.positions, span)?;
-            b.add_assign(&mut x, &a)?;
-            let h = b.rms_norm(&x, &layer.post_norm, eps)?;
-            let m = self.mlp(&layer.mlp, &h)?;
-            b.add_assign(&mut x, &m)?;
+            let post = b.add_rms_norm(&mut x, &a, &layer.post_norm, eps)?;
+            let m = self.mlp(&layer.mlp, &post)?;
+            let last = l + 1 == w.layers.len();
+            let next_norm = if last { &w.norm } else { &w.layers[l + 1].input_norm };
+            h = b.add_rms_norm(&mut x, &m, next_norm, eps)?;
             if feature_layers.contains(&l) {
-                hidden[l] = Some(if l + 1 == w.layers.len() {
-                    b.rms_norm(&x, &w.norm, eps)?
-                } else {
-                    b.take_rows(&x, &all_rows)?
-                });
+                // After the last layer HF's hidden state is the final-normed one, `h` itself.
+                hidden[l] = Some(b.take_rows(if last { &h } else { &x }, &all_rows)?);
             }
         }
         let features = match feature_layers {
@@ -749,9 +749,8 @@ impl<B: Backend> Model<B> {
             }
         };
         if input.logits == LogitRows::Last {
-            x = b.take_rows(&x, &[n - 1])?;
+            h = b.take_rows(&h, &[n - 1])?;
         }
-        let h = b.rms_norm(&x, &w.norm, eps)?;
         Ok(ForwardOutput {
             logits: b.linear_f32(&h, &w.lm_head)?,
             features,

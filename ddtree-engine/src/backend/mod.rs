@@ -256,6 +256,22 @@ pub trait Backend {
     fn argmax_rows(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// An activation in the residual stream's precision (the CUDA backend keeps the stream in
+    /// f32 between its bf16 blocks); by default unchanged.
+    fn residual(&self, x: Self::Tensor) -> Result<Self::Tensor> {
+        Ok(x)
+    }
+    /// The residual add fused with the norm after it: `x += y`, then `rms_norm(x)`.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        weight: &Self::Vector,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, eps)
+    }
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// Concatenates matrices with equal row counts along the feature dimension.
