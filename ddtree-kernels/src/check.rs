@@ -22,11 +22,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::{
-    add, copy_rows, embedding, fill, gemm_bf16, moe_route, rms_norm, rope, silu_mul, topk, AddAssign, AddParams,
-    CopyParams, CopyRows, Embedding, EmbeddingParams, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
-    GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams, RowTopk,
-    RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
+    add, copy_rows, embedding, fill, gemm_bf16, moe_route, residual, rms_norm, rope, silu_mul, topk, AddAssign,
+    AddParams, CopyParams, CopyRows, Embedding, EmbeddingParams, FillParams, FillRandomBf16, FillRandomF32,
+    FillRandomU32, GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams,
+    RowTopk, RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
+use crate::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 
 /// Where checks run.
 #[derive(Clone, Copy, Debug)]
@@ -1091,6 +1092,17 @@ pub fn add_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<C
 /// Every candidate of [`CopyRows`] at the sizes of `sizes`: a row gather, a column block into a
 /// wider row, strided head copies (ragged offsets), rows wider than a block, and no rows.
 pub fn copy_rows_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in CopyRows::space() {
+        for c in copy_cases(sizes) {
+            out.push(copy_rows(t, &p, c, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The cases of [`copy_rows_suite`] and [`copy_rows_f32_suite`].
+fn copy_cases(sizes: Sizes) -> Vec<CopyCase> {
     let case = |rows, cols, src_rows, src_stride, src_off, dst_stride, dst_off| CopyCase {
         rows,
         cols,
@@ -1113,13 +1125,7 @@ pub fn copy_rows_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result
             case(17 * 64, 64, 17 * 64, 192, 128, 576, 512),
         ]);
     }
-    let mut out = Vec::new();
-    for p in CopyRows::space() {
-        for &c in &cases {
-            out.push(copy_rows(t, &p, c, rng)?);
-        }
-    }
-    Ok(out)
+    cases
 }
 
 /// Every candidate of [`RowTopk`] at the sizes of `sizes`.
@@ -1401,6 +1407,277 @@ pub fn fill_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
     Ok(out)
 }
 
+/// Random f32 values uniform in `[lo, hi)` (not rounded to bf16: they exercise the f32 paths).
+pub fn random_f32(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// Checks the fused residual add + RMSNorm on `rows` rows of `n`: `x` random f32 (not
+/// bf16-representable), `out` poisoned. The new `x` must equal the f32 sum exactly (or the
+/// input, bit for bit, without `add`, where `y` is a single NaN the kernel must not read). `out`
+/// is compared with the reference rounded to bf16, within one bf16 step (a rounding that flips
+/// with the summation order).
+pub fn add_rms_norm(
+    t: &Target<'_>,
+    p: &AddRmsNormParams,
+    rows: usize,
+    n: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let eps = 1e-6f32;
+    let x = random_f32(rng, rows * n, -3.0, 3.0);
+    let (y, yf) = if p.add {
+        random_bf16(rng, rows * n, -2.0, 2.0)
+    } else {
+        (vec![bf16::NAN], vec![])
+    };
+    let (w, wf) = random_bf16(rng, n, 0.5, 1.5);
+    let (want_x, want) = residual::reference(&x, p.add.then_some(&yf[..]), &wf, n, eps);
+    let want: Vec<f32> = want.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+    let mut dx = t.upload(&x)?;
+    let (dy, dw) = (t.upload(&y)?, t.upload(&w)?);
+    let mut dout = poisoned_bf16(t, rows * n)?;
+    let mut args = [
+        Arg::Out(&mut dx),
+        Arg::In(&dy),
+        Arg::In(&dw),
+        Arg::Out(&mut dout),
+        Arg::from(n as u32),
+        Arg::from(eps),
+    ];
+    // SAFETY: x, out (and y when p.add) hold rows * n elements, weight n.
+    unsafe { t.launch::<AddRmsNorm>(p, rows as u32, &mut args)? };
+    let got_x = t.download(&dx)?;
+    let got = to_f32(&t.download(&dout)?);
+    let case = format!("rows={rows} n={n}");
+    let tol = Tolerance {
+        rtol: 1.0 / 128.0,
+        atol: 1e-6,
+        rel_l2: 1e-3,
+    };
+    // Bit patterns as two exact halves, so the unchanged `x` is compared bit for bit.
+    let halves = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .flat_map(|x| [(x.to_bits() >> 16) as f32, (x.to_bits() & 0xffff) as f32])
+            .collect()
+    };
+    Ok(vec![
+        result::<AddRmsNorm>(
+            p,
+            format!("{case} x"),
+            &halves(&got_x),
+            &halves(&want_x),
+            Tolerance::EXACT,
+        ),
+        result::<AddRmsNorm>(p, format!("{case} out"), &got, &want, tol),
+    ])
+}
+
+/// Every candidate of [`AddRmsNorm`] at the sizes of `sizes` (rows shorter than a block, rows
+/// not a multiple of 8, rows wider than the largest block).
+pub fn add_rms_norm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in AddRmsNorm::space() {
+        let mut ns = vec![(1, 64), (2, 7), (3, 136), (4, 1000), (2, 1500)];
+        if sizes == Sizes::Full {
+            ns.extend([(7, 7168), (64, 7168), (33, 512), (3, 7171)]);
+        }
+        for (rows, n) in ns {
+            out.extend(add_rms_norm(t, &p, rows, n, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Elements after `n` in the cast outputs, holding a value the kernel must leave alone.
+const CAST_GUARD: usize = 8;
+
+/// Checks the bf16 -> f32 cast over `n` elements on `grid` blocks (`None`: [`residual::grid`]):
+/// output poisoned, 8 guard elements after `n` must stay 7.0; exact (infinities included).
+pub fn cast_bf16_f32(
+    t: &Target<'_>,
+    p: &CastParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let (mut src, _) = random_bf16(rng, n, -100.0, 100.0);
+    for (i, v) in [
+        bf16::INFINITY,
+        bf16::NEG_INFINITY,
+        bf16::NEG_ZERO,
+        bf16::MAX,
+        bf16::MIN_POSITIVE_SUBNORMAL,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if i * 7 < n {
+            src[i * 7] = v;
+        }
+    }
+    let mut dst = vec![f32::NAN; n];
+    dst.extend([7.0; CAST_GUARD]);
+    let mut want = to_f32(&src);
+    want.extend([7.0; CAST_GUARD]);
+    let ds = t.upload(&src)?;
+    let mut dd = t.upload(&dst)?;
+    let grid = grid.unwrap_or_else(|| residual::grid(p, n));
+    let mut args = [Arg::In(&ds), Arg::Out(&mut dd), Arg::from(n as u32)];
+    // SAFETY: src holds n elements, dst n + 8.
+    unsafe { t.launch::<CastBf16F32>(p, grid, &mut args)? };
+    let got = t.download(&dd)?;
+    Ok(result::<CastBf16F32>(
+        p,
+        format!("n={n} grid={grid}"),
+        &got,
+        &want,
+        Tolerance::EXACT,
+    ))
+}
+
+/// Checks the f32 -> bf16 cast over `n` elements on `grid` blocks (`None`: [`residual::grid`]):
+/// random f32 plus exact ties (both parities), infinities, signed zero, subnormals and values
+/// that round up to infinity; output poisoned, 8 guard elements after `n` must stay 7.0;
+/// bit-exact against round to nearest even.
+pub fn cast_f32_bf16(
+    t: &Target<'_>,
+    p: &CastParams,
+    n: usize,
+    grid: Option<u32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let mut src = random_f32(rng, n, -100.0, 100.0);
+    let specials = [
+        f32::from_bits(0x3f80_8000), // tie, even below: rounds down
+        f32::from_bits(0x3f81_8000), // tie, odd below: rounds up
+        f32::from_bits(0xbf81_8000),
+        f32::from_bits(0x3f80_8001), // just above a tie
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        f32::MAX, // rounds to infinity
+        f32::from_bits(0x0000_8000),
+        f32::from_bits(0x0001_7fff),
+    ];
+    for (i, v) in specials.into_iter().enumerate() {
+        if i * 3 < n {
+            src[i * 3] = v;
+        }
+    }
+    let mut dst = vec![bf16::NAN; n];
+    dst.extend([bf16::from_f32(7.0); CAST_GUARD]);
+    let ds = t.upload(&src)?;
+    let mut dd = t.upload(&dst)?;
+    let grid = grid.unwrap_or_else(|| residual::grid(p, n));
+    let mut args = [Arg::In(&ds), Arg::Out(&mut dd), Arg::from(n as u32)];
+    // SAFETY: src holds n elements, dst n + 8.
+    unsafe { t.launch::<CastF32Bf16>(p, grid, &mut args)? };
+    // Bit patterns, exact in f32; a NaN (an unwritten element) stays NaN and fails.
+    let bits = |v: &[bf16]| -> Vec<f32> {
+        v.iter()
+            .map(|x| if x.is_nan() { f32::NAN } else { x.to_bits() as f32 })
+            .collect()
+    };
+    let got = bits(&t.download(&dd)?);
+    let mut want: Vec<bf16> = src.iter().map(|&v| bf16::from_f32(v)).collect();
+    want.extend([bf16::from_f32(7.0); CAST_GUARD]);
+    Ok(result::<CastF32Bf16>(
+        p,
+        format!("n={n} grid={grid}"),
+        &got,
+        &bits(&want),
+        Tolerance::EXACT,
+    ))
+}
+
+/// Cast cases: `(n, grid)`; one on 2 blocks so threads stride, the full sizes pass the grid cap.
+fn cast_cases(sizes: Sizes) -> Vec<(usize, Option<u32>)> {
+    let mut cases = vec![(1, None), (37, None), (1000, None), (5001, Some(2))];
+    if sizes == Sizes::Full {
+        cases.extend([(7168, None), (33 * 7168, None), ((1 << 22) + 3, None)]);
+    }
+    cases
+}
+
+/// Every candidate of [`CastBf16F32`] at the sizes of `sizes`.
+pub fn cast_bf16_f32_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in CastBf16F32::space() {
+        for (n, grid) in cast_cases(sizes) {
+            out.push(cast_bf16_f32(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Every candidate of [`CastF32Bf16`] at the sizes of `sizes`.
+pub fn cast_f32_bf16_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in CastF32Bf16::space() {
+        for (n, grid) in cast_cases(sizes) {
+            out.push(cast_f32_bf16(t, &p, n, grid, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Checks the f32 row copy as [`copy_rows`] does, with random f32 data (not bf16-representable);
+/// bit-exact.
+pub fn copy_rows_f32(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) -> Result<CheckResult, CheckError> {
+    let src = random_f32(rng, c.src_rows * c.src_stride, -4.0, 4.0);
+    let mut dst = random_f32(rng, c.rows * c.dst_stride, -4.0, 4.0);
+    let mut want = dst.clone();
+    // One spare index: the idx buffer is never empty.
+    let idx: Vec<u32> = (0..c.rows + 1)
+        .map(|_| rng.random_range(0..c.src_rows as u32))
+        .collect();
+    copy_rows::reference(
+        &src,
+        &idx[..c.rows],
+        &mut want,
+        c.cols,
+        c.src_stride,
+        c.src_off,
+        c.dst_stride,
+        c.dst_off,
+    );
+    let nan = vec![f32::NAN; c.cols];
+    copy_rows::reference(&nan, &vec![0; c.rows], &mut dst, c.cols, 0, 0, c.dst_stride, c.dst_off);
+    let (ds, di) = (t.upload(&src)?, t.upload(&idx)?);
+    let mut dd = t.upload(&dst)?;
+    let mut args = [
+        Arg::In(&ds),
+        Arg::In(&di),
+        Arg::Out(&mut dd),
+        Arg::from(c.rows as u32),
+        Arg::from(c.cols as u32),
+        Arg::from(c.src_stride as u32),
+        Arg::from(c.src_off as u32),
+        Arg::from(c.dst_stride as u32),
+        Arg::from(c.dst_off as u32),
+    ];
+    // SAFETY: as in `copy_rows`.
+    unsafe { t.launch::<CopyRowsF32>(p, copy_rows::grid(c.rows as u32), &mut args)? };
+    let got = t.download(&dd)?;
+    let case = format!(
+        "rows={} cols={} src={}x{}+{} dst_stride={} dst_off={}",
+        c.rows, c.cols, c.src_rows, c.src_stride, c.src_off, c.dst_stride, c.dst_off
+    );
+    Ok(result::<CopyRowsF32>(p, case, &got, &want, Tolerance::EXACT))
+}
+
+/// Every candidate of [`CopyRowsF32`] at the cases of [`copy_rows_suite`].
+pub fn copy_rows_f32_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in CopyRowsF32::space() {
+        for c in copy_cases(sizes) {
+            out.push(copy_rows_f32(t, &p, c, rng)?);
+        }
+    }
+    Ok(out)
+}
+
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
@@ -1422,6 +1699,10 @@ pub const SUITES: &[Suite] = &[
     crate::attention::check::mla_attention_suite,
     crate::attention::check::gqa_attention_suite,
     moe_route_suite,
+    add_rms_norm_suite,
+    cast_bf16_f32_suite,
+    cast_f32_bf16_suite,
+    copy_rows_f32_suite,
 ];
 
 /// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.

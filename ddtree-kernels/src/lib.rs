@@ -16,6 +16,7 @@ pub mod embedding;
 pub mod fill;
 pub mod gemm_bf16;
 pub mod moe_route;
+pub mod residual;
 pub mod rms_norm;
 pub mod rope;
 pub mod silu_mul;
@@ -31,6 +32,7 @@ pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32, FillRandomU32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
 pub use moe_route::{MoeRoute, MoeRouteParams};
+pub use residual::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
 pub use silu_mul::{SiluMul, SiluMulParams, SiluMulSplit};
@@ -95,5 +97,9 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<MlaAttention>()?);
     all.extend(variants::<GqaAttention>()?);
     all.extend(variants::<MoeRoute>()?);
+    all.extend(variants::<AddRmsNorm>()?);
+    all.extend(variants::<CastBf16F32>()?);
+    all.extend(variants::<CastF32Bf16>()?);
+    all.extend(variants::<CopyRowsF32>()?);
     Ok(all)
 }

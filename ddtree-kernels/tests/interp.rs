@@ -8,8 +8,9 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
-    AddAssign, CopyRows, Embedding, FillRandomBf16, FillRandomF32, FillRandomU32, GemmBf16, GqaAttention, MlaAttention,
-    MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
+    AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
+    FillRandomU32, GemmBf16, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk,
+    RowTopkSplit, SiluMul, SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -102,6 +103,26 @@ fn gqa_attention() {
 #[test]
 fn moe_route() {
     every_candidate::<MoeRoute>(check::moe_route_suite);
+}
+
+#[test]
+fn add_rms_norm() {
+    every_candidate::<AddRmsNorm>(check::add_rms_norm_suite);
+}
+
+#[test]
+fn cast_bf16_f32() {
+    every_candidate::<CastBf16F32>(check::cast_bf16_f32_suite);
+}
+
+#[test]
+fn cast_f32_bf16() {
+    every_candidate::<CastF32Bf16>(check::cast_f32_bf16_suite);
+}
+
+#[test]
+fn copy_rows_f32() {
+    every_candidate::<CopyRowsF32>(check::copy_rows_f32_suite);
 }
 
 /// The fill suite covers the three random fills.
