@@ -20,6 +20,9 @@ use ddtree_kernels::{
     GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute, MoeRouteParams,
     RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
 };
+use ddtree_kernels::residual::{
+    self, AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32,
+};
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
@@ -759,9 +762,40 @@ impl Backend for CudaBackend {
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.upload(&idx)?;
         let mut out = self.tensor_bf16(rows.len(), x.cols)?;
-        let src = x.bf16("take_rows")?;
-        let dst = out.bf16_mut("take_rows")?;
-        self.copy_rows(src, &idx, dst, rows.len(), x.cols, (x.cols, 0), (x.cols, 0))?;
+        match &x.data {
+            DeviceData::Bf16(src) => {
+                let dst = out.bf16_mut("take_rows")?;
+                self.copy_rows(src, &idx, dst, rows.len(), x.cols, (x.cols, 0), (x.cols, 0))?;
+            }
+            DeviceData::F32(src) => {
+                // Rows of the f32 residual stream come out as bf16 activations (features).
+                let n = rows.len() * x.cols;
+                let mut picked = self.alloc::<f32>(n)?;
+                let k = self.first_variant::<CopyRowsF32>(|_: &CopyParams| true)?;
+                // SAFETY: src [x.rows, cols], idx rows below x.rows, picked [rows, cols].
+                unsafe {
+                    CopyRowsF32::launch(
+                        &k,
+                        &self.stream,
+                        rows.len() as u32,
+                        src,
+                        &idx,
+                        &mut picked,
+                        rows.len() as u32,
+                        x.cols as u32,
+                        x.cols as u32,
+                        0,
+                        x.cols as u32,
+                        0,
+                    )?
+                };
+                let c = self.first_variant::<CastF32Bf16>(|_: &CastParams| true)?;
+                // SAFETY: both hold n values.
+                unsafe {
+                    CastF32Bf16::launch(&c, &self.stream, residual::grid(c.params(), n), &picked, out.bf16_mut("take_rows")?, n as u32)?
+                };
+            }
+        }
         Ok(out)
     }
 
@@ -796,14 +830,28 @@ impl Backend for CudaBackend {
             return Err(fail(format!("rms_norm: {} columns, weight of {}", x.cols, weight.len)));
         }
         let mut out = self.tensor_bf16(x.rows, x.cols)?;
-        self.rms_rows(
-            x.bf16("rms_norm")?,
-            &weight.bf16,
-            out.bf16_mut("rms_norm")?,
-            x.rows,
-            x.cols,
-            eps,
-        )?;
+        match &x.data {
+            DeviceData::Bf16(xb) => self.rms_rows(xb, &weight.bf16, out.bf16_mut("rms_norm")?, x.rows, x.cols, eps)?,
+            DeviceData::F32(xf) => {
+                // The f32 residual stream: the fused kernel without its add.
+                let k = self.first_variant::<AddRmsNorm>(|p: &AddRmsNormParams| !p.add)?;
+                let mut x_copy = xf.clone();
+                // SAFETY: x [rows, n] f32 (not written without `add`), weight n, out [rows, n].
+                unsafe {
+                    AddRmsNorm::launch(
+                        &k,
+                        &self.stream,
+                        x.rows as u32,
+                        &mut x_copy,
+                        &weight.bf16,
+                        &weight.bf16,
+                        out.bf16_mut("rms_norm")?,
+                        x.cols as u32,
+                        eps,
+                    )?
+                };
+            }
+        }
         Ok(out)
     }
 
@@ -923,6 +971,54 @@ impl Backend for CudaBackend {
         // SAFETY: both hold n values.
         unsafe { AddAssign::launch(&k, &self.stream, grid, x.bf16_mut("add")?, y.bf16("add")?, n as u32)? };
         Ok(())
+    }
+
+    fn residual(&self, x: CudaTensor) -> Result<CudaTensor> {
+        let n = x.rows * x.cols;
+        let DeviceData::Bf16(src) = &x.data else {
+            return Ok(x);
+        };
+        let mut dst = self.alloc::<f32>(n)?;
+        let k = self.first_variant::<CastBf16F32>(|_: &CastParams| true)?;
+        // SAFETY: both hold n values.
+        unsafe { CastBf16F32::launch(&k, &self.stream, residual::grid(k.params(), n), src, &mut dst, n as u32)? };
+        Ok(CudaTensor {
+            rows: x.rows,
+            cols: x.cols,
+            data: DeviceData::F32(dst),
+        })
+    }
+
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {
+        if !matches!(x.data, DeviceData::F32(_)) {
+            self.add_assign(x, y)?;
+            return self.rms_norm(x, weight, eps);
+        }
+        if (x.rows, x.cols) != (y.rows, y.cols) || x.cols != weight.len {
+            return Err(fail(format!(
+                "add_rms_norm: {}x{} += {}x{}, weight of {}",
+                x.rows, x.cols, y.rows, y.cols, weight.len
+            )));
+        }
+        let (rows, n) = (x.rows, x.cols);
+        let mut out = self.tensor_bf16(rows, n)?;
+        let k = self.first_variant::<AddRmsNorm>(|p: &AddRmsNormParams| p.add)?;
+        let DeviceData::F32(xf) = &mut x.data else { unreachable!("checked above") };
+        // SAFETY: x [rows, n] f32, y [rows, n] bf16, weight n, out [rows, n].
+        unsafe {
+            AddRmsNorm::launch(
+                &k,
+                &self.stream,
+                rows as u32,
+                xf,
+                y.bf16("add_rms_norm")?,
+                &weight.bf16,
+                out.bf16_mut("add_rms_norm")?,
+                n as u32,
+                eps,
+            )?
+        };
+        Ok(out)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
