@@ -133,6 +133,7 @@ fn ffn_names(p: &str, inter: usize, hidden: usize) -> [(String, usize, usize); 3
 }
 
 /// Walks every tensor the config implies, in checkpoint naming.
+#[allow(clippy::type_complexity)]
 fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<Weights<S::W, S::V, S::T, S::E>> {
     let h = cfg.hidden_size;
     let heads = cfg.num_attention_heads;

@@ -1263,7 +1263,7 @@ impl Backend for CudaBackend {
                 cfg.n_group as u32,
                 cfg.topk_group as u32,
                 u32::from(cfg.norm_topk_prob),
-                cfg.routed_scaling_factor as f32,
+                cfg.routed_scaling_factor,
             )?
         };
         Ok(CudaRouting {
