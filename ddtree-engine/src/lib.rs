@@ -9,6 +9,8 @@
 //!   written once against [`Backend`];
 //! - [`generate`]: plain (greedy or sampled) generation;
 //! - [`spec`]: DDTree speculative decoding (drafters, the loop, sampling, statistics);
+//! - [`tuning`]: the (kernel, key) plan of a model, tuning the missing keys at startup and the
+//!   stored verify cost of `--budget auto`;
 //! - [`tokenizer`]: HF `tokenizer.json` and Kimi `tiktoken.model`;
 //! - [`tiny`]: the tiny model embedded in the binary.
 
@@ -25,6 +27,7 @@ pub mod rope;
 pub mod spec;
 pub mod tiny;
 pub mod tokenizer;
+pub mod tuning;
 pub mod weights;
 
 pub use backend::{Backend, CpuBackend, CudaBackend, CudaOptions};

@@ -132,10 +132,10 @@ fn ffn_names(p: &str, inter: usize, hidden: usize) -> [(String, usize, usize); 3
     ]
 }
 
-/// Walks every tensor the config implies, in checkpoint naming.
 /// The weights a [`LeafSource`] produces.
 type SourceWeights<S> = Weights<<S as LeafSource>::W, <S as LeafSource>::V, <S as LeafSource>::T, <S as LeafSource>::E>;
 
+/// Walks every tensor the config implies, in checkpoint naming.
 fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<SourceWeights<S>> {
     let h = cfg.hidden_size;
     let heads = cfg.num_attention_heads;

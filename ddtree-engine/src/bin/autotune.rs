@@ -5,6 +5,7 @@
 //! autotune [--model DIR | --preset kimi-k2.6] [--kernels PATTERN] [--force]
 //! autotune --preset kimi-k2.6 --compile-report   # NVRTC time per variant, cold vs warm cache
 //! autotune --preset kimi-k2.6 --startup          # warm startup to the first launch
+//! autotune --preset kimi-k2.6-ep8 --verify-cost   # verify latency by tree size, for --budget auto
 //! ```
 //!
 //! The problem keys come from the model's dimensions (hidden size, vocab, MLA ranks and head
@@ -12,20 +13,21 @@
 //! in powers of two up to `--max-m`. A re-run with a warm cache measures nothing and only
 //! prints the table. Caches live under `$DDTREE_CACHE_DIR` (default `~/.cache/ddtree`).
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use ddtree_engine::ModelConfig;
-use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey};
-use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
+use ddtree_engine::tuning::{self, plan, precompile, tune_jobs, Job, ModelDims, Progress};
+use ddtree_engine::{bench, CudaBackend, CudaOptions, Model, ModelConfig};
+use ddtree_kernels::tune::RowsKey;
+use ddtree_kernels::RmsNorm;
 use ddtree_runtime::{
     CubinCache, DevicePool, Gpu, Jit, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache,
     TuneOptions, Tuned, TunedKernels, Tuner,
 };
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 
 #[derive(Parser)]
 #[command(about = "Tune the GPU kernel variants a model needs and store the winners in the per-GPU tune cache")]
@@ -33,7 +35,7 @@ struct Args {
     /// Model folder with config.json (DeepSeek-V3 / Kimi K2.x).
     #[arg(long, conflicts_with = "preset")]
     model: Option<PathBuf>,
-    /// Built-in model dimensions: kimi-k2.6.
+    /// Built-in model dimensions: kimi-k2.6, or a `ddtree bench` preset (kimi-k2.6-ep8, tiny).
     #[arg(long)]
     preset: Option<String>,
     /// Only kernels whose name contains one of these comma-separated substrings.
@@ -59,174 +61,12 @@ struct Args {
     /// the keys (from the compile cache), launch one kernel.
     #[arg(long)]
     startup: bool,
-}
-
-/// The dimensions that decide the problem keys.
-#[derive(Clone, Debug, PartialEq)]
-struct ModelDims {
-    name: String,
-    hidden: usize,
-    vocab: usize,
-    intermediate: usize,
-    moe_intermediate: usize,
-    shared_experts: usize,
-    routed_experts: usize,
-    heads: usize,
-    q_lora_rank: Option<usize>,
-    kv_lora_rank: usize,
-    qk_nope: usize,
-    qk_rope: usize,
-    /// `rope_interleave`: adjacent rope pairs (true) or rotate-half pairs.
-    rope_interleave: bool,
-    v_head: usize,
-}
-
-impl ModelDims {
-    /// Kimi K2.6 (DeepSeek-V3 architecture with 64 heads and 384 experts).
-    fn kimi_k26() -> ModelDims {
-        ModelDims {
-            name: "kimi-k2.6".into(),
-            hidden: 7168,
-            vocab: 163840,
-            intermediate: 18432,
-            moe_intermediate: 2048,
-            shared_experts: 1,
-            routed_experts: 384,
-            heads: 64,
-            q_lora_rank: Some(1536),
-            kv_lora_rank: 512,
-            qk_nope: 128,
-            qk_rope: 64,
-            rope_interleave: true,
-            v_head: 128,
-        }
-    }
-
-    fn from_config(name: String, c: &ModelConfig) -> ModelDims {
-        ModelDims {
-            name,
-            hidden: c.hidden_size,
-            vocab: c.vocab_size,
-            intermediate: c.intermediate_size,
-            moe_intermediate: c.moe.moe_intermediate_size,
-            shared_experts: c.moe.n_shared_experts,
-            routed_experts: c.moe.n_routed_experts,
-            heads: c.num_attention_heads,
-            q_lora_rank: c.q_lora_rank,
-            kv_lora_rank: c.kv_lora_rank,
-            qk_nope: c.qk_nope_head_dim,
-            qk_rope: c.qk_rope_head_dim,
-            rope_interleave: c.rope.interleave,
-            v_head: c.v_head_dim,
-        }
-    }
-}
-
-/// One (kernel, key) to tune, whatever the kernel.
-trait Job {
-    fn kernel(&self) -> &'static str;
-    fn key(&self) -> String;
-    fn cached(&self, tuner: &Tuner<'_>) -> bool;
-    fn sources(&self) -> Vec<KernelSource>;
-    fn tune(&self, tuner: &mut Tuner<'_>) -> Result<Tuned, RuntimeError>;
-    fn preload(&self, kernels: &TunedKernels) -> Result<(), RuntimeError>;
-}
-
-struct KeyJob<K: Tunable>(K::Key);
-
-impl<K: Tunable> Job for KeyJob<K> {
-    fn kernel(&self) -> &'static str {
-        K::NAME
-    }
-    fn key(&self) -> String {
-        K::bucket(&self.0).to_string()
-    }
-    fn cached(&self, tuner: &Tuner<'_>) -> bool {
-        tuner.cached::<K>(&self.0).is_some()
-    }
-    fn sources(&self) -> Vec<KernelSource> {
-        K::candidates(&K::bucket(&self.0))
-            .iter()
-            .filter_map(|p| KernelSource::of::<K>(p).ok())
-            .collect()
-    }
-    fn tune(&self, tuner: &mut Tuner<'_>) -> Result<Tuned, RuntimeError> {
-        tuner.tune::<K>(&self.0)
-    }
-    fn preload(&self, kernels: &TunedKernels) -> Result<(), RuntimeError> {
-        kernels.preload::<K>(std::slice::from_ref(&self.0))
-    }
-}
-
-fn job<K: Tunable>(key: K::Key) -> Box<dyn Job> {
-    Box::new(KeyJob::<K>(key))
-}
-
-/// Every (kernel, key) the engine launches for `d`, M = 1, 2, 4, ..., `max_m`.
-fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
-    let ms: Vec<usize> = std::iter::successors(Some(1usize), |m| Some(m * 2))
-        .take_while(|&m| m <= max_m.max(1))
-        .collect();
-    let shared = d.moe_intermediate * d.shared_experts.max(1);
-    let qk = d.qk_nope + d.qk_rope;
-    let mut norms = vec![d.hidden, d.kv_lora_rank];
-    norms.extend(d.q_lora_rank);
-    let mut linears = vec![
-        (d.kv_lora_rank + d.qk_rope, d.hidden), // kv_a_proj_with_mqa
-        (d.hidden, d.heads * d.v_head),         // o_proj
-        (2 * d.intermediate, d.hidden),         // dense MLP gate+up (layer 0)
-        (d.hidden, d.intermediate),             // dense MLP down
-        (2 * shared, d.hidden),                 // shared expert gate+up
-        (d.hidden, shared),                     // shared expert down
-        (d.routed_experts, d.hidden),           // router
-        (d.vocab, d.hidden),                    // lm_head
-    ];
-    match d.q_lora_rank {
-        Some(r) => linears.extend([(r, d.hidden), (d.heads * qk, r)]), // q_a_proj, q_b_proj
-        None => linears.push((d.heads * qk, d.hidden)),                // q_proj
-    }
-    let mut jobs: Vec<Box<dyn Job>> = Vec::new();
-    for &m in &ms {
-        for &n in &norms {
-            jobs.push(job::<RmsNorm>(RowsKey { rows: m, n }));
-        }
-        for n in [d.intermediate, shared] {
-            jobs.push(job::<SiluMul>(RowsKey { rows: m, n }));
-        }
-        let q = RopeKey {
-            tokens: m,
-            heads: d.heads,
-            stride: qk,
-            offset: d.qk_nope,
-            dim: d.qk_rope,
-            interleave: d.rope_interleave,
-        };
-        let k_pe = RopeKey {
-            tokens: m,
-            heads: 1,
-            stride: d.kv_lora_rank + d.qk_rope,
-            offset: d.kv_lora_rank,
-            dim: d.qk_rope,
-            interleave: d.rope_interleave,
-        };
-        jobs.push(job::<RopeInterleaved>(q));
-        jobs.push(job::<RopeInterleaved>(k_pe));
-        jobs.push(job::<Embedding>(EmbeddingKey {
-            tokens: m,
-            vocab: d.vocab,
-            hidden: d.hidden,
-        }));
-        // Greedy verification takes the argmax; the drafter's tree expansion the top 8.
-        for k in [1, 8] {
-            jobs.push(job::<RowTopk>(TopkKey { rows: m, n: d.vocab, k }));
-        }
-        for &(n, k) in &linears {
-            jobs.push(job::<GemmBf16>(GemmKey { m, n, k }));
-        }
-    }
-    let mut seen = std::collections::HashSet::new();
-    jobs.retain(|j| seen.insert((j.kernel(), j.key())));
-    jobs
+    /// Measure the target's verify latency at 1, 2, 4, ..., 256 tree tokens on a model of
+    /// random weights (no files needed) on the CUDA backend, and store it next to the tune cache
+    /// as the cost model `ddtree generate --budget auto` uses on this GPU for this model shape.
+    /// Needs --model DIR or --preset kimi-k2.6-ep8|tiny (the full kimi-k2.6 does not fit one GPU).
+    #[arg(long)]
+    verify_cost: bool,
 }
 
 fn selected(jobs: Vec<Box<dyn Job>>, pattern: Option<&str>) -> Vec<Box<dyn Job>> {
@@ -249,7 +89,15 @@ fn dims(args: &Args) -> Result<ModelDims, String> {
             Ok(ModelDims::from_config(dir.display().to_string(), &cfg))
         }
         (None, Some("kimi-k2.6") | None) => Ok(ModelDims::kimi_k26()),
-        (None, Some(other)) => Err(format!("unknown preset `{other}` (known: kimi-k2.6)")),
+        (None, Some(other)) => match bench::Preset::parse(other) {
+            Ok(p) => Ok(ModelDims::from_config(
+                p.name().to_string(),
+                &p.config().map_err(|e| e.to_string())?,
+            )),
+            Err(_) => Err(format!(
+                "unknown preset `{other}` (known: kimi-k2.6, kimi-k2.6-ep8, tiny)"
+            )),
+        },
     }
 }
 
@@ -385,7 +233,63 @@ fn startup(process_start: Instant, jobs: &[Box<dyn Job>]) -> Result<(), RuntimeE
     Ok(())
 }
 
+/// The full model configuration `--verify-cost` builds (random weights) and hashes.
+fn verify_config(args: &Args) -> Result<ModelConfig, String> {
+    match (&args.model, args.preset.as_deref()) {
+        (Some(dir), _) => {
+            let path = if dir.is_dir() {
+                dir.join("config.json")
+            } else {
+                dir.clone()
+            };
+            ModelConfig::from_file(&path).map_err(|e| e.to_string())
+        }
+        (None, Some(name)) if name != "kimi-k2.6" => bench::Preset::parse(name)
+            .and_then(|p| p.config())
+            .map_err(|e| e.to_string()),
+        _ => Err(
+            "--verify-cost builds the whole model on one GPU: pass --model DIR or --preset \
+                  kimi-k2.6-ep8 (one GPU's share of kimi-k2.6; the full model does not fit) or tiny"
+                .into(),
+        ),
+    }
+}
+
+/// `--verify-cost`: tune what is missing, build the model with random weights on the CUDA
+/// backend, time its verify forwards and store the cost model.
+fn verify_cost(args: &Args, bar: ProgressBar) -> Result<bool, String> {
+    let config = verify_config(args)?;
+    let gpu = Gpu::discover(0).map_err(|e| format!("{e}; --verify-cost needs a GPU"))?;
+    let summary = tuning::tune_missing(&gpu, &config, &Progress::with_bar(bar)).map_err(|e| e.to_string())?;
+    if let Some(line) = summary.line() {
+        println!("{line}");
+    }
+    let fingerprint = gpu.fingerprint().clone();
+    let backend = CudaBackend::new(gpu, CudaOptions::default()).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let model = Model::random(backend, config.clone(), 0, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    println!(
+        "{:.1} B random parameters in {:.1} s; timing verify forwards at {:?} tokens",
+        model.parameter_count() as f64 / 1e9,
+        t.elapsed().as_secs_f64(),
+        tuning::VERIFY_SIZES
+    );
+    let cost = tuning::measure_verify_cost(&model, &tuning::VERIFY_SIZES).map_err(|e| e.to_string())?;
+    println!("\n| tokens | verify ms |\n|---:|---:|");
+    for p in &cost.verify {
+        println!("| {} | {:.3} |", p.tokens, p.us / 1e3);
+    }
+    let path = tuning::save_verify_cost(&fingerprint, &config, &cost).map_err(|e| e.to_string())?;
+    println!("\n{}\nverify cost stored: {}", cost.source, path.display());
+    Ok(true)
+}
+
 fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
+    if args.verify_cost {
+        let bar = ProgressBar::hidden();
+        init_logging(&bar);
+        return verify_cost(args, bar);
+    }
     let d = dims(args)?;
     let jobs = selected(plan(&d, args.max_m), args.kernels.as_deref());
     if jobs.is_empty() {
@@ -418,7 +322,7 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
             ..Default::default()
         },
     );
-    let todo: Vec<&Box<dyn Job>> = jobs.iter().filter(|j| !j.cached(&tuner)).collect();
+    let todo: Vec<&dyn Job> = jobs.iter().map(|j| j.as_ref()).filter(|j| !j.cached(&tuner)).collect();
     println!(
         "{}: {} keys for {} on {}; {} cached, {} to tune",
         d.name,
@@ -429,17 +333,13 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
         todo.len()
     );
     if !todo.is_empty() {
-        let t = Instant::now();
-        let mut sources: Vec<KernelSource> = todo.iter().flat_map(|j| j.sources()).collect();
-        sources.sort_by(|a, b| a.symbol.cmp(&b.symbol));
-        sources.dedup_by(|a, b| a.symbol == b.symbol);
-        let cubins = gpu.jit().cubins(&sources);
-        let cached = cubins.iter().filter(|c| c.as_ref().is_ok_and(|c| c.cached)).count();
-        let failed = cubins.iter().filter(|c| c.is_err()).count();
+        let c = precompile(&gpu, &todo);
         println!(
-            "compiled {} variants in {:.2} s ({cached} from the compile cache, {failed} failed)",
-            sources.len(),
-            t.elapsed().as_secs_f64()
+            "compiled {} variants in {:.2} s ({} from the compile cache, {} failed)",
+            c.variants,
+            c.time.as_secs_f64(),
+            c.from_cache,
+            c.failed
         );
         let r = Roofline::measure(&gpu).map_err(|e| e.to_string())?;
         println!(
@@ -450,31 +350,8 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
         tuner.options_mut().roofline = Some(r);
     }
     // A bar on a terminal; in a log (stderr not a terminal) one plain line per finished key.
-    let lines = !std::io::stderr().is_terminal();
-    if !lines {
-        bar.set_length(jobs.len() as u64);
-        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}").expect("a valid template"),
-        );
-    }
-    let mut rows = Vec::new();
-    let mut errors = Vec::new();
-    for (i, j) in jobs.iter().enumerate() {
-        bar.set_message(format!("{} {}", j.kernel(), j.key()));
-        let tuned = j.tune(&mut tuner);
-        if lines {
-            let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "{}", progress_line(i + 1, jobs.len(), j.as_ref(), &tuned));
-            let _ = err.flush();
-        }
-        match tuned {
-            Ok(t) => rows.push(t),
-            Err(e) => errors.push(format!("{} {}: {e}", j.kernel(), j.key())),
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+    let run = tune_jobs(&mut tuner, &jobs, &Progress::with_bar(bar));
+    let (rows, errors) = (run.rows, run.errors);
     print_table(&rows);
     for e in &errors {
         println!("ERROR {e}");
@@ -488,42 +365,6 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
         cache_path.display()
     );
     Ok(errors.is_empty())
-}
-
-/// The log line of the `done`-th of `total` keys:
-/// `[12/180] gemm_bf16 m=64 n=7168 k=2048: winner V 41.20 µs (default 45.00 µs) in 0.31 s (...)`.
-fn progress_line(done: usize, total: usize, job: &dyn Job, tuned: &Result<Tuned, RuntimeError>) -> String {
-    let head = format!("[{done}/{total}] {} {}", job.kernel(), job.key());
-    let t = match tuned {
-        Ok(t) => t,
-        Err(e) => return format!("{head}: ERROR {e}"),
-    };
-    let e = &t.entry;
-    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2} µs"));
-    let winner = match &e.winner {
-        Some(w) => format!("winner {w} {}", us(e.winner_us)),
-        None => "NONE PASSED".to_string(),
-    };
-    let bad = e.trials.iter().filter(|t| t.status != TrialStatus::Ok).count();
-    let rejected = if bad > 0 {
-        format!(", {bad} rejected")
-    } else {
-        String::new()
-    };
-    let when = if t.from_cache {
-        "cached".to_string()
-    } else {
-        let x = &t.times;
-        format!(
-            "in {:.2} s (compile {:.2}, inputs {:.2}, checks {:.2}, timing {:.2})",
-            x.total().as_secs_f64(),
-            x.compile.as_secs_f64(),
-            x.inputs.as_secs_f64(),
-            x.checks.as_secs_f64(),
-            x.timing.as_secs_f64()
-        )
-    };
-    format!("{head}: {winner} (default {}){rejected}, {when}", us(e.default_us))
 }
 
 fn print_table(rows: &[Tuned]) {
@@ -583,6 +424,9 @@ fn main() -> ExitCode {
 mod tests {
     use std::time::Duration;
 
+    use ddtree_engine::tuning::{job, progress_line};
+    use ddtree_kernels::tune::GemmKey;
+    use ddtree_kernels::GemmBf16;
     use ddtree_runtime::{Trial, TuneEntry, TuneTimes};
 
     use super::*;

@@ -5,12 +5,14 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
+use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
+use ddtree_engine::tuning;
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, Backend, Budget, Checkpoint, CpuBackend, CudaBackend,
     CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions, Model, ModelConfig, Sampling,
     SpecOptions, SpecStats, StopReason, Tokenizer,
 };
+use ddtree_runtime::Gpu;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
@@ -176,8 +178,18 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match Cli::parse().command {
-        Command::Generate(args) => on_device(args.device, args.no_autotune, |b| generate(b, &args)),
-        Command::Bench(args) => on_device(args.device, args.no_autotune, |b| run_bench(b, &args)),
+        Command::Generate(args) => on_device(
+            args.device,
+            args.no_autotune,
+            || model_config(&args),
+            |b| generate(b, &args),
+        ),
+        Command::Bench(args) => on_device(
+            args.device,
+            args.no_autotune,
+            || bench::Preset::parse(&args.preset)?.config(),
+            |b| run_bench(b, &args),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -195,24 +207,63 @@ enum AnyBackend {
 }
 
 /// Opens the backend for `device` (`auto`: CUDA when a GPU opens, else the CPU) and runs `f`.
+/// On CUDA, unless `no_autotune`, first tunes the kernel keys of `config()`'s model that the
+/// tune cache lacks, so that the backend reads their winners.
 fn on_device(
     device: Device,
     no_autotune: bool,
+    config: impl FnOnce() -> Result<ModelConfig, EngineError>,
     f: impl FnOnce(AnyBackend) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {
     let options = CudaOptions { no_autotune };
-    let backend = match device {
-        Device::Cpu => AnyBackend::Cpu(CpuBackend),
-        Device::Cuda => AnyBackend::Cuda(Box::new(CudaBackend::open(options)?)),
-        Device::Auto => match CudaBackend::open(options) {
-            Ok(b) => AnyBackend::Cuda(Box::new(b)),
-            Err(e) => {
-                tracing::info!("no usable GPU ({e}); running on the CPU");
-                AnyBackend::Cpu(CpuBackend)
+    let gpu = match device {
+        Device::Cpu => None,
+        Device::Cuda => Some(Gpu::open(0)?),
+        Device::Auto => Gpu::open(0)
+            .inspect_err(|e| tracing::info!("no usable GPU ({e}); running on the CPU"))
+            .ok(),
+    };
+    let backend = match gpu {
+        None => AnyBackend::Cpu(CpuBackend),
+        Some(gpu) => {
+            if !no_autotune {
+                tune_kernels(&gpu, &config()?);
             }
-        },
+            match CudaBackend::new(gpu, options) {
+                Ok(b) => AnyBackend::Cuda(Box::new(b)),
+                Err(e) if device == Device::Auto => {
+                    tracing::info!("no usable GPU ({e}); running on the CPU");
+                    AnyBackend::Cpu(CpuBackend)
+                }
+                Err(e) => return Err(e),
+            }
+        }
     };
     f(backend)
+}
+
+/// Tunes the missing kernel keys of `config` on `gpu` (a failure only costs speed: the backend
+/// then runs default variants); one line when anything was tuned.
+fn tune_kernels(gpu: &Gpu, config: &ModelConfig) {
+    match tuning::tune_missing(gpu, config, &tuning::Progress::stderr()) {
+        Ok(summary) => {
+            for e in &summary.errors {
+                tracing::warn!("tuning {e}; the default variant runs");
+            }
+            if let Some(line) = summary.line() {
+                eprintln!("{line}");
+            }
+        }
+        Err(e) => tracing::warn!("kernel tuning failed ({e}); default variants run where untuned"),
+    }
+}
+
+/// The model configuration `generate` will load (the built-in tiny model's without --model).
+fn model_config(args: &GenerateArgs) -> Result<ModelConfig, EngineError> {
+    match &args.model {
+        Some(dir) => ModelConfig::from_file(&dir.join("config.json")),
+        None => tiny::config(),
+    }
 }
 
 /// A model loaded for the CLI, with what it needs to report.
@@ -301,19 +352,35 @@ struct Run<B: Backend> {
 
 fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError> {
     match backend {
-        AnyBackend::Cpu(b) => generate_on(b, args),
-        AnyBackend::Cuda(b) => generate_on(*b, args),
+        AnyBackend::Cpu(b) => generate_on(b, args, None),
+        AnyBackend::Cuda(b) => {
+            let cost = stored_verify_cost(&b, args);
+            generate_on(*b, args, cost)
+        }
     }
 }
 
-fn generate_on<B: Backend + 'static>(backend: B, args: &GenerateArgs) -> Result<(), EngineError> {
+/// The verify cost `autotune --verify-cost` stored for this GPU and model, when `--budget auto`
+/// will use one (otherwise `auto` keeps the fallback model and the statistics say so).
+fn stored_verify_cost(backend: &CudaBackend, args: &GenerateArgs) -> Option<CostModel> {
+    if args.budget != Budget::Auto || args.drafter.is_none() || args.no_spec {
+        return None;
+    }
+    tuning::load_verify_cost(backend.gpu().fingerprint(), &model_config(args).ok()?)
+}
+
+fn generate_on<B: Backend + 'static>(
+    backend: B,
+    args: &GenerateArgs,
+    cost: Option<CostModel>,
+) -> Result<(), EngineError> {
     let Run {
         loaded,
         prompt,
         out,
         stats,
         load_time,
-    } = run(backend, args)?;
+    } = run(backend, args, cost)?;
     let text = match &loaded.tokenizer {
         Some(t) => Some(t.decode(&out.tokens)?),
         None => None,
@@ -326,7 +393,8 @@ fn generate_on<B: Backend + 'static>(backend: B, args: &GenerateArgs) -> Result<
     Ok(())
 }
 
-fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs) -> Result<Run<B>, EngineError> {
+/// Generates as `args` say; `cost` is the cost model of `--budget auto` (`None`: the fallback).
+fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostModel>) -> Result<Run<B>, EngineError> {
     let start = Instant::now();
     let loaded = load(backend, args)?;
     let load_time = start.elapsed();
@@ -350,7 +418,7 @@ fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs) -> Result<Run<B>, 
             let mut drafter = make_drafter(&loaded.model, which, args)?;
             let spec = SpecOptions {
                 budget: args.budget,
-                ..SpecOptions::default()
+                ..SpecOptions::auto(cost)
             };
             let out = generate_speculative(&loaded.model, drafter.as_mut(), &prompt, &options, &spec)?;
             (out.generation, Some(out.stats))
@@ -600,7 +668,7 @@ mod tests {
             else {
                 panic!("generate")
             };
-            let r = run(CpuBackend, &args).unwrap();
+            let r = run(CpuBackend, &args, None).unwrap();
             assert_eq!(r.stats.is_some(), args.drafter.is_some() && !args.no_spec);
             if let Some(stats) = &r.stats {
                 let report = spec_json(stats);
@@ -624,11 +692,13 @@ mod tests {
             eprintln!("SKIP: a CUDA driver is present; this test checks the no-GPU message");
             return;
         }
-        let err = on_device(Device::Cuda, false, |_| Ok(())).unwrap_err().to_string();
+        let err = on_device(Device::Cuda, false, tiny::config, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("no CUDA driver"), "{err}");
         // `auto` falls back to the CPU.
         let mut picked = "";
-        on_device(Device::Auto, false, |b| {
+        on_device(Device::Auto, false, tiny::config, |b| {
             picked = match b {
                 AnyBackend::Cpu(_) => "cpu",
                 AnyBackend::Cuda(_) => "cuda",
