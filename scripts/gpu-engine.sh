@@ -13,7 +13,7 @@ if [ "${1:-}" = "--skip-checks" ]; then checks=0; shift; fi
 [ "${1:-}" = "--" ] && shift
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 if [ $checks = 1 ]; then
-  timeout 240 "$gpurun" "$bin/kernel-check" --skip-bench --seed 29 > "$out/kernel-check.txt" 2>&1; echo "kernel-check rc=$?"
+  timeout 240 "$gpurun" "$bin/kernel-check" --skip-bench --small --seed 29 > "$out/kernel-check.txt" 2>&1; echo "kernel-check rc=$?"
   grep -E 'passed|FAILED' "$out/kernel-check.txt" | tail -3
   DDTREE_REQUIRE_GPU=1 timeout 240 "$gpurun" "$bin/gpu-test" --nocapture --test-threads=1 > "$out/gpu-test.txt" 2>&1; echo "gpu-test rc=$?"
   grep -E 'agreement|DDTree ==|DFlash on|test result|panicked' "$out/gpu-test.txt"
@@ -25,4 +25,8 @@ fi
 if [ $# -gt 0 ]; then
   timeout 500 "$gpurun" "$bin/ddtree" bench "$@" --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"; echo "bench rc=$?"
   tail -5 "$out/bench.log"; cat "$out/bench.txt"
+fi
+if [ -x "$bin/autotune" ] && [ -n "${VERIFY_COST_PRESET:-}" ]; then
+  timeout 200 "$gpurun" "$bin/autotune" --preset "$VERIFY_COST_PRESET" --verify-cost > "$out/verify-cost.txt" 2>&1; echo "autotune --verify-cost rc=$?"
+  tail -15 "$out/verify-cost.txt"
 fi
