@@ -67,6 +67,9 @@ pub struct TunedKernels {
     compiled: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
     /// Keys already reported as untuned, by `kernel key`.
     reported: Mutex<HashSet<String>>,
+    /// The variant [`TunedKernels::get`] chose per `kernel bucket`: the tune-cache lookup (which
+    /// hashes every candidate's generated source) runs once per bucket, not once per launch.
+    chosen: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
 }
 
 impl TunedKernels {
@@ -88,6 +91,7 @@ impl TunedKernels {
             force_default,
             compiled: Mutex::new(HashMap::new()),
             reported: Mutex::new(HashSet::new()),
+            chosen: Mutex::new(HashMap::new()),
         }
     }
 
@@ -135,7 +139,15 @@ impl TunedKernels {
     /// The compiled variant for `K` at `key` ([`TunedKernels::choose`]), compiling it on first
     /// use (through the disk cache) and sharing it afterwards.
     pub fn get<K: Tunable>(&self, key: &K::Key) -> Result<Arc<CompiledKernel<K>>, RuntimeError> {
-        self.variant::<K>(&self.choose::<K>(key).params)
+        let id = format!("{} {}", K::NAME, K::bucket(key));
+        if let Some(k) = self.chosen.lock().expect("not poisoned").get(&id) {
+            if let Ok(k) = k.clone().downcast::<CompiledKernel<K>>() {
+                return Ok(k);
+            }
+        }
+        let kernel = self.variant::<K>(&self.choose::<K>(key).params)?;
+        self.chosen.lock().expect("not poisoned").insert(id, kernel.clone());
+        Ok(kernel)
     }
 
     /// Variant `params` of any kernel (tuned or not), compiled on first use (through the disk

@@ -9,6 +9,7 @@ mod types;
 
 use std::sync::{Arc, Mutex};
 
+use ddtree_kernels::residual::{self, AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
@@ -19,9 +20,6 @@ use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
     GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute, MoeRouteParams,
     RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
-};
-use ddtree_kernels::residual::{
-    self, AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
@@ -35,6 +33,73 @@ use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
 use crate::model::Ffn;
 use crate::rope::Rope;
+
+/// Set to `1` to time every backend op on the host (enqueue cost, not GPU time); the table is
+/// printed to stderr when the backend is dropped.
+pub const HOST_PROFILE_ENV: &str = "DDTREE_HOST_PROFILE";
+
+/// Host time per backend op (see [`HOST_PROFILE_ENV`]).
+struct HostProfile {
+    on: bool,
+    ops: Mutex<Vec<(&'static str, u64, std::time::Duration)>>,
+}
+
+/// One op being timed; adds its time when dropped.
+struct Span<'a> {
+    profile: &'a HostProfile,
+    op: &'static str,
+    start: std::time::Instant,
+}
+
+impl HostProfile {
+    fn from_env() -> HostProfile {
+        HostProfile {
+            on: std::env::var(HOST_PROFILE_ENV).is_ok_and(|v| v == "1"),
+            ops: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn span(&self, op: &'static str) -> Option<Span<'_>> {
+        self.on.then(|| Span {
+            profile: self,
+            op,
+            start: std::time::Instant::now(),
+        })
+    }
+}
+
+impl Drop for Span<'_> {
+    fn drop(&mut self) {
+        let took = self.start.elapsed();
+        let mut ops = self.profile.ops.lock().expect("profile lock");
+        match ops.iter_mut().find(|(op, ..)| *op == self.op) {
+            Some((_, n, t)) => {
+                *n += 1;
+                *t += took;
+            }
+            None => ops.push((self.op, 1, took)),
+        }
+    }
+}
+
+impl Drop for HostProfile {
+    fn drop(&mut self) {
+        if !self.on {
+            return;
+        }
+        let mut ops = self.ops.lock().expect("profile lock").clone();
+        ops.sort_by(|a, b| b.2.cmp(&a.2));
+        eprintln!("host time per CUDA backend op ({HOST_PROFILE_ENV}=1):");
+        eprintln!("| op | calls | total ms | µs per call |");
+        for (op, n, t) in ops {
+            eprintln!(
+                "| {op} | {n} | {:.1} | {:.1} |",
+                t.as_secs_f64() * 1e3,
+                t.as_secs_f64() * 1e6 / n as f64
+            );
+        }
+    }
+}
 
 /// Options of [`CudaBackend::new`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -68,6 +133,7 @@ struct State {
 /// The CUDA backend on one GPU.
 pub struct CudaBackend {
     kernels: TunedKernels,
+    profile: HostProfile,
     stream: Arc<CudaStream>,
     blas: Blas,
     state: Mutex<State>,
@@ -135,6 +201,7 @@ impl CudaBackend {
             builders: Vec::new(),
         };
         Ok(CudaBackend {
+            profile: HostProfile::from_env(),
             kernels: if options.no_autotune {
                 TunedKernels::new(gpu).defaults_only()
             } else {
@@ -298,7 +365,7 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     fn rope_rows(
         &self,
-        x: &mut CudaSlice<bf16>,
+        x: &mut impl ddtree_runtime::cudarc::driver::DevicePtrMut<bf16>,
         rope: &Rope,
         positions: &[u32],
         heads: usize,
@@ -527,6 +594,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_vector(&self, data: Vec<f32>) -> Result<CudaVector> {
+        let _span = self.profile.span("load_vector");
         let half: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
         Ok(CudaVector {
             len: data.len(),
@@ -536,6 +604,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_matrix(&self, m: Matrix) -> Result<CudaTensor> {
+        let _span = self.profile.span("load_matrix");
         let half: Vec<bf16> = m.data.iter().map(|&v| bf16::from_f32(v)).collect();
         Ok(CudaTensor {
             rows: m.rows,
@@ -545,6 +614,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_logits(&self, m: Matrix) -> Result<CudaTensor> {
+        let _span = self.profile.span("load_logits");
         Ok(CudaTensor {
             rows: m.rows,
             cols: m.cols,
@@ -553,6 +623,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, w: HostLinear) -> Result<CudaWeight> {
+        let _span = self.profile.span("load_weight");
         match w {
             HostLinear::Dense { out, inp, data } => {
                 let half: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -582,6 +653,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_experts(&self, experts: Vec<Ffn<HostLinear>>) -> Result<CudaExperts> {
+        let _span = self.profile.span("load_experts");
         if experts.iter().any(|f| matches!(f.gate, HostLinear::Dense { .. })) {
             tracing::warn!(
                 "routed experts are dense in the checkpoint: quantizing them to INT4 g32 for the grouped kernels"
@@ -601,6 +673,7 @@ impl Backend for CudaBackend {
     }
 
     fn random_weight(&self, out: usize, inp: usize, int4_group: Option<usize>, seed: u64) -> Result<CudaWeight> {
+        let _span = self.profile.span("random_weight");
         match int4_group {
             None => {
                 let mut w = self.alloc::<bf16>(out * inp)?;
@@ -629,6 +702,7 @@ impl Backend for CudaBackend {
         int4_group: Option<usize>,
         seed: u64,
     ) -> Result<CudaExperts> {
+        let _span = self.profile.span("random_experts");
         let group = int4_group.unwrap_or(32);
         let (w13, s13) = self.random_int4(2 * inter, hidden, count, group, seed)?;
         let (w2, s2) = self.random_int4(hidden, inter, count, group, seed ^ 0x5555)?;
@@ -645,6 +719,7 @@ impl Backend for CudaBackend {
     }
 
     fn random_vector(&self, len: usize, lo: f32, hi: f32, seed: u64) -> Result<CudaVector> {
+        let _span = self.profile.span("random_vector");
         let mut half = self.alloc::<bf16>(len)?;
         self.fill_bf16(&mut half, len, lo, hi, seed)?;
         let mut f = self.alloc::<f32>(len)?;
@@ -670,12 +745,14 @@ impl Backend for CudaBackend {
     }
 
     fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CudaTensor> {
+        let _span = self.profile.span("random_matrix");
         let mut t = self.tensor_bf16(rows, cols)?;
         self.fill_bf16(t.bf16_mut("random_matrix")?, rows * cols, -1.0, 1.0, seed)?;
         Ok(t)
     }
 
     fn kv_fill_random(&self, cache: &mut CudaKvCache, len: usize, seed: u64) -> Result<()> {
+        let _span = self.profile.span("kv_fill_random");
         if len > cache.capacity {
             return Err(fail(format!(
                 "kv_fill_random: {len} rows exceed the capacity {}",
@@ -691,6 +768,7 @@ impl Backend for CudaBackend {
     }
 
     fn new_kv_cache(&self, layers: usize, row_width: usize, capacity: usize) -> Result<CudaKvCache> {
+        let _span = self.profile.span("new_kv_cache");
         if row_width == 0 {
             return Err(fail("KV cache rows must not be empty".into()));
         }
@@ -706,6 +784,7 @@ impl Backend for CudaBackend {
     }
 
     fn draft_tree(&self, drafted: &CudaTensor, depth: usize, budget: usize, root: u32) -> Result<DraftTree> {
+        let _span = self.profile.span("draft_tree");
         let vocab = drafted.cols;
         if depth == 0 || depth > 16 || budget > tree::MAX_K || depth > drafted.rows {
             let host = self.to_host(drafted)?;
@@ -734,6 +813,7 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, x: &CudaTensor) -> Result<Matrix> {
+        let _span = self.profile.span("to_host");
         let n = x.rows * x.cols;
         let data = match &x.data {
             DeviceData::Bf16(d) => {
@@ -756,6 +836,7 @@ impl Backend for CudaBackend {
     }
 
     fn take_rows(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        let _span = self.profile.span("take_rows");
         if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
             return Err(fail(format!("take_rows: row {r} of {}", x.rows)));
         }
@@ -792,7 +873,14 @@ impl Backend for CudaBackend {
                 let c = self.first_variant::<CastF32Bf16>(|_: &CastParams| true)?;
                 // SAFETY: both hold n values.
                 unsafe {
-                    CastF32Bf16::launch(&c, &self.stream, residual::grid(c.params(), n), &picked, out.bf16_mut("take_rows")?, n as u32)?
+                    CastF32Bf16::launch(
+                        &c,
+                        &self.stream,
+                        residual::grid(c.params(), n),
+                        &picked,
+                        out.bf16_mut("take_rows")?,
+                        n as u32,
+                    )?
                 };
             }
         }
@@ -800,6 +888,7 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
+        let _span = self.profile.span("embedding");
         let hidden = table.cols;
         let key = tune::EmbeddingKey {
             tokens: ids.len(),
@@ -826,6 +915,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {
+        let _span = self.profile.span("rms_norm");
         if x.cols != weight.len {
             return Err(fail(format!("rms_norm: {} columns, weight of {}", x.cols, weight.len)));
         }
@@ -856,6 +946,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+        let _span = self.profile.span("linear");
         let (n, k) = w.shape();
         if x.cols != k {
             return Err(fail(format!("linear: {} columns into a [{n}, {k}] weight", x.cols)));
@@ -918,6 +1009,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear_f32(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+        let _span = self.profile.span("linear_f32");
         let CudaWeight::Dense { w, out: n, inp: k } = w else {
             return Err(fail("linear_f32 (router, LM head) needs a dense weight".into()));
         };
@@ -935,6 +1027,7 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
+        let _span = self.profile.span("argmax_rows");
         let key = tune::TopkKey {
             rows: logits.rows,
             n: logits.cols,
@@ -962,6 +1055,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        let _span = self.profile.span("add_assign");
         if (x.rows, x.cols) != (y.rows, y.cols) {
             return Err(fail(format!("add: {}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols)));
         }
@@ -974,6 +1068,7 @@ impl Backend for CudaBackend {
     }
 
     fn residual(&self, x: CudaTensor) -> Result<CudaTensor> {
+        let _span = self.profile.span("residual");
         let n = x.rows * x.cols;
         let DeviceData::Bf16(src) = &x.data else {
             return Ok(x);
@@ -990,6 +1085,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {
+        let _span = self.profile.span("add_rms_norm");
         if !matches!(x.data, DeviceData::F32(_)) {
             self.add_assign(x, y)?;
             return self.rms_norm(x, weight, eps);
@@ -1003,7 +1099,9 @@ impl Backend for CudaBackend {
         let (rows, n) = (x.rows, x.cols);
         let mut out = self.tensor_bf16(rows, n)?;
         let k = self.first_variant::<AddRmsNorm>(|p: &AddRmsNormParams| p.add)?;
-        let DeviceData::F32(xf) = &mut x.data else { unreachable!("checked above") };
+        let DeviceData::F32(xf) = &mut x.data else {
+            unreachable!("checked above")
+        };
         // SAFETY: x [rows, n] f32, y [rows, n] bf16, weight n, out [rows, n].
         unsafe {
             AddRmsNorm::launch(
@@ -1022,6 +1120,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        let _span = self.profile.span("silu_mul");
         if (gate.rows, gate.cols) != (up.rows, up.cols) {
             return Err(fail("silu_mul: gate and up differ in shape".into()));
         }
@@ -1047,6 +1146,7 @@ impl Backend for CudaBackend {
     }
 
     fn concat_cols(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
+        let _span = self.profile.span("concat_cols");
         let rows = parts.first().map_or(0, |p| p.rows);
         if parts.iter().any(|p| p.rows != rows) {
             return Err(fail("concat_cols: parts differ in rows".into()));
@@ -1072,6 +1172,7 @@ impl Backend for CudaBackend {
     }
 
     fn head_rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {
+        let _span = self.profile.span("head_rms_norm");
         let d = weight.len;
         if d == 0 || x.cols % d != 0 {
             return Err(fail(format!("head_rms_norm: {} columns, heads of {d}", x.cols)));
@@ -1090,6 +1191,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope_heads(&self, x: &mut CudaTensor, rope: &Rope, positions: &[u32]) -> Result<()> {
+        let _span = self.profile.span("rope_heads");
         let d = rope.dim();
         if x.cols % d != 0 || positions.len() != x.rows {
             return Err(fail(format!(
@@ -1113,13 +1215,11 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         layer: usize,
     ) -> Result<()> {
+        let _span = self.profile.span("mla_append_kv");
         let lora = norm.len;
         let width = cache.width;
         if kv_a.cols != width || layer >= cache.lens.len() || lora > width || positions.len() != kv_a.rows {
             return Err(fail(format!("mla_append_kv: bad layer {layer} or shapes")));
-        }
-        if !rope.interleaved() {
-            return Err(fail("mla_append_kv: the kernel ropes interleaved pairs only".into()));
         }
         let start = cache.lens[layer];
         if start + kv_a.rows > cache.capacity {
@@ -1152,6 +1252,16 @@ impl Backend for CudaBackend {
                 eps,
             )?
         };
+        if !rope.interleaved() {
+            // The kernel ropes adjacent pairs; for the half-split layout put the raw k_pe back
+            // and rope it with the rotate-half variant in place.
+            let idx = self.identity(kv_a.rows)?;
+            let rope_dim = width - lora;
+            let mut rows = dst.slice_mut(start * width..(start + kv_a.rows) * width);
+            let src = kv_a.bf16("mla_append_kv")?;
+            self.copy_rows(src, &idx, &mut rows, kv_a.rows, rope_dim, (width, lora), (width, lora))?;
+            self.rope_rows(&mut rows, rope, positions, 1, width, lora)?;
+        }
         cache.lens[layer] = start + kv_a.rows;
         Ok(())
     }
@@ -1164,6 +1274,7 @@ impl Backend for CudaBackend {
         positions: &[u32],
         d: MlaDims,
     ) -> Result<CudaTensor> {
+        let _span = self.profile.span("mla_query");
         let qk = d.nope + d.rope;
         let lw = d.latent_width();
         let CudaWeight::Dense { w, out, inp } = kv_b else {
@@ -1223,6 +1334,7 @@ impl Backend for CudaBackend {
         d: MlaDims,
         scale: f32,
     ) -> Result<CudaTensor> {
+        let _span = self.profile.span("mla_attention");
         let lw = d.latent_width();
         let n = q_abs.rows;
         if q_abs.cols != d.heads * lw || layer >= cache.lens.len() || cache.width != lw {
@@ -1297,6 +1409,7 @@ impl Backend for CudaBackend {
     }
 
     fn mla_output(&self, o_lat: &CudaTensor, kv_b: &CudaWeight, d: MlaDims) -> Result<CudaTensor> {
+        let _span = self.profile.span("mla_output");
         let CudaWeight::Dense { w, out, inp } = kv_b else {
             return Err(fail("mla_output: kv_b must be dense".into()));
         };
@@ -1336,6 +1449,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe_route(&self, logits: &CudaTensor, bias: &CudaVector, cfg: &MoeConfig) -> Result<CudaRouting> {
+        let _span = self.profile.span("moe_route");
         let experts = cfg.n_routed_experts;
         if logits.cols != experts || bias.len != experts {
             return Err(fail("moe_route: logits or bias do not match the expert count".into()));
@@ -1371,6 +1485,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, x: &CudaTensor, routing: &CudaRouting, ex: &CudaExperts) -> Result<CudaTensor> {
+        let _span = self.profile.span("moe_experts");
         if routing.tokens != x.rows || x.cols != ex.hidden {
             return Err(fail("moe_experts: routing, input and experts disagree in shape".into()));
         }
@@ -1417,6 +1532,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_append(&self, cache: &mut CudaKvCache, layer: usize, rows: &CudaTensor) -> Result<()> {
+        let _span = self.profile.span("kv_append");
         if layer >= cache.lens.len() || rows.cols != cache.width {
             return Err(fail(format!("kv_append: bad layer {layer} or width {}", rows.cols)));
         }
@@ -1445,6 +1561,7 @@ impl Backend for CudaBackend {
         dims: GqaDims,
         scale: f32,
     ) -> Result<CudaTensor> {
+        let _span = self.profile.span("gqa_attention");
         let kv_w = dims.kv_heads * dims.head_dim;
         if q.cols != dims.heads * dims.head_dim || cache.width != kv_w || k_layer.max(v_layer) >= cache.lens.len() {
             return Err(fail("gqa_attention: shapes do not match the head layout".into()));
@@ -1481,11 +1598,13 @@ impl Backend for CudaBackend {
     }
 
     fn kv_truncate(&self, cache: &mut CudaKvCache, len: usize) -> Result<()> {
+        let _span = self.profile.span("kv_truncate");
         cache.lens.iter_mut().for_each(|l| *l = (*l).min(len));
         Ok(())
     }
 
     fn kv_compact(&self, cache: &mut CudaKvCache, base: usize, keep: &[usize]) -> Result<()> {
+        let _span = self.profile.span("kv_compact");
         let len = self.kv_len(cache);
         let ascending = keep.windows(2).all(|w| w[0] < w[1]);
         if !ascending || keep.last().is_some_and(|&k| base + k >= len) {
