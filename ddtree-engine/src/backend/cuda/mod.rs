@@ -1353,9 +1353,9 @@ impl Backend for CudaBackend {
         let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
         let q = q_abs.bf16("mla_attention")?;
         let kv = cache.layer(layer);
-        // The split-KV tensor-core kernel is checked on the H200 for trees of up to 64 nodes;
-        // longer chunks (prefill) take the generic kernel.
-        if d.kv_lora == LATENT && d.rope == ROPE && n <= 64 {
+        // The split-KV tensor-core kernel for Kimi's 576-wide rows (any node count: rows are
+        // independent and the mask is read per row); the generic kernel for other widths.
+        if d.kv_lora == LATENT && d.rope == ROPE {
             let mut st = self.state();
             if st.verify.is_none() {
                 let p = <tree::MlaVerifySplit as ddtree_codegen::Kernel>::space()[0];
