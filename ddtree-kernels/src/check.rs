@@ -27,6 +27,7 @@ use crate::{
     FillRandomU32, GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams,
     RowTopk, RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
+use crate::{gemv, GemvBf16, GemvBf16F32, GemvParams};
 use crate::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 
 /// Where checks run.
@@ -1678,6 +1679,115 @@ pub fn copy_rows_f32_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Re
     Ok(out)
 }
 
+/// Checks both GEMVs ([`GemvBf16`], [`GemvBf16F32`]) for variant `p` on `rows` rows of `a`
+/// (`[rows, k]`, in `[-1, 1)`) against `w` (`[n, k]`, in `[-1, 1)`), outputs poisoned with NaN,
+/// against [`gemv::reference`] (f64 sums). The bf16 output gets the bf16 tolerance (scaled by
+/// the output's RMS for the absolute part, as sums of `k` products cancel); the f32 output a
+/// tolerance far below one bf16 rounding, so an output rounded to bf16 fails.
+pub fn gemv_pair(
+    t: &Target<'_>,
+    p: &GemvParams,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let (a, af) = random_bf16(rng, rows * kd, -1.0, 1.0);
+    let (w, wf) = random_bf16(rng, n * kd, -1.0, 1.0);
+    let (da, dw) = (t.upload(&a)?, t.upload(&w)?);
+    let grid = gemv::grid(p, n as u32);
+    let want = gemv::reference(&af, &wf, rows, n, kd);
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    let case = format!("rows={rows} n={n} k={kd}");
+
+    let mut ob = poisoned_bf16(t, rows * n)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut ob),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: a is rows x k, w is n x k, out rows x n; k % 8 == 0 and 1 <= rows <= p.m (the
+    // suite's cases).
+    unsafe { t.launch::<GemvBf16>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&ob)?);
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
+    let mut out = vec![result::<GemvBf16>(p, case.clone(), &got, &want, tol)];
+
+    let mut of = t.upload(&vec![f32::NAN; rows * n])?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut of),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: as above.
+    unsafe { t.launch::<GemvBf16F32>(p, grid, &mut args)? };
+    let got = t.download(&of)?;
+    let tol = Tolerance {
+        rtol: 1e-4,
+        atol: 1e-4 * rms,
+        rel_l2: 1e-5,
+    };
+    out.push(result::<GemvBf16F32>(p, case, &got, &want, tol));
+    Ok(out)
+}
+
+/// Every candidate of [`GemvBf16`] and [`GemvBf16F32`] at the sizes of `sizes`: every row count
+/// `1..=m` over small cases with ragged `n` (not multiples of a block's columns) and `k` from 8
+/// up; the full sizes add the Kimi K2.6 decode shapes at 1 and `m` rows (the LM head, 163840 x
+/// 7168, only once, at 1 row on the default candidate: its inputs are 2.3 GB).
+pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let small = [(1, 8), (37, 24), (70, 136), (5, 520), (19, 1032)];
+    let full = [
+        (1536, 7168),
+        (576, 7168),
+        (2048, 7168),
+        (48, 7168),
+        (1031, 7168),
+        (12288, 1536),
+        (7168, 8192),
+        (7168, 2048),
+        (163840, 1024),
+        (3, 8),
+        (101, 24),
+    ];
+    let mut out = Vec::new();
+    for p in GemvBf16::space() {
+        let m = p.m as usize;
+        for (i, &(n, k)) in small.iter().enumerate() {
+            // Every row count over the cases, the largest on every case.
+            for rows in 1..=m {
+                if rows == m || rows % small.len() == i {
+                    out.extend(gemv_pair(t, &p, rows, n, k, rng)?);
+                }
+            }
+        }
+        if sizes == Sizes::Full {
+            for &(n, k) in &full {
+                for rows in [1, m] {
+                    out.extend(gemv_pair(t, &p, rows, n, k, rng)?);
+                    if m == 1 {
+                        break;
+                    }
+                }
+            }
+            if p == GemvBf16::space()[0] {
+                out.extend(gemv_pair(t, &p, 1, 163840, 7168, rng)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
@@ -1703,6 +1813,7 @@ pub const SUITES: &[Suite] = &[
     cast_bf16_f32_suite,
     cast_f32_bf16_suite,
     copy_rows_f32_suite,
+    gemv_suite,
 ];
 
 /// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.

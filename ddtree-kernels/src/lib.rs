@@ -15,6 +15,7 @@ pub mod copy_rows;
 pub mod embedding;
 pub mod fill;
 pub mod gemm_bf16;
+pub mod gemv;
 pub mod moe_route;
 pub mod residual;
 pub mod rms_norm;
@@ -31,6 +32,7 @@ pub use copy_rows::{CopyParams, CopyRows};
 pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32, FillRandomU32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
+pub use gemv::{GemvBf16, GemvBf16F32, GemvParams};
 pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use residual::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 pub use rms_norm::{RmsNorm, RmsNormParams};
@@ -101,5 +103,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<CastBf16F32>()?);
     all.extend(variants::<CastF32Bf16>()?);
     all.extend(variants::<CopyRowsF32>()?);
+    all.extend(variants::<GemvBf16>()?);
+    all.extend(variants::<GemvBf16F32>()?);
     Ok(all)
 }

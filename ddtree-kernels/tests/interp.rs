@@ -9,8 +9,8 @@ use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
     AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
-    FillRandomU32, GemmBf16, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk,
-    RowTopkSplit, SiluMul, SiluMulSplit,
+    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm,
+    RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -123,6 +123,17 @@ fn cast_f32_bf16() {
 #[test]
 fn copy_rows_f32() {
     every_candidate::<CopyRowsF32>(check::copy_rows_f32_suite);
+}
+
+/// The GEMV suite covers both output types.
+#[test]
+fn gemv() {
+    check::on_each_target(|t, rng| {
+        let results = check::gemv_suite(t, Sizes::Small, rng)?;
+        assert_covers::<GemvBf16>(&results);
+        assert_covers::<GemvBf16F32>(&results);
+        Ok(results)
+    });
 }
 
 /// The fill suite covers the three random fills.

@@ -1,0 +1,221 @@
+//! Memory-bound bf16 GEMV for decode (a few rows of activations against an `nn.Linear`
+//! weight): `out[r, j] = sum_i a[r, i] * w[j, i]`, f32 accumulation, bf16 ([`GemvBf16`]) or
+//! f32 ([`GemvBf16F32`], router logits and the LM head) output.
+//!
+//! Each warp owns [`cols_per_warp`] output columns: its lanes stride over `k` in 128-bit
+//! loads of 8 bf16 of the weight rows (issuing [`unroll`] loads per column before using any,
+//! so enough bytes are in flight), read the matching 8 elements of every activation row (`a` is
+//! small and stays in L1/L2, and each load is reused for all the warp's columns), keep
+//! `m * cols` partial sums in registers, and reduce them with warp shuffles; lane 0 writes.
+//! No shared memory and no block barrier: a launch is one cheap kernel with a plain grid.
+//!
+//! Constraints: `k % 8 == 0` and 16-byte aligned `a` and `w` (the 128-bit loads), `1 <= rows <=
+//! p.m`, and `n * k < 2^32` (u32 indexing).
+
+// The generated `launch` functions carry a `# Safety` section, but clippy does not see it when
+// `#[kernel]` is expanded from `gemv_kernel!`.
+#![allow(clippy::missing_safety_doc)]
+
+use ddtree_codegen::dsl::*;
+use ddtree_macros::{device_fn, kernel, KernelParams};
+
+use crate::common::warp_sum;
+
+/// Compile-time parameters of [`GemvBf16`] and [`GemvBf16F32`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct GemvParams {
+    /// Warps per block.
+    pub warps: u32,
+    /// Most activation rows (1, 2, 4 or 8): the kernel keeps `m` partial sums per column.
+    pub m: u32,
+}
+
+/// Output columns per warp: 1 for `m <= 2`, else `m / 2` (each activation load then feeds
+/// several columns, so L1 traffic for `a` stays below the weight's DRAM traffic).
+pub fn cols_per_warp(p: &GemvParams) -> u32 {
+    if p.m <= 2 {
+        1
+    } else {
+        p.m / 2
+    }
+}
+
+/// 128-bit weight loads per column a lane issues per main-loop iteration: 4 for one column,
+/// else 2 (so 4 to 8 loads of the weight are in flight per lane).
+pub fn unroll(p: &GemvParams) -> u32 {
+    if cols_per_warp(p) == 1 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Output columns per block.
+pub fn cols_per_block(p: &GemvParams) -> u32 {
+    p.warps * cols_per_warp(p)
+}
+
+/// The launch grid for `n` output columns: `ceil(n / (warps * cols_per_warp))` blocks (at
+/// least 1).
+pub fn grid(p: &GemvParams, n: u32) -> u32 {
+    n.div_ceil(cols_per_block(p)).max(1)
+}
+
+/// `acc + dot(a, w)` over the two bf16 of `a` and of `w` (fused multiply-adds, low half first).
+#[device_fn]
+fn dot2(acc: f32, a: u32, w: u32) -> f32 {
+    bf16_hi(a).mul_add(bf16_hi(w), bf16_lo(a).mul_add(bf16_lo(w), acc))
+}
+
+/// The two kernels differ only in the output element type (`as f32` on an f32 is a no-op), so
+/// one body serves both.
+macro_rules! gemv_kernel {
+    ($(#[$attr:meta])* $name:ident, $out:ident) => {
+        $(#[$attr])*
+        #[kernel(block = p.warps * 32, space = [
+            GemvParams { warps: 4, m: 1 },
+            GemvParams { warps: 4, m: 2 },
+            GemvParams { warps: 4, m: 4 },
+            GemvParams { warps: 4, m: 8 },
+            GemvParams { warps: 8, m: 1 },
+            GemvParams { warps: 8, m: 8 },
+        ])]
+        pub fn $name(
+            #[comptime] p: &GemvParams,
+            a: &[bf16],
+            w: &[bf16],
+            out: &mut [$out],
+            rows: u32,
+            n: u32,
+            k: u32,
+        ) {
+            comptime_assert!(
+                p.m == 1 || p.m == 2 || p.m == 4 || p.m == 8,
+                "m must be 1, 2, 4 or 8"
+            );
+            comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
+            let cols = comptime!(cols_per_warp(p));
+            let un = comptime!(unroll(p));
+            let lane = lane_id();
+            let j0 = (block_idx_x() * p.warps + warp_id()) * cols;
+            // Warp-uniform: a warp past the last column has nothing to do.
+            if j0 < n {
+                let chunks = k / 8;
+                // Weight row offsets; a column past `n` re-reads the last row and is not written.
+                let mut wrow = [0u32; cols];
+                #[unroll]
+                for c in 0..cols {
+                    wrow[c] = (j0 + c).min(n - 1) * k;
+                }
+                let mut acc = [0.0f32; p.m * cols];
+                let mut w0 = [0u32; un * cols];
+                let mut w1 = [0u32; un * cols];
+                let mut w2 = [0u32; un * cols];
+                let mut w3 = [0u32; un * cols];
+                let mut ch = lane;
+                // Main loop: `un` chunks per column, all loads issued before any is used.
+                while ch + 32 * (un - 1) < chunks {
+                    #[unroll]
+                    for u in 0..un {
+                        #[unroll]
+                        for c in 0..cols {
+                            let v = w.vload(wrow[c] + (ch + u * 32) * 8);
+                            w0[u * cols + c] = v.x;
+                            w1[u * cols + c] = v.y;
+                            w2[u * cols + c] = v.z;
+                            w3[u * cols + c] = v.w;
+                        }
+                    }
+                    #[unroll]
+                    for u in 0..un {
+                        #[unroll]
+                        for r in 0..p.m {
+                            if r < rows {
+                                let av = a.vload(r * k + (ch + u * 32) * 8);
+                                #[unroll]
+                                for c in 0..cols {
+                                    let i = u * cols + c;
+                                    let s = dot2(acc[r * cols + c], av.x, w0[i]);
+                                    let s = dot2(s, av.y, w1[i]);
+                                    let s = dot2(s, av.z, w2[i]);
+                                    acc[r * cols + c] = dot2(s, av.w, w3[i]);
+                                }
+                            }
+                        }
+                    }
+                    ch += 32 * un;
+                }
+                // Tail: fewer than `un` chunks left for this lane.
+                while ch < chunks {
+                    #[unroll]
+                    for c in 0..cols {
+                        let v = w.vload(wrow[c] + ch * 8);
+                        w0[c] = v.x;
+                        w1[c] = v.y;
+                        w2[c] = v.z;
+                        w3[c] = v.w;
+                    }
+                    #[unroll]
+                    for r in 0..p.m {
+                        if r < rows {
+                            let av = a.vload(r * k + ch * 8);
+                            #[unroll]
+                            for c in 0..cols {
+                                let s = dot2(acc[r * cols + c], av.x, w0[c]);
+                                let s = dot2(s, av.y, w1[c]);
+                                let s = dot2(s, av.z, w2[c]);
+                                acc[r * cols + c] = dot2(s, av.w, w3[c]);
+                            }
+                        }
+                    }
+                    ch += 32;
+                }
+                #[unroll]
+                for i in 0..p.m * cols {
+                    acc[i] = warp_sum(acc[i]);
+                }
+                if lane == 0 {
+                    #[unroll]
+                    for r in 0..p.m {
+                        #[unroll]
+                        for c in 0..cols {
+                            if r < rows && j0 + c < n {
+                                out[r * n + j0 + c] = acc[r * cols + c] as $out;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+}
+
+gemv_kernel!(
+    /// `out[r * n + j] = bf16(sum_i f32(a[r * k + i]) * f32(w[j * k + i]))` for `r < rows`,
+    /// `j < n`: `a` is `[rows, k]`, `w` is `[n, k]` (an `nn.Linear` weight), both row-major bf16;
+    /// f32 accumulation, rounded to nearest even. Needs `k % 8 == 0` (128-bit loads; `a` and `w`
+    /// 16-byte aligned), `1 <= rows <= p.m` and `n * k < 2^32`. Grid: [`grid`] blocks in x.
+    gemv_bf16,
+    bf16
+);
+
+gemv_kernel!(
+    /// [`GemvBf16`] with an f32 output (no rounding): `out[r * n + j] = sum_i f32(a[r * k + i]) *
+    /// f32(w[j * k + i])`, for router logits and the LM head. Same constraints and grid.
+    gemv_bf16_f32,
+    f32
+);
+
+/// CPU reference (f64 accumulation): `a` is `[rows, k]`, `w` is `[n, k]`; returns `[rows, n]`
+/// in f32 (the bf16 kernel rounds this to bf16).
+pub fn reference(a: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows * n];
+    for r in 0..rows {
+        let ar = &a[r * k..(r + 1) * k];
+        for j in 0..n {
+            let wr = &w[j * k..(j + 1) * k];
+            out[r * n + j] = ar.iter().zip(wr).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>() as f32;
+        }
+    }
+    out
+}
