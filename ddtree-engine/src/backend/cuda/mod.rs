@@ -9,6 +9,7 @@ mod types;
 
 use std::sync::{Arc, Mutex};
 
+use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvParams};
 use ddtree_kernels::residual::{self, AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
@@ -88,7 +89,7 @@ impl Drop for HostProfile {
             return;
         }
         let mut ops = self.ops.lock().expect("profile lock").clone();
-        ops.sort_by(|a, b| b.2.cmp(&a.2));
+        ops.sort_by_key(|op| std::cmp::Reverse(op.2));
         eprintln!("host time per CUDA backend op ({HOST_PROFILE_ENV}=1):");
         eprintln!("| op | calls | total ms | µs per call |");
         for (op, n, t) in ops {
@@ -955,6 +956,24 @@ impl Backend for CudaBackend {
         let a = x.bf16("linear")?;
         match w {
             CudaWeight::Dense { w, .. } => {
+                if let Some(p) = self.gemv_params(x.rows, k) {
+                    let kern = self.variant::<GemvBf16>(&p)?;
+                    // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
+                    unsafe {
+                        GemvBf16::launch(
+                            &kern,
+                            &self.stream,
+                            gemv::grid(&p, n as u32),
+                            a,
+                            w,
+                            out.bf16_mut("linear")?,
+                            x.rows as u32,
+                            n as u32,
+                            k as u32,
+                        )?
+                    };
+                    return Ok(out);
+                }
                 // SAFETY: a [m, k], w [n, k], out [m, n].
                 unsafe { self.blas.linear(a, w, out.bf16_mut("linear")?, x.rows, n, k)? }
             }
@@ -1017,8 +1036,26 @@ impl Backend for CudaBackend {
             return Err(fail(format!("linear_f32: {} columns into a [{n}, {k}] weight", x.cols)));
         }
         let mut out = self.alloc::<f32>(x.rows * n)?;
-        // SAFETY: a [m, k], w [n, k], out [m, n].
-        unsafe { self.blas.linear(x.bf16("linear_f32")?, w, &mut out, x.rows, *n, *k)? };
+        if let Some(p) = self.gemv_params(x.rows, *k) {
+            let kern = self.variant::<GemvBf16F32>(&p)?;
+            // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
+            unsafe {
+                GemvBf16F32::launch(
+                    &kern,
+                    &self.stream,
+                    gemv::grid(&p, *n as u32),
+                    x.bf16("linear_f32")?,
+                    w,
+                    &mut out,
+                    x.rows as u32,
+                    *n as u32,
+                    *k as u32,
+                )?
+            };
+        } else {
+            // SAFETY: a [m, k], w [n, k], out [m, n].
+            unsafe { self.blas.linear(x.bf16("linear_f32")?, w, &mut out, x.rows, *n, *k)? };
+        }
         Ok(CudaTensor {
             rows: x.rows,
             cols: *n,
@@ -1640,6 +1677,19 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// The GEMV variant for `rows` rows of width `k`, when one applies: up to 8 rows (decode and
+    /// small trees), `k % 8 == 0`. Above that cuBLAS is faster; below it its ~30 µs of host
+    /// time per call (algorithm heuristics) is more than the GPU work.
+    fn gemv_params(&self, rows: usize, k: usize) -> Option<GemvParams> {
+        if rows == 0 || rows > 8 || k % 8 != 0 {
+            return None;
+        }
+        let m = rows.next_power_of_two() as u32;
+        <GemvBf16 as ddtree_codegen::Kernel>::space()
+            .into_iter()
+            .find(|p| p.m == m)
+    }
+
     /// RMSNorm of `rows` rows of `n` values with the tuned variant for the shape.
     fn rms_rows(
         &self,
