@@ -160,12 +160,16 @@ fn report(results: &[CheckResult]) {
     }
     println!("\n| kernel | variants | checks | passed | worst rel L2 | worst max abs |");
     println!("|---|---:|---:|---:|---:|---:|");
-    let mut kernels: Vec<&str> = results.iter().map(|r| r.kernel).collect();
-    kernels.dedup();
+    // First-appearance order; a suite may interleave kernels (the GEMV pair).
+    let mut kernels: Vec<&str> = Vec::new();
+    for r in results {
+        if !kernels.contains(&r.kernel) {
+            kernels.push(r.kernel);
+        }
+    }
     for k in kernels {
         let rs: Vec<_> = results.iter().filter(|r| r.kernel == k).collect();
-        let mut variants: Vec<&str> = rs.iter().map(|r| r.symbol.as_str()).collect();
-        variants.dedup();
+        let variants: std::collections::BTreeSet<&str> = rs.iter().map(|r| r.symbol.as_str()).collect();
         let worst_l2 = rs.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
         let worst_abs = rs.iter().map(|r| r.comparison.max_abs).fold(0f32, f32::max);
         println!(

@@ -35,13 +35,16 @@ use crate::error::{EngineError, Result};
 use crate::model::Ffn;
 use crate::rope::Rope;
 
-/// Set to `1` to time every backend op on the host (enqueue cost, not GPU time); the table is
+/// Set to `1` to time every backend op on the host (its enqueue cost), or to `sync` to wait for
+/// the GPU at the end of every op (each op's GPU time, serialized; slower overall); the table is
 /// printed to stderr when the backend is dropped.
 pub const HOST_PROFILE_ENV: &str = "DDTREE_HOST_PROFILE";
 
-/// Host time per backend op (see [`HOST_PROFILE_ENV`]).
+/// Time per backend op (see [`HOST_PROFILE_ENV`]).
 struct HostProfile {
     on: bool,
+    /// Synchronize at the end of each op.
+    sync: Option<Arc<CudaStream>>,
     ops: Mutex<Vec<(&'static str, u64, std::time::Duration)>>,
 }
 
@@ -53,9 +56,11 @@ struct Span<'a> {
 }
 
 impl HostProfile {
-    fn from_env() -> HostProfile {
+    fn from_env(stream: &Arc<CudaStream>) -> HostProfile {
+        let mode = std::env::var(HOST_PROFILE_ENV).unwrap_or_default();
         HostProfile {
-            on: std::env::var(HOST_PROFILE_ENV).is_ok_and(|v| v == "1"),
+            on: mode == "1" || mode == "sync",
+            sync: (mode == "sync").then(|| stream.clone()),
             ops: Mutex::new(Vec::new()),
         }
     }
@@ -71,6 +76,10 @@ impl HostProfile {
 
 impl Drop for Span<'_> {
     fn drop(&mut self) {
+        if let Some(s) = &self.profile.sync {
+            // A failed sync shows up at the next op; the profile only measures.
+            let _ = s.synchronize();
+        }
         let took = self.start.elapsed();
         let mut ops = self.profile.ops.lock().expect("profile lock");
         match ops.iter_mut().find(|(op, ..)| *op == self.op) {
@@ -90,7 +99,12 @@ impl Drop for HostProfile {
         }
         let mut ops = self.ops.lock().expect("profile lock").clone();
         ops.sort_by_key(|op| std::cmp::Reverse(op.2));
-        eprintln!("host time per CUDA backend op ({HOST_PROFILE_ENV}=1):");
+        let what = if self.sync.is_some() {
+            "GPU time (synchronized)"
+        } else {
+            "host time"
+        };
+        eprintln!("{what} per CUDA backend op ({HOST_PROFILE_ENV}):");
         eprintln!("| op | calls | total ms | µs per call |");
         for (op, n, t) in ops {
             eprintln!(
@@ -202,7 +216,7 @@ impl CudaBackend {
             builders: Vec::new(),
         };
         Ok(CudaBackend {
-            profile: HostProfile::from_env(),
+            profile: HostProfile::from_env(&stream),
             kernels: if options.no_autotune {
                 TunedKernels::new(gpu).defaults_only()
             } else {
