@@ -697,11 +697,18 @@ pub struct CopyCase {
     pub dst_off: usize,
 }
 
-/// Checks the row copy: random row indices (repeats included), the copied region of `dst`
-/// poisoned with NaN and the rest random (it must come back unchanged); exact.
-pub fn copy_rows(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) -> Result<CheckResult, CheckError> {
-    let (src, _) = random_bf16(rng, c.src_rows * c.src_stride, -4.0, 4.0);
-    let (mut dst, _) = random_bf16(rng, c.rows * c.dst_stride, -4.0, 4.0);
+/// Checks a row copy kernel `K` (bf16 [`CopyRows`] or f32 [`CopyRowsF32`]) on `src` / `dst`
+/// data: random row indices (repeats included), the copied region of `dst` poisoned with NaN
+/// and the rest left random (it must come back unchanged); exact.
+fn copy_rows_check<T: Elem + Copy, K: Kernel<Params = CopyParams>>(
+    t: &Target<'_>,
+    p: &CopyParams,
+    c: CopyCase,
+    (src, mut dst): (Vec<T>, Vec<T>),
+    nan: T,
+    to_f32: fn(&[T]) -> Vec<f32>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
     let mut want = dst.clone();
     // One spare index: the idx buffer is never empty.
     let idx: Vec<u32> = (0..c.rows + 1)
@@ -717,8 +724,8 @@ pub fn copy_rows(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) 
         c.dst_stride,
         c.dst_off,
     );
-    let nan = vec![bf16::NAN; c.cols];
-    copy_rows::reference(&nan, &vec![0; c.rows], &mut dst, c.cols, 0, 0, c.dst_stride, c.dst_off);
+    let nans = vec![nan; c.cols];
+    copy_rows::reference(&nans, &vec![0; c.rows], &mut dst, c.cols, 0, 0, c.dst_stride, c.dst_off);
     let (ds, di) = (t.upload(&src)?, t.upload(&idx)?);
     let mut dd = t.upload(&dst)?;
     let mut args = [
@@ -734,13 +741,20 @@ pub fn copy_rows(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) 
     ];
     // SAFETY: indices are below src_rows; src_off + cols <= src_stride and dst_off + cols <=
     // dst_stride (the suite's cases); dst holds rows * dst_stride elements.
-    unsafe { t.launch::<CopyRows>(p, copy_rows::grid(c.rows as u32), &mut args)? };
+    unsafe { t.launch::<K>(p, copy_rows::grid(c.rows as u32), &mut args)? };
     let got = to_f32(&t.download(&dd)?);
     let case = format!(
         "rows={} cols={} src={}x{}+{} dst_stride={} dst_off={}",
         c.rows, c.cols, c.src_rows, c.src_stride, c.src_off, c.dst_stride, c.dst_off
     );
-    Ok(result::<CopyRows>(p, case, &got, &to_f32(&want), Tolerance::EXACT))
+    Ok(result::<K>(p, case, &got, &to_f32(&want), Tolerance::EXACT))
+}
+
+/// Checks [`CopyRows`] on random bf16 data ([`copy_rows_check`]).
+pub fn copy_rows(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) -> Result<CheckResult, CheckError> {
+    let (src, _) = random_bf16(rng, c.src_rows * c.src_stride, -4.0, 4.0);
+    let (dst, _) = random_bf16(rng, c.rows * c.dst_stride, -4.0, 4.0);
+    copy_rows_check::<bf16, CopyRows>(t, p, c, (src, dst), bf16::NAN, to_f32, rng)
 }
 
 /// Checks row top-k (rows seeded with repeated values to exercise the tie rule).
@@ -1623,49 +1637,11 @@ pub fn cast_f32_bf16_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Re
     Ok(out)
 }
 
-/// Checks the f32 row copy as [`copy_rows`] does, with random f32 data (not bf16-representable);
-/// bit-exact.
+/// Checks [`CopyRowsF32`] on random f32 data (not bf16-representable): bit-exact.
 pub fn copy_rows_f32(t: &Target<'_>, p: &CopyParams, c: CopyCase, rng: &mut StdRng) -> Result<CheckResult, CheckError> {
     let src = random_f32(rng, c.src_rows * c.src_stride, -4.0, 4.0);
-    let mut dst = random_f32(rng, c.rows * c.dst_stride, -4.0, 4.0);
-    let mut want = dst.clone();
-    // One spare index: the idx buffer is never empty.
-    let idx: Vec<u32> = (0..c.rows + 1)
-        .map(|_| rng.random_range(0..c.src_rows as u32))
-        .collect();
-    copy_rows::reference(
-        &src,
-        &idx[..c.rows],
-        &mut want,
-        c.cols,
-        c.src_stride,
-        c.src_off,
-        c.dst_stride,
-        c.dst_off,
-    );
-    let nan = vec![f32::NAN; c.cols];
-    copy_rows::reference(&nan, &vec![0; c.rows], &mut dst, c.cols, 0, 0, c.dst_stride, c.dst_off);
-    let (ds, di) = (t.upload(&src)?, t.upload(&idx)?);
-    let mut dd = t.upload(&dst)?;
-    let mut args = [
-        Arg::In(&ds),
-        Arg::In(&di),
-        Arg::Out(&mut dd),
-        Arg::from(c.rows as u32),
-        Arg::from(c.cols as u32),
-        Arg::from(c.src_stride as u32),
-        Arg::from(c.src_off as u32),
-        Arg::from(c.dst_stride as u32),
-        Arg::from(c.dst_off as u32),
-    ];
-    // SAFETY: as in `copy_rows`.
-    unsafe { t.launch::<CopyRowsF32>(p, copy_rows::grid(c.rows as u32), &mut args)? };
-    let got = t.download(&dd)?;
-    let case = format!(
-        "rows={} cols={} src={}x{}+{} dst_stride={} dst_off={}",
-        c.rows, c.cols, c.src_rows, c.src_stride, c.src_off, c.dst_stride, c.dst_off
-    );
-    Ok(result::<CopyRowsF32>(p, case, &got, &want, Tolerance::EXACT))
+    let dst = random_f32(rng, c.rows * c.dst_stride, -4.0, 4.0);
+    copy_rows_check::<f32, CopyRowsF32>(t, p, c, (src, dst), f32::NAN, <[f32]>::to_vec, rng)
 }
 
 /// Every candidate of [`CopyRowsF32`] at the cases of [`copy_rows_suite`].
