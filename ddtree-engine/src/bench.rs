@@ -10,6 +10,8 @@
 
 use std::time::{Duration, Instant};
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::backend::{Backend, Matrix};
@@ -272,7 +274,7 @@ pub struct Scripted {
     accept: f32,
     continuation: Vec<u32>,
     vocab: usize,
-    state: u64,
+    rng: StdRng,
 }
 
 impl Scripted {
@@ -283,16 +285,8 @@ impl Scripted {
             accept,
             continuation,
             vocab,
-            state: seed | 1,
+            rng: StdRng::seed_from_u64(seed),
         }
-    }
-
-    fn next(&mut self) -> u64 {
-        // xorshift64*: enough for drafting noise.
-        self.state ^= self.state >> 12;
-        self.state ^= self.state << 25;
-        self.state ^= self.state >> 27;
-        self.state.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 }
 
@@ -323,17 +317,17 @@ impl<B: Backend> Drafter<B> for Scripted {
         for i in 0..depth {
             let pos = request.tokens.len() + i;
             let right = self.continuation.get(pos).copied().unwrap_or(0) as usize;
-            let hit = (self.next() >> 40) as f32 / (1u64 << 24) as f32 <= self.accept;
+            let hit = self.rng.random::<f32>() < self.accept;
             // Peaked like a trained drafter: the top token holds ~85% of the mass, the runner-up
             // ~11%, three more ~1% each, the rest of the vocabulary almost nothing.
             let row = m.row_mut(i);
             row[right] = 28.0;
             if !hit {
-                let wrong = (right + 1 + (self.next() as usize) % (self.vocab - 1)) % self.vocab;
+                let wrong = (right + self.rng.random_range(1..self.vocab)) % self.vocab;
                 row[wrong] = 30.0;
             }
             for _ in 0..3 {
-                let other = self.next() as usize % self.vocab;
+                let other = self.rng.random_range(0..self.vocab);
                 if row[other] == 0.0 {
                     row[other] = 25.5;
                 }

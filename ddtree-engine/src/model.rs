@@ -728,10 +728,11 @@ impl<B: Backend> Model<B> {
         let n = input.tokens.len();
         let all_rows: Vec<usize> = (0..n).collect();
         let mut hidden: Vec<Option<B::Tensor>> = w.layers.iter().map(|_| None).collect();
-        let mut x = b.residual(b.embedding(&w.embed, input.tokens)?)?;
+        let embedded = b.embedding(&w.embed, input.tokens)?;
         // Each residual add is fused with the norm that follows it: the next layer's input norm,
         // or after the last layer the final norm.
-        let mut h = b.rms_norm(&x, w.layers.first().map_or(&w.norm, |l| &l.input_norm), eps)?;
+        let mut h = b.rms_norm(&embedded, w.layers.first().map_or(&w.norm, |l| &l.input_norm), eps)?;
+        let mut x = b.residual(embedded)?;
         for (l, layer) in w.layers.iter().enumerate() {
             let a = self.attention(l, &layer.attn, &h, cache, input.positions, span)?;
             let post = b.add_rms_norm(&mut x, &a, &layer.post_norm, eps)?;

@@ -32,6 +32,7 @@ pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, C
 use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims};
 use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
+use crate::mask::AncestorMask;
 use crate::model::Ffn;
 use crate::rope::Rope;
 
@@ -584,18 +585,6 @@ fn stack_experts(experts: &[Ffn<HostLinear>], group_default: usize) -> Result<(P
     Ok((up, down))
 }
 
-/// The chain (causal) mask over `n` new rows, `[n, ceil(n / 32)]` words.
-fn chain_mask(n: usize) -> Vec<u32> {
-    let words = n.div_ceil(32);
-    let mut m = vec![0u32; n * words];
-    for i in 0..n {
-        for j in 0..=i {
-            m[i * words + j / 32] |= 1 << (j % 32);
-        }
-    }
-    m
-}
-
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Vector = CudaVector;
@@ -935,28 +924,14 @@ impl Backend for CudaBackend {
             return Err(fail(format!("rms_norm: {} columns, weight of {}", x.cols, weight.len)));
         }
         let mut out = self.tensor_bf16(x.rows, x.cols)?;
-        match &x.data {
-            DeviceData::Bf16(xb) => self.rms_rows(xb, &weight.bf16, out.bf16_mut("rms_norm")?, x.rows, x.cols, eps)?,
-            DeviceData::F32(xf) => {
-                // The f32 residual stream: the fused kernel without its add.
-                let k = self.first_variant::<AddRmsNorm>(|p: &AddRmsNormParams| !p.add)?;
-                let mut x_copy = xf.clone();
-                // SAFETY: x [rows, n] f32 (not written without `add`), weight n, out [rows, n].
-                unsafe {
-                    AddRmsNorm::launch(
-                        &k,
-                        &self.stream,
-                        x.rows as u32,
-                        &mut x_copy,
-                        &weight.bf16,
-                        &weight.bf16,
-                        out.bf16_mut("rms_norm")?,
-                        x.cols as u32,
-                        eps,
-                    )?
-                };
-            }
-        }
+        self.rms_rows(
+            x.bf16("rms_norm")?,
+            &weight.bf16,
+            out.bf16_mut("rms_norm")?,
+            x.rows,
+            x.cols,
+            eps,
+        )?;
         Ok(out)
     }
 
@@ -1399,7 +1374,10 @@ impl Backend for CudaBackend {
         }
         let (mask, words) = match span.mask {
             Some(m) => (self.staged(Staged::Mask, m.words())?, m.words_per_row()),
-            None => (self.staged(Staged::Mask, &chain_mask(n))?, n.div_ceil(32)),
+            None => {
+                let chain = AncestorMask::causal(n);
+                (self.staged(Staged::Mask, chain.words())?, chain.words_per_row())
+            }
         };
         let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
         let q = q_abs.bf16("mla_attention")?;
