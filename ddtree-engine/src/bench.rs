@@ -173,9 +173,6 @@ pub struct DecodeRow {
     pub context: usize,
     /// Median step time (ms).
     pub step_ms: f64,
-    /// Median time for the host to enqueue a step's work (ms): close to `step_ms` means the
-    /// step is bound by launch overhead, not by the GPU.
-    pub enqueue_ms: f64,
     /// Tokens per second at the median step.
     pub tokens_per_s: f64,
     /// Weight and cache bytes one step must read.
@@ -354,7 +351,6 @@ pub fn run<B: Backend>(
         b.kv_fill_random(&mut cache, context, opts.seed)?;
         let mut token = 1u32;
         let mut steps = Vec::with_capacity(opts.decode_steps);
-        let mut enqueue = Vec::with_capacity(opts.decode_steps);
         for i in 0..opts.decode_steps + WARMUP_STEPS {
             let t = Instant::now();
             let position = [(context + i) as u32];
@@ -364,12 +360,9 @@ pub fn run<B: Backend>(
                 mask: None,
                 logits: LogitRows::Last,
             };
-            let logits = model.forward(&mut cache, input)?;
-            let queued = t.elapsed();
-            token = b.argmax_rows(&logits)?[0];
+            token = model.forward_greedy(&mut cache, input)?[0];
             if i >= WARMUP_STEPS {
                 steps.push(t.elapsed());
-                enqueue.push(queued);
             }
         }
         let step = median(&mut steps);
@@ -378,16 +371,14 @@ pub fn run<B: Backend>(
         let row = DecodeRow {
             context,
             step_ms: step.as_secs_f64() * 1e3,
-            enqueue_ms: median(&mut enqueue).as_secs_f64() * 1e3,
             tokens_per_s: 1.0 / step.as_secs_f64(),
             bytes_per_token: bytes,
             gb_per_s: gbs,
             floor_fraction: copy_gb_per_s.map(|c| gbs / c),
         };
         progress(&format!(
-            "decode ctx {context}: {:.2} ms/token ({:.2} ms to enqueue), {:.1} tok/s, {:.2} GB/token, {:.0} GB/s",
+            "decode ctx {context}: {:.2} ms/token, {:.1} tok/s, {:.2} GB/token, {:.0} GB/s",
             row.step_ms,
-            row.enqueue_ms,
             row.tokens_per_s,
             bytes as f64 / 1e9,
             gbs
@@ -532,13 +523,12 @@ pub fn render(r: &BenchReport) -> String {
         r.copy_gb_per_s
             .map_or(String::new(), |c| format!(", copy bandwidth {c:.0} GB/s")),
     );
-    out += "| context | ms/token | enqueue ms | tok/s | GB/token | GB/s | % of floor |\n|---:|---:|---:|---:|---:|---:|---:|\n";
+    out += "| context | ms/token | tok/s | GB/token | GB/s | % of floor |\n|---:|---:|---:|---:|---:|---:|\n";
     for d in &r.decode {
         out += &format!(
-            "| {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.0} | {} |\n",
+            "| {} | {:.2} | {:.1} | {:.2} | {:.0} | {} |\n",
             d.context,
             d.step_ms,
-            d.enqueue_ms,
             d.tokens_per_s,
             d.bytes_per_token as f64 / 1e9,
             d.gb_per_s,

@@ -148,8 +148,12 @@ pub fn generate_plain<B: Backend>(model: &Model<B>, prompt: &[u32], options: &Ge
             mask: None,
             logits: LogitRows::Last,
         };
-        let logits = model.forward(&mut cache, input)?;
-        let (chosen, host) = choose_rows(model.backend(), &logits, options, &[position as u32 - 1])?;
+        let (chosen, host) = if options.sampling.is_greedy() && !options.record_logits {
+            (model.forward_greedy(&mut cache, input)?, None)
+        } else {
+            let logits = model.forward(&mut cache, input)?;
+            choose_rows(model.backend(), &logits, options, &[position as u32 - 1])?
+        };
         let next = chosen[0];
         let row = host.as_ref().map_or(&[][..], |h| h.row(0));
         if out.tokens.is_empty() {

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use safetensors::Dtype;
 
-use crate::backend::{AttentionSpan, Backend, HostLinear, Matrix, MlaDims};
+use crate::backend::{AttentionSpan, Backend, HostLinear, Matrix, MlaDims, StepInputs};
 use crate::config::{ModelConfig, QuantConfig};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
@@ -660,12 +660,41 @@ impl<B: Backend> Model<B> {
                 "hidden states of layer {l} requested from a model with {layers} layers"
             )));
         }
-        let prefix_len = self.backend.kv_len(cache);
+        let prefix_len = self.begin_forward(cache, &input)?;
         let result = self.forward_inner(cache, input, prefix_len, feature_layers);
         if result.is_err() {
             self.backend.kv_truncate(cache, prefix_len)?;
         }
         result
+    }
+
+    /// [`Model::forward`] followed by the greedy token of every logits row, through
+    /// [`Backend::greedy_forward`]: the CUDA backend records the step as a CUDA graph on its
+    /// second occurrence of a shape and replays it after that.
+    ///
+    /// On error the cache is restored to its length before the call.
+    pub fn forward_greedy(&self, cache: &mut B::KvCache, input: ForwardInput<'_>) -> Result<Vec<u32>> {
+        self.check_input(&input)?;
+        let prefix_len = self.begin_forward(cache, &input)?;
+        let result = self.backend.greedy_forward(cache, &mut |c| {
+            Ok(self.forward_inner(c, input, prefix_len, &[])?.logits)
+        });
+        if result.is_err() {
+            self.backend.kv_truncate(cache, prefix_len)?;
+        }
+        result
+    }
+
+    /// Stages the step's inputs ([`Backend::begin_forward`]); returns the cache length before it.
+    fn begin_forward(&self, cache: &B::KvCache, input: &ForwardInput<'_>) -> Result<usize> {
+        let prefix_len = self.backend.kv_len(cache);
+        self.backend.begin_forward(&StepInputs {
+            tokens: input.tokens,
+            positions: input.positions,
+            prefix_len,
+            mask: input.mask,
+        })?;
+        Ok(prefix_len)
     }
 
     /// The token embeddings of `ids` (`[ids, hidden]`).
@@ -752,7 +781,7 @@ impl<B: Backend> Model<B> {
                 Some(b.concat_cols(&parts)?)
             }
         };
-        if input.logits == LogitRows::Last {
+        if input.logits == LogitRows::Last && n > 1 {
             h = b.take_rows(&h, &[n - 1])?;
         }
         Ok(ForwardOutput {

@@ -199,3 +199,57 @@ fn dflash_drafter_on_the_gpu_matches_plain_greedy() {
         out.stats.mean_accept_len()
     );
 }
+
+/// Greedy forwards replayed from CUDA graphs give the tokens of eager forwards: plain decoding
+/// and DDTree verification (a graph per tree size), on a fixture whose every op can be
+/// recorded (tiny-kimi) and on one whose half-split rope cannot (tiny-dsv3: eager fallback).
+#[test]
+fn cuda_graph_replays_equal_eager_forwards() {
+    let Some(b) = gpu() else { return };
+    let eager = CudaBackend::open(CudaOptions {
+        no_graphs: true,
+        ..CudaOptions::default()
+    })
+    .unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        ..GenerateOptions::default()
+    };
+    let graphs = load(b, "tiny-kimi");
+    let eager = load(eager, "tiny-kimi");
+    for prompt in [&[5u32, 17][..], &[42; 9]] {
+        let want = generate_plain(&eager, prompt, &opts).unwrap().tokens;
+        assert_eq!(
+            generate_plain(&graphs, prompt, &opts).unwrap().tokens,
+            want,
+            "plain {prompt:?}"
+        );
+        for budget in [3, 8] {
+            let mut drafter = Noisy::new(4, 0.7, 5).unwrap();
+            let spec = SpecOptions::fixed(budget);
+            let out = generate_speculative(&graphs, &mut drafter, prompt, &opts, &spec).unwrap();
+            assert_eq!(out.generation.tokens, want, "DDTree {prompt:?} budget {budget}");
+        }
+    }
+    let (replays, recordings) = graphs.backend().graph_counts();
+    assert!(
+        replays > 0 && recordings > 0,
+        "no forward was replayed ({replays}, {recordings})"
+    );
+    assert_eq!(eager.backend().graph_counts(), (0, 0));
+    let dsv3 = load(CudaBackend::open(CudaOptions::default()).unwrap(), "tiny-dsv3");
+    let dsv3_eager = CudaBackend::open(CudaOptions {
+        no_graphs: true,
+        ..CudaOptions::default()
+    })
+    .unwrap();
+    let dsv3_eager = load(dsv3_eager, "tiny-dsv3");
+    let tokens = generate_plain(&dsv3, &[5, 17], &opts).unwrap().tokens;
+    assert_eq!(tokens, generate_plain(&dsv3_eager, &[5, 17], &opts).unwrap().tokens);
+    assert_eq!(
+        dsv3.backend().graph_counts().0,
+        0,
+        "half-split rope must not be replayed"
+    );
+    eprintln!("CUDA graphs: {replays} replays of {recordings} recordings == eager on tiny-kimi; tiny-dsv3 eager");
+}

@@ -185,7 +185,7 @@ fn verify_attention_kernels_match_the_reference() {
     };
     for p in MlaVerifySplit::space() {
         let splits = 2usize;
-        let chunk = (prefix + nodes).div_ceil(splits).div_ceil(p.bn as usize) * p.bn as usize;
+        let lens = buf(&[prefix as u32]);
         let (mut po, mut pl) = (
             buf(&vec![f32::NAN; splits * rows * LATENT]),
             buf(&vec![f32::NAN; splits * rows]),
@@ -200,12 +200,11 @@ fn verify_attention_kernels_match_the_reference() {
                 HostArg::In(&m),
                 HostArg::Out(&mut po),
                 HostArg::Out(&mut pl),
+                HostArg::In(&lens),
                 u(rows as u32),
                 u(heads as u32),
-                u(prefix as u32),
                 u(nodes as u32),
                 u(tree.words as u32),
-                u(chunk as u32),
                 HostArg::Scalar(scale.into()),
             ],
         );

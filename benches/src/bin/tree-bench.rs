@@ -170,6 +170,7 @@ fn bench_verify(
                     * heads;
                 let flops = visible as f64 * 2.0 * (ROW + LATENT) as f64;
                 let dm = upload(s, &mask)?;
+                let lens = upload(s, &[ctx as u32])?;
                 let mut out = zeros::<bf16>(s, rows * LATENT)?;
                 let mut lse = zeros::<f32>(s, rows)?;
                 let sh = VerifyShape {
@@ -185,7 +186,7 @@ fn bench_verify(
                     let auto = v.auto_splits(sms, &sh);
                     for splits in [auto, (auto * 2).min(MAX_SPLITS), (auto / 2).max(1)] {
                         let us = median_us(s, 3, 20, |i| {
-                            v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &mut out, &mut lse)
+                            v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &lens, &mut out, &mut lse)
                         })?;
                         if best.as_ref().is_none_or(|b| us < b.0) {
                             best = Some((us, MlaVerifySplit::symbol(&p), splits));

@@ -148,6 +148,19 @@ pub struct GqaDims {
     pub head_dim: usize,
 }
 
+/// The inputs of one forward step, as [`Backend::begin_forward`] sees them.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInputs<'a> {
+    /// The new tokens.
+    pub tokens: &'a [u32],
+    /// Their positions.
+    pub positions: &'a [u32],
+    /// Cache rows before the step (every new row sees them).
+    pub prefix_len: usize,
+    /// The tree mask among the new rows; `None` is a causal chain.
+    pub mask: Option<&'a AncestorMask>,
+}
+
 /// Which cached rows each new row attends to.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionSpan<'a> {
@@ -254,6 +267,24 @@ pub trait Backend {
     /// The greedy token of every row of `logits`: the index of the largest value, the lowest
     /// index among equal maxima (as [`crate::Sampling`]'s greedy choice).
     fn argmax_rows(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
+    /// Called at the start of every forward (before its first op) with the step's inputs, so a
+    /// backend can stage them on the device once; by default nothing.
+    fn begin_forward(&self, _step: &StepInputs<'_>) -> Result<()> {
+        Ok(())
+    }
+    /// The greedy token of every logits row of the forward that `forward` runs on `cache` (the
+    /// step staged by the last [`Backend::begin_forward`]). By default `forward` then
+    /// [`Backend::argmax_rows`]. A backend may instead replay a recording (a CUDA graph) of an
+    /// earlier forward of the same shape: `forward` is then not called, and the backend makes
+    /// the one host-side effect of a forward, the cache growing by the step's rows, itself.
+    fn greedy_forward(
+        &self,
+        cache: &mut Self::KvCache,
+        forward: &mut dyn FnMut(&mut Self::KvCache) -> Result<Self::Tensor>,
+    ) -> Result<Vec<u32>> {
+        let logits = forward(cache)?;
+        self.argmax_rows(&logits)
+    }
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// An activation in the residual stream's precision (the CUDA backend keeps the stream in

@@ -76,18 +76,29 @@ enum Command {
     Bench(BenchArgs),
 }
 
+/// Where and how the engine runs.
+#[derive(clap::Args)]
+struct DeviceArgs {
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+    /// Run every kernel's default variant instead of the tuned one (CUDA).
+    #[arg(long)]
+    no_autotune: bool,
+    /// Run every forward eagerly instead of recording and replaying CUDA graphs (CUDA).
+    #[arg(long)]
+    no_cuda_graphs: bool,
+}
+
+/// Arguments of `ddtree bench`.
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Model shapes: `kimi-k2.6-ep8` (one GPU of 8-way expert parallel Kimi K2.6, ~100 GB) or
     /// `tiny` (the built-in tiny model's shapes).
     #[arg(long, default_value = "kimi-k2.6-ep8")]
     preset: String,
-    /// Backend to run on.
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    device: Device,
-    /// Run every kernel's default variant instead of the tuned one.
-    #[arg(long)]
-    no_autotune: bool,
+    #[command(flatten)]
+    dev: DeviceArgs,
     /// Contexts of the plain-decode runs (comma-separated); default: the preset's.
     #[arg(long, value_delimiter = ',')]
     contexts: Option<Vec<usize>>,
@@ -135,12 +146,8 @@ struct GenerateArgs {
     /// Skip the load-time scan of the weights for NaN/infinity.
     #[arg(long)]
     skip_nan_check: bool,
-    /// Backend to run on.
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    device: Device,
-    /// Run every kernel's default variant instead of the tuned one (CUDA).
-    #[arg(long)]
-    no_autotune: bool,
+    #[command(flatten)]
+    dev: DeviceArgs,
     /// Print one JSON object on stdout instead of text (with --drafter, plus the speculative stats).
     #[arg(long)]
     json: bool,
@@ -178,15 +185,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match Cli::parse().command {
-        Command::Generate(args) => on_device(
-            args.device,
-            args.no_autotune,
-            || model_config(&args),
-            |b| generate(b, &args),
-        ),
+        Command::Generate(args) => on_device(&args.dev, || model_config(&args), |b| generate(b, &args)),
         Command::Bench(args) => on_device(
-            args.device,
-            args.no_autotune,
+            &args.dev,
             || bench::Preset::parse(&args.preset)?.config(),
             |b| run_bench(b, &args),
         ),
@@ -207,16 +208,18 @@ enum AnyBackend {
 }
 
 /// Opens the backend for `device` (`auto`: CUDA when a GPU opens, else the CPU) and runs `f`.
-/// On CUDA, unless `no_autotune`, first tunes the kernel keys of `config()`'s model that the
+/// On CUDA, unless `--no-autotune`, first tunes the kernel keys of `config()`'s model that the
 /// tune cache lacks, so that the backend reads their winners.
 fn on_device(
-    device: Device,
-    no_autotune: bool,
+    dev: &DeviceArgs,
     config: impl FnOnce() -> Result<ModelConfig, EngineError>,
     f: impl FnOnce(AnyBackend) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {
-    let options = CudaOptions { no_autotune };
-    let gpu = match device {
+    let options = CudaOptions {
+        no_autotune: dev.no_autotune,
+        no_graphs: dev.no_cuda_graphs,
+    };
+    let gpu = match dev.device {
         Device::Cpu => None,
         Device::Cuda => Some(Gpu::open(0)?),
         Device::Auto => Gpu::open(0)
@@ -226,12 +229,12 @@ fn on_device(
     let backend = match gpu {
         None => AnyBackend::Cpu(CpuBackend),
         Some(gpu) => {
-            if !no_autotune {
+            if !dev.no_autotune {
                 tune_kernels(&gpu, &config()?);
             }
             match CudaBackend::new(gpu, options) {
                 Ok(b) => AnyBackend::Cuda(Box::new(b)),
-                Err(e) if device == Device::Auto => {
+                Err(e) if dev.device == Device::Auto => {
                     tracing::info!("no usable GPU ({e}); running on the CPU");
                     AnyBackend::Cpu(CpuBackend)
                 }
@@ -621,7 +624,7 @@ mod tests {
             panic!("generate")
         };
         assert_eq!(args.prompt_ids, Some(vec![1, 2, 3]));
-        assert!(args.json && args.device == Device::Auto && args.model.is_none());
+        assert!(args.json && args.dev.device == Device::Auto && args.model.is_none());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--prompt", "a", "--prompt-ids", "1"]).is_err());
         assert!(Cli::try_parse_from(["ddtree", "generate", "--device", "tpu"]).is_err());
     }
@@ -692,13 +695,18 @@ mod tests {
             eprintln!("SKIP: a CUDA driver is present; this test checks the no-GPU message");
             return;
         }
-        let err = on_device(Device::Cuda, false, tiny::config, |_| Ok(()))
+        let dev = |device| DeviceArgs {
+            device,
+            no_autotune: false,
+            no_cuda_graphs: false,
+        };
+        let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))
             .unwrap_err()
             .to_string();
         assert!(err.contains("no CUDA driver"), "{err}");
         // `auto` falls back to the CPU.
         let mut picked = "";
-        on_device(Device::Auto, false, tiny::config, |b| {
+        on_device(&dev(Device::Auto), tiny::config, |b| {
             picked = match b {
                 AnyBackend::Cpu(_) => "cpu",
                 AnyBackend::Cuda(_) => "cuda",

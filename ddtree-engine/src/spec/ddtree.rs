@@ -212,15 +212,23 @@ pub fn generate_speculative<B: Backend>(
             mask: Some(&mask),
             logits: LogitRows::All,
         };
-        let verified = model.forward_with_features(&mut cache, input, &layers)?;
-        let (target, logits) = choose_rows(b, &verified.logits, options, &positions)?;
+        // Greedy verification without drafter features is one replayable step (a CUDA graph
+        // per tree size on the GPU) that reads back only the argmax rows.
+        let (target, logits, verified_features) =
+            if layers.is_empty() && options.sampling.is_greedy() && !options.record_logits {
+                (model.forward_greedy(&mut cache, input)?, None, None)
+            } else {
+                let verified = model.forward_with_features(&mut cache, input, &layers)?;
+                let (target, logits) = choose_rows(b, &verified.logits, options, &positions)?;
+                (target, logits, verified.features)
+            };
         stats.verify += t.elapsed();
 
         let t = Instant::now();
         let accepted = accept_reference(&tree, &target);
         let keep: Vec<usize> = accepted.indices.iter().map(|&i| i as usize).collect();
         b.kv_compact(&mut cache, start, &keep)?;
-        features = match &verified.features {
+        features = match &verified_features {
             Some(f) => Some(b.take_rows(f, &keep)?),
             None => None,
         };

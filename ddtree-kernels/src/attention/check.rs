@@ -47,6 +47,7 @@ pub fn kv_append(
     let (dkv, dg, dp) = (t.upload(&kv)?, t.upload(&g)?, t.upload(&positions)?);
     let (dc, ds) = (t.upload(&cos)?, t.upload(&sin)?);
     let mut cache = poisoned_bf16(t, capacity * w)?;
+    let lens = t.upload(&[row0 as u32])?;
     let mut args = [
         Arg::In(&dkv),
         Arg::In(&dg),
@@ -54,10 +55,10 @@ pub fn kv_append(
         Arg::In(&dc),
         Arg::In(&ds),
         Arg::Out(&mut cache),
+        Arg::In(&lens),
         Arg::from(rows as u32),
         Arg::from(lora as u32),
         Arg::from(rope as u32),
-        Arg::from(row0 as u32),
         Arg::from(eps),
     ];
     // SAFETY: kv_a holds rows * w values, the cache (row0 + rows + 2) * w, the tables
@@ -110,13 +111,14 @@ pub fn mla_attention(
     let scale = 2.0 / (w as f32).sqrt();
     let (dq, dc, dm) = (t.upload(&q)?, t.upload(&c)?, t.upload(&mask)?);
     let mut out = poisoned_bf16(t, rows * lora)?;
+    let lens = t.upload(&[prefix as u32])?;
     let mut args = [
         Arg::In(&dq),
         Arg::In(&dc),
         Arg::In(&dm),
         Arg::Out(&mut out),
+        Arg::In(&lens),
         Arg::from(heads as u32),
-        Arg::from(prefix as u32),
         Arg::from(nodes as u32),
         Arg::from(words as u32),
         Arg::from(lora as u32),

@@ -33,7 +33,8 @@ pub struct MlaAppendParams {
 }
 
 /// Appends `rows` latent-cache rows: input row `t` of `kv_a` (`[rows, lora + rope]`) becomes
-/// cache row `row0 + t` of `cache` (`[capacity, lora + rope]`). Its first `lora` values are
+/// cache row `lens[0] + t` of `cache` (`[capacity, lora + rope]`; the cache length before the
+/// append is read on the device, so a recorded CUDA graph appends at the current length). Its first `lora` values are
 /// RMS-normalized in f32 (`inv = 1 / sqrt(mean(x^2) + eps)`, `out = norm * (x * inv)`); its last
 /// `rope` values are rotated to `positions[t]` by interleaved RoPE: pair `(2i, 2i + 1)` by
 /// frequency `i`, `x0' = x0 c - x1 s`, `x1' = x1 c + x0 s` with `c = cos[pos * rope / 2 + i]`
@@ -53,10 +54,10 @@ pub fn mla_kv_append(
     cos: &[f32],
     sin: &[f32],
     cache: &mut [bf16],
+    lens: &[u32],
     rows: u32,
     lora: u32,
     rope: u32,
-    row0: u32,
     eps: f32,
 ) {
     comptime_assert!(
@@ -68,7 +69,7 @@ pub fn mla_kv_append(
         let tid = thread_idx_x();
         let w = lora + rope;
         let src = t * w;
-        let dst = (row0 + t) * w;
+        let dst = (lens[0] + t) * w;
         let mut ss = 0.0f32;
         for i in (tid..lora).step_by(p.block) {
             let v = kv_a[src + i] as f32;
@@ -131,6 +132,7 @@ pub struct MlaAttnParams {
 /// Absorbed-MLA attention over a latent cache at any `lora` / `rope` (see the module docs).
 ///
 /// `q` is `[nodes, heads, lora + rope]`, `cache` holds `prefix + nodes` rows of `lora + rope`
+/// (`prefix = lens[0]`, read on the device so that a recorded CUDA graph sees the current length)
 /// (keys are whole rows, values their first `lora` entries). Node `t` sees every prefix row and
 /// the new row `prefix + j` iff bit `j % 32` of `mask[t * words + j / 32]` is set (the tree
 /// mask of [`crate::tree::MlaVerifySplit`]; a causal chain is [`crate::tree::chain_mask`]).
@@ -149,8 +151,8 @@ pub fn mla_attention(
     cache: &[bf16],
     mask: &[u32],
     out: &mut [bf16],
+    lens: &[u32],
     heads: u32,
-    prefix: u32,
     nodes: u32,
     words: u32,
     lora: u32,
@@ -169,6 +171,7 @@ pub fn mla_attention(
     let tid = thread_idx_x();
     let lane = lane_id();
     let warp = warp_id();
+    let prefix = lens[0];
     let total = prefix + nodes;
     let sq = shared::<f32>(MLA_Q_SHARED);
     let so = shared::<f32>(nw * span);

@@ -161,6 +161,7 @@ pub fn verify(
     };
     let mut v = GpuVerify::new(gpu, p, rows * 64)?;
     let splits = v.auto_splits(132, &sh);
+    let lens = upload(s, &[prefix as u32])?;
     let case = format!(
         "ctx={prefix} nodes={nodes} heads={heads} {} splits={splits}",
         if chain { "chain" } else { "tree" }
@@ -172,7 +173,7 @@ pub fn verify(
         if naive {
             v.run_naive(s, &sh, &dq, &dc, &dm, &mut o, &mut l)?;
         } else {
-            v.run(s, &sh, splits, &dq, &dc, &dm, &mut o, &mut l)?;
+            v.run(s, &sh, splits, &dq, &dc, &dm, &lens, &mut o, &mut l)?;
         }
         let got: Vec<f32> = download(s, &o)?.iter().map(|x| x.to_f32()).collect();
         let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();

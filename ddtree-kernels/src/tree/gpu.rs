@@ -338,7 +338,9 @@ impl GpuVerify {
     }
 
     /// Split-KV + combine: `q` `[nodes, heads, 576]`, `cache` `[prefix + nodes, 576]`,
-    /// `mask` `[nodes, words]`; writes `out` `[nodes, heads, 512]` and `lse` `[nodes, heads]`.
+    /// `mask` `[nodes, words]`, `lens[0]` the prefix length on the device (`sh.prefix` is only
+    /// used on the host, by [`GpuVerify::auto_splits`]); writes `out` `[nodes, heads, 512]` and
+    /// `lse` `[nodes, heads]`.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -348,14 +350,12 @@ impl GpuVerify {
         q: &CudaSlice<bf16>,
         cache: &impl DevicePtr<bf16>,
         mask: &CudaSlice<u32>,
+        lens: &CudaSlice<u32>,
         out: &mut impl DevicePtrMut<bf16>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), RuntimeError> {
         let rows = sh.nodes * sh.heads;
         assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1);
-        let bn = self.split.params().bn as usize;
-        let keys = sh.prefix + sh.nodes;
-        let chunk = keys.div_ceil(splits).div_ceil(bn) * bn;
         let grid = ((rows as u32).div_ceil(16 * self.split.params().rg), splits as u32);
         // SAFETY: shapes as documented; partials hold rows * splits rows.
         unsafe {
@@ -368,12 +368,11 @@ impl GpuVerify {
                 mask,
                 &mut self.part_o,
                 &mut self.part_lse,
+                lens,
                 rows as u32,
                 sh.heads as u32,
-                sh.prefix as u32,
                 sh.nodes as u32,
                 sh.words as u32,
-                chunk as u32,
                 sh.scale,
             )?;
             MlaVerifyCombine::launch(

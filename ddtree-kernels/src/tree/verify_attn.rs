@@ -27,8 +27,10 @@ pub struct VerifyParams {
     pub stages: u32,
 }
 
-/// Split-KV pass. Grid: `(ceil(rows / (16 rg)), splits)`; split `s` covers keys
-/// `[s * chunk, min((s + 1) * chunk, prefix + nodes))` (`chunk` a multiple of `bn`).
+/// Split-KV pass. Grid: `(ceil(rows / (16 rg)), splits)`; with `prefix = lens[0]` (read on the
+/// device, so that a recorded CUDA graph sees the current length) split `s` covers keys
+/// `[s * chunk, min((s + 1) * chunk, prefix + nodes))`, `chunk` the share of one split rounded
+/// up to a multiple of `bn` (splits past the keys see none).
 /// Iteration `it` issues the load of tile `it` and computes tile `it - (stages - 1)`, so
 /// `stages - 1` tiles are in flight while one is computed, with two barriers per tile.
 /// Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and partial natural
@@ -45,12 +47,11 @@ pub fn mla_verify_split(
     mask: &[u32],
     part_o: &mut [f32],
     part_lse: &mut [f32],
+    lens: &[u32],
     rows: u32,
     heads: u32,
-    prefix: u32,
     nodes: u32,
     words: u32,
-    chunk: u32,
     scale: f32,
 ) {
     comptime_assert!(p.bn == 16 || p.bn == 32, "bn must be 16 or 32");
@@ -74,7 +75,9 @@ pub fn mla_verify_split(
     let row0 = block_idx_x() * 16 * p.rg + rgi * 16;
     let ra = row0 + g;
     let rb = row0 + g + 8;
+    let prefix = lens[0];
     let total = prefix + nodes;
+    let chunk = (total + grid_dim_y() * p.bn - 1) / (grid_dim_y() * p.bn) * p.bn;
     let kv0 = block_idx_y() * chunk;
     let kv1 = (kv0 + chunk).min(total);
     let scale_log2 = scale * std::f32::consts::LOG2_E;

@@ -5,6 +5,7 @@
 //! Every op enqueues on the GPU's one stream; nothing synchronises except the copies back to
 //! the host ([`Backend::to_host`], [`Backend::argmax_rows`]).
 
+mod graph;
 mod types;
 
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,7 @@ use half::bf16;
 
 pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, CudaWeight, DeviceData};
 
-use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims};
+use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims, StepInputs};
 use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
@@ -106,6 +107,11 @@ impl HostProfile {
             start: std::time::Instant::now(),
             event,
         })
+    }
+
+    /// Whether ops are being timed.
+    fn on(&self) -> bool {
+        self.mode.is_some()
     }
 
     /// Marks the start of a forward of `rows` rows.
@@ -186,6 +192,9 @@ impl Drop for HostProfile {
 pub struct CudaOptions {
     /// Ignore the tune cache: every kernel runs its default variant (`--no-autotune`).
     pub no_autotune: bool,
+    /// Run every greedy forward eagerly instead of recording and replaying CUDA graphs
+    /// (`--no-cuda-graphs`).
+    pub no_graphs: bool,
 }
 
 /// Rope tables uploaded for one [`Rope`].
@@ -200,9 +209,14 @@ struct RopeTables {
 struct State {
     ropes: Vec<Arc<RopeTables>>,
     identity: Arc<CudaSlice<u32>>,
-    /// The last upload per [`Staged`] slot: a forward uploads its positions and mask once, not
-    /// once per layer.
+    /// One device buffer per [`Staged`] slot with the values last written to it: a forward
+    /// uploads its inputs once, not once per layer, and always to the same address (recorded
+    /// graphs read them there).
     staged: Vec<(Staged, Vec<u32>, Arc<CudaSlice<u32>>)>,
+    /// CUDA graphs of greedy forwards, and whether one is being recorded.
+    graphs: graph::Graphs,
+    /// The largest cache capacity asked for: rope tables cover it from the start.
+    max_capacity: usize,
     moe_bufs: Vec<((usize, usize, bool, usize), ddtree_kernels::w4a16::moe::MoeBuffers)>,
     w4a16: Scratch,
     verify: Option<tree::gpu::GpuVerify>,
@@ -252,10 +266,14 @@ const MOE_BUFFER_SETS: usize = 16;
 /// Upload slots whose last contents are kept on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Staged {
+    /// A forward's token ids.
+    Tokens,
     /// A forward's token positions.
     Positions,
     /// A forward's attention mask.
     Mask,
+    /// The cache length before a forward, one value (kernels read it on the device).
+    Lens,
 }
 
 /// Split count of the verify attention's partial buffers: rows x splits.
@@ -274,6 +292,8 @@ impl CudaBackend {
             ropes: Vec::new(),
             identity: Arc::new(stream.alloc_zeros::<u32>(1).map_err(drv("allocating"))?),
             staged: Vec::new(),
+            graphs: graph::Graphs::new(options.no_graphs),
+            max_capacity: 0,
             moe_bufs: Vec::new(),
             w4a16: Scratch::new(&stream, 1)?,
             verify: None,
@@ -357,20 +377,51 @@ impl CudaBackend {
     fn identity(&self, n: usize) -> Result<Arc<CudaSlice<u32>>> {
         let mut st = self.state();
         if st.identity.len() < n {
+            st.graphs.replaced("the identity index buffer");
             let ids: Vec<u32> = (0..n.next_power_of_two() as u32).collect();
             st.identity = Arc::new(self.upload(&ids)?);
         }
         Ok(st.identity.clone())
     }
 
-    /// `v` on the device through slot `slot`: the previous upload when it holds the same values.
+    /// `v` on the device in slot `slot`'s buffer: copied there unless the slot holds the same
+    /// values already; the buffer keeps its address unless `v` outgrows it.
     fn staged(&self, slot: Staged, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         let mut st = self.state();
-        if let Some((_, _, d)) = st.staged.iter().find(|(s, old, _)| *s == slot && old == v) {
-            return Ok(d.clone());
+        let st = &mut *st;
+        if let Some(i) = st.staged.iter().position(|(s, ..)| *s == slot) {
+            let (_, old, d) = &mut st.staged[i];
+            if old == v {
+                return Ok(d.clone());
+            }
+            if st.graphs.recording() {
+                // Nothing runs while recording: a copy here would be lost. The forward's inputs
+                // were staged before the recording began; anything else spoils it.
+                st.graphs.spoil(format!("{slot:?} changed while recording"));
+                return Ok(d.clone());
+            }
+            if d.len() >= v.len() {
+                if let Some(buf) = Arc::get_mut(d) {
+                    if !v.is_empty() {
+                        self.stream
+                            .memcpy_htod(v, &mut buf.slice_mut(..v.len()))
+                            .map_err(drv("copying to the GPU"))?;
+                    }
+                    old.clear();
+                    old.extend_from_slice(v);
+                    return Ok(d.clone());
+                }
+            }
+            st.staged.remove(i);
         }
-        let d = Arc::new(self.upload(v)?);
-        st.staged.retain(|(s, ..)| *s != slot);
+        st.graphs.replaced("a staging buffer");
+        let mut d = self.alloc::<u32>(v.len().next_power_of_two().max(64))?;
+        if !v.is_empty() {
+            self.stream
+                .memcpy_htod(v, &mut d.slice_mut(..v.len()))
+                .map_err(drv("copying to the GPU"))?;
+        }
+        let d = Arc::new(d);
         st.staged.push((slot, v.to_vec(), d.clone()));
         Ok(d)
     }
@@ -382,7 +433,8 @@ impl CudaBackend {
         if let Some(t) = st.ropes.iter().find(|t| t.rope == *rope && t.positions >= need) {
             return Ok(t.clone());
         }
-        let positions = need.next_power_of_two().max(4096);
+        st.graphs.replaced("rope tables");
+        let positions = need.max(st.max_capacity).next_power_of_two().max(4096);
         let (cos, sin) = rope.tables(positions);
         let t = Arc::new(RopeTables {
             rope: rope.clone(),
@@ -840,6 +892,10 @@ impl Backend for CudaBackend {
         if row_width == 0 {
             return Err(fail("KV cache rows must not be empty".into()));
         }
+        {
+            let mut st = self.state();
+            st.max_capacity = st.max_capacity.max(capacity);
+        }
         Ok(CudaKvCache {
             width: row_width,
             capacity,
@@ -965,7 +1021,7 @@ impl Backend for CudaBackend {
             hidden,
         };
         let k = self.kernels.get::<Embedding>(&key)?;
-        let d_ids = self.upload(ids)?;
+        let d_ids = self.staged(Staged::Tokens, ids)?;
         let mut out = self.tensor_bf16(ids.len(), hidden)?;
         // SAFETY: the table is [vocab, hidden]; ids are checked by the model; out [ids, hidden].
         unsafe {
@@ -973,7 +1029,7 @@ impl Backend for CudaBackend {
                 &k,
                 &self.stream,
                 ids.len() as u32,
-                &d_ids,
+                &*d_ids,
                 table.bf16("embedding")?,
                 out.bf16_mut("embedding")?,
                 hidden as u32,
@@ -1061,6 +1117,7 @@ impl Backend for CudaBackend {
                 let mut st = self.state();
                 let need = splits as usize * x.rows * n;
                 if st.w4a16.part.len() < need {
+                    st.graphs.replaced("the W4A16 split-K scratch");
                     st.w4a16 = Scratch::new(&self.stream, need.next_power_of_two())?;
                 }
                 let dst = out.bf16_mut("linear")?;
@@ -1115,6 +1172,18 @@ impl Backend for CudaBackend {
             cols: *n,
             data: DeviceData::F32(out),
         })
+    }
+
+    fn begin_forward(&self, step: &StepInputs<'_>) -> Result<()> {
+        self.stage_step(step)
+    }
+
+    fn greedy_forward(
+        &self,
+        cache: &mut CudaKvCache,
+        forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
+    ) -> Result<Vec<u32>> {
+        self.greedy_graph(cache, forward)
     }
 
     fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
@@ -1322,6 +1391,7 @@ impl Backend for CudaBackend {
         let max = positions.iter().copied().max().unwrap_or(0);
         let tables = self.rope_tables(rope, max)?;
         let pos = self.staged(Staged::Positions, positions)?;
+        let lens = self.staged(Staged::Lens, &[start as u32])?;
         let k = self.first_variant::<MlaKvAppend>(|_: &MlaAppendParams| true)?;
         let mut dst = cache.layer_mut(layer);
         // SAFETY: kv_a [rows, width]; the layer holds capacity rows and start + rows fit.
@@ -1336,16 +1406,18 @@ impl Backend for CudaBackend {
                 &tables.cos,
                 &tables.sin,
                 &mut dst,
+                &*lens,
                 kv_a.rows as u32,
                 lora as u32,
                 (width - lora) as u32,
-                start as u32,
                 eps,
             )?
         };
         if !rope.interleaved() {
             // The kernel ropes adjacent pairs; for the half-split layout put the raw k_pe back
-            // and rope it with the rotate-half variant in place.
+            // and rope it with the rotate-half variant in place (at a host-side offset: a
+            // recording of this cannot be replayed at another length).
+            self.state().graphs.spoil("half-split rope of the latent cache".into());
             let idx = self.identity(kv_a.rows)?;
             let rope_dim = width - lora;
             let mut rows = dst.slice_mut(start * width..(start + kv_a.rows) * width);
@@ -1444,6 +1516,7 @@ impl Backend for CudaBackend {
                 (self.staged(Staged::Mask, chain.words())?, chain.words_per_row())
             }
         };
+        let lens = self.staged(Staged::Lens, &[span.prefix_len as u32])?;
         let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
         let q = q_abs.bf16("mla_attention")?;
         let kv = cache.layer(layer);
@@ -1451,15 +1524,19 @@ impl Backend for CudaBackend {
         // independent and the mask is read per row); the generic kernel for other widths.
         if d.kv_lora == LATENT && d.rope == ROPE {
             let mut st = self.state();
+            let st = &mut *st;
             if st.verify.is_none() {
+                st.graphs.replaced("the verify attention partials");
                 let p = <tree::MlaVerifySplit as ddtree_codegen::Kernel>::space()[0];
                 st.verify = Some(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
             }
             let verify = st.verify.as_mut().expect("made above");
+            // The split count is sized for the length bucket (the kernel reads the length
+            // itself), so one recorded graph serves every length of its bucket.
             let sh = tree::gpu::VerifyShape {
                 nodes: n,
                 heads: d.heads,
-                prefix: span.prefix_len,
+                prefix: graph::length_bucket(span.prefix_len + n) - n,
                 words,
                 scale,
             };
@@ -1473,6 +1550,7 @@ impl Backend for CudaBackend {
                     q,
                     &kv,
                     &mask,
+                    &lens,
                     out.bf16_mut("mla_attention")?,
                     &mut lse,
                 )?;
@@ -1490,8 +1568,8 @@ impl Backend for CudaBackend {
                 &kv,
                 &*mask,
                 out.bf16_mut("mla_attention")?,
+                &*lens,
                 d.heads as u32,
-                span.prefix_len as u32,
                 n as u32,
                 words as u32,
                 d.kv_lora as u32,
@@ -1598,6 +1676,7 @@ impl Backend for CudaBackend {
         let at = match st.moe_bufs.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
             None => {
+                st.graphs.replaced("MoE buffers");
                 if st.moe_bufs.len() >= MOE_BUFFER_SETS {
                     st.moe_bufs.remove(0);
                 }

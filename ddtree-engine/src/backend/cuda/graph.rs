@@ -1,0 +1,343 @@
+//! CUDA graphs of greedy forwards: the decode step and each tree-size bucket of the verify step.
+//!
+//! The first greedy forward of a shape runs eagerly (it compiles, tunes and sizes every buffer
+//! it needs); the second is recorded with stream capture into a graph, which then runs in place
+//! of the forward's ~30 launches per layer for every later forward of that shape. A recording
+//! is valid for one shape ([`GraphKey`]: rows, mask width, cache, length bucket) because
+//! everything that changes from step to step is read on the device: the step's tokens,
+//! positions, mask and cache length sit in the staging buffers that
+//! [`Backend::begin_forward`] fills before the launch, at fixed addresses, and the kernels read
+//! the cache length from there (the attention's split count is sized for the length bucket).
+//! The only host sync of a step is the read of the argmax rows.
+//!
+//! A recording is dropped when a buffer it reads is replaced (a staging buffer outgrown, a
+//! scratch buffer reallocated: the generation counter moves), and a shape whose recording fails
+//! twice (an op that cannot be replayed, such as the half-split rope at a host-side offset) is
+//! left to eager forwards.
+
+use ddtree_runtime::cudarc::driver::{sys, CudaGraph, CudaSlice, DevicePtr};
+
+use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, Staged};
+use crate::backend::{Backend, StepInputs};
+use crate::error::{EngineError, Result};
+use crate::mask::AncestorMask;
+use ddtree_kernels::tune;
+use ddtree_kernels::RowTopk;
+
+/// Cache lengths (prefix plus new rows) that share a recording: up to the next power of two,
+/// at least 256.
+pub(super) fn length_bucket(len: usize) -> usize {
+    len.next_power_of_two().max(256)
+}
+
+/// Recordings kept at once (each holds its activations' memory).
+const MAX_GRAPHS: usize = 24;
+
+/// Failed recordings of one shape after which its forwards stay eager.
+const MAX_FAILURES: usize = 2;
+
+/// The shape of the step staged by the last `begin_forward`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Step {
+    rows: usize,
+    words: usize,
+    tree: bool,
+    prefix: usize,
+}
+
+/// What one recording is valid for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GraphKey {
+    rows: usize,
+    words: usize,
+    tree: bool,
+    bucket: usize,
+    /// The cache buffer's device address and capacity.
+    cache: (u64, usize),
+}
+
+/// One recorded greedy forward.
+struct Recorded {
+    key: GraphKey,
+    graph: CudaGraph,
+    generation: u64,
+    /// Logits rows it takes the argmax of.
+    logit_rows: usize,
+}
+
+/// The backend's recordings and recording state.
+pub(super) struct Graphs {
+    off: bool,
+    recording: bool,
+    spoiled: Option<String>,
+    /// Moves whenever a buffer a recording may read is replaced.
+    generation: u64,
+    step: Option<Step>,
+    recorded: Vec<Recorded>,
+    /// Shapes run eagerly once (recorded on their next forward).
+    seen: Vec<GraphKey>,
+    failures: Vec<(GraphKey, usize)>,
+    /// Persistent argmax outputs (values, indices) the recordings write.
+    argmax: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
+    /// Forwards replayed and recorded (for the bench and tests).
+    pub(super) replays: u64,
+    pub(super) recordings: u64,
+}
+
+impl Graphs {
+    /// No recordings at all when `off`.
+    pub(super) fn new(off: bool) -> Graphs {
+        Graphs {
+            off,
+            recording: false,
+            spoiled: None,
+            generation: 0,
+            step: None,
+            recorded: Vec::new(),
+            seen: Vec::new(),
+            failures: Vec::new(),
+            argmax: None,
+            replays: 0,
+            recordings: 0,
+        }
+    }
+
+    /// Whether a forward is being recorded (nothing runs; nothing may be copied or allocated
+    /// for keeps).
+    pub(super) fn recording(&self) -> bool {
+        self.recording
+    }
+
+    /// Marks the recording in progress as unusable.
+    pub(super) fn spoil(&mut self, why: String) {
+        if self.recording && self.spoiled.is_none() {
+            self.spoiled = Some(why);
+        }
+    }
+
+    /// A buffer recordings may read is being replaced: they are dropped when next used, and a
+    /// recording in progress is spoiled (the buffer would be the recording's own).
+    pub(super) fn replaced(&mut self, what: &str) {
+        self.generation += 1;
+        self.spoil(format!("{what} allocated while recording"));
+    }
+
+    fn failed(&mut self, key: GraphKey, why: &str) {
+        self.seen.retain(|k| *k != key);
+        let n = match self.failures.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, n)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                self.failures.push((key, 1));
+                1
+            }
+        };
+        if n == MAX_FAILURES {
+            tracing::warn!("CUDA graph of {key:?} not recorded ({why}); its forwards run eagerly");
+        } else {
+            tracing::debug!("CUDA graph of {key:?} not recorded ({why}); will retry");
+        }
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::begin_forward`]: stages tokens, positions, mask and cache length.
+    pub(super) fn stage_step(&self, step: &StepInputs<'_>) -> Result<()> {
+        let n = step.tokens.len();
+        let chain;
+        let mask = match step.mask {
+            Some(m) => m,
+            None => {
+                chain = AncestorMask::causal(n);
+                &chain
+            }
+        };
+        self.staged(Staged::Tokens, step.tokens)?;
+        self.staged(Staged::Positions, step.positions)?;
+        self.staged(Staged::Mask, mask.words())?;
+        self.staged(Staged::Lens, &[step.prefix_len as u32])?;
+        self.state().graphs.step = Some(Step {
+            rows: n,
+            words: mask.words_per_row(),
+            tree: step.mask.is_some(),
+            prefix: step.prefix_len,
+        });
+        Ok(())
+    }
+
+    /// [`Backend::greedy_forward`]: eager on a shape's first forward, recorded on its second,
+    /// replayed after that.
+    pub(super) fn greedy_graph(
+        &self,
+        cache: &mut CudaKvCache,
+        forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
+    ) -> Result<Vec<u32>> {
+        let (key, step) = {
+            let st = self.state();
+            match st.graphs.step {
+                Some(step) if !st.graphs.off && !self.profile.on() => {
+                    let (ptr, _sync) = cache.buf.device_ptr(&self.stream);
+                    let key = GraphKey {
+                        rows: step.rows,
+                        words: step.words,
+                        tree: step.tree,
+                        bucket: length_bucket(step.prefix + step.rows),
+                        cache: (ptr, cache.capacity),
+                    };
+                    (key, step)
+                }
+                _ => {
+                    drop(st);
+                    return self.eager(cache, forward);
+                }
+            }
+        };
+        if step.prefix + step.rows > cache.capacity {
+            return Err(EngineError::Forward(format!(
+                "KV cache full: {} + {} rows exceed its capacity of {}",
+                step.prefix, step.rows, cache.capacity
+            )));
+        }
+        {
+            let mut st = self.state();
+            let g = &mut st.graphs;
+            if g.failures.iter().any(|(k, n)| *k == key && *n >= MAX_FAILURES) {
+                drop(st);
+                return self.eager(cache, forward);
+            }
+            if let Some(i) = g.recorded.iter().position(|r| r.key == key) {
+                if g.recorded[i].generation == g.generation {
+                    drop(st);
+                    return self.replay(cache, key, step);
+                }
+                g.recorded.remove(i);
+            }
+            if !g.seen.contains(&key) {
+                g.seen.push(key);
+                drop(st);
+                return self.eager(cache, forward);
+            }
+            let need = step.rows;
+            if g.argmax.as_ref().is_none_or(|(_, i)| i.len() < need) {
+                g.replaced("the argmax outputs");
+                let n = need.next_power_of_two();
+                g.argmax = Some((self.alloc(n)?, self.alloc(n)?));
+            }
+            g.recording = true;
+            g.spoiled = None;
+        }
+        let generation = self.state().graphs.generation;
+        let begun = self
+            .stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        let result = match begun {
+            Ok(()) => forward(cache).and_then(|logits| self.argmax_recorded(&logits)),
+            Err(e) => Err(fail(format!("starting a CUDA graph capture: {e}"))),
+        };
+        let graph = match begun {
+            Ok(()) => self
+                .stream
+                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH),
+            Err(e) => Err(e),
+        };
+        // The recording ran nothing: undo its one host-side effect.
+        self.kv_truncate(cache, step.prefix)?;
+        let mut st = self.state();
+        let g = &mut st.graphs;
+        g.recording = false;
+        let spoiled = g.spoiled.take();
+        let why = match (result, graph) {
+            (Ok(logit_rows), Ok(Some(graph))) if spoiled.is_none() && g.generation == generation => {
+                g.recordings += 1;
+                if g.recorded.len() >= MAX_GRAPHS {
+                    g.recorded.remove(0);
+                }
+                g.recorded.push(Recorded {
+                    key,
+                    graph,
+                    generation,
+                    logit_rows,
+                });
+                drop(st);
+                return self.replay(cache, key, step);
+            }
+            (Err(e), _) => e.to_string(),
+            (_, Err(e)) => format!("ending the capture: {e}"),
+            (_, Ok(None)) => "the capture was empty".into(),
+            _ => spoiled.unwrap_or_else(|| "a buffer was replaced while recording".into()),
+        };
+        g.failed(key, &why);
+        drop(st);
+        self.eager(cache, forward)
+    }
+
+    fn eager(
+        &self,
+        cache: &mut CudaKvCache,
+        forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
+    ) -> Result<Vec<u32>> {
+        let logits = forward(cache)?;
+        self.argmax_rows(&logits)
+    }
+
+    /// Launches the recording of `key` and reads its argmax rows.
+    fn replay(&self, cache: &mut CudaKvCache, key: GraphKey, step: Step) -> Result<Vec<u32>> {
+        let st = self.state();
+        let rec = st
+            .graphs
+            .recorded
+            .iter()
+            .find(|r| r.key == key)
+            .ok_or_else(|| fail("CUDA graph vanished before its replay".into()))?;
+        rec.graph.launch().map_err(drv("launching a CUDA graph"))?;
+        let rows = rec.logit_rows;
+        let (_, indices) = st.graphs.argmax.as_ref().expect("recordings write the argmax outputs");
+        let out = self
+            .stream
+            .clone_dtoh(&indices.slice(..rows))
+            .map_err(drv("copying from the GPU"))?;
+        drop(st);
+        self.state().graphs.replays += 1;
+        for len in cache.lens.iter_mut() {
+            *len = step.prefix + step.rows;
+        }
+        Ok(out)
+    }
+
+    /// The argmax of every row of `logits` into the persistent outputs (recorded); returns the
+    /// row count.
+    fn argmax_recorded(&self, logits: &CudaTensor) -> Result<usize> {
+        let key = tune::TopkKey {
+            rows: logits.rows,
+            n: logits.cols,
+            k: 1,
+        };
+        let k = self.kernels.get::<RowTopk>(&key)?;
+        if k.params().k != 1 {
+            return Err(fail("argmax: the tuned top-k variant is not k = 1".into()));
+        }
+        let mut st = self.state();
+        let (values, indices) = st.graphs.argmax.as_mut().expect("allocated before recording");
+        // SAFETY: logits [rows, n]; the outputs hold at least rows values.
+        unsafe {
+            RowTopk::launch(
+                &k,
+                &self.stream,
+                logits.rows as u32,
+                logits.f32("argmax")?,
+                values,
+                indices,
+                logits.cols as u32,
+            )?
+        };
+        Ok(logits.rows)
+    }
+
+    /// Forwards replayed from and recorded into CUDA graphs so far.
+    pub fn graph_counts(&self) -> (u64, u64) {
+        let st = self.state();
+        (st.graphs.replays, st.graphs.recordings)
+    }
+}
