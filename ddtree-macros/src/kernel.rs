@@ -55,9 +55,7 @@ fn parse_attr(args: TokenStream, kind: Kind, errors: &mut Vec<syn::Error>) -> At
             attr.dyn_smem = Some(meta.value()?.parse()?);
             Ok(())
         } else {
-            Err(meta.error(
-                "unknown `#[kernel]` argument; expected `block = ..`, `space = ..` or `dyn_smem = ..`",
-            ))
+            Err(meta.error("unknown `#[kernel]` argument; expected `block = ..`, `space = ..` or `dyn_smem = ..`"))
         }
     });
     if let Err(e) = syn::parse::Parser::parse2(parser, args) {

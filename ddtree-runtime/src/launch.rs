@@ -176,7 +176,10 @@ impl Gpu {
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 ir.dyn_smem as i32,
             )
-            .map_err(RuntimeError::driver(format!("allowing {} B of dynamic shared memory for `{symbol}`", ir.dyn_smem)))?;
+            .map_err(RuntimeError::driver(format!(
+                "allowing {} B of dynamic shared memory for `{symbol}`",
+                ir.dyn_smem
+            )))?;
         }
         Ok(CompiledKernel {
             func,

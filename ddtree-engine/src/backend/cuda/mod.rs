@@ -1401,6 +1401,9 @@ impl Backend for CudaBackend {
             if n * d.heads <= VERIFY_PARTIALS {
                 let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
                 let mut lse = self.alloc::<f32>(n * d.heads)?;
+                // The kernel reads the prefix length on the device (CUDA-graph friendly); for now
+                // it is uploaded per call, and the grid is sized from this exact length.
+                let lens = self.upload(&[span.prefix_len as u32])?;
                 verify.run(
                     &self.stream,
                     &sh,
@@ -1408,6 +1411,7 @@ impl Backend for CudaBackend {
                     q,
                     &kv,
                     &mask,
+                    &lens,
                     out.bf16_mut("mla_attention")?,
                     &mut lse,
                 )?;
