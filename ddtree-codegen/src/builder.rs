@@ -339,7 +339,7 @@ impl Builder {
                 "`dyn_shared` may appear once per kernel: it is the whole dynamic shared memory",
             );
         }
-        let size = elem.size() as u32;
+        let size = elem.size();
         if self.dyn_smem % size != 0 {
             return self.fail(loc, format!("dyn_smem = {} is not a multiple of {size}", self.dyn_smem));
         }
