@@ -82,6 +82,9 @@ const RESERVED: &[&str] = &[
     "public",
 ];
 
+/// The most dynamic shared memory a block may ask for: 227 KiB, the opt-in limit of sm_90.
+pub const MAX_DYN_SMEM: u32 = 227 * 1024;
+
 /// Assembles the IR of one kernel (or device function) for one parameter set.
 #[derive(Debug)]
 pub struct Builder {
@@ -91,6 +94,8 @@ pub struct Builder {
     symbol: String,
     args: Vec<Arg>,
     block: [u32; 3],
+    dyn_smem: u32,
+    dyn_declared: bool,
     ret: Option<Ty>,
     blocks: Vec<Vec<Stmt>>,
     scopes: Vec<HashMap<String, Var>>,
@@ -120,6 +125,8 @@ impl Builder {
             symbol: name.to_string(),
             args: Vec::new(),
             block: [1, 1, 1],
+            dyn_smem: 0,
+            dyn_declared: false,
             ret: Some(ret),
             blocks: vec![Vec::new()],
             scopes: vec![HashMap::new()],
@@ -212,6 +219,19 @@ impl Builder {
         Ok(())
     }
 
+    /// Sets the bytes of dynamic shared memory every launch passes (`dyn_smem` of `#[kernel]`):
+    /// a multiple of 16, at most [`MAX_DYN_SMEM`].
+    pub fn dyn_smem(&mut self, bytes: i128, loc: Loc) -> Result<()> {
+        if !(0..=MAX_DYN_SMEM as i128).contains(&bytes) || bytes % 16 != 0 {
+            return self.fail(
+                loc,
+                format!("dyn_smem = {bytes} must be a multiple of 16 between 0 and {MAX_DYN_SMEM} bytes"),
+            );
+        }
+        self.dyn_smem = bytes as u32;
+        Ok(())
+    }
+
     /// A variable reference.
     pub fn var(&self, name: &str, loc: Loc) -> Result<Expr> {
         match self.lookup(name) {
@@ -298,6 +318,46 @@ impl Builder {
             dims: ds,
             space,
             fill,
+            dynamic: false,
+            loc,
+        });
+        Ok(())
+    }
+
+    /// `let s = dyn_shared::<T>();`: the kernel's whole dynamic shared memory as `T`s (at most
+    /// one per kernel, so no two views alias).
+    pub fn dyn_shared(&mut self, name: &str, elem: Scalar, loc: Loc) -> Result<()> {
+        if self.dyn_smem == 0 {
+            return self.fail(
+                loc,
+                "`dyn_shared` needs `dyn_smem = <bytes>` (non-zero) in `#[kernel(..)]`",
+            );
+        }
+        if self.dyn_declared {
+            return self.fail(
+                loc,
+                "`dyn_shared` may appear once per kernel: it is the whole dynamic shared memory",
+            );
+        }
+        let size = elem.size();
+        if self.dyn_smem % size != 0 {
+            return self.fail(loc, format!("dyn_smem = {} is not a multiple of {size}", self.dyn_smem));
+        }
+        self.dyn_declared = true;
+        let dims = vec![self.dyn_smem / size];
+        let ty = Ty::Array {
+            elem,
+            dims: dims.clone(),
+            space: Space::Shared,
+        };
+        let c_name = self.declare(name, ty, true);
+        self.push(Stmt::Array {
+            name: c_name,
+            elem,
+            dims,
+            space: Space::Shared,
+            fill: None,
+            dynamic: true,
             loc,
         });
         Ok(())
@@ -537,6 +597,7 @@ impl Builder {
             params: self.params,
             args: self.args,
             block: self.block,
+            dyn_smem: self.dyn_smem,
             body,
             device_fns: self.device_fns,
         })

@@ -474,6 +474,9 @@ pub enum Stmt {
         space: Space,
         /// Value every element starts with (local arrays only).
         fill: Option<Expr>,
+        /// The kernel's dynamic shared memory (`dyn_shared::<T>()`, `extern __shared__`), whose
+        /// size the launch gives; `dims` is that size in elements.
+        dynamic: bool,
         /// Where it is in the DSL source.
         loc: Loc,
     },
@@ -585,6 +588,8 @@ pub struct KernelIr {
     pub args: Vec<Arg>,
     /// Block dimensions (x, y, z); their product is the `__launch_bounds__`.
     pub block: [u32; 3],
+    /// Bytes of dynamic shared memory every launch passes (`dyn_smem` of `#[kernel]`; 0: none).
+    pub dyn_smem: u32,
     /// Body.
     pub body: Vec<Stmt>,
     /// Device functions called, in first-use order.
@@ -597,7 +602,7 @@ impl KernelIr {
         self.block.iter().product()
     }
 
-    /// Bytes of static shared memory the kernel declares.
+    /// Bytes of static shared memory the kernel declares (the dynamic block not included).
     pub fn shared_bytes(&self) -> u64 {
         fn walk(stmts: &[Stmt], acc: &mut u64) {
             for s in stmts {
@@ -606,6 +611,7 @@ impl KernelIr {
                         elem,
                         dims,
                         space: Space::Shared,
+                        dynamic: false,
                         ..
                     } => {
                         *acc += dims.iter().map(|&d| d as u64).product::<u64>() * elem.size() as u64;

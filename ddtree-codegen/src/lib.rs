@@ -16,7 +16,7 @@ mod kernel;
 pub mod ops;
 pub mod render;
 
-pub use builder::{Builder, ForHeader};
+pub use builder::{Builder, ForHeader, MAX_DYN_SMEM};
 pub use error::{CodegenError, OpError, Result};
 pub use ir::{KernelIr, Loc, Scalar, Space, Ty};
 pub use kernel::{symbol, Kernel, KernelId, KernelParams, ParamField, ParamValue};

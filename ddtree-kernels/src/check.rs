@@ -1784,6 +1784,7 @@ pub const SUITES: &[Suite] = &[
     crate::attention::check::kv_append_suite,
     crate::attention::check::mla_attention_suite,
     crate::attention::check::gqa_attention_suite,
+    crate::tree::check::verify_suite,
     moe_route_suite,
     add_rms_norm_suite,
     cast_bf16_f32_suite,

@@ -35,6 +35,11 @@ fn assert_covers<K: Kernel>(results: &[CheckResult]) {
 }
 
 #[test]
+fn verify_attention() {
+    every_candidate::<ddtree_kernels::tree::MlaVerifySplit>(ddtree_kernels::tree::check::verify_suite);
+}
+
+#[test]
 fn rms_norm() {
     every_candidate::<RmsNorm>(check::rms_norm_suite);
 }

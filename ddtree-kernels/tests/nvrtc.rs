@@ -211,4 +211,16 @@ fn every_variant_compiles_for_sm90a() {
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-summary.txt"),
         summary,
     );
+    // Every variant's registers and spill bytes, sorted by symbol, for reviews.
+    if ptxas.is_some() {
+        let mut lines: Vec<String> = ok
+            .iter()
+            .map(|(s, r, b)| format!("{s} {r} regs {b} B spilled"))
+            .collect();
+        lines.sort();
+        let _ = std::fs::write(
+            std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-registers.txt"),
+            lines.join("\n") + "\n",
+        );
+    }
 }

@@ -1,13 +1,12 @@
 //! The tree kernels run on the CPU interpreter at small sizes against the CPU references:
-//! builder (top-K + expansion + mask) identical, verify attention (split + combine, naive)
-//! within bf16 tolerance, accept / sampling identical, compaction exact.
+//! builder (top-K + expansion + mask) identical, accept / sampling identical, compaction exact.
+//! (Verify attention is `tests/interp.rs`'s `verify_attention`, through `check::SUITES`.)
 
 use ddtree_codegen::interp::{Buffer, Element, HostArg, Program};
 use ddtree_codegen::Kernel;
-use ddtree_kernels::tree::reference::{build_with_lse, fill_mask, DraftTree};
+use ddtree_kernels::tree::reference::{build_with_lse, DraftTree};
 use ddtree_kernels::tree::{
-    accept_reference, sample_rows, verify_attention_reference, CompactRows, MlaVerifyCombine, MlaVerifyNaive,
-    MlaVerifySplit, TreeAccept, TreeExpand, TreeSample, TreeTopk, TreeTopkParams, LATENT, ROW,
+    accept_reference, sample_rows, CompactRows, TreeAccept, TreeExpand, TreeSample, TreeTopk, TreeTopkParams,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -142,105 +141,6 @@ fn builder_kernels_match_the_reference() {
         let want = build_with_lse(&logits, v, budget, 17, &lse);
         assert_eq!(t, want, "l={l} v={v} budget={budget}");
     }
-}
-
-#[test]
-fn verify_attention_kernels_match_the_reference() {
-    let mut rng = StdRng::seed_from_u64(9);
-    let (prefix, nodes, heads) = (37usize, 6usize, 3usize);
-    let rows = nodes * heads;
-    let qh: Vec<bf16> = (0..rows * ROW)
-        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
-        .collect();
-    let ch: Vec<bf16> = (0..(prefix + nodes) * ROW)
-        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
-        .collect();
-    let mut tree = DraftTree {
-        token: vec![0; nodes],
-        parent: vec![-1, 0, 0, 1, 3, 2],
-        depth: vec![0; nodes],
-        first_child: vec![-1; nodes],
-        next_sibling: vec![-1; nodes],
-        mask: vec![],
-        words: 0,
-        path_logprob: vec![0.0; nodes],
-    };
-    fill_mask(&mut tree);
-    let scale = 0.05f32;
-    let qf: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
-    let cf: Vec<f32> = ch.iter().map(|x| x.to_f32()).collect();
-    let (want, want_lse) = verify_attention_reference(&qf, &cf, &tree.mask, tree.words, nodes, heads, prefix, scale);
-    let (q, c, m) = (buf(&qh), buf(&ch), buf(&tree.mask));
-    let check = |out: &Buffer, lse: &Buffer, what: &str| {
-        let o: Vec<f32> = out.to_vec::<bf16>().iter().map(|x| x.to_f32()).collect();
-        for (i, (g, w)) in o.iter().zip(&want).enumerate() {
-            assert!(
-                (g - w).abs() <= 2e-2 + 2e-2 * w.abs(),
-                "{what}: out[{i}] = {g}, want {w}"
-            );
-        }
-        for (g, w) in lse.to_vec::<f32>().iter().zip(&want_lse) {
-            assert!((g - w).abs() <= 1e-3 * (1.0 + w.abs()), "{what}: lse {g} vs {w}");
-        }
-    };
-    for p in MlaVerifySplit::space() {
-        let splits = 2usize;
-        let lens = buf(&[prefix as u32]);
-        let (mut po, mut pl) = (
-            buf(&vec![f32::NAN; splits * rows * LATENT]),
-            buf(&vec![f32::NAN; splits * rows]),
-        );
-        let grid = [(rows as u32).div_ceil(16 * p.rg), splits as u32, 1];
-        run::<MlaVerifySplit>(
-            &p,
-            grid,
-            &mut [
-                HostArg::In(&q),
-                HostArg::In(&c),
-                HostArg::In(&m),
-                HostArg::Out(&mut po),
-                HostArg::Out(&mut pl),
-                HostArg::In(&lens),
-                u(rows as u32),
-                u(heads as u32),
-                u(nodes as u32),
-                u(tree.words as u32),
-                HostArg::Scalar(scale.into()),
-            ],
-        );
-        let (mut out, mut lse) = (buf(&vec![bf16::NAN; rows * LATENT]), buf(&vec![f32::NAN; rows]));
-        run::<MlaVerifyCombine>(
-            &(),
-            [rows as u32, 16, 1],
-            &mut [
-                HostArg::In(&po),
-                HostArg::In(&pl),
-                HostArg::Out(&mut out),
-                HostArg::Out(&mut lse),
-                u(rows as u32),
-                u(splits as u32),
-            ],
-        );
-        check(&out, &lse, &MlaVerifySplit::symbol(&p));
-    }
-    let (mut out, mut lse) = (buf(&vec![bf16::NAN; rows * LATENT]), buf(&vec![f32::NAN; rows]));
-    run::<MlaVerifyNaive>(
-        &(),
-        [rows as u32, 1, 1],
-        &mut [
-            HostArg::In(&q),
-            HostArg::In(&c),
-            HostArg::In(&m),
-            HostArg::Out(&mut out),
-            HostArg::Out(&mut lse),
-            u(heads as u32),
-            u(prefix as u32),
-            u(nodes as u32),
-            u(tree.words as u32),
-            HostArg::Scalar(scale.into()),
-        ],
-    );
-    check(&out, &lse, "naive");
 }
 
 #[test]

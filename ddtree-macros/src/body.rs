@@ -438,7 +438,7 @@ impl Cx {
             if name == "sync_threads" {
                 return self.error(c, "`sync_threads()` is a statement, not a value");
             }
-            if matches!(name.as_str(), "shared" | "shared_2d") {
+            if matches!(name.as_str(), "shared" | "shared_2d" | "dyn_shared") {
                 return self.error(
                     c,
                     format!("`{name}` declares memory: use it as `let s = {name}::<T>(..);`"),
@@ -607,7 +607,7 @@ impl Cx {
             if let Expr::Path(fp) = &*c.func {
                 let last = fp.path.segments.last().expect("path");
                 let fname = last.ident.to_string();
-                if fp.path.segments.len() == 1 && matches!(fname.as_str(), "shared" | "shared_2d") {
+                if fp.path.segments.len() == 1 && matches!(fname.as_str(), "shared" | "shared_2d" | "dyn_shared") {
                     // Declared before validation so a rejected size does not cascade into
                     // "cannot find" errors at every use.
                     self.define(name.clone(), VarKind::Runtime);
@@ -622,6 +622,19 @@ impl Cx {
                         self.error(&fp.path, format!("write `{fname}::<T>(..)` with T a DSL scalar type"));
                         return TokenStream::new();
                     };
+                    if fname == "dyn_shared" {
+                        if !c.args.is_empty() {
+                            self.error(
+                                c,
+                                "`dyn_shared::<T>()` takes no arguments: its size is `dyn_smem` of `#[kernel(..)]`",
+                            );
+                            return TokenStream::new();
+                        }
+                        let et = scalar_tokens(elem);
+                        return quote! {
+                            #b.dyn_shared(#name, #et, #lc)?;
+                        };
+                    }
                     let want = if fname == "shared" { 1 } else { 2 };
                     if c.args.len() != want {
                         self.error(c, format!("`{fname}` takes {want} compile-time size(s)"));

@@ -20,6 +20,7 @@ pub enum Kind {
 struct Attr {
     block: Option<Expr>,
     space: Option<Expr>,
+    dyn_smem: Option<Expr>,
 }
 
 /// A runtime argument.
@@ -50,8 +51,11 @@ fn parse_attr(args: TokenStream, kind: Kind, errors: &mut Vec<syn::Error>) -> At
         } else if meta.path.is_ident("space") {
             attr.space = Some(meta.value()?.parse()?);
             Ok(())
+        } else if meta.path.is_ident("dyn_smem") {
+            attr.dyn_smem = Some(meta.value()?.parse()?);
+            Ok(())
         } else {
-            Err(meta.error("unknown `#[kernel]` argument; expected `block = ..` or `space = ..`"))
+            Err(meta.error("unknown `#[kernel]` argument; expected `block = ..`, `space = ..` or `dyn_smem = ..`"))
         }
     });
     if let Err(e) = syn::parse::Parser::parse2(parser, args) {
@@ -338,6 +342,15 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
             quote!(__b.block_dim([(#e) as i128, 1, 1], #fn_loc)?;)
         }
     };
+    let dyn_smem = match &attr.dyn_smem {
+        None => quote!(),
+        Some(e) => {
+            if !cx.is_comptime(e) {
+                errors.push(syn::Error::new_spanned(e, "`dyn_smem` must be a compile-time value"));
+            }
+            quote!(__b.dyn_smem((#e) as i128, #fn_loc)?;)
+        }
+    };
 
     if !errors.is_empty() {
         return fallback(errors, &func, quote!(#vis struct #type_name;));
@@ -382,6 +395,7 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
                 #bind
                 let mut __b = ::ddtree_codegen::Builder::kernel(#name, ::core::file!(), __params);
                 #block
+                #dyn_smem
                 #(#arg_decls)*
                 #body
                 __b.finish()

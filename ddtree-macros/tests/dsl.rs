@@ -131,3 +131,55 @@ fn ir_errors_name_the_kernel_and_the_dsl_location() {
     let e = TooManyThreads::ir(&Block { block: 2048 }).unwrap_err();
     assert!(e.message.contains("outside 1..=1024"), "{e}");
 }
+
+/// Reverses each block's slice of `x` through dynamic shared memory (one f32 per thread).
+#[kernel(block = p.block, dyn_smem = p.block * 4, space = [Block { block: 64 }, Block { block: 128 }])]
+pub fn reverse_dyn(#[comptime] p: &Block, x: &[f32], out: &mut [f32]) {
+    let s = dyn_shared::<f32>();
+    let t = thread_idx_x();
+    s[t] = x[block_idx_x() * p.block + t];
+    sync_threads();
+    out[block_idx_x() * p.block + t] = s[p.block - 1 - t];
+}
+
+#[kernel(block = 32, dyn_smem = 256)]
+pub fn two_dyn_views(out: &mut [f32]) {
+    let a = dyn_shared::<f32>();
+    let b = dyn_shared::<u32>();
+    a[0] = 1.0;
+    b[1] = 2;
+    out[0] = a[0];
+}
+
+#[kernel(block = 32)]
+pub fn dyn_without_size(out: &mut [f32]) {
+    let a = dyn_shared::<f32>();
+    a[0] = 1.0;
+    out[0] = a[0];
+}
+
+#[test]
+fn dynamic_shared_memory_is_extern_sized_by_the_launch_and_interpreted() {
+    use ddtree_codegen::interp::{Buffer, HostArg, Program};
+    let p = Block { block: 64 };
+    let ir = ReverseDyn::ir(&p).unwrap();
+    assert_eq!((ir.dyn_smem, ir.shared_bytes()), (256, 0));
+    let src = ReverseDyn::source(&p).unwrap();
+    assert!(src.contains("// dynamic shared memory: 256 bytes"), "{src}");
+    assert!(src.contains("extern __shared__ __align__(16) float s[];"), "{src}");
+
+    let xs: Vec<f32> = (0..128).map(|i| i as f32).collect();
+    let x = Buffer::from_slice(&xs);
+    let mut out = Buffer::from_slice(&[f32::NAN; 128]);
+    Program::of::<ReverseDyn>(&p)
+        .unwrap()
+        .launch([2, 1, 1], &mut [HostArg::In(&x), HostArg::Out(&mut out)])
+        .unwrap();
+    let want: Vec<f32> = (0..128).map(|i| (64 * (i / 64) + 63 - i % 64) as f32).collect();
+    assert_eq!(out.to_vec::<f32>(), want);
+
+    let e = TwoDynViews::ir(&()).unwrap_err();
+    assert!(e.message.contains("once per kernel"), "{e}");
+    let e = DynWithoutSize::ir(&()).unwrap_err();
+    assert!(e.message.contains("needs `dyn_smem"), "{e}");
+}

@@ -92,6 +92,8 @@ pub struct DeviceLimits {
     pub max_threads_per_block: u32,
     /// Static shared memory per block, in bytes.
     pub max_shared_per_block: u32,
+    /// Static plus dynamic shared memory a block may opt in to, in bytes (227 KiB on sm_90).
+    pub max_shared_optin: u32,
     /// 32-bit registers per block.
     pub max_registers_per_block: u32,
     /// Grid size per dimension.
@@ -150,6 +152,10 @@ impl Gpu {
             max_shared_per_block: attr(
                 A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK,
                 "shared memory per block",
+            )?,
+            max_shared_optin: attr(
+                A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                "opt-in shared memory per block",
             )?,
             max_registers_per_block: attr(A::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK, "registers per block")?,
             max_grid: [

@@ -41,6 +41,7 @@ pub struct CompiledKernel<K: Kernel> {
     id: KernelId,
     block: [u32; 3],
     shared_bytes: u32,
+    dyn_smem: u32,
     registers: i32,
     spill_bytes: i32,
     max_grid: [u32; 3],
@@ -49,10 +50,12 @@ pub struct CompiledKernel<K: Kernel> {
 
 /// Checks a block against the compiled kernel's and the device's limits: threads per block
 /// (`kernel_max_threads` is what the driver allows for the kernel's register use), static
-/// shared memory and the register file.
+/// shared memory, static plus dynamic shared memory (`dyn_bytes`, against the opt-in limit) and
+/// the register file.
 pub fn check_block(
     threads: u32,
     shared_bytes: u32,
+    dyn_bytes: u32,
     registers: u32,
     kernel_max_threads: u32,
     limits: &DeviceLimits,
@@ -61,6 +64,12 @@ pub fn check_block(
         return Err(ResourceLimit::SharedMemory {
             bytes: shared_bytes,
             max: limits.max_shared_per_block,
+        });
+    }
+    if dyn_bytes > 0 && shared_bytes + dyn_bytes > limits.max_shared_optin {
+        return Err(ResourceLimit::SharedMemory {
+            bytes: shared_bytes + dyn_bytes,
+            max: limits.max_shared_optin,
         });
     }
     if registers as u64 * threads as u64 > limits.max_registers_per_block as u64 {
@@ -152,6 +161,7 @@ impl Gpu {
         check_block(
             ir.threads(),
             shared.max(0) as u32,
+            ir.dyn_smem,
             registers.max(0) as u32,
             max_threads.max(0) as u32,
             self.limits(),
@@ -160,6 +170,17 @@ impl Gpu {
             kernel: symbol.clone(),
             limit,
         })?;
+        if ir.dyn_smem > 0 {
+            // Above 48 KiB the function must opt in; done once here, not per launch.
+            func.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ir.dyn_smem as i32,
+            )
+            .map_err(RuntimeError::driver(format!(
+                "allowing {} B of dynamic shared memory for `{symbol}`",
+                ir.dyn_smem
+            )))?;
+        }
         Ok(CompiledKernel {
             func,
             _module: module,
@@ -167,6 +188,7 @@ impl Gpu {
             id: K::id(params, &self.arch()),
             block: ir.block,
             shared_bytes: shared.max(0) as u32,
+            dyn_smem: ir.dyn_smem,
             registers,
             spill_bytes,
             max_grid: self.limits().max_grid,
@@ -196,6 +218,11 @@ impl<K: Kernel> CompiledKernel<K> {
         self.shared_bytes
     }
 
+    /// Dynamic shared memory every launch passes, in bytes.
+    pub fn dyn_smem(&self) -> u32 {
+        self.dyn_smem
+    }
+
     /// Local memory per thread in bytes (register spills).
     pub fn spill_bytes(&self) -> i32 {
         self.spill_bytes
@@ -217,7 +244,7 @@ impl<K: Kernel> CompiledKernel<K> {
         let cfg = LaunchConfig {
             grid_dim: (x, y, z),
             block_dim: (self.block[0], self.block[1], self.block[2]),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.dyn_smem,
         };
         Ok(Launcher {
             args: stream.launch_builder(&self.func),
@@ -264,6 +291,7 @@ mod tests {
     const H200: DeviceLimits = DeviceLimits {
         max_threads_per_block: 1024,
         max_shared_per_block: 49152,
+        max_shared_optin: 232448,
         max_registers_per_block: 65536,
         max_grid: [2147483647, 65535, 65535],
         l2_bytes: 62914560,
@@ -272,9 +300,9 @@ mod tests {
 
     #[test]
     fn block_checks_name_the_limit() {
-        assert_eq!(check_block(256, 16384, 64, 1024, &H200), Ok(()));
+        assert_eq!(check_block(256, 16384, 0, 64, 1024, &H200), Ok(()));
         assert_eq!(
-            check_block(1024, 0, 128, 512, &H200),
+            check_block(1024, 0, 0, 128, 512, &H200),
             Err(ResourceLimit::Registers {
                 registers: 128,
                 threads: 1024,
@@ -282,7 +310,7 @@ mod tests {
             })
         );
         assert_eq!(
-            check_block(1024, 0, 40, 768, &H200),
+            check_block(1024, 0, 0, 40, 768, &H200),
             Err(ResourceLimit::Threads {
                 threads: 1024,
                 max: 768,
@@ -290,7 +318,7 @@ mod tests {
             })
         );
         assert_eq!(
-            check_block(2048, 0, 16, 2048, &H200),
+            check_block(2048, 0, 0, 16, 2048, &H200),
             Err(ResourceLimit::Threads {
                 threads: 2048,
                 max: 1024,
@@ -298,10 +326,18 @@ mod tests {
             })
         );
         assert_eq!(
-            check_block(128, 65536, 32, 1024, &H200),
+            check_block(128, 65536, 0, 32, 1024, &H200),
             Err(ResourceLimit::SharedMemory {
                 bytes: 65536,
                 max: 49152
+            })
+        );
+        assert_eq!(check_block(128, 16384, 200 * 1024, 32, 1024, &H200), Ok(()));
+        assert_eq!(
+            check_block(128, 16384, 220 * 1024, 32, 1024, &H200),
+            Err(ResourceLimit::SharedMemory {
+                bytes: 16384 + 220 * 1024,
+                max: 232448
             })
         );
         let e = RuntimeError::Resources {

@@ -354,6 +354,7 @@ impl FnLower<'_, '_> {
                 space,
                 fill,
                 loc,
+                ..
             } => {
                 self.loc = *loc;
                 let len: u64 = dims.iter().map(|&d| d as u64).product();

@@ -3,17 +3,18 @@
 
 use ddtree_codegen::Kernel;
 use ddtree_runtime::{Gpu, RuntimeError};
-use half::bf16;
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::gpu::{download, upload, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
+use super::gpu::{download, upload, verify_splits, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
-    accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifySplit, TreeSample,
-    TreeTopk, TreeTopkParams, VerifyParams, LATENT, ROW,
+    accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
+    MlaVerifySplit, TreeSample, TreeTopk, TreeTopkParams, VerifyParams, LATENT, ROW,
 };
-use crate::check::{compare, random_bf16, CheckResult, Comparison, Tolerance};
+use crate::check::{
+    compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Comparison, Sizes, Target, Tolerance,
+};
 
 /// A tree flattened to exact f32 values (mask words as two 16-bit halves, log-probs as is).
 fn flatten(t: &DraftTree) -> Vec<f32> {
@@ -133,81 +134,187 @@ pub fn random_mask(rng: &mut StdRng, nodes: usize, chain: bool) -> (Vec<u32>, us
     (t.mask, t.words)
 }
 
-/// Checks verify attention (variant `p` with automatic splits, and the naive kernel) at one
-/// shape against the f64 CPU reference (bf16 tolerance on the output, 1e-3 on the LSE).
+/// One verify-attention problem: the committed prefix on the device, the upper bound the grid
+/// is sized from, nodes, heads, a chain or a random tree, and the split count (`None`: automatic
+/// for 132 SMs).
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyCase {
+    /// Committed prefix length (`lens[0]`).
+    pub prefix: usize,
+    /// Upper bound of the prefix (grid sizing), `>= prefix`.
+    pub bound: usize,
+    /// Tree nodes.
+    pub nodes: usize,
+    /// Heads.
+    pub heads: usize,
+    /// A chain instead of a random tree.
+    pub chain: bool,
+    /// Split count (`None`: [`verify_splits`] for 132 SMs and `bound`).
+    pub splits: Option<usize>,
+}
+
+/// Checks split-KV + combine (variant `p`; and the naive kernel when `naive`) on one case
+/// against the f64 CPU reference: fresh random inputs, poisoned outputs and partials (NaN), bf16
+/// tolerance on the output (absolute part scaled by its RMS), 1e-3 on the LSE.
 pub fn verify(
-    gpu: &Gpu,
+    t: &Target<'_>,
     p: &VerifyParams,
-    prefix: usize,
-    nodes: usize,
-    heads: usize,
-    chain: bool,
+    c: VerifyCase,
+    naive: bool,
     rng: &mut StdRng,
-) -> Result<Vec<CheckResult>, RuntimeError> {
-    let s = gpu.stream();
+) -> Result<Vec<CheckResult>, CheckError> {
+    let VerifyCase {
+        prefix,
+        bound,
+        nodes,
+        heads,
+        chain,
+        ..
+    } = c;
     let rows = nodes * heads;
     let (qh, qf) = random_bf16(rng, rows * ROW, -1.0, 1.0);
     let (ch, cf) = random_bf16(rng, (prefix + nodes) * ROW, -1.0, 1.0);
     let (mask, words) = random_mask(rng, nodes, chain);
     let scale = 2.0047 / (192f32).sqrt();
     let (want, want_lse) = verify_attention_reference(&qf, &cf, &mask, words, nodes, heads, prefix, scale);
-    let (dq, dc, dm) = (upload(s, &qh)?, upload(s, &ch)?, upload(s, &mask)?);
-    let sh = VerifyShape {
-        nodes,
-        heads,
-        prefix,
-        words,
-        scale,
-    };
-    let mut v = GpuVerify::new(gpu, p, rows * 64)?;
-    let splits = v.auto_splits(132, &sh);
-    let lens = upload(s, &[prefix as u32])?;
+    let splits = c
+        .splits
+        .unwrap_or_else(|| verify_splits(p, 132, rows, bound + nodes, usize::MAX));
+    let (dq, dc, dm, dl) = (
+        t.upload(&qh)?,
+        t.upload(&ch)?,
+        t.upload(&mask)?,
+        t.upload(&[prefix as u32])?,
+    );
     let case = format!(
-        "ctx={prefix} nodes={nodes} heads={heads} {} splits={splits}",
+        "ctx={prefix} bound={bound} nodes={nodes} heads={heads} {} splits={splits}",
         if chain { "chain" } else { "tree" }
     );
+    let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
+    let ltol = Tolerance {
+        rtol: 1e-3,
+        atol: 1e-3,
+        rel_l2: 1e-3,
+    };
     let mut out = Vec::new();
-    for naive in [false, true] {
-        let mut o = upload(s, &vec![bf16::NAN; rows * LATENT])?;
-        let mut l = upload(s, &vec![f32::NAN; rows])?;
-        if naive {
-            v.run_naive(s, &sh, &dq, &dc, &dm, &mut o, &mut l)?;
-        } else {
-            v.run(s, &sh, splits, &dq, &dc, &dm, &lens, &mut o, &mut l)?;
+    let mut po = t.upload(&vec![f32::NAN; splits * rows * LATENT])?;
+    let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
+    let mut o = poisoned_bf16(t, rows * LATENT)?;
+    let mut l = t.upload(&vec![f32::NAN; rows])?;
+    let grid = ((rows as u32).div_ceil(p.rows_per_block()), splits as u32);
+    let mut args = [
+        Arg::In(&dq),
+        Arg::In(&dc),
+        Arg::In(&dm),
+        Arg::In(&dl),
+        Arg::Out(&mut po),
+        Arg::Out(&mut pl),
+        Arg::from(rows as u32),
+        Arg::from(heads as u32),
+        Arg::from(nodes as u32),
+        Arg::from(words as u32),
+        Arg::from(scale),
+    ];
+    // SAFETY: q holds rows rows, the cache lens[0] + nodes rows, the mask nodes rows of words,
+    // the partials splits * rows rows.
+    unsafe { t.launch::<MlaVerifySplit>(p, grid, &mut args)? };
+    let mut args = [
+        Arg::In(&po),
+        Arg::In(&pl),
+        Arg::Out(&mut o),
+        Arg::Out(&mut l),
+        Arg::from(rows as u32),
+        Arg::from(splits as u32),
+    ];
+    // SAFETY: the partials of the split pass; out and lse hold rows rows.
+    unsafe { t.launch::<MlaVerifyCombine>(&(), (rows as u32, 16), &mut args)? };
+    let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
+    out.push(result::<MlaVerifySplit>(p, case.clone(), &got, &want, tol));
+    out.push(result::<MlaVerifySplit>(
+        p,
+        format!("{case} lse"),
+        &t.download(&l)?,
+        &want_lse,
+        ltol,
+    ));
+    if naive {
+        let mut o = poisoned_bf16(t, rows * LATENT)?;
+        let mut l = t.upload(&vec![f32::NAN; rows])?;
+        let mut args = [
+            Arg::In(&dq),
+            Arg::In(&dc),
+            Arg::In(&dm),
+            Arg::Out(&mut o),
+            Arg::Out(&mut l),
+            Arg::from(heads as u32),
+            Arg::from(prefix as u32),
+            Arg::from(nodes as u32),
+            Arg::from(words as u32),
+            Arg::from(scale),
+        ];
+        // SAFETY: as above; out and lse hold rows rows.
+        unsafe { t.launch::<MlaVerifyNaive>(&(), rows as u32, &mut args)? };
+        let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
+        out.push(result::<MlaVerifyNaive>(&(), case.clone(), &got, &want, tol));
+        out.push(result::<MlaVerifyNaive>(
+            &(),
+            format!("{case} lse"),
+            &t.download(&l)?,
+            &want_lse,
+            ltol,
+        ));
+    }
+    Ok(out)
+}
+
+/// Every candidate of [`MlaVerifySplit`] (with [`MlaVerifyCombine`], and the naive kernel on
+/// the default candidate) at the sizes of `sizes`: nodes 1..64, heads 8 and 64, chains and
+/// random trees, ragged prefixes, a grid sized from a larger bound than the device length (empty
+/// splits), one and several splits. The full sizes add contexts up to 32K.
+pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let case = |prefix, bound, nodes, heads, chain, splits| VerifyCase {
+        prefix,
+        bound,
+        nodes,
+        heads,
+        chain,
+        splits,
+    };
+    let mut cases = vec![
+        case(1, 1, 1, 8, true, Some(1)),
+        case(37, 200, 6, 8, false, Some(3)),
+        case(70, 70, 1, 64, true, Some(2)),
+        case(5, 5, 64, 1, false, Some(2)),
+    ];
+    if sizes == Sizes::Full {
+        cases.extend([
+            case(100, 100, 7, 8, false, None),
+            case(1000, 1000, 16, 8, false, None),
+            case(1000, 1000, 8, 64, false, None),
+            case(4096, 4096, 64, 8, false, None),
+            case(32768, 32768, 8, 8, false, None),
+            case(32768, 32768, 1, 8, true, None),
+            case(32768, 32768, 1, 64, true, None),
+            case(513, 513, 33, 8, true, None),
+            case(2000, 2000, 64, 64, false, None),
+            case(5000, 32768, 4, 64, false, None),
+            case(3, 32768, 16, 64, false, None),
+        ]);
+    }
+    if sizes == Sizes::Full {
+        cases.push(case(9, 9, 3, 64, false, Some(1)));
+        cases.push(case(5, 5, 40, 2, false, Some(2)));
+    }
+    let mut out = Vec::new();
+    for (i, p) in MlaVerifySplit::space().iter().enumerate() {
+        for &c in &cases {
+            out.extend(verify(t, p, c, i == 0, rng)?);
         }
-        let got: Vec<f32> = download(s, &o)?.iter().map(|x| x.to_f32()).collect();
-        let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
-        let tol = Tolerance {
-            rtol: 1e-2,
-            atol: 1e-2 * rms,
-            rel_l2: 1e-2,
-        };
-        let c = compare(&got, &want, tol);
-        let (kernel, symbol) = if naive {
-            ("mla_verify_naive", "mla_verify_naive".to_string())
-        } else {
-            ("mla_verify", MlaVerifySplit::symbol(p))
-        };
-        out.push(CheckResult {
-            kernel,
-            symbol: symbol.clone(),
-            case: case.clone(),
-            passed: c.passed(tol),
-            comparison: c,
-        });
-        let ltol = Tolerance {
-            rtol: 1e-3,
-            atol: 1e-3,
-            rel_l2: 1e-3,
-        };
-        let c = compare(&download(s, &l)?, &want_lse, ltol);
-        out.push(CheckResult {
-            kernel: "mla_verify_lse",
-            symbol,
-            case: case.clone(),
-            passed: c.passed(ltol),
-            comparison: c,
-        });
     }
     Ok(out)
 }

@@ -284,6 +284,17 @@ impl GpuAccept {
     }
 }
 
+/// The split count [`GpuVerify::auto_splits`] picks for variant `p` on `sms` SMs: about one
+/// block per SM (a block's shared memory fills an SM), at least two tiles per split of the
+/// `keys` (an upper bound of the length), at most `max_rows_splits / rows`.
+pub fn verify_splits(p: &VerifyParams, sms: usize, rows: usize, keys: usize, max_rows_splits: usize) -> usize {
+    let row_blocks = rows.div_ceil(p.rows_per_block() as usize);
+    sms.div_ceil(row_blocks)
+        .clamp(1, keys.div_ceil(2 * p.bn as usize).max(1))
+        .min(max_rows_splits / rows)
+        .max(1)
+}
+
 /// The verify attention: split-KV + combine for one variant and split count, or naive.
 pub struct GpuVerify {
     split: CompiledKernel<MlaVerifySplit>,
@@ -301,7 +312,9 @@ pub struct VerifyShape {
     pub nodes: usize,
     /// Heads.
     pub heads: usize,
-    /// Committed prefix rows before the tree rows.
+    /// Committed prefix rows before the tree rows. For [`GpuVerify::run`] an upper bound (it
+    /// sizes the grid; the kernel reads the actual length from the device); for
+    /// [`GpuVerify::run_naive`] the length itself.
     pub prefix: usize,
     /// Words per mask row.
     pub words: usize,
@@ -323,24 +336,26 @@ impl GpuVerify {
         })
     }
 
-    /// A split count for about four 4-warp row groups per SM (three blocks of one row group fit
-    /// an SM by registers), with at least 64 keys per split.
-    pub fn auto_splits(&self, sms: usize, sh: &VerifyShape) -> usize {
-        let rows = sh.nodes * sh.heads;
-        let rg = self.split.params().rg as usize;
-        let row_blocks = rows.div_ceil(16 * rg);
-        let keys = sh.prefix + sh.nodes;
-        (4 * sms / rg)
-            .div_ceil(row_blocks)
-            .clamp(1, keys.div_ceil(64).max(1))
-            .min(self.max_rows_splits / rows)
-            .max(1)
+    /// The variant's parameters.
+    pub fn params(&self) -> &VerifyParams {
+        self.split.params()
     }
 
-    /// Split-KV + combine: `q` `[nodes, heads, 576]`, `cache` `[prefix + nodes, 576]`,
-    /// `mask` `[nodes, words]`, `lens[0]` the prefix length on the device (`sh.prefix` is only
-    /// used on the host, by [`GpuVerify::auto_splits`]); writes `out` `[nodes, heads, 512]` and
-    /// `lse` `[nodes, heads]`.
+    /// The split count of [`verify_splits`] for the upper bound `sh.prefix` of the length.
+    pub fn auto_splits(&self, sms: usize, sh: &VerifyShape) -> usize {
+        verify_splits(
+            self.split.params(),
+            sms,
+            sh.nodes * sh.heads,
+            sh.prefix + sh.nodes,
+            self.max_rows_splits,
+        )
+    }
+
+    /// Split-KV + combine: `q` `[nodes, heads, 576]`, `cache` `[lens[0] + nodes, 576]` (at
+    /// least), `mask` `[nodes, words]`, `lens[0]` the committed prefix length on the device (at
+    /// most `sh.prefix`, which only sizes the grid); writes `out` `[nodes, heads, 512]` and `lse`
+    /// `[nodes, heads]`. No host synchronisation: capturable in a CUDA graph.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -350,13 +365,16 @@ impl GpuVerify {
         q: &CudaSlice<bf16>,
         cache: &impl DevicePtr<bf16>,
         mask: &CudaSlice<u32>,
-        lens: &CudaSlice<u32>,
+        lens: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<bf16>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), RuntimeError> {
         let rows = sh.nodes * sh.heads;
-        assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1);
-        let grid = ((rows as u32).div_ceil(16 * self.split.params().rg), splits as u32);
+        assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1 && splits >= 1);
+        let grid = (
+            (rows as u32).div_ceil(self.split.params().rows_per_block()),
+            splits as u32,
+        );
         // SAFETY: shapes as documented; partials hold rows * splits rows.
         unsafe {
             MlaVerifySplit::launch(
@@ -366,9 +384,9 @@ impl GpuVerify {
                 q,
                 cache,
                 mask,
+                lens,
                 &mut self.part_o,
                 &mut self.part_lse,
-                lens,
                 rows as u32,
                 sh.heads as u32,
                 sh.nodes as u32,

@@ -4,12 +4,18 @@
 //! Query rows are `(node, head)` pairs, `rows = nodes * heads`, each 576 wide (512 latent +
 //! 64 rope). Keys are the `prefix + nodes` cache rows; row `r` sees every prefix row and the
 //! tree rows `prefix + t` whose bit `t` is set in its node's mask row. The value of a key is
-//! its first 512 entries. The KV range is cut into `splits` chunks (grid y); each block streams
-//! its chunk once through a `stages`-deep `cp.async` ring of `bn`-key tiles (the next tiles load
-//! while the current one is computed) for `16 * rg` query rows with `mma.sync` bf16 tensor cores:
-//! the score `Q K^T` is split over four warps by the 576-dim reduction, summed through shared
-//! memory, and each warp then owns 128 of the 512 output columns for `P V`.
-//! [`MlaVerifyCombine`] merges the split partials by their log-sum-exp.
+//! its first 512 entries. The prefix length is read on the device (`lens[0]`), so a launch can
+//! be captured in a CUDA graph and replayed as the context grows; the grid is sized on the host
+//! from an upper bound.
+//!
+//! [`MlaVerifySplit`]: one block holds `16 * rg` query rows (all 64 heads of a node at
+//! `rg = 4`) in shared memory and streams one chunk of the keys (grid y = splits) once through a
+//! `stages`-deep `cp.async` ring of `bn`-key tiles in dynamic shared memory, so each KV byte is
+//! read from DRAM once per split for up to 64 rows. Tensor cores (`mma.sync` m16n8k16 bf16,
+//! operands through `ldmatrix`): per row group of 16 rows, four warps split the 576-dim score
+//! reduction (summed through shared memory in a fixed order, so they agree), and each then owns
+//! 128 of the 512 output columns for `P V`; online softmax in f32. [`MlaVerifyCombine`] merges
+//! the split partials by their log-sum-exp.
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
@@ -19,52 +25,77 @@ use crate::common::warp_sum;
 /// Compile-time parameters of [`MlaVerifySplit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct VerifyParams {
-    /// Row groups of 16 query rows per block (4 warps each).
+    /// Row groups of 16 query rows per block (4 warps each): 1..=4.
     pub rg: u32,
-    /// KV tile (keys per step): 16 or 32.
+    /// KV tile (keys per step): 16, 32 or 64.
     pub bn: u32,
     /// Depth of the shared-memory tile ring (tiles in flight plus the one being computed), >= 2.
     pub stages: u32,
 }
 
-/// Split-KV pass. Grid: `(ceil(rows / (16 rg)), splits)`; with `prefix = lens[0]` (read on the
-/// device, so that a recorded CUDA graph sees the current length) split `s` covers keys
-/// `[s * chunk, min((s + 1) * chunk, prefix + nodes))`, `chunk` the share of one split rounded
-/// up to a multiple of `bn` (splits past the keys see none).
-/// Iteration `it` issues the load of tile `it` and computes tile `it - (stages - 1)`, so
-/// `stages - 1` tiles are in flight while one is computed, with two barriers per tile.
-/// Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and partial natural
-/// log-sum-exp `part_lse` (`[splits, rows]`, -inf when the split saw no key).
-#[kernel(block = p.rg * 128, space = [
-    VerifyParams { rg: 1, bn: 16, stages: 2 },
-    VerifyParams { rg: 2, bn: 16, stages: 2 },
-    VerifyParams { rg: 3, bn: 16, stages: 2 },
+impl VerifyParams {
+    /// Query rows per block.
+    pub const fn rows_per_block(&self) -> u32 {
+        16 * self.rg
+    }
+
+    /// Bytes of dynamic shared memory: the Q tile plus the KV ring, bf16.
+    pub const fn dyn_smem(&self) -> u32 {
+        (self.rg * 16 + self.stages * self.bn) * 576 * 2
+    }
+
+    /// Row stride of the score partials (padded against bank conflicts).
+    pub const fn sp_stride(&self) -> u32 {
+        self.bn + 8
+    }
+}
+
+/// Split-KV pass. Grid: `(ceil(rows / (16 rg)), splits)`. With `total = lens[0] + nodes` and
+/// `chunk = ceil(total / splits)` rounded up to `bn`, split `s` covers keys
+/// `[s * chunk, min((s + 1) * chunk, total))` (possibly none). Iteration `it` issues the load of
+/// tile `it` and computes tile `it - (stages - 1)`, so `stages - 1` tiles are in flight while one
+/// is computed. Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and
+/// partial natural log-sum-exp `part_lse` (`[splits, rows]`, -inf when the split saw no key).
+#[kernel(block = p.rg * 128, dyn_smem = p.dyn_smem(), space = [
+    VerifyParams { rg: 4, bn: 32, stages: 2 },
+    VerifyParams { rg: 4, bn: 32, stages: 3 },
+    VerifyParams { rg: 2, bn: 64, stages: 2 },
+    VerifyParams { rg: 2, bn: 32, stages: 4 },
+    VerifyParams { rg: 1, bn: 64, stages: 2 },
 ])]
 pub fn mla_verify_split(
     #[comptime] p: &VerifyParams,
     q: &[bf16],
     cache: &[bf16],
     mask: &[u32],
+    lens: &[u32],
     part_o: &mut [f32],
     part_lse: &mut [f32],
-    lens: &[u32],
     rows: u32,
     heads: u32,
     nodes: u32,
     words: u32,
     scale: f32,
 ) {
-    comptime_assert!(p.bn == 16 || p.bn == 32, "bn must be 16 or 32");
+    comptime_assert!(p.bn == 16 || p.bn == 32 || p.bn == 64, "bn must be 16, 32 or 64");
     comptime_assert!(p.rg >= 1 && p.rg <= 4, "rg must be 1..=4");
     comptime_assert!(p.stages >= 2, "stages must be at least 2");
     comptime_assert!(
-        p.stages * p.bn * 576 * 2 + p.rg * 4 * 16 * p.bn * 4 <= 49152,
-        "static shared memory is limited to 48 KiB"
+        p.rg * 4 * 16 * (p.bn + 8) * 4 <= 49152,
+        "the score partials must fit the 48 KiB of static shared memory"
+    );
+    comptime_assert!(
+        (p.rg * 16 + p.stages * p.bn) * 1152 + p.rg * 4 * 16 * (p.bn + 8) * 4 <= 232448,
+        "shared memory is limited to 227 KiB per block"
     );
     let threads = p.rg * 128;
     let nt = p.bn / 8;
-    let sk = shared::<bf16>(p.stages * p.bn * 576);
-    let sp = shared::<f32>(p.rg * 4 * 16 * p.bn);
+    let ss = p.bn + 8;
+    // Q tile `[16 rg, 576]` at 0, then the ring of `stages` tiles `[bn, 576]`; rows of 72
+    // 16-byte chunks, chunk `c` of row `r` stored at `c ^ (r % 8)` (conflict-free ldmatrix).
+    let sm = dyn_shared::<bf16>();
+    let ring = p.rg * 16 * 576;
+    let sp = shared::<f32>(p.rg * 4 * 16 * (p.bn + 8));
     let tid = thread_idx_x();
     let lane = lane_id();
     let warp = warp_id();
@@ -72,34 +103,33 @@ pub fn mla_verify_split(
     let cg = warp % 4;
     let g = lane / 4;
     let qd = lane % 4;
-    let row0 = block_idx_x() * 16 * p.rg + rgi * 16;
+    let blk0 = block_idx_x() * 16 * p.rg;
+    let row0 = blk0 + rgi * 16;
     let ra = row0 + g;
     let rb = row0 + g + 8;
     let prefix = lens[0];
     let total = prefix + nodes;
-    let chunk = (total + grid_dim_y() * p.bn - 1) / (grid_dim_y() * p.bn) * p.bn;
+    let splits = grid_dim_y();
+    let chunk = ((total + splits - 1) / splits + p.bn - 1) / p.bn * p.bn;
     let kv0 = block_idx_y() * chunk;
     let kv1 = (kv0 + chunk).min(total);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let node_a = (ra / heads).min(nodes - 1);
     let node_b = (rb / heads).min(nodes - 1);
 
-    // This warp's 16 query rows over its 144 dims of the score reduction, as A fragments.
-    let mut qf = [[0u32; 4]; 9];
-    #[unroll]
-    for kk in 0..9 {
-        let d = cg * 144 + kk * 16 + qd * 2;
-        if ra < rows {
-            qf[kk][0] = pack_bf16x2(q[ra * 576 + d] as f32, q[ra * 576 + d + 1] as f32);
-            qf[kk][2] = pack_bf16x2(q[ra * 576 + d + 8] as f32, q[ra * 576 + d + 9] as f32);
-        }
-        if rb < rows {
-            qf[kk][1] = pack_bf16x2(q[rb * 576 + d] as f32, q[rb * 576 + d + 1] as f32);
-            qf[kk][3] = pack_bf16x2(q[rb * 576 + d + 8] as f32, q[rb * 576 + d + 9] as f32);
-        }
+    // The block's query rows (zero past `rows`): the oldest cp.async group.
+    for ch in (tid..p.rg * 16 * 72).step_by(threads) {
+        let r = ch / 72;
+        let c = ch % 72;
+        let ok = blk0 + r < rows;
+        let src = if ok { (blk0 + r) * 576 + c * 8 } else { 0u32 };
+        cp_async_16_zfill(&mut sm[r * 576 + (c ^ (r % 8)) * 8], &q[src], ok);
     }
+    cp_async_commit();
+
     let mut acc = [[0.0f32; 4]; 16];
     let mut s = [[0.0f32; 4]; nt];
+    let mut qa = [0u32; 4];
     let mut bq = [0u32; 4];
     let mut b = [0u32; 2];
     let mut pa = [0u32; 4];
@@ -110,26 +140,26 @@ pub fn mla_verify_split(
 
     let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
     for it in 0..ntiles + p.stages - 1 {
-        // Tile `it - (stages - 1)` has landed, and every warp is done with tile `it - stages`,
-        // whose slot tile `it` reuses.
+        // Tile `it - (stages - 1)` (and the Q tile) has landed, and every warp is done with
+        // tile `it - stages`, whose slot tile `it` reuses.
         cp_async_wait(p.stages - 2);
         sync_threads();
         if it < ntiles {
-            let ld = (it % p.stages) * p.bn * 576;
+            let ld = ring + (it % p.stages) * p.bn * 576;
             let kl = kv0 + it * p.bn;
             for ch in (tid..p.bn * 72).step_by(threads) {
                 let r = ch / 72;
                 let c = ch % 72;
                 let ok = kl + r < kv1;
                 let src = if ok { (kl + r) * 576 + c * 8 } else { 0u32 };
-                cp_async_16_zfill(&mut sk[ld + r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+                cp_async_16_zfill(&mut sm[ld + r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
             }
         }
         cp_async_commit();
         if it + 1 >= p.stages {
             let ti = it + 1 - p.stages;
             let kt = kv0 + ti * p.bn;
-            let st = (ti % p.stages) * p.bn * 576;
+            let st = ring + (ti % p.stages) * p.bn * 576;
 
             // Partial scores over this warp's 144 dims.
             #[unroll]
@@ -141,27 +171,30 @@ pub fn mla_verify_split(
             }
             #[unroll]
             for kk in 0..9 {
+                let qr = rgi * 16 + lane % 16;
+                let qc = cg * 18 + kk * 2 + lane / 16;
+                ldmatrix_x4(&mut qa, &sm[qr * 576 + (qc ^ (qr % 8)) * 8]);
                 #[unroll]
                 for jp in 0..nt / 2 {
                     let r = jp * 16 + (lane / 16) * 8 + lane % 8;
                     let c = cg * 18 + kk * 2 + (lane / 8) % 2;
-                    ldmatrix_x4(&mut bq, &sk[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    ldmatrix_x4(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
                     b[0] = bq[0];
                     b[1] = bq[1];
-                    mma_m16n8k16_bf16(&mut s[2 * jp], &qf[kk], &b);
+                    mma_m16n8k16_bf16(&mut s[2 * jp], &qa, &b);
                     b[0] = bq[2];
                     b[1] = bq[3];
-                    mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qf[kk], &b);
+                    mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qa, &b);
                 }
             }
-            let mine = (rgi * 4 + cg) * 16 * p.bn;
+            let mine = (rgi * 4 + cg) * 16 * ss;
             #[unroll]
             for j in 0..nt {
                 let col = j * 8 + qd * 2;
-                sp[mine + g * p.bn + col] = s[j][0];
-                sp[mine + g * p.bn + col + 1] = s[j][1];
-                sp[mine + (g + 8) * p.bn + col] = s[j][2];
-                sp[mine + (g + 8) * p.bn + col + 1] = s[j][3];
+                sp[mine + g * ss + col] = s[j][0];
+                sp[mine + g * ss + col + 1] = s[j][1];
+                sp[mine + (g + 8) * ss + col] = s[j][2];
+                sp[mine + (g + 8) * ss + col + 1] = s[j][3];
             }
             sync_threads();
 
@@ -174,8 +207,8 @@ pub fn mla_verify_split(
                 for e in 0..4 {
                     let rl = g + (e / 2) * 8;
                     let col = j * 8 + qd * 2 + e % 2;
-                    let base = rgi * 4 * 16 * p.bn + rl * p.bn + col;
-                    let v = sp[base] + sp[base + 16 * p.bn] + sp[base + 32 * p.bn] + sp[base + 48 * p.bn];
+                    let base = rgi * 4 * 16 * ss + rl * ss + col;
+                    let v = sp[base] + sp[base + 16 * ss] + sp[base + 32 * ss] + sp[base + 48 * ss];
                     let key = kt + col;
                     let node = if e < 2 { node_a } else { node_b };
                     let t = key - prefix;
@@ -230,7 +263,7 @@ pub fn mla_verify_split(
                 for t2 in 0..8 {
                     let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
                     let c = cg * 16 + t2 * 2 + lane / 16;
-                    ldmatrix_x4_trans(&mut bq, &sk[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    ldmatrix_x4_trans(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
                     b[0] = bq[0];
                     b[1] = bq[1];
                     mma_m16n8k16_bf16(&mut acc[2 * t2], &pa, &b);
@@ -299,13 +332,12 @@ pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], ls
     let mut o = 0.0f32;
     for sidx in (warp..splits).step_by(4) {
         let ls = part_lse[sidx * rows + r];
-        let w = if ls == f32::NEG_INFINITY {
-            0.0f32
-        } else {
-            (ls - m).exp()
-        };
-        wsum += w;
-        o += w * part_o[(sidx * rows + r) * 512 + col];
+        // Splits past the device-side length saw no key: skip their partials.
+        if ls != f32::NEG_INFINITY {
+            let w = (ls - m).exp();
+            wsum += w;
+            o += w * part_o[(sidx * rows + r) * 512 + col];
+        }
     }
     let so = shared::<f32>(4 * 32);
     let sw = shared::<f32>(4);

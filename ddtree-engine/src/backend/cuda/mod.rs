@@ -1550,7 +1550,7 @@ impl Backend for CudaBackend {
                     q,
                     &kv,
                     &mask,
-                    &lens,
+                    &*lens,
                     out.bf16_mut("mla_attention")?,
                     &mut lse,
                 )?;
