@@ -451,7 +451,11 @@ pub fn tree_build(
             meta[0] = 0u32;
             n_score[0] = 0.0f32;
             f_rank[0] = 0u32;
-            f_key[0] = if depth > 0 && budget > 0 { order_key(lp[0]) } else { 0u32 };
+            f_key[0] = if depth > 0 && budget > 0 {
+                order_key(lp[0])
+            } else {
+                0u32
+            };
         }
         sync_warp();
         // Lane i caches the best entry among streams i, i + 32, ...: node `best`, its next

@@ -10,8 +10,8 @@ use rand::Rng;
 use super::gpu::{download, upload, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
-    accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifySplit, TreeSample,
-    TreeBuild, VerifyParams, LATENT, ROW,
+    accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifySplit, TreeBuild,
+    TreeSample, VerifyParams, LATENT, ROW,
 };
 use crate::check::{compare, random_bf16, CheckResult, Comparison, Tolerance};
 

@@ -99,7 +99,10 @@ impl GpuBuilder {
         // Slice blocks per depth: as few as the variant's span allows.
         let nb = vocab.div_ceil(p.span as usize);
         let span = vocab.div_ceil(nb);
-        assert!(nb * k < 65536, "vocab {vocab} needs {nb} slices of {k} candidates: too many");
+        assert!(
+            nb * k < 65536,
+            "vocab {vocab} needs {nb} slices of {k} candidates: too many"
+        );
         let cap = budget + 1;
         Ok(GpuBuilder {
             kernel: gpu.compile::<TreeBuild>(p)?,
