@@ -9,6 +9,9 @@ use crate::ir::{Expr, ExprKind, Lit, Scalar, Space, Ty};
 pub enum Intrinsic {
     /// `sync_warp()`: `__syncwarp()`.
     SyncWarp,
+    /// `thread_fence()`: `__threadfence()`, orders this thread's global writes before its later
+    /// writes for every thread of the device (the "last block" pattern: write, fence, count).
+    ThreadFence,
     /// `shfl_xor(v, lane_mask)`.
     ShflXor,
     /// `shfl_down(v, delta)`.
@@ -85,6 +88,7 @@ use Intrinsic::*;
 /// Every intrinsic, in prelude order.
 pub const ALL: &[Intrinsic] = &[
     SyncWarp,
+    ThreadFence,
     ShflXor,
     ShflDown,
     ShflUp,
@@ -126,6 +130,7 @@ impl Intrinsic {
     pub fn dsl_name(self) -> &'static str {
         match self {
             SyncWarp => "sync_warp",
+            ThreadFence => "thread_fence",
             ShflXor => "shfl_xor",
             ShflDown => "shfl_down",
             ShflUp => "shfl_up",
@@ -171,7 +176,7 @@ impl Intrinsic {
     /// Number of arguments.
     pub fn arity(self) -> usize {
         match self {
-            SyncWarp | CpAsyncCommit => 0,
+            SyncWarp | ThreadFence | CpAsyncCommit => 0,
             Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 => 2,
@@ -202,6 +207,7 @@ impl Intrinsic {
     pub fn c_name(self) -> &'static str {
         match self {
             SyncWarp => "__syncwarp",
+            ThreadFence => "__threadfence",
             ShflXor => "__shfl_xor_sync",
             ShflDown => "__shfl_down_sync",
             ShflUp => "__shfl_up_sync",
@@ -266,7 +272,7 @@ impl Intrinsic {
         let u32t = Ty::Scalar(Scalar::U32);
         let name = self.dsl_name();
         Ok(match self {
-            SyncWarp | CpAsyncCommit => Ty::Void,
+            SyncWarp | ThreadFence | CpAsyncCommit => Ty::Void,
             ShflXor | ShflDown | ShflUp | ShflIdx => {
                 let t = value_ty(&args[0], name, &[Scalar::F32, Scalar::U32, Scalar::I32])?;
                 expect(&mut args[1], Scalar::U32, name, 2)?;

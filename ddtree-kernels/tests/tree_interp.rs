@@ -6,7 +6,7 @@ use ddtree_codegen::interp::{Buffer, Element, HostArg, Program};
 use ddtree_codegen::Kernel;
 use ddtree_kernels::tree::reference::{build_with_lse, DraftTree};
 use ddtree_kernels::tree::{
-    accept_reference, sample_rows, CompactRows, TreeAccept, TreeExpand, TreeSample, TreeTopk, TreeTopkParams,
+    accept_reference, sample_rows, CompactRows, TreeAccept, TreeBuild, TreeBuildParams, TreeSample,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -27,65 +27,59 @@ fn u(v: u32) -> HostArg<'static> {
     HostArg::Scalar(v.into())
 }
 
-/// Builds a tree with the builder kernels (top-K part and merge passes, expansion); returns it
-/// and the kernels' lse. `span` is the part pass's slice length.
-fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32, span: usize) -> (DraftTree, Vec<f32>) {
+/// Builds a tree with [`TreeBuild`] variant `p` (one launch; slices of `span` logits); returns
+/// it and the kernel's lse. Launches twice to check that the counters are left at zero.
+fn gpu_build(
+    p: &TreeBuildParams,
+    logits: &[f32],
+    l: usize,
+    v: usize,
+    budget: usize,
+    root: u32,
+    span: usize,
+) -> (DraftTree, Vec<f32>) {
     let k = budget.min(v);
     let cap = budget + 1;
+    let span = span.min(p.span as usize);
     let nb = v.div_ceil(span);
     let lg = buf(logits);
     let rootb = buf(&[root]);
-    let (mut cv, mut ct, mut ms) = (
-        buf(&vec![f32::NAN; l * nb * k]),
+    let mut scratch = [
+        buf(&vec![u32::MAX; l * nb * k]),
         buf(&vec![u32::MAX; l * nb * k]),
         buf(&vec![f32::NAN; l * nb * 2]),
-    );
-    let scalars = || [u(v as u32), u(k as u32), u(span as u32), u(nb as u32)];
-    let mut args = vec![
-        HostArg::In(&lg),
-        HostArg::In(&rootb),
-        HostArg::In(&lg),
-        HostArg::Out(&mut cv),
-        HostArg::Out(&mut ct),
-        HostArg::Out(&mut ms),
-    ];
-    args.extend(scalars());
-    run::<TreeTopk>(&TreeTopkParams::PART, [nb as u32, l as u32, 1], &mut args);
-    let (mut lse, mut lp, mut tok) = (
-        buf(&vec![f32::NAN; l]),
         buf(&vec![f32::NAN; l * k]),
         buf(&vec![u32::MAX; l * k]),
-    );
-    let mut args = vec![
-        HostArg::In(&cv),
-        HostArg::In(&ct),
-        HostArg::In(&ms),
-        HostArg::Out(&mut lp),
-        HostArg::Out(&mut tok),
-        HostArg::Out(&mut lse),
+        buf(&vec![f32::NAN; l]),
+        buf(&vec![0u32; l + 1]),
     ];
-    args.extend(scalars());
-    run::<TreeTopk>(&TreeTopkParams::MERGE, [1, l as u32, 1], &mut args);
     let mut outs = [
-        buf(&vec![0u32; cap]),
-        buf(&vec![0i32; cap]),
-        buf(&vec![0u32; cap]),
-        buf(&vec![0i32; cap]),
-        buf(&vec![0i32; cap]),
-        buf(&vec![0f32; cap]),
+        buf(&vec![u32::MAX; cap]),
+        buf(&vec![i32::MIN; cap]),
+        buf(&vec![u32::MAX; cap]),
+        buf(&vec![i32::MIN; cap]),
+        buf(&vec![i32::MIN; cap]),
+        buf(&vec![f32::NAN; cap]),
         buf(&[0u32]),
         buf(&vec![0xdead_beefu32; cap * cap.div_ceil(32)]),
         buf(&vec![0u32; cap]),
     ];
-    {
+    for _ in 0..2 {
+        let [ck, ct, ms, lp, tok, lse, counters] = &mut scratch;
         let [tk, par, dep, fc, ns, plp, n, mask, meta] = &mut outs;
-        run::<TreeExpand>(
-            &(),
-            [1, 1, 1],
+        run::<TreeBuild>(
+            p,
+            [nb as u32, l as u32, 1],
             &mut [
-                HostArg::In(&lp),
-                HostArg::In(&tok),
+                HostArg::In(&lg),
                 HostArg::In(&rootb),
+                HostArg::Out(ck),
+                HostArg::Out(ct),
+                HostArg::Out(ms),
+                HostArg::Out(lp),
+                HostArg::Out(tok),
+                HostArg::Out(lse),
+                HostArg::Out(counters),
                 HostArg::Out(tk),
                 HostArg::Out(par),
                 HostArg::Out(dep),
@@ -95,11 +89,14 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32, span:
                 HostArg::Out(n),
                 HostArg::Out(mask),
                 HostArg::Out(meta),
-                u(l as u32),
+                u(v as u32),
                 u(k as u32),
+                u(v.div_ceil(nb) as u32),
+                u(l as u32),
                 u(budget as u32),
             ],
         );
+        assert_eq!(counters.to_vec::<u32>(), vec![0; l + 1], "counters left at zero");
     }
     let n = outs[6].to_vec::<u32>()[0] as usize;
     let words = n.div_ceil(32);
@@ -113,7 +110,7 @@ fn gpu_build(logits: &[f32], l: usize, v: usize, budget: usize, root: u32, span:
         words,
         path_logprob: outs[5].to_vec::<f32>()[..n].to_vec(),
     };
-    (t, lse.to_vec())
+    (t, scratch[5].to_vec())
 }
 
 #[test]
@@ -137,9 +134,11 @@ fn builder_kernels_match_the_reference() {
                 }
             })
             .collect();
-        let (t, lse) = gpu_build(&logits, l, v, budget, 17, span);
-        let want = build_with_lse(&logits, v, budget, 17, &lse);
-        assert_eq!(t, want, "l={l} v={v} budget={budget}");
+        for p in TreeBuild::space() {
+            let (t, lse) = gpu_build(&p, &logits, l, v, budget, 17, span);
+            let want = build_with_lse(&logits, v, budget, 17, &lse);
+            assert_eq!(t, want, "{} l={l} v={v} budget={budget}", TreeBuild::symbol(&p));
+        }
     }
 }
 
@@ -173,10 +172,11 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
         target[0] = tree.token[c];
     }
     let want = accept_reference(&tree, &target);
-    let (tk, fc, ns, tg) = (
+    let (tk, par, dep, nn, tg) = (
         buf(&tree.token),
-        buf(&tree.first_child),
-        buf(&tree.next_sibling),
+        buf(&tree.parent),
+        buf(&tree.depth),
+        buf(&[n as u32]),
         buf(&target),
     );
     let (mut acc, mut len, mut bonus) = (buf(&vec![u32::MAX; l + 1]), buf(&[0u32]), buf(&[0u32]));
@@ -185,8 +185,9 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
         [1, 1, 1],
         &mut [
             HostArg::In(&tk),
-            HostArg::In(&fc),
-            HostArg::In(&ns),
+            HostArg::In(&par),
+            HostArg::In(&dep),
+            HostArg::In(&nn),
             HostArg::In(&tg),
             HostArg::Out(&mut acc),
             HostArg::Out(&mut len),

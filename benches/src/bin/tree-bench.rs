@@ -1,6 +1,6 @@
 //! DDTree step kernels on the GPU, in one run: checks against the CPU references (builder,
-//! verify attention, sampling, accept, compaction), then timings: build + accept at
-//! B = 16/64/256/1024 (L = 7, V = 163840) and verify attention at ctx 1K/4K/16K/32K x nodes
+//! verify attention, sampling, accept, compaction), then timings: build (every variant) +
+//! accept at B = 16/64/256/1024 (L = 7 and 15, V = 163840) and verify attention at ctx 1K/4K/16K/32K x nodes
 //! 1/8/16/32/64 x heads 8/64 against the floor (measured copy bandwidth and cuBLAS bf16 rate)
 //! and the naive kernel. Verify attention times every candidate of `mla_verify_split` (rows per
 //! block, KV tile, ring depth) at the automatic split count, twice and half it, and reports the
@@ -15,7 +15,7 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{CheckResult, Sizes, Target};
 use ddtree_kernels::tree::check::{self, random_logits, random_mask};
 use ddtree_kernels::tree::gpu::{upload, zeros, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
-use ddtree_kernels::tree::{MlaVerifySplit, LATENT, ROW};
+use ddtree_kernels::tree::{MlaVerifySplit, TreeBuild, LATENT, ROW};
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
@@ -96,27 +96,44 @@ fn bf16_rate(gpu: &Gpu) -> Result<f64, RuntimeError> {
 
 fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let (l, v) = (7usize, 163840usize);
-    println!("\n| B | build µs | accept µs | compact 61 layers µs | build+accept µs |");
-    println!("|---:|---:|---:|---:|---:|");
-    let copies: Vec<_> = (0..8)
-        .map(|_| upload(s, &random_logits(rng, l, v)))
-        .collect::<Result<_, _>>()?;
-    for b in [16usize, 64, 256, 1024] {
-        let mut bld = GpuBuilder::new(gpu, l, v, b)?;
-        let mut acc = GpuAccept::new(gpu, l)?;
-        let mut root = upload(s, &[5u32])?;
-        let target = upload(s, &vec![0u32; b + 1])?;
-        let build = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
-        let accept = median_us(s, 5, 50, |_| acc.accept(s, &bld, &target, &mut root))?;
-        let mut cache = zeros::<bf16>(s, 61 * 4096 * ROW)?;
-        let compact = median_us(s, 3, 20, |_| acc.compact(s, &mut cache, 61, 3000, ROW, 4096 * ROW))?;
-        let both = median_us(s, 5, 50, |i| {
-            bld.build(s, &copies[i % copies.len()], &root)?;
-            acc.accept(s, &bld, &target, &mut root)
-        })?;
-        println!("| {b} | {build:.1} | {accept:.1} | {compact:.1} | {both:.1} |");
-        rows.push(format!("build B={b:<5} build {build:>8.1} µs  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs"));
+    let v = 163840usize;
+    println!("\n| L | B | build µs (default) | best variant µs | accept µs | compact 61 layers µs | build+accept µs |");
+    println!("|---:|---:|---:|---|---:|---:|---:|");
+    for l in [7usize, 15] {
+        let copies: Vec<_> = (0..8)
+            .map(|_| upload(s, &random_logits(rng, l, v)))
+            .collect::<Result<_, _>>()?;
+        for b in [16usize, 64, 256, 1024] {
+            let mut acc = GpuAccept::new(gpu, l)?;
+            let mut root = upload(s, &[5u32])?;
+            let target = upload(s, &vec![0u32; b + 1])?;
+            let mut best: Option<(f64, String)> = None;
+            let mut default_us = 0.0;
+            for (i, p) in TreeBuild::space().into_iter().enumerate() {
+                let mut bld = GpuBuilder::with_params(gpu, &p, l, v, b)?;
+                let us = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
+                if i == 0 {
+                    default_us = us;
+                }
+                if best.as_ref().is_none_or(|x| us < x.0) {
+                    best = Some((us, TreeBuild::symbol(&p)));
+                }
+            }
+            let (best_us, best_sym) = best.expect("at least one variant");
+            let mut bld = GpuBuilder::new(gpu, l, v, b)?;
+            bld.build(s, &copies[0], &root)?;
+            let accept = median_us(s, 5, 50, |_| acc.accept(s, &bld, &target, &mut root))?;
+            let mut cache = zeros::<bf16>(s, 61 * 4096 * ROW)?;
+            let compact = median_us(s, 3, 20, |_| acc.compact(s, &mut cache, 61, 3000, ROW, 4096 * ROW))?;
+            let both = median_us(s, 5, 50, |i| {
+                bld.build(s, &copies[i % copies.len()], &root)?;
+                acc.accept(s, &bld, &target, &mut root)
+            })?;
+            println!(
+                "| {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {accept:.1} | {compact:.1} | {both:.1} |"
+            );
+            rows.push(format!("build L={l:<2} B={b:<5} build {default_us:>8.1} µs (best {best_us:.1} {best_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs"));
+        }
     }
     Ok(())
 }

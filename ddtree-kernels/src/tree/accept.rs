@@ -5,44 +5,61 @@
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-/// Walks from the root along the child whose token equals `target[cur]` (one thread; grid 1).
-/// Writes the accepted node indices (root first) to `accepted`, their count to
-/// `accept_len[0]` and the next bonus token to `bonus[0]` (which may be the next build's root
-/// buffer).
-#[kernel(block = 32)]
+/// Greedy accept in one block (grid 1): node `i > 0` matches when `token[i] ==
+/// target[parent[i]]`, and is accepted when it and all its ancestors match (siblings have
+/// distinct tokens, so the accepted nodes are one path from the root: the walk along the child
+/// whose token equals `target[cur]`). Reads the node count from `n_nodes[0]`; writes the accepted
+/// node indices by depth (root first) to `accepted`, their count to `accept_len[0]` and the next
+/// bonus token (the target's token at the deepest accepted node) to `bonus[0]` (which may be
+/// the next build's root buffer). Needs at most 1025 nodes.
+#[kernel(block = 256)]
 pub fn tree_accept(
     token: &[u32],
-    first_child: &[i32],
-    next_sibling: &[i32],
+    parent: &[i32],
+    depth: &[u32],
+    n_nodes: &[u32],
     target: &[u32],
     accepted: &mut [u32],
     accept_len: &mut [u32],
     bonus: &mut [u32],
 ) {
-    if thread_idx_x() == 0 {
-        let mut cur = 0u32;
-        let mut len = 1u32;
-        accepted[0] = 0u32;
-        let mut moving = true;
-        while moving {
-            let want = target[cur];
-            let mut c = first_child[cur];
-            moving = false;
-            while c >= 0 {
-                let cu = c as u32;
-                if token[cu] == want {
-                    accepted[len] = cu;
-                    len += 1;
-                    cur = cu;
-                    moving = true;
-                    c = -1;
-                } else {
-                    c = next_sibling[cu];
-                }
-            }
+    let ok = shared::<u32>(1025);
+    let par = shared::<u32>(1025);
+    let deepest = shared::<u32>(1);
+    let tid = thread_idx_x();
+    let n = n_nodes[0];
+    if tid == 0 {
+        deepest[0] = 0u32;
+    }
+    for i in (tid..n).step_by(256) {
+        if i == 0 {
+            ok[0] = 1u32;
+            par[0] = 0u32;
+        } else {
+            let pi = parent[i] as u32;
+            par[i] = pi;
+            ok[i] = if token[i] == target[pi] { 1u32 } else { 0u32 };
         }
-        accept_len[0] = len;
-        bonus[0] = target[cur];
+    }
+    sync_threads();
+    for i in (tid..n).step_by(256) {
+        let mut a = i;
+        let mut good = ok[i] == 1u32;
+        while good && a != 0 {
+            a = par[a];
+            good = ok[a] == 1u32;
+        }
+        if good {
+            let d = depth[i];
+            accepted[d] = i;
+            deepest.atomic_max(0, (d << 11) | i);
+        }
+    }
+    sync_threads();
+    if tid == 0 {
+        let dn = deepest[0];
+        accept_len[0] = (dn >> 11) + 1;
+        bonus[0] = target[dn & 2047u32];
     }
 }
 

@@ -1,50 +1,41 @@
-//! The GPU tree builder, three launches with no host copy:
+//! The GPU tree builder: one launch, no host copy.
 //!
-//! 1. [`TreeTopk`] part pass (grid = `(nb, L)`): each block reads its slice of a depth's row
-//!    once into shared memory (order keys), writes the slice's partial max / sum of exponentials,
-//!    and its exact top `min(k, slice)` (radix select, 8-bit digits over the order key, ties at
-//!    the threshold by smaller token id), best first, as candidate logits and token ids.
-//! 2. [`TreeTopk`] merge pass (grid = `(1, L)`): the depth's log-sum-exp from the partials, then
-//!    the same radix select over the `nb * k` candidates, giving the depth's top `k` log-probs
-//!    and tokens, best first.
-//! 3. [`TreeExpand`] (one block): DDTree's best-first expansion by warp 0, then the tree arrays
-//!    and the ancestor-or-self mask rows by all threads. The frontier holds at most one entry
-//!    per emitted node (its next child to emit), so the frontier is indexed by node; lane `i % 32`
-//!    caches the best entry among nodes `i`, and a pop is a 5-step `u32` shuffle max of the
-//!    entries' order keys (equal scores: the exact rank-tuple rule of [`super::reference`],
-//!    found by walking the two paths).
+//! [`TreeBuild`] runs on a grid of `(nb, L)` blocks and chains three stages with the
+//! "last block" pattern (write, [`thread_fence`], count on an atomic counter; the block that
+//! brings a counter to its end carries on, and resets the counter for the next launch):
+//!
+//! 1. **Slice** (every block): block `b` of depth `row` reads logits `[b * span, (b + 1) *
+//!    span)` of its row once for the slice's max and sum of exponentials, and selects the
+//!    slice's top `min(k, slice)` by radix select over order keys (8-bit digits from the top,
+//!    stopping as soon as the digit bucket of the k-th key is taken whole; equal keys by smaller
+//!    token id). The selected keys and tokens go to the candidate buffers in token order.
+//! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
+//!    warp), the same radix select over the `nb * k` candidates, and the `k` winners ranked
+//!    (larger key, then smaller token) into the depth's log-probs `min(x - lse, 0)` and tokens.
+//! 3. **Expand** (the last merging block): DDTree's best-first expansion by warp 0, then the
+//!    tree arrays and the ancestor-or-self mask rows by all threads. The frontier holds one
+//!    entry per emitted node (its next child: every node's children are a sorted stream), owned
+//!    by lane `node % 32`, which caches the best of its entries; a pop is a 5-step shuffle max
+//!    of the lanes' order keys (equal scores: the exact rank-tuple rule of
+//!    [`super::reference`], found by walking the two paths), after which only the popped
+//!    stream's lane rescans its entries and the new node's lane compares one entry.
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-/// Compile-time parameters of [`TreeTopk`].
+/// Compile-time parameters of [`TreeBuild`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
-pub struct TreeTopkParams {
+pub struct TreeBuildParams {
     /// Threads per block.
     pub block: u32,
-    /// Part pass: the most logits per block (held in shared memory as order keys). The merge
-    /// pass reads its candidates from global memory and keeps a one-warp scratch of this size.
+    /// The most logits per slice block.
     pub span: u32,
-    /// Merge pass (reads the part pass's candidates and partials).
-    pub merge: bool,
 }
 
-impl TreeTopkParams {
-    /// The part pass's variant.
-    pub const PART: TreeTopkParams = TreeTopkParams {
-        block: 512,
-        span: 8192,
-        merge: false,
-    };
-    /// The merge pass's variant.
-    pub const MERGE: TreeTopkParams = TreeTopkParams {
-        block: 1024,
-        span: 32,
-        merge: true,
-    };
-}
-
-/// The largest `k` (= min(budget, vocab)) of the builder.
+/// The largest `k` (= min(budget, vocab)) and budget of the builder.
 pub const MAX_K: usize = 1024;
+
+/// Nodes (root included) the expansion's shared state holds.
+const CAP: u32 = 1025;
 
 /// The order key of an f32 (as [`super::reference::order_key`]).
 #[device_fn]
@@ -67,268 +58,30 @@ fn key_value(key: u32) -> f32 {
     }
 }
 
-/// Top-`k` selection of one depth `row = block_idx_y()`, in two passes (see the module docs).
-///
-/// Part pass (`nb` blocks per row, block `b` covers logits `[b * span, min((b + 1) * span,
-/// vocab))`, `span <= p.span`): `vals` = logits `[rows, vocab]`; writes `val_out` / `tok_out`
-/// (`[rows, nb, k]`: the slice's best logits and token ids, best first; unused slots get the
-/// value whose order key is 0, below every logit) and `ms_out` (`[rows, nb, 2]`: max, sum of
-/// `exp(x - max)`). `ids` and `ms_in` are unused.
-///
-/// Merge pass (grid `(1, rows)`): `vals` / `ids` = the part pass's candidates, `ms_in` its
-/// partials; writes `val_out` = log-probs `min(x - lse, 0)` and `tok_out` = tokens
-/// (`[rows, k]`, best first), and `ms_out` = the per-row log-sum-exp. Needs
-/// `1 <= k <= min(MAX_K, vocab)`.
-#[kernel(block = p.block, space = [TreeTopkParams::PART, TreeTopkParams::MERGE])]
-pub fn tree_topk(
-    #[comptime] p: &TreeTopkParams,
-    vals: &[f32],
-    ids: &[u32],
-    ms_in: &[f32],
-    val_out: &mut [f32],
-    tok_out: &mut [u32],
-    ms_out: &mut [f32],
-    vocab: u32,
-    k: u32,
-    span: u32,
-    nb: u32,
-) {
-    comptime_assert!(
-        p.block % 32 == 0 && p.block <= 1024,
-        "block must be a multiple of 32, at most 1024"
-    );
-    comptime_assert!(p.span % p.block == 0 || p.merge, "span must be a multiple of block");
-    let tid = thread_idx_x();
+/// Exclusive prefix sum of `v` over the block (all threads must call it).
+#[device_fn]
+fn block_excl_scan(v: u32) -> u32 {
+    let ws = shared::<u32>(32);
     let lane = lane_id();
     let warp = warp_id();
-    let blk = block_idx_x();
-    let row = block_idx_y();
-    let sk = shared::<u32>(p.span);
-    let red_m = shared::<f32>(32);
-    let red_s = shared::<f32>(32);
-    let hist = shared::<u32>(256);
-    let ckey = shared::<u32>(1024);
-    let cidx = shared::<u32>(1024);
-    let st = shared::<u32>(4);
-    let lse_s = shared::<f32>(1);
-    // Items: the slice's logits (part) or the row's candidates (merge), in token-id order
-    // among equal keys.
-    let lo = blk * span;
-    let n = if p.merge { nb * k } else { span.min(vocab - lo) };
-    let cbase = row * nb * k;
-    let kk = k.min(n);
-
-    if p.merge {
-        if tid == 0 {
-            let mut bm = f32::NEG_INFINITY;
-            for j in 0..nb {
-                bm = bm.max(ms_in[(cbase / k + j) * 2]);
-            }
-            let mut bs = 0.0f32;
-            for j in 0..nb {
-                let mj = ms_in[(cbase / k + j) * 2];
-                if mj != f32::NEG_INFINITY {
-                    bs += ms_in[(cbase / k + j) * 2 + 1] * (mj - bm).exp();
-                }
-            }
-            let l = bm + bs.ln();
-            lse_s[0] = l;
-            ms_out[row] = l;
-        }
-    } else {
-        // One read of the slice: order keys to shared memory, online max / sum.
-        let mut m = f32::NEG_INFINITY;
-        let mut s = 0.0f32;
-        #[unroll]
-        for j in 0..p.span / p.block {
-            let i = j * p.block + tid;
-            if i < n {
-                let x = vals[row * vocab + lo + i];
-                sk[i] = order_key(x);
-                if x > m {
-                    s = s * (m - x).exp() + 1.0f32;
-                    m = x;
-                } else if x != f32::NEG_INFINITY {
-                    s += (x - m).exp();
-                }
-            }
-        }
-        #[unroll]
-        for o in 0..5u32 {
-            let mo = shfl_xor(m, 16u32 >> o);
-            let so = shfl_xor(s, 16u32 >> o);
-            let mn = m.max(mo);
-            if mn != f32::NEG_INFINITY {
-                s = s * (m - mn).exp() + so * (mo - mn).exp();
-            }
-            m = mn;
-        }
-        if lane == 0 {
-            red_m[warp] = m;
-            red_s[warp] = s;
-        }
-        sync_threads();
-        if tid == 0 {
-            let mut bm = f32::NEG_INFINITY;
-            for w in 0..p.block / 32 {
-                bm = bm.max(red_m[w]);
-            }
-            let mut bs = 0.0f32;
-            for w in 0..p.block / 32 {
-                if red_m[w] != f32::NEG_INFINITY {
-                    bs += red_s[w] * (red_m[w] - bm).exp();
-                }
-            }
-            ms_out[(row * nb + blk) * 2] = bm;
-            ms_out[(row * nb + blk) * 2 + 1] = bs;
-        }
-    }
-
-    // Radix select of the kk-th largest key, 8 bits at a time from the top.
-    let mut prefix = 0u32;
-    let mut pmask = 0u32;
-    let mut remaining = kk;
-    let mut eq_count = 0u32;
-    for pass in 0..4u32 {
-        let shift = 24u32 - 8u32 * pass;
-        if tid < 256 {
-            hist[tid] = 0u32;
-        }
-        sync_threads();
-        for i in (tid..n).step_by(p.block) {
-            let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
-            if (key & pmask) == prefix {
-                hist.atomic_add((key >> shift) & 255u32, 1u32);
-            }
-        }
-        sync_threads();
-        if warp == 0 {
-            let mut tot = 0u32;
-            #[unroll]
-            for bb in 0..8u32 {
-                tot += hist[lane * 8 + bb];
-            }
-            // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
-            let mut sfx = tot;
-            #[unroll]
-            for o in 0..5u32 {
-                let v = shfl_down(sfx, 1u32 << o);
-                if lane + (1u32 << o) < 32 {
-                    sfx += v;
-                }
-            }
-            let above = sfx - tot;
-            if above < remaining && remaining <= sfx {
-                let mut c = above;
-                let mut bb = 8u32;
-                while bb > 0 {
-                    bb -= 1;
-                    let h = hist[lane * 8 + bb];
-                    if c + h >= remaining {
-                        st[0] = lane * 8 + bb;
-                        st[1] = c;
-                        st[2] = h;
-                        bb = 0;
-                    } else {
-                        c += h;
-                    }
-                }
-            }
-        }
-        sync_threads();
-        prefix = prefix | (st[0] << shift);
-        pmask = pmask | (255u32 << shift);
-        remaining -= st[1];
-        eq_count = st[2];
-        sync_threads();
-    }
-    // prefix = the kk-th largest key; take every larger key and `remaining` equal keys (the
-    // first ones in item order, i.e. the smallest token ids).
-    if tid == 0 {
-        st[3] = 0u32;
-    }
-    sync_threads();
-    for i in (tid..n).step_by(p.block) {
-        let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
-        if key > prefix || (key == prefix && eq_count == remaining) {
-            let slot = st.atomic_add(3, 1u32);
-            ckey[slot] = key;
-            cidx[slot] = i;
-        }
-    }
-    if eq_count != remaining {
-        // Rare: more equal keys than needed; take them in item order, one tile at a time.
-        let wtot = shared::<u32>(32);
-        let mut seen = 0u32;
-        let mut t0 = 0u32;
-        while t0 < n && seen < remaining {
-            let i = t0 + tid;
-            let mut f = 0u32;
-            if i < n {
-                let key = if p.merge { order_key(vals[cbase + i]) } else { sk[i] };
-                if key == prefix {
-                    f = 1u32;
-                }
-            }
-            let mut inc = f;
-            #[unroll]
-            for o in 0..5u32 {
-                let v = shfl_up(inc, 1u32 << o);
-                if lane >= (1u32 << o) {
-                    inc += v;
-                }
-            }
-            if lane == 31 {
-                wtot[warp] = inc;
-            }
-            sync_threads();
-            let mut before = 0u32;
-            let mut all = 0u32;
-            for w in 0..p.block / 32 {
-                let c = wtot[w];
-                if w < warp {
-                    before += c;
-                }
-                all += c;
-            }
-            let rank = seen + before + inc - f;
-            if f == 1 && rank < remaining {
-                let slot = st.atomic_add(3, 1u32);
-                ckey[slot] = prefix;
-                cidx[slot] = i;
-            }
-            seen += all;
-            t0 += p.block;
-            sync_threads();
+    let mut inc = v;
+    #[unroll]
+    for o in 0..5u32 {
+        let t = shfl_up(inc, 1u32 << o);
+        if lane >= (1u32 << o) {
+            inc += t;
         }
     }
     sync_threads();
-    // Rank the kk selected items by counting (larger key, then earlier item) and write them
-    // best first.
-    for t in (tid..kk).step_by(p.block) {
-        let key = ckey[t];
-        let idx = cidx[t];
-        let mut rank = 0u32;
-        for j in 0..kk {
-            let kj = ckey[j];
-            if kj > key || (kj == key && cidx[j] < idx) {
-                rank += 1;
-            }
-        }
-        if p.merge {
-            val_out[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
-            tok_out[row * k + rank] = ids[cbase + idx];
-        } else {
-            val_out[(row * nb + blk) * k + rank] = key_value(key);
-            tok_out[(row * nb + blk) * k + rank] = lo + idx;
-        }
+    if lane == 31 {
+        ws[warp] = inc;
     }
-    if !p.merge {
-        for t in (kk + tid..k).step_by(p.block) {
-            val_out[(row * nb + blk) * k + t] = key_value(0u32);
-            tok_out[(row * nb + blk) * k + t] = 0u32;
-        }
+    sync_threads();
+    let mut before = 0u32;
+    for w in 0..warp {
+        before += ws[w];
     }
+    inc - v + before
 }
 
 /// The index of the single set bit of `pow2` (exact: powers of two convert to f32 exactly).
@@ -380,18 +133,31 @@ fn entry_less(meta: &[u32], p1: u32, r1: u32, p2: u32, r2: u32) -> bool {
     res
 }
 
-/// Log-probs per depth kept in shared memory by [`TreeExpand`] when `depth * k` fits.
-const LP_SHARED: u32 = 6144;
-
-/// Best-first expansion (grid = 1) over `lp` / `tok` (`[depth, k]`, best first) to at most
-/// `budget` nodes besides the root `root[0]`. Writes the tree arrays (capacity `budget + 1`),
-/// the node count to `n_out[0]` and the mask rows (`[n, ceil(n / 32)]`); `meta` (capacity
-/// `budget + 1`) is scratch. Needs `budget <= 1024`, `depth <= 16`.
-#[kernel(block = 256)]
-pub fn tree_expand(
-    lp: &[f32],
-    tok: &[u32],
+/// The whole builder in one launch (see the module docs). Grid `(nb, depth)`; block `b`
+/// covers logits `[b * span, min((b + 1) * span, vocab))` of its row (`span <= p.span`).
+///
+/// Inputs: `logits` `[depth, vocab]`, `root[0]` (the root token). Scratch: `cand_key` /
+/// `cand_tok` (`[depth, nb, k]`), `part_ms` (`[depth, nb, 2]`), `counters` (`depth + 1`
+/// zeros; left zero), `meta` (`budget + 1`). Outputs: `lp` / `tok` (`[depth, k]`, best first),
+/// `lse` (`[depth]`), the tree arrays (capacity `budget + 1`), the node count `n_out[0]` and the
+/// mask rows (`[n, ceil(n / 32)]`). Needs `1 <= k = min(budget, vocab) <= MAX_K`,
+/// `budget <= MAX_K`, `depth <= 16`, `nb * k < 65536`.
+#[kernel(block = p.block, space = [
+    TreeBuildParams { block: 512, span: 4096 },
+    TreeBuildParams { block: 1024, span: 8192 },
+    TreeBuildParams { block: 256, span: 2048 },
+])]
+pub fn tree_build(
+    #[comptime] p: &TreeBuildParams,
+    logits: &[f32],
     root: &[u32],
+    cand_key: &mut [u32],
+    cand_tok: &mut [u32],
+    part_ms: &mut [f32],
+    lp: &mut [f32],
+    tok: &mut [u32],
+    lse: &mut [f32],
+    counters: &mut [u32],
     token: &mut [u32],
     parent: &mut [i32],
     depth_out: &mut [u32],
@@ -401,50 +167,304 @@ pub fn tree_expand(
     n_out: &mut [u32],
     mask: &mut [u32],
     meta: &mut [u32],
-    depth: u32,
+    vocab: u32,
     k: u32,
+    span: u32,
+    depth: u32,
     budget: u32,
 ) {
-    let s_lp = shared::<f32>(LP_SHARED);
-    // Per node: meta word, path score, frontier entry (score of its next child, that child's
-    // rank or `none`), and its last emitted child.
-    let n_meta = shared::<u32>(1025);
-    let n_score = shared::<f32>(1025);
-    let f_score = shared::<f32>(1025);
-    let f_rank = shared::<u32>(1025);
-    let f_last = shared::<u32>(1025);
-    let n_sh = shared::<u32>(1);
+    comptime_assert!(
+        p.block % 32 == 0 && p.block >= 256 && p.block <= 1024,
+        "block must be a multiple of 32 in 256..=1024"
+    );
+    comptime_assert!(p.span < 65536, "span must be below 65536");
     let tid = thread_idx_x();
     let lane = lane_id();
-    let none = u32::MAX;
-    let in_shared = depth * k <= LP_SHARED;
-    if in_shared {
-        for i in (tid..depth * k).step_by(256) {
-            s_lp[i] = lp[i];
+    let warp = warp_id();
+    let blk = block_idx_x();
+    let row = block_idx_y();
+    let nb = grid_dim_x();
+    let red_m = shared::<f32>(32);
+    let red_s = shared::<f32>(32);
+    let hist = shared::<u32>(256);
+    let st = shared::<u32>(4);
+    let flag = shared::<u32>(1);
+    let lse_s = shared::<f32>(1);
+    let ckey = shared::<u32>(1024);
+    let ctok = shared::<u32>(1024);
+    let lo = blk * span;
+
+    // Stage 0: the block's slice; stage 1 (the row's last block): the row's candidates.
+    for stage in 0..2u32 {
+        let merging = stage == 1u32;
+        let n = if merging { nb * k } else { span.min(vocab - lo) };
+        let base = if merging { row * nb * k } else { row * vocab + lo };
+        let kk = k.min(n);
+        if merging {
+            // The row's log-sum-exp from the slices' (max, sum of exp(x - max)), one warp.
+            if warp == 0 {
+                let mut m = f32::NEG_INFINITY;
+                let mut s = 0.0f32;
+                for j in (lane..nb).step_by(32) {
+                    let mo = part_ms[(row * nb + j) * 2];
+                    let so = part_ms[(row * nb + j) * 2 + 1];
+                    let mn = m.max(mo);
+                    if mn != f32::NEG_INFINITY {
+                        s = s * (m - mn).exp() + so * (mo - mn).exp();
+                    }
+                    m = mn;
+                }
+                #[unroll]
+                for o in 0..5u32 {
+                    let mo = shfl_xor(m, 16u32 >> o);
+                    let so = shfl_xor(s, 16u32 >> o);
+                    let mn = m.max(mo);
+                    if mn != f32::NEG_INFINITY {
+                        s = s * (m - mn).exp() + so * (mo - mn).exp();
+                    }
+                    m = mn;
+                }
+                if lane == 0 {
+                    let l = m + s.ln();
+                    lse_s[0] = l;
+                    lse[row] = l;
+                }
+            }
+        } else {
+            // One read of the slice: online max / sum.
+            let mut m = f32::NEG_INFINITY;
+            let mut s = 0.0f32;
+            for i in (tid..n).step_by(p.block) {
+                let x = logits[base + i];
+                if x > m {
+                    s = s * (m - x).exp() + 1.0f32;
+                    m = x;
+                } else if x != f32::NEG_INFINITY {
+                    s += (x - m).exp();
+                }
+            }
+            #[unroll]
+            for o in 0..5u32 {
+                let mo = shfl_xor(m, 16u32 >> o);
+                let so = shfl_xor(s, 16u32 >> o);
+                let mn = m.max(mo);
+                if mn != f32::NEG_INFINITY {
+                    s = s * (m - mn).exp() + so * (mo - mn).exp();
+                }
+                m = mn;
+            }
+            if lane == 0 {
+                red_m[warp] = m;
+                red_s[warp] = s;
+            }
+            sync_threads();
+            if tid == 0 {
+                let mut bm = f32::NEG_INFINITY;
+                for w in 0..p.block / 32 {
+                    bm = bm.max(red_m[w]);
+                }
+                let mut bs = 0.0f32;
+                for w in 0..p.block / 32 {
+                    if red_m[w] != f32::NEG_INFINITY {
+                        bs += red_s[w] * (red_m[w] - bm).exp();
+                    }
+                }
+                part_ms[(row * nb + blk) * 2] = bm;
+                part_ms[(row * nb + blk) * 2 + 1] = bs;
+            }
+        }
+
+        // Radix select of the kk-th largest key, 8 bits at a time from the top, until the
+        // bucket holding it is taken whole.
+        let mut prefix = 0u32;
+        let mut pmask = 0u32;
+        let mut remaining = kk;
+        let mut eq_count = 0u32;
+        let mut pass = 0u32;
+        while pass < 4u32 && eq_count != remaining {
+            let shift = 24u32 - 8u32 * pass;
+            if tid < 256 {
+                hist[tid] = 0u32;
+            }
+            sync_threads();
+            for i in (tid..n).step_by(p.block) {
+                let key = if merging {
+                    cand_key[base + i]
+                } else {
+                    order_key(logits[base + i])
+                };
+                if (key & pmask) == prefix {
+                    hist.atomic_add((key >> shift) & 255u32, 1u32);
+                }
+            }
+            sync_threads();
+            if warp == 0 {
+                let mut tot = 0u32;
+                #[unroll]
+                for bb in 0..8u32 {
+                    tot += hist[lane * 8 + bb];
+                }
+                // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
+                let mut sfx = tot;
+                #[unroll]
+                for o in 0..5u32 {
+                    let v = shfl_down(sfx, 1u32 << o);
+                    if lane + (1u32 << o) < 32 {
+                        sfx += v;
+                    }
+                }
+                let above = sfx - tot;
+                if above < remaining && remaining <= sfx {
+                    let mut c = above;
+                    let mut bb = 8u32;
+                    while bb > 0 {
+                        bb -= 1;
+                        let h = hist[lane * 8 + bb];
+                        if c + h >= remaining {
+                            st[0] = lane * 8 + bb;
+                            st[1] = c;
+                            st[2] = h;
+                            bb = 0;
+                        } else {
+                            c += h;
+                        }
+                    }
+                }
+            }
+            sync_threads();
+            prefix = prefix | (st[0] << shift);
+            pmask = pmask | (255u32 << shift);
+            remaining -= st[1];
+            eq_count = st[2];
+            pass += 1;
+        }
+        // Take every key above the prefix, the prefix's bucket when it is taken whole, else the
+        // first `remaining` keys equal to the kk-th (smallest token ids); in item order (each
+        // thread a contiguous run, positions from a block scan).
+        let all_eq = eq_count == remaining;
+        let c = (n + p.block - 1) / p.block;
+        let i0 = (tid * c).min(n);
+        let i1 = (i0 + c).min(n);
+        let mut cnt = 0u32;
+        let mut eqc = 0u32;
+        for i in i0..i1 {
+            let key = if merging {
+                cand_key[base + i]
+            } else {
+                order_key(logits[base + i])
+            };
+            let m = key & pmask;
+            if m > prefix || (m == prefix && all_eq) {
+                cnt += 1;
+            } else if m == prefix {
+                eqc += 1;
+            }
+        }
+        let pre = block_excl_scan(cnt | (eqc << 16));
+        let mut sp = pre & 65535u32;
+        let mut ep = pre >> 16;
+        let out = (row * nb + blk) * k;
+        for i in i0..i1 {
+            let key = if merging {
+                cand_key[base + i]
+            } else {
+                order_key(logits[base + i])
+            };
+            let m = key & pmask;
+            let strict = m > prefix || (m == prefix && all_eq);
+            let tie = !strict && m == prefix;
+            if strict || (tie && ep < remaining) {
+                let pos = sp + ep.min(remaining);
+                if merging {
+                    ckey[pos] = key;
+                    ctok[pos] = cand_tok[base + i];
+                } else {
+                    cand_key[out + pos] = key;
+                    cand_tok[out + pos] = lo + i;
+                }
+            }
+            if strict {
+                sp += 1;
+            } else if tie {
+                ep += 1;
+            }
+        }
+        if merging {
+            // Rank the k winners (larger key, then earlier item = smaller token), best first.
+            sync_threads();
+            for t in (tid..k).step_by(p.block) {
+                let key = ckey[t];
+                let mut rank = 0u32;
+                for j in 0..k {
+                    let kj = ckey[j];
+                    if kj > key || (kj == key && j < t) {
+                        rank += 1;
+                    }
+                }
+                lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
+                tok[row * k + rank] = ctok[t];
+            }
+        } else {
+            // Unused slots: key 0, below every logit's key.
+            for t in (kk + tid..k).step_by(p.block) {
+                cand_key[out + t] = 0u32;
+                cand_tok[out + t] = 0u32;
+            }
+        }
+        // Publish, then count: the block that completes the row (stage 0) or the depths
+        // (stage 1) goes on.
+        thread_fence();
+        sync_threads();
+        if tid == 0 {
+            let ci = if merging { depth } else { row };
+            let total = if merging { depth } else { nb };
+            let old = counters.atomic_add(ci, 1u32);
+            let last = old + 1 == total;
+            if last {
+                counters.atomic_exch(ci, 0u32);
+            }
+            flag[0] = if last { 1u32 } else { 0u32 };
+        }
+        sync_threads();
+        if flag[0] == 0u32 {
+            return;
         }
     }
-    for i in (tid..budget + 1).step_by(256) {
+
+    // Stage 2: the expansion. Per node: meta word, path score; per node's child stream (owned
+    // by lane node % 32): the order key of its next child's score (0 = none), that child's rank,
+    // and the last emitted child.
+    let n_meta = shared::<u32>(CAP);
+    let n_score = shared::<f32>(CAP);
+    let f_key = shared::<u32>(CAP);
+    let f_rank = shared::<u32>(CAP);
+    let f_last = shared::<u32>(CAP);
+    let n_sh = shared::<u32>(1);
+    for i in (tid..budget + 1).step_by(p.block) {
         first_child[i] = -1;
         next_sibling[i] = -1;
     }
     sync_threads();
-    if warp_id() == 0 {
+    if warp == 0 {
         if lane == 0 {
             n_meta[0] = 0u32;
             meta[0] = 0u32;
             n_score[0] = 0.0f32;
-            f_rank[0] = if depth > 0 && budget > 0 { 0u32 } else { none };
-            f_score[0] = if in_shared { s_lp[0] } else { lp[0] };
+            f_rank[0] = 0u32;
+            f_key[0] = if depth > 0 && budget > 0 {
+                order_key(lp[0])
+            } else {
+                0u32
+            };
         }
         sync_warp();
-        // Lane i caches the best entry among nodes i, i + 32, ...: node `best`, its next child's
-        // rank `brank` and order key `bkey` (0 = none: every score's order key is larger). Only
-        // these registers are read at a pop, so lane 0's shared writes never race a read.
+        // Lane i caches the best entry among streams i, i + 32, ...: node `best`, its next
+        // child's rank `brank` and order key `bkey` (0 = none: every score's key is larger).
         let mut best = 0u32;
         let mut brank = 0u32;
         let mut bkey = 0u32;
-        if lane == 0 && f_rank[0] != none {
-            bkey = order_key(f_score[0]);
+        if lane == 0 {
+            bkey = f_key[0];
         }
         let mut n = 1u32;
         while n <= budget {
@@ -477,55 +497,43 @@ pub fn tree_expand(
                     }
                 }
             }
-            sync_warp();
-            if lane == 0 {
-                let sc = key_value(mx);
-                let d = (n_meta[pw] >> 22) + 1;
+            let d = (n_meta[pw] >> 22) + 1;
+            let sc = key_value(mx);
+            let nl = n % 32;
+            if lane == nl {
                 let mw = meta_word(pw, r, d);
                 n_meta[n] = mw;
                 meta[n] = mw;
                 n_score[n] = sc;
+                f_rank[n] = 0u32;
+                f_key[n] = if d < depth { order_key(sc + lp[d * k]) } else { 0u32 };
+            }
+            if lane == wl {
+                // The popped stream (this lane's): link the node, advance, rescan.
                 if r == 0u32 {
                     first_child[pw] = n as i32;
                 } else {
                     next_sibling[f_last[pw]] = n as i32;
                 }
                 f_last[pw] = n;
-                if r + 1 < k {
-                    f_rank[pw] = r + 1;
-                    f_score[pw] = n_score[pw]
-                        + if in_shared {
-                            s_lp[(d - 1) * k + r + 1]
-                        } else {
-                            lp[(d - 1) * k + r + 1]
-                        };
+                f_rank[pw] = r + 1;
+                f_key[pw] = if r + 1 < k {
+                    order_key(n_score[pw] + lp[(d - 1) * k + r + 1])
                 } else {
-                    f_rank[pw] = none;
-                }
-                if d < depth {
-                    f_rank[n] = 0u32;
-                    f_score[n] = sc + if in_shared { s_lp[d * k] } else { lp[d * k] };
-                } else {
-                    f_rank[n] = none;
-                }
-            }
-            sync_warp();
-            // Refresh the cached bests of the popped entry's lane and the new node's lane.
-            if lane == wl {
+                    0u32
+                };
                 bkey = 0u32;
                 for sl in (lane..n + 1).step_by(32) {
-                    if f_rank[sl] != none {
-                        let key = order_key(f_score[sl]);
-                        if key > bkey || (key == bkey && entry_less(meta, sl, f_rank[sl], best, brank)) {
-                            best = sl;
-                            brank = f_rank[sl];
-                            bkey = key;
-                        }
+                    let key = f_key[sl];
+                    if key > bkey || (key == bkey && key != 0u32 && entry_less(meta, sl, f_rank[sl], best, brank)) {
+                        best = sl;
+                        brank = f_rank[sl];
+                        bkey = key;
                     }
                 }
-            } else if lane == n % 32 && f_rank[n] != none {
-                let key = order_key(f_score[n]);
-                if key > bkey || (key == bkey && entry_less(meta, n, 0u32, best, brank)) {
+            } else if lane == nl {
+                let key = f_key[n];
+                if key > bkey || (key == bkey && key != 0u32 && entry_less(meta, n, 0u32, best, brank)) {
                     best = n;
                     brank = 0u32;
                     bkey = key;
@@ -542,7 +550,7 @@ pub fn tree_expand(
     sync_threads();
     let n = n_sh[0];
     let words = (n + 31) / 32;
-    for i in (tid..n).step_by(256) {
+    for i in (tid..n).step_by(p.block) {
         let mw = n_meta[i];
         let d = mw >> 22;
         token[i] = if i == 0 {

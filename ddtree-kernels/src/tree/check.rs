@@ -10,7 +10,7 @@ use super::gpu::{download, upload, verify_splits, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
-    MlaVerifySplit, TreeSample, TreeTopk, TreeTopkParams, VerifyParams, LATENT, ROW,
+    MlaVerifySplit, TreeBuild, TreeSample, VerifyParams, LATENT, ROW,
 };
 use crate::check::{
     compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Comparison, Sizes, Target, Tolerance,
@@ -65,7 +65,8 @@ pub fn random_logits(rng: &mut StdRng, depth: usize, vocab: usize) -> Vec<f32> {
     l
 }
 
-/// Checks the builder: the tree must equal the CPU builder's fed with the GPU's per-depth
+/// Checks the builder, every variant of [`TreeBuild`], on fresh logits (with ties) and
+/// poisoned outputs: the tree must equal the CPU builder's fed with the GPU's per-depth
 /// log-sum-exp (identical arithmetic), and that log-sum-exp must match the CPU's (1e-5).
 pub fn builder(
     gpu: &Gpu,
@@ -75,41 +76,50 @@ pub fn builder(
     rng: &mut StdRng,
 ) -> Result<Vec<CheckResult>, RuntimeError> {
     let s = gpu.stream();
-    let logits = random_logits(rng, depth, vocab);
-    let root = rng.random_range(0..vocab as u32);
-    let mut b = GpuBuilder::new(gpu, depth, vocab, budget)?;
-    // Poison the outputs.
-    b.token = upload(s, &vec![u32::MAX; budget + 1])?;
-    b.path_lp = upload(s, &vec![f32::NAN; budget + 1])?;
-    b.mask = upload(s, &vec![0xdead_beef; (budget + 1) * (budget + 1).div_ceil(32)])?;
-    b.build(s, &upload(s, &logits)?, &upload(s, &[root])?)?;
-    let (tree, lse) = b.download(s)?;
-    let want = build_with_lse(&logits, vocab, budget, root, &lse);
-    let case = format!("depth={depth} vocab={vocab} budget={budget}");
-    let sym = TreeTopk::symbol(&TreeTopkParams::PART);
-    let cpu_lse = logsumexp_rows(&logits, vocab);
-    let tol = Tolerance {
-        rtol: 1e-5,
-        atol: 1e-5,
-        rel_l2: 1e-5,
-    };
-    let c = compare(&lse, &cpu_lse, tol);
-    Ok(vec![
-        exact(
+    let mut out = Vec::new();
+    for p in TreeBuild::space() {
+        let logits = random_logits(rng, depth, vocab);
+        let root = rng.random_range(0..vocab as u32);
+        let mut b = GpuBuilder::with_params(gpu, &p, depth, vocab, budget)?;
+        // Poison the outputs.
+        b.token = upload(s, &vec![u32::MAX; budget + 1])?;
+        b.parent = upload(s, &vec![i32::MIN; budget + 1])?;
+        b.first_child = upload(s, &vec![i32::MIN; budget + 1])?;
+        b.path_lp = upload(s, &vec![f32::NAN; budget + 1])?;
+        b.mask = upload(s, &vec![0xdead_beef; (budget + 1) * (budget + 1).div_ceil(32)])?;
+        b.lse = upload(s, &vec![f32::NAN; depth])?;
+        // Twice: the second build checks that the launch left its counters at zero.
+        let dl = upload(s, &logits)?;
+        let dr = upload(s, &[root])?;
+        b.build(s, &dl, &dr)?;
+        b.build(s, &dl, &dr)?;
+        let (tree, lse) = b.download(s)?;
+        let want = build_with_lse(&logits, vocab, budget, root, &lse);
+        let case = format!("depth={depth} vocab={vocab} budget={budget}");
+        let sym = TreeBuild::symbol(&p);
+        let cpu_lse = logsumexp_rows(&logits, vocab);
+        let tol = Tolerance {
+            rtol: 1e-5,
+            atol: 1e-5,
+            rel_l2: 1e-5,
+        };
+        let c = compare(&lse, &cpu_lse, tol);
+        out.push(exact(
             "tree_build",
             sym.clone(),
             case.clone(),
             &flatten(&tree),
             &flatten(&want),
-        ),
-        CheckResult {
+        ));
+        out.push(CheckResult {
             kernel: "tree_build_lse",
             symbol: sym,
             case,
             passed: c.passed(tol),
             comparison: c,
-        },
-    ])
+        });
+    }
+    Ok(out)
 }
 
 /// A random tree of `nodes` nodes (random earlier parents) as mask rows, or a chain.

@@ -1,16 +1,17 @@
-//! Host drivers of the tree kernels on a [`Gpu`]: the builder (three launches into device
-//! buffers, no host copy: top-K part and merge passes, expansion), the verify attention (split + combine, or naive), accept and
-//! compaction. Used by the GPU checks and the bench; the engine can hold the same objects.
+//! Host drivers of the tree kernels on a [`Gpu`]: the builder (one launch into device
+//! buffers, no host copy), the verify attention (split + combine, or naive), accept (one
+//! launch) and compaction. Used by the GPU checks and the bench; the engine can hold the same objects.
 
 use std::sync::Arc;
 
+use ddtree_codegen::Kernel;
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
 
 use super::{
-    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeExpand, TreeTopk,
-    TreeTopkParams, VerifyParams, LATENT, MAX_K,
+    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeBuild, TreeBuildParams,
+    VerifyParams, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -40,9 +41,7 @@ pub fn download<T: DeviceRepr + Default + Clone>(
 
 /// The GPU tree builder for fixed `depth`, `vocab` and `budget`, with its device buffers.
 pub struct GpuBuilder {
-    part: CompiledKernel<TreeTopk>,
-    merge: CompiledKernel<TreeTopk>,
-    expand: CompiledKernel<TreeExpand>,
+    kernel: CompiledKernel<TreeBuild>,
     depth: usize,
     vocab: usize,
     budget: usize,
@@ -51,9 +50,10 @@ pub struct GpuBuilder {
     nb: usize,
     /// Per-depth log-sum-exp `[depth]`.
     pub lse: CudaSlice<f32>,
-    cand_val: CudaSlice<f32>,
+    cand_key: CudaSlice<u32>,
     cand_tok: CudaSlice<u32>,
     part_ms: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
     lp: CudaSlice<f32>,
     tok: CudaSlice<u32>,
     /// Node tokens (capacity `budget + 1`).
@@ -76,23 +76,36 @@ pub struct GpuBuilder {
 }
 
 impl GpuBuilder {
-    /// Compiles the kernels and allocates the buffers. Needs `budget <= 1024`, `depth <= 16`.
+    /// Compiles the default variant and allocates the buffers. Needs `budget <= 1024`,
+    /// `depth <= 16`.
     pub fn new(gpu: &Gpu, depth: usize, vocab: usize, budget: usize) -> Result<GpuBuilder, RuntimeError> {
+        GpuBuilder::with_params(gpu, &TreeBuild::default_params(), depth, vocab, budget)
+    }
+
+    /// [`GpuBuilder::new`] with variant `p`.
+    pub fn with_params(
+        gpu: &Gpu,
+        p: &TreeBuildParams,
+        depth: usize,
+        vocab: usize,
+        budget: usize,
+    ) -> Result<GpuBuilder, RuntimeError> {
         assert!(
-            (1..=MAX_K).contains(&budget) && (1..=16).contains(&depth),
+            (1..=MAX_K).contains(&budget) && (1..=16).contains(&depth) && vocab >= 1,
             "budget 1..=1024, depth 1..=16"
         );
         let s = gpu.stream();
         let k = budget.min(vocab);
-        let (pp, mp) = (TreeTopkParams::PART, TreeTopkParams::MERGE);
-        // Blocks per depth: as few as the shared slice allows, spans a multiple of 4.
-        let nb = vocab.div_ceil(pp.span as usize);
-        let span = vocab.div_ceil(nb).next_multiple_of(4);
+        // Slice blocks per depth: as few as the variant's span allows.
+        let nb = vocab.div_ceil(p.span as usize);
+        let span = vocab.div_ceil(nb);
+        assert!(
+            nb * k < 65536,
+            "vocab {vocab} needs {nb} slices of {k} candidates: too many"
+        );
         let cap = budget + 1;
         Ok(GpuBuilder {
-            part: gpu.compile::<TreeTopk>(&pp)?,
-            merge: gpu.compile::<TreeTopk>(&mp)?,
-            expand: gpu.compile::<TreeExpand>(&())?,
+            kernel: gpu.compile::<TreeBuild>(p)?,
             depth,
             vocab,
             budget,
@@ -100,9 +113,10 @@ impl GpuBuilder {
             span,
             nb,
             lse: zeros(s, depth)?,
-            cand_val: zeros(s, depth * nb * k)?,
+            cand_key: zeros(s, depth * nb * k)?,
             cand_tok: zeros(s, depth * nb * k)?,
             part_ms: zeros(s, depth * nb * 2)?,
+            counters: zeros(s, depth + 1)?,
             lp: zeros(s, depth * k)?,
             tok: zeros(s, depth * k)?,
             token: zeros(s, cap)?,
@@ -118,7 +132,7 @@ impl GpuBuilder {
     }
 
     /// Builds the tree from `logits` (`[depth, vocab]` on the device) and the root token
-    /// `root[0]`: three launches, no host synchronisation.
+    /// `root[0]`: one launch, no host synchronisation.
     pub fn build(
         &mut self,
         s: &Arc<CudaStream>,
@@ -128,48 +142,23 @@ impl GpuBuilder {
         let (v, k, span, nb) = (self.vocab as u32, self.k as u32, self.span as u32, self.nb as u32);
         let d = self.depth as u32;
         // SAFETY: logits hold depth * vocab values; candidates depth * nb * k, partials
-        // depth * nb * 2; span <= the part variant's span, k <= min(MAX_K, vocab).
+        // depth * nb * 2, counters depth + 1 (zero between launches); span <= the variant's
+        // span, k <= min(MAX_K, vocab), nb * k < 65536; the tree outputs hold budget + 1
+        // nodes (mask rows included), budget <= 1024, depth <= 16.
         unsafe {
-            TreeTopk::launch(
-                &self.part,
+            TreeBuild::launch(
+                &self.kernel,
                 s,
                 (nb, d),
                 logits,
                 root,
-                logits,
-                &mut self.cand_val,
+                &mut self.cand_key,
                 &mut self.cand_tok,
                 &mut self.part_ms,
-                v,
-                k,
-                span,
-                nb,
-            )?;
-            TreeTopk::launch(
-                &self.merge,
-                s,
-                (1u32, d),
-                &self.cand_val,
-                &self.cand_tok,
-                &self.part_ms,
                 &mut self.lp,
                 &mut self.tok,
                 &mut self.lse,
-                v,
-                k,
-                span,
-                nb,
-            )?;
-        }
-        // SAFETY: outputs hold budget + 1 nodes (mask rows included), budget <= 1024, depth <= 16.
-        unsafe {
-            TreeExpand::launch(
-                &self.expand,
-                s,
-                1u32,
-                &self.lp,
-                &self.tok,
-                root,
+                &mut self.counters,
                 &mut self.token,
                 &mut self.parent,
                 &mut self.depth_out,
@@ -179,8 +168,10 @@ impl GpuBuilder {
                 &mut self.n,
                 &mut self.mask,
                 &mut self.meta,
-                d,
+                v,
                 k,
+                span,
+                d,
                 self.budget as u32,
             )
         }
@@ -237,16 +228,18 @@ impl GpuAccept {
         target: &CudaSlice<u32>,
         bonus: &mut CudaSlice<u32>,
     ) -> Result<(), RuntimeError> {
-        // SAFETY: the tree arrays come from one build; target holds one token per node;
-        // accepted holds depth + 1 entries (a path has at most depth + 1 nodes).
+        // SAFETY: the tree arrays and node count come from one build (at most 1025 nodes);
+        // target holds one token per node; accepted holds depth + 1 entries (a path has at
+        // most depth + 1 nodes).
         unsafe {
             TreeAccept::launch(
                 &self.accept,
                 s,
                 1u32,
                 &b.token,
-                &b.first_child,
-                &b.next_sibling,
+                &b.parent,
+                &b.depth_out,
+                &b.n,
                 target,
                 &mut self.accepted,
                 &mut self.len,

@@ -17,7 +17,7 @@ pub mod build;
 pub mod verify_attn;
 
 pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample};
-pub use build::{TreeExpand, TreeTopk, TreeTopkParams, MAX_K};
+pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, VerifyParams};
 pub mod check;
 pub mod gpu;
