@@ -598,12 +598,16 @@ pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
     let of = |mode| GEMV_SPACE.iter().filter(move |p| p.mode == mode);
     let mut out = Vec::new();
     for up in of(GemvMode::GateUp) {
-        let d = of(GemvMode::Down).find(|d| d.chunks == up.chunks).expect("a down variant per chunks");
+        let d = of(GemvMode::Down)
+            .find(|d| d.chunks == up.chunks)
+            .expect("a down variant per chunks");
         out.push((*up, *d));
     }
     for d in of(GemvMode::Down) {
         if !out.iter().any(|(_, x)| x == d) {
-            let up = of(GemvMode::GateUp).find(|u| u.chunks == d.chunks).expect("a gate_up variant per chunks");
+            let up = of(GemvMode::GateUp)
+                .find(|u| u.chunks == d.chunks)
+                .expect("a gate_up variant per chunks");
             out.push((*up, *d));
         }
     }
@@ -619,7 +623,12 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
         let mt = gemv::max_tokens(p) as usize;
         let mut cases = vec![(1, 40, 384), (mt, 19, 160), (mt - 3, 24, 1056)];
         if full {
-            cases.extend([(1, 4096, 7168), (mt, 7168, 2048), (mt / 2 + 1, 2048, 7168), (3, 4104, 1568)]);
+            cases.extend([
+                (1, 4096, 7168),
+                (mt, 7168, 2048),
+                (mt / 2 + 1, 2048, 7168),
+                (3, 4104, 1568),
+            ]);
         }
         for (m, n, k) in cases {
             out.push(gemv_dense(t, p, m, n, k, rng)?);
@@ -629,7 +638,12 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
         let tmax = gemv::max_tokens(&up) as usize;
         let mut cases = vec![(1, 3, 128, 32, 2), (tmax.min(5), 4, 160, 96, 3), (tmax, 3, 256, 32, 4)];
         if full {
-            cases = vec![(1, 6, 256, 64, 2), (tmax, 9, 288, 128, 4), (1, 48, 7168, 2048, 8), (tmax, 48, 7168, 2048, 8)];
+            cases = vec![
+                (1, 6, 256, 64, 2),
+                (tmax, 9, 288, 128, 4),
+                (1, 48, 7168, 2048, 8),
+                (tmax, 48, 7168, 2048, 8),
+            ];
         }
         for (tk, e, h, i, topk) in cases {
             out.push(gemv_moe(t, &up, &down, tk, e, h, i, topk, rng)?);

@@ -157,7 +157,10 @@ pub fn w4a16_gemv(
     comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
     comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
     let rb = comptime!(ring_bytes(p));
-    comptime_assert!(rb + 2048 <= 49152, "the ring must fit in 48 KiB of static shared memory");
+    comptime_assert!(
+        rb + 2048 <= 49152,
+        "the ring must fit in 48 KiB of static shared memory"
+    );
     let down = p.mode == GemvMode::Down;
     let gu = p.mode == GemvMode::GateUp;
     // m16 tiles and 8-row tiles per k step.
@@ -180,7 +183,11 @@ pub fn w4a16_gemv(
     let wstride = (n + 7u32) / 8u32 * kbs * 128u32;
     let ring = shared::<u32>(nw * ns * tt * 128);
     let dn = comptime!(if p.mode == GemvMode::Down { MAX_PAIRS } else { 1 });
-    let ln = comptime!(if p.mode == GemvMode::Down { MAX_PAIRS } else { 8 * p.chunks });
+    let ln = comptime!(if p.mode == GemvMode::Down {
+        MAX_PAIRS
+    } else {
+        8 * p.chunks
+    });
     let on = comptime!(if p.mode == GemvMode::Down { p.mt * p.chunks } else { 1 });
     let ids_s = shared::<u32>(dn);
     let flag_s = shared::<u32>(dn);
@@ -309,6 +316,8 @@ pub fn w4a16_gemv(
     let mut af = [[0u32; 4]; 1];
     let mut bf = [[0u32; 2]; nc];
     let mut cur = u32::MAX;
+    // Router weights of the current expert for this lane's output tokens (Down).
+    let mut rwt = [0.0f32; 2 * nc];
 
     // Prologue: items lo .. lo + stages into slots 0 .. stages, one cp.async group each.
     #[unroll]
@@ -349,42 +358,39 @@ pub fn w4a16_gemv(
                 let kb = it % kbs;
                 let e = if down { list[ei] } else { expert };
                 if down && ei != cur {
-                    if cur != u32::MAX {
-                        // Flush the finished expert: router weight of tokens 2q, 2q + 1 (+ 8c).
-                        let ce = list[cur];
+                    // Flush the finished expert with its router weights (tokens 2q, 2q + 1 + 8c).
+                    #[unroll]
+                    for c in 0..nc {
                         #[unroll]
-                        for c in 0..nc {
+                        for i in 0..p.mt {
                             #[unroll]
-                            for cc in 0..2 {
-                                let tk = 8 * c + 2 * q + cc;
-                                let mut rw = 0.0f32;
-                                if tk < m {
-                                    for j in 0..topk {
-                                        if ids_s[tk * topk + j] == ce {
-                                            rw = route_w[tk * topk + j];
-                                        }
-                                    }
-                                }
-                                #[unroll]
-                                for i in 0..p.mt {
-                                    oacc[i * nc + c][cc] += rw * acc[i * nc + c][cc];
-                                    oacc[i * nc + c][cc + 2] += rw * acc[i * nc + c][cc + 2];
-                                    acc[i * nc + c][cc] = 0.0f32;
-                                    acc[i * nc + c][cc + 2] = 0.0f32;
-                                }
+                            for r in 0..4 {
+                                oacc[i * nc + c][r] += rwt[c * 2 + r % 2] * acc[i * nc + c][r];
+                                acc[i * nc + c][r] = 0.0f32;
                             }
                         }
                     }
                     cur = ei;
-                    // The act row of token g + 8c for this expert.
+                    // This expert's act row of token g + 8c and router weights of tokens
+                    // 2q + cc + 8c (0 where the token does not use it).
                     #[unroll]
                     for c in 0..nc {
-                        let tk = g + 8 * c;
                         xrow[c] = u32::MAX;
-                        if tk < m {
-                            for j in 0..topk {
-                                if ids_s[tk * topk + j] == e {
-                                    xrow[c] = tk * topk + j;
+                        rwt[c * 2] = 0.0f32;
+                        rwt[c * 2 + 1] = 0.0f32;
+                    }
+                    for j in 0..topk {
+                        #[unroll]
+                        for c in 0..nc {
+                            let tk = g + 8 * c;
+                            if tk < m && ids_s[tk * topk + j] == e {
+                                xrow[c] = tk * topk + j;
+                            }
+                            #[unroll]
+                            for cc in 0..2 {
+                                let t2 = 8 * c + 2 * q + cc;
+                                if t2 < m && ids_s[t2 * topk + j] == e {
+                                    rwt[c * 2 + cc] = route_w[t2 * topk + j];
                                 }
                             }
                         }
@@ -467,32 +473,27 @@ pub fn w4a16_gemv(
         }
     }
     cp_async_wait(0);
-    if down && cur != u32::MAX {
-        let ce = list[cur];
+    if down {
         #[unroll]
         for c in 0..nc {
             #[unroll]
-            for cc in 0..2 {
-                let tk = 8 * c + 2 * q + cc;
-                let mut rw = 0.0f32;
-                if tk < m {
-                    for j in 0..topk {
-                        if ids_s[tk * topk + j] == ce {
-                            rw = route_w[tk * topk + j];
-                        }
-                    }
-                }
+            for i in 0..p.mt {
                 #[unroll]
-                for i in 0..p.mt {
-                    oacc[i * nc + c][cc] += rw * acc[i * nc + c][cc];
-                    oacc[i * nc + c][cc + 2] += rw * acc[i * nc + c][cc + 2];
+                for r in 0..4 {
+                    oacc[i * nc + c][r] += rwt[c * 2 + r % 2] * acc[i * nc + c][r];
                 }
             }
         }
     }
     // Sum the warps' accumulators through the ring.
     sync_threads();
-    let om = comptime!(if p.mode == GemvMode::Down { p.mt } else if p.mode == GemvMode::GateUp { 2 * p.mt } else { p.mt });
+    let om = comptime!(if p.mode == GemvMode::Down {
+        p.mt
+    } else if p.mode == GemvMode::GateUp {
+        2 * p.mt
+    } else {
+        p.mt
+    });
     #[unroll]
     for i in 0..om {
         #[unroll]
