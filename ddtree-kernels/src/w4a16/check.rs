@@ -428,12 +428,21 @@ pub fn suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Check
     Ok(out)
 }
 
-/// Unused-buffer stand-ins and the launch of one [`W4a16Gemv`] variant.
+/// The input buffers of a [`W4a16Gemv`] launch: x, weights, scale words, ids, router weights.
+type GemvInputs<'a> = (
+    &'a DevBuf<bf16>,
+    &'a DevBuf<u32>,
+    &'a DevBuf<u32>,
+    &'a DevBuf<u32>,
+    &'a DevBuf<f32>,
+);
+
+/// The launch of one [`W4a16Gemv`] variant.
 #[allow(clippy::too_many_arguments)]
 fn launch_gemv(
     t: &Target<'_>,
     p: &GemvW4Params,
-    bufs: (&DevBuf<bf16>, &DevBuf<u32>, &DevBuf<u32>, &DevBuf<u32>, &DevBuf<f32>),
+    bufs: GemvInputs<'_>,
     out: &mut DevBuf<bf16>,
     m: usize,
     n: usize,
