@@ -1781,6 +1781,7 @@ pub const SUITES: &[Suite] = &[
     gemm_suite,
     fill_suite,
     crate::w4a16::check::suite,
+    crate::w4a16::check::gemv_suite,
     crate::attention::check::kv_append_suite,
     crate::attention::check::mla_attention_suite,
     crate::attention::check::gqa_attention_suite,

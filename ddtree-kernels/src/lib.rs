@@ -87,6 +87,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<w4a16::W4a16Repack>()?);
     all.extend(variants::<w4a16::MoeAlign>()?);
     all.extend(variants::<w4a16::MoeSum>()?);
+    all.extend(variants::<w4a16::W4a16Gemv>()?);
     all.extend(variants::<tree::TreeBuild>()?);
     all.extend(variants::<tree::MlaVerifySplit>()?);
     all.extend(variants::<tree::MlaVerifyCombine>()?);

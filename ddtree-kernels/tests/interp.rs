@@ -167,6 +167,12 @@ fn w4a16() {
     });
 }
 
+/// The small-token W4A16 path: dense GEMV and the routed gate_up / down pairs.
+#[test]
+fn w4a16_gemv() {
+    every_candidate::<w4a16::W4a16Gemv>(w4a16::check::gemv_suite);
+}
+
 /// The budget: a 64x64x64 tile GEMM interprets in a few seconds in a debug build.
 #[test]
 fn a_64_cubed_tile_gemm_interprets_in_seconds() {

@@ -7,10 +7,14 @@
 //!    the best and the default, as µs, GB/s, % of copy bandwidth and speedup over cuBLAS;
 //! 4. the MoE block on a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8).
 //!
+//! For the small-token path (`w4a16_gemv`) the dense table adds, at M <= 16, the best GEMV
+//! candidate next to the GEMM, and the MoE table shows the grouped path (align + 2 GEMMs + sum)
+//! and the two-launch GEMV path side by side (every candidate pair timed, the best reported).
+//!
 //! Times are per call in a stream of back-to-back calls (as in a captured decode step), with
 //! the weights rotated over more than three times the L2 so every call reads them from DRAM.
 //!
-//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N]`. Exits non-zero if any check fails.
+//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only]`. Exits non-zero if any check fails.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,6 +25,7 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{DevBuf, Sizes, Target};
 use ddtree_kernels::w4a16::check::{self, moe_pairs, random_routing};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, DENSE_SPACE};
+use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::DeviceExperts;
 use ddtree_kernels::w4a16::{Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
@@ -42,6 +47,9 @@ struct Args {
     /// Timed samples per measurement (each the mean of a batch of calls).
     #[arg(long, default_value_t = 7)]
     reps: usize,
+    /// Only the MoE table (after the checks).
+    #[arg(long)]
+    moe_only: bool,
 }
 
 const L2_BYTES: usize = 60 << 20;
@@ -149,6 +157,11 @@ fn bench_shape(
         };
         kernels.push((*p, gpu.compile::<W4a16Gemm>(p)?, red));
     }
+    let gemv_kernels: Vec<(GemvW4Params, _)> = GEMV_SPACE
+        .iter()
+        .filter(|p| p.mode == GemvMode::Dense)
+        .map(|p| Ok((*p, gpu.compile::<W4a16Gemv>(p)?)))
+        .collect::<Result<_, RuntimeError>>()?;
     for &m in ms {
         let na = 4;
         let acts: Vec<CudaSlice<bf16>> = (0..na)
@@ -205,8 +218,51 @@ fn bench_shape(
         let best = &timed[0];
         let bytes = (q_bytes + 2 * m * k + 2 * m * n) as f64;
         let gbs = bytes / (best.us * 1e-6) / 1e9;
+        // The small-token GEMV: every dense candidate that takes m rows.
+        let mut gv: Vec<Timed> = Vec::new();
+        for (p, gk) in &gemv_kernels {
+            if (w4gemv::max_tokens(p) as usize) < m {
+                continue;
+            }
+            let none = &scratch.part;
+            let ids = upload(s, &[0u32])?;
+            let us = time_us(s, reps, |i| {
+                let (_, wi, sc) = &wts[i % nq];
+                // SAFETY: a [m <= 8 chunks, k], interleaved weights [n, k], out [m, n].
+                unsafe {
+                    W4a16Gemv::launch(
+                        gk,
+                        s,
+                        w4gemv::grid(p, n as u32, 1),
+                        &acts[i % na],
+                        wi,
+                        sc,
+                        &ids,
+                        none,
+                        &mut out,
+                        m as u32,
+                        n as u32,
+                        k as u32,
+                        1,
+                        1,
+                    )
+                }
+            })?;
+            gv.push(Timed {
+                label: short_gemv(p),
+                us,
+            });
+        }
+        gv.sort_by(|a, b| a.us.total_cmp(&b.us));
+        let gemv_col = match gv.first() {
+            Some(g) => {
+                let gg = bytes / (g.us * 1e-6) / 1e9;
+                format!("{:.1} | {:.0}% | {}", g.us, 100.0 * gg / bw, g.label)
+            }
+            None => "- | - | -".into(),
+        };
         println!(
-            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} |",
+            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} | {gemv_col} |",
             best.us,
             100.0 * gbs / bw,
             cublas / best.us,
@@ -214,6 +270,17 @@ fn bench_shape(
         );
     }
     Ok(())
+}
+
+/// The first grouped (gate_up, down) pair: the grouped half of a [`MoeKernels`] timed only
+/// for its GEMV pair.
+fn pairs_default() -> (W4a16Params, W4a16Params) {
+    moe_pairs()[0]
+}
+
+/// A compact GEMV variant label.
+fn short_gemv(p: &GemvW4Params) -> String {
+    format!("w{} mt{} st{} c{}", p.warps, p.mt, p.stages, p.chunks)
 }
 
 /// A compact variant label.
@@ -254,14 +321,19 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
         layouts.push((l, device_weights(gpu, &w13, l)?, device_weights(gpu, &w2, l)?));
     }
     println!("\nMoE W4A16, Kimi K2.6 EP8 slice: {experts} local experts, hidden {hidden}, inter {inter}, top-{topk} routed among the local experts; {:.1} MB per expert", per_expert as f64 / 1e6);
-    println!("| T | touched experts | touched MB | µs | GB/s | % of copy | best pair |");
-    println!("|---:|---:|---:|---:|---:|---:|---|");
+    println!("| T | touched experts | touched MB | grouped µs | GB/s | % of copy | best grouped pair | gemv µs | GB/s | % of copy | best gemv pair |");
+    println!("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|");
+    let gemv_pairs = check::gemv_moe_pairs();
+    let gemv_kernels: Vec<MoeKernels> = gemv_pairs
+        .iter()
+        .map(|(u, d)| MoeKernels::new(gpu, &pairs_default().0, &pairs_default().1)?.with_gemv(gpu, Some((u, d))))
+        .collect::<Result<_, _>>()?;
     let pairs = moe_pairs();
     let kernels: Vec<MoeKernels> = pairs
         .iter()
         .map(|(u, d)| MoeKernels::new(gpu, u, d))
         .collect::<Result<_, _>>()?;
-    for tokens in [1usize, 8, 16, 32, 64] {
+    for tokens in [1usize, 2, 4, 8, 16, 32, 64] {
         let sets = 8;
         let mut routes = Vec::new();
         let mut touched = 0usize;
@@ -296,7 +368,7 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
             let us = time_us(s, reps, |i| {
                 let (ids, w) = &routes[i % sets];
                 // SAFETY: shapes as documented; weights in the pair's layout.
-                unsafe { kern.run(s, &ex, &x, ids, w, &mut out, &mut bufs, tokens as u32, topk as u32) }
+                unsafe { kern.run_grouped(s, &ex, &x, ids, w, &mut out, &mut bufs, tokens as u32, topk as u32) }
             })?;
             let label = format!("{} / {}", short(up), short(down));
             if best.as_ref().is_none_or(|(b, _)| us < *b) {
@@ -304,11 +376,47 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
             }
         }
         let (us, label) = best.expect("at least one pair");
+        let (_, d13, d2) = layouts
+            .iter()
+            .find(|(l, ..)| *l == Layout::Interleaved)
+            .expect("both layouts made");
+        let ex = DeviceExperts {
+            w13: d13,
+            s13: &s13,
+            w2: d2,
+            s2: &s2,
+            experts: experts as u32,
+            hidden: hidden as u32,
+            inter: inter as u32,
+        };
+        let mut gbest: Option<(f64, String)> = None;
+        for (kern, (up, down)) in gemv_kernels.iter().zip(&gemv_pairs) {
+            if !kern.uses_gemv(tokens as u32, topk as u32) {
+                continue;
+            }
+            let mut bufs = kern.buffers(s, tokens, topk, &ex)?;
+            let us = time_us(s, reps, |i| {
+                let (ids, w) = &routes[i % sets];
+                // SAFETY: shapes as documented; interleaved g32 weights.
+                unsafe { kern.run_gemv(s, &ex, &x, ids, w, &mut out, &mut bufs, tokens as u32, topk as u32) }
+            })?;
+            let label = format!("{} / {}", short_gemv(up), short_gemv(down));
+            if gbest.as_ref().is_none_or(|(b, _)| us < *b) {
+                gbest = Some((us, label));
+            }
+        }
         let avg_touched = touched as f64 / sets as f64;
         let bytes = avg_touched * per_expert as f64;
         let gbs = bytes / (us * 1e-6) / 1e9;
+        let gemv_col = match gbest {
+            Some((gus, gl)) => {
+                let gg = bytes / (gus * 1e-6) / 1e9;
+                format!("{gus:.1} | {gg:.0} | {:.0}% | {gl}", 100.0 * gg / bw)
+            }
+            None => "- | - | - | (grouped path)".into(),
+        };
         println!(
-            "| {tokens} | {avg_touched:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} |",
+            "| {tokens} | {avg_touched:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} | {gemv_col} |",
             bytes / 1e6,
             100.0 * gbs / bw
         );
@@ -336,7 +444,8 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     let mut all_passed = true;
     if !args.skip_checks {
         let mut rng = StdRng::seed_from_u64(seed);
-        let results = check::suite(&Target::Gpu(&gpu), Sizes::Full, &mut rng)?;
+        let mut results = check::suite(&Target::Gpu(&gpu), Sizes::Full, &mut rng)?;
+        results.extend(check::gemv_suite(&Target::Gpu(&gpu), Sizes::Full, &mut rng)?);
         for r in results.iter().filter(|r| !r.passed) {
             println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
         }
@@ -351,12 +460,14 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     let bw = ddtree_benches::copy_bandwidth(&gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
     println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");
-    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits | GEMV µs | GEMV % of copy | best GEMV |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|");
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     let ms = [1, 2, 4, 8, 16, 32, 64, 128, 256];
-    for (k, n) in [(7168, 4096), (2048, 7168), (7168, 36864), (1536, 12288)] {
-        bench_shape(&gpu, k, n, &ms, bw, args.reps, &mut rng)?;
+    if !args.moe_only {
+        for (k, n) in [(7168, 4096), (2048, 7168), (7168, 2048), (7168, 36864), (1536, 12288)] {
+            bench_shape(&gpu, k, n, &ms, bw, args.reps, &mut rng)?;
+        }
     }
     bench_moe(&gpu, bw, args.reps, &mut rng)?;
     println!(

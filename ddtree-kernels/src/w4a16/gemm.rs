@@ -252,7 +252,7 @@ pub fn candidates() -> Vec<W4a16Params> {
 
 /// bf16 pair `128 + nibble` from nibbles `(i, i + 4)` of `x >> 4i` (interleaved words).
 #[device_fn]
-fn magic_pair_interleaved(y: u32) -> u32 {
+pub fn magic_pair_interleaved(y: u32) -> u32 {
     lop3(y, 0x000f000fu32, 0x43004300u32, 0xea)
 }
 
@@ -269,7 +269,7 @@ fn magic_pair_sequential(y: u32) -> u32 {
 
 /// `(pair - 136) * scale` on two bf16 lanes: the signed code (exact) times the scale pair.
 #[device_fn]
-fn dequant_pair(pair: u32, scale2: u32) -> u32 {
+pub fn dequant_pair(pair: u32, scale2: u32) -> u32 {
     fma_bf16x2(fma_bf16x2(pair, 0x3f803f80u32, 0xc308c308u32), scale2, 0x80008000u32)
 }
 

@@ -7,6 +7,10 @@
 //! 3. grouped down `w4a16_gemm` with the router weight applied into `y[pair, H]`;
 //! 4. `moe_sum` adds the top-k rows of each token.
 //!
+//! For at most [`GEMV_MAX_TOKENS`] tokens (decode and small trees) [`MoeKernels::run`] takes the
+//! small-token path instead: two [`W4a16Gemv`] launches straight from the routing (gate_up into
+//! `act`, then down with the router weights and the top-k sum fused into `out`).
+//!
 //! Expert ids `>= experts` (experts on other ranks under expert parallelism) are skipped.
 
 use std::sync::Arc;
@@ -17,6 +21,7 @@ use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 
 use super::gemm::{self, GemmArgs, Routing, Scratch};
+use super::gemv::{self, GemvMode, GemvW4Params, W4a16Gemv};
 use super::layout::{matmul, PackedInt4};
 use super::{Epilogue, W4a16Gemm, W4a16Params};
 
@@ -175,7 +180,16 @@ pub struct MoeKernels {
     gate_up: CompiledKernel<W4a16Gemm>,
     down: CompiledKernel<W4a16Gemm>,
     sum: CompiledKernel<MoeSum>,
+    /// Small-token (gate_up, down) [`W4a16Gemv`] pairs, fewest tokens first (interleaved g32
+    /// experts only).
+    gemv: Vec<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
 }
+
+/// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path: up to 16
+/// tokens every expert's pairs and every token fit the two n8 chunks of one block, and the
+/// weight streaming of the two GEMV launches beats align + grouped GEMM + sum (four launches,
+/// half-empty m16 tiles). Above it the grouped GEMM's mma tiles fill up and it takes over.
+pub const GEMV_MAX_TOKENS: u32 = 16;
 
 /// Device buffers of one MoE step for up to `max_tokens` tokens.
 #[derive(Debug)]
@@ -232,7 +246,58 @@ impl MoeKernels {
             gate_up: gpu.compile::<W4a16Gemm>(gate_up)?,
             down: gpu.compile::<W4a16Gemm>(down)?,
             sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
+            gemv: if gate_up.layout == super::Layout::Interleaved && gate_up.group == 32 {
+                let mut v = Vec::new();
+                for t in [8, GEMV_MAX_TOKENS] {
+                    let (Some(u), Some(d)) = (
+                        gemv::default_params(GemvMode::GateUp, t),
+                        gemv::default_params(GemvMode::Down, t),
+                    ) else {
+                        continue;
+                    };
+                    v.push((gpu.compile::<W4a16Gemv>(&u)?, gpu.compile::<W4a16Gemv>(&d)?));
+                }
+                v
+            } else {
+                Vec::new()
+            },
         })
+    }
+
+    /// Replaces the small-token kernels with one (gate_up, down) pair (the bench times each
+    /// candidate this way); `None` turns the small-token path off.
+    pub fn with_gemv(
+        mut self,
+        gpu: &Gpu,
+        pair: Option<(&GemvW4Params, &GemvW4Params)>,
+    ) -> Result<MoeKernels, RuntimeError> {
+        self.gemv.clear();
+        if let Some((u, d)) = pair {
+            if u.mode != GemvMode::GateUp || d.mode != GemvMode::Down {
+                return Err(RuntimeError::Launch {
+                    kernel: "moe_w4a16_gemv".into(),
+                    reason: format!("not a (gate_up, down) pair: {u:?} / {d:?}"),
+                });
+            }
+            self.gemv
+                .push((gpu.compile::<W4a16Gemv>(u)?, gpu.compile::<W4a16Gemv>(d)?));
+        }
+        Ok(self)
+    }
+
+    /// The small-token pair that takes `tokens` tokens of `topk` slots, if any.
+    fn gemv_for(&self, tokens: u32, topk: u32) -> Option<&(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)> {
+        if tokens * topk > gemv::MAX_PAIRS {
+            return None;
+        }
+        self.gemv
+            .iter()
+            .find(|(u, d)| gemv::max_tokens(u.params()) >= tokens && gemv::max_tokens(d.params()) >= tokens)
+    }
+
+    /// Whether [`MoeKernels::run`] takes the small-token path for `tokens` tokens.
+    pub fn uses_gemv(&self, tokens: u32, topk: u32) -> bool {
+        tokens <= GEMV_MAX_TOKENS && self.gemv_for(tokens, topk).is_some()
     }
 
     /// Slots per block (the per-expert block size).
@@ -263,13 +328,110 @@ impl MoeKernels {
         })
     }
 
-    /// Runs the block: `x` `[T, H]`, `topk_ids` / `topk_w` `[T, topk]`, `out` `[T, H]`.
+    /// Runs the block: `x` `[T, H]`, `topk_ids` / `topk_w` `[T, topk]`, `out` `[T, H]`; the
+    /// small-token path when [`MoeKernels::uses_gemv`], else the grouped GEMM.
     ///
     /// # Safety
     /// Buffers must have the documented shapes, `bufs` made by [`MoeKernels::buffers`] for at
     /// least `tokens` tokens, and the experts stored in the variants' layout.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(
+        &self,
+        s: &Arc<CudaStream>,
+        ex: &DeviceExperts,
+        x: &CudaSlice<bf16>,
+        topk_ids: &CudaSlice<u32>,
+        topk_w: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+        bufs: &mut MoeBuffers,
+        tokens: u32,
+        topk: u32,
+    ) -> Result<(), RuntimeError> {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            if self.uses_gemv(tokens, topk) {
+                self.run_gemv(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
+            } else {
+                self.run_grouped(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
+            }
+        }
+    }
+
+    /// The small-token path: [`GemvMode::GateUp`] into `bufs`' `act`, then [`GemvMode::Down`]
+    /// into `out`. Needs a pair that takes `tokens` (see [`MoeKernels::uses_gemv`]),
+    /// `inter % 8 == 0` and `hidden % 32 == inter % 32 == 0`.
+    ///
+    /// # Safety
+    /// As [`MoeKernels::run`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_gemv(
+        &self,
+        s: &Arc<CudaStream>,
+        ex: &DeviceExperts,
+        x: &CudaSlice<bf16>,
+        topk_ids: &CudaSlice<u32>,
+        topk_w: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+        bufs: &mut MoeBuffers,
+        tokens: u32,
+        topk: u32,
+    ) -> Result<(), RuntimeError> {
+        let Some((up, down)) = self.gemv_for(tokens, topk) else {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_w4a16_gemv".into(),
+                reason: format!("no small-token variant takes {tokens} tokens of top-{topk}"),
+            });
+        };
+        if ex.inter % 32 != 0 || ex.hidden % 32 != 0 {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_w4a16_gemv".into(),
+                reason: format!("hidden {} and inter {} must be multiples of 32", ex.hidden, ex.inter),
+            });
+        }
+        let pairs = tokens * topk;
+        // SAFETY: forwarded to the caller; act holds pairs * inter values.
+        unsafe {
+            W4a16Gemv::launch(
+                up,
+                s,
+                gemv::grid(up.params(), 2 * ex.inter, pairs),
+                x,
+                ex.w13,
+                ex.s13,
+                topk_ids,
+                topk_w,
+                &mut bufs.act,
+                pairs,
+                2 * ex.inter,
+                ex.hidden,
+                topk,
+                ex.experts,
+            )?;
+            W4a16Gemv::launch(
+                down,
+                s,
+                gemv::grid(down.params(), ex.hidden, pairs),
+                &bufs.act,
+                ex.w2,
+                ex.s2,
+                topk_ids,
+                topk_w,
+                out,
+                tokens,
+                ex.hidden,
+                ex.inter,
+                topk,
+                ex.experts,
+            )
+        }
+    }
+
+    /// The grouped path: `moe_align`, grouped gate_up and down GEMMs, `moe_sum`.
+    ///
+    /// # Safety
+    /// As [`MoeKernels::run`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_grouped(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,

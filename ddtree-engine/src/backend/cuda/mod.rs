@@ -14,6 +14,7 @@ use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvParams};
 use ddtree_kernels::residual::{self, AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
+use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeKernels};
 use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
@@ -260,6 +261,10 @@ fn check_u32(what: &str, n: usize) -> Result<u32> {
 }
 
 const FILL: FillParams = FillParams { block: 256 };
+/// Most activation rows for which an INT4 `linear` runs the small-token [`W4a16Gemv`] (one
+/// launch, no split-K reduce) instead of the tensor-core GEMM: the dense variants take up to 16
+/// rows (two n8 chunks), the decode step and small trees.
+const DENSE_GEMV_MAX_ROWS: u32 = 16;
 /// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
 const MOE_BUFFER_SETS: usize = 16;
 
@@ -1090,6 +1095,33 @@ impl Backend for CudaBackend {
             CudaWeight::Int4 {
                 group, packed, scales, ..
             } => {
+                let small = x.rows as u32 <= DENSE_GEMV_MAX_ROWS && *group == 32 && k % 32 == 0;
+                if let Some(p) = w4gemv::default_params(GemvMode::Dense, x.rows as u32).filter(|_| small) {
+                    let kern = self.variant::<W4a16Gemv>(&p)?;
+                    let none_u32 = self.identity(1)?;
+                    let st = self.state();
+                    // SAFETY: a [rows <= 8 chunks, k], weights interleaved [n, k] with g32 scale
+                    // words, out [rows, n]; the routing arguments are unused by dense variants.
+                    unsafe {
+                        W4a16Gemv::launch(
+                            &kern,
+                            &self.stream,
+                            w4gemv::grid(&p, n as u32, 1),
+                            a,
+                            packed,
+                            scales,
+                            none_u32.as_ref(),
+                            &st.w4a16.part,
+                            out.bf16_mut("linear")?,
+                            x.rows as u32,
+                            n as u32,
+                            k as u32,
+                            1,
+                            1,
+                        )?
+                    };
+                    return Ok(out);
+                }
                 let (p, splits) = default_dense(x.rows as u32, n as u32, k as u32);
                 let p = W4a16Params {
                     group: *group as u32,

@@ -1,0 +1,538 @@
+//! `w4a16_gemv`: the small-token W4A16 path (decode and small trees), one launch per stage,
+//! reading the same interleaved weights and scale words as [`super::W4a16Gemm`]:
+//!
+//! - [`GemvMode::Dense`]: `out[M, N] = x[M, K] * dequant(W)[N, K]^T` for `M <= 8 chunks`;
+//! - [`GemvMode::GateUp`]: the routed experts' gate_up with SiLU-and-mul fused, straight from the
+//!   device routing (`topk_ids`): one block per (leader pair of an expert, row slab) writes
+//!   `act[pair, I]` for every pair routed to that expert;
+//! - [`GemvMode::Down`]: the routed experts' down projection with the router weights and the
+//!   sum over the top-k slots fused: one block per row slab of the hidden size walks every
+//!   distinct local expert of the routing and writes `out[T, H]`. No moe_align, no moe_sum, no
+//!   atomics, no split-K reduce launch.
+//!
+//! Design (bytes in flight per register): the tokens are few, so the weights are the A operand
+//! of `mma.m16n8k16` (16 weight rows = two interleaved 8-row tiles) and up to 8 tokens per chunk
+//! the B operand. A lane of the interleaved layout holds 32 consecutive k of one row (one g32
+//! group), exactly the k permutation the gemm uses, so each lane `cp.async`s its own 16 bytes of
+//! every tile into a per-warp shared-memory ring of `stages` k128 steps and later reads back only
+//! what it copied itself: no block barrier in the main loop, and the bytes in flight cost shared
+//! memory, not registers (a ring of 32 KB per block keeps ~4-6 blocks x 32 KB in flight per SM).
+//! The scale words ride a small register ring. The warps of a block split the k steps (and, for
+//! `Down`, the experts) and their f32 accumulators are summed through the ring's shared memory
+//! once at the end.
+//!
+//! Numerics as the gemm: weights `bf16(q * scale)` (`fma.rn.bf16x2`), f32 products and sums in
+//! the mma; `Down` scales each expert's f32 dot products by the router weight in f32 and rounds
+//! the token's sum once.
+
+use ddtree_codegen::dsl::*;
+use ddtree_macros::{kernel, KernelParams};
+
+use super::gemm::{dequant_pair, magic_pair_interleaved};
+use crate::silu_mul::silu;
+
+/// What a [`W4a16Gemv`] variant computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, KernelParams)]
+pub enum GemvMode {
+    /// Dense `out[M, N] = x W^T`.
+    Dense,
+    /// Routed gate_up with SiLU-and-mul into `act[pair, I]`.
+    GateUp,
+    /// Routed down, router-weighted and summed over the top-k slots into `out[T, H]`.
+    Down,
+}
+
+/// Most token-expert pairs a [`GemvMode::Down`] launch takes (its shared routing tables).
+pub const MAX_PAIRS: u32 = 128;
+
+/// Compile-time parameters of [`W4a16Gemv`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, KernelParams)]
+pub struct GemvW4Params {
+    /// What the variant computes.
+    pub mode: GemvMode,
+    /// Warps per block; they split the k steps (and experts) of the block's rows.
+    pub warps: u32,
+    /// m16 row tiles per block (`GateUp`: gate tiles, plus as many up tiles).
+    pub mt: u32,
+    /// k128 steps in each warp's shared-memory ring (the cp.async groups in flight).
+    pub stages: u32,
+    /// n8 token chunks: tokens (dense rows, pairs of one expert, or `Down` tokens) per launch
+    /// are at most `8 chunks`.
+    pub chunks: u32,
+}
+
+const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32) -> GemvW4Params {
+    GemvW4Params {
+        mode,
+        warps,
+        mt,
+        stages,
+        chunks,
+    }
+}
+
+const D: GemvMode = GemvMode::Dense;
+const G: GemvMode = GemvMode::GateUp;
+const W: GemvMode = GemvMode::Down;
+
+/// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
+/// with `chunks == 2` the one for up to 16 ([`default_params`]).
+pub const GEMV_SPACE: &[GemvW4Params] = &[
+    gv(D, 4, 1, 8, 1),
+    gv(D, 4, 1, 8, 2),
+    gv(D, 8, 1, 4, 1),
+    gv(D, 4, 2, 4, 1),
+    gv(D, 8, 1, 4, 2),
+    gv(G, 4, 1, 4, 1),
+    gv(G, 4, 1, 4, 2),
+    gv(G, 8, 1, 2, 1),
+    gv(G, 2, 1, 8, 1),
+    gv(W, 4, 1, 8, 1),
+    gv(W, 4, 1, 8, 2),
+    gv(W, 8, 1, 4, 1),
+    gv(W, 8, 1, 4, 2),
+];
+
+/// Tokens one variant takes: `8 chunks`.
+pub fn max_tokens(p: &GemvW4Params) -> u32 {
+    8 * p.chunks
+}
+
+/// The default variant of `mode` for `tokens` tokens (dense rows, or MoE tokens), if one takes
+/// them: the first candidate of the mode with enough chunks.
+pub fn default_params(mode: GemvMode, tokens: u32) -> Option<GemvW4Params> {
+    GEMV_SPACE
+        .iter()
+        .find(|p| p.mode == mode && max_tokens(p) >= tokens && (tokens > 8) == (p.chunks > 1))
+        .copied()
+}
+
+/// Output rows of one block: `16 mt`.
+pub fn rows_per_block(p: &GemvW4Params) -> u32 {
+    16 * p.mt
+}
+
+/// The grid: row slabs of the output rows (`n`, or `n / 2` for `GateUp`) in x, and for
+/// `GateUp` the `pairs` candidate leader pairs in y.
+pub fn grid(p: &GemvW4Params, n: u32, pairs: u32) -> (u32, u32, u32) {
+    let rows = if p.mode == GemvMode::GateUp { n / 2 } else { n };
+    let y = if p.mode == GemvMode::GateUp { pairs.max(1) } else { 1 };
+    (rows.div_ceil(rows_per_block(p)).max(1), y, 1)
+}
+
+/// Shared-memory bytes of a variant's ring.
+pub fn ring_bytes(p: &GemvW4Params) -> u32 {
+    let tiles = if p.mode == GemvMode::GateUp { 4 * p.mt } else { 2 * p.mt };
+    p.warps * p.stages * tiles * 512
+}
+
+/// `x` bf16 activations (`Dense`: `[m, k]`; `GateUp`: tokens `[T, k]`; `Down`: `act`
+/// `[pairs, k]`), `w` interleaved INT4 weights (experts stacked; `[n, k]` each), `scales` the
+/// bf16 `[n, k / 32]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
+/// routing's expert per pair `[T, topk]` (ids `>= experts` belong to other ranks and are
+/// skipped), `route_w` its router weights, `out` (`Dense`: `[m, n]`; `GateUp`: `act`
+/// `[pairs, n / 2]`, rows of non-local pairs not written; `Down`: `[T, n]`). `m` is the dense
+/// rows, `GateUp`'s pairs, or `Down`'s tokens. Needs `k % 32 == 0`, group 32, `GateUp`
+/// `(n / 2) % 8 == 0`, at most `8 chunks` tokens (`Dense`, `Down`) or pairs per expert
+/// (`GateUp`), and `Down` at most [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty
+/// buffer. Grid: [`grid`].
+#[kernel(block = p.warps * 32, space = GEMV_SPACE.to_vec())]
+pub fn w4a16_gemv(
+    #[comptime] p: &GemvW4Params,
+    x: &[bf16],
+    w: &[u32],
+    scales: &[u32],
+    ids: &[u32],
+    route_w: &[f32],
+    out: &mut [bf16],
+    m: u32,
+    n: u32,
+    k: u32,
+    topk: u32,
+    experts: u32,
+) {
+    comptime_assert!(p.warps >= 1 && p.warps <= 16, "warps must be 1..=16");
+    comptime_assert!(p.mt >= 1 && p.mt <= 4, "mt must be 1..=4");
+    comptime_assert!(p.stages >= 1 && p.stages <= 8, "stages must be 1..=8");
+    comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
+    comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
+    let rb = comptime!(ring_bytes(p));
+    comptime_assert!(
+        rb + 2048 <= 49152,
+        "the ring must fit in 48 KiB of static shared memory"
+    );
+    let down = p.mode == GemvMode::Down;
+    let gu = p.mode == GemvMode::GateUp;
+    // m16 tiles and 8-row tiles per k step.
+    let mtt = comptime!(if p.mode == GemvMode::GateUp { 2 * p.mt } else { p.mt });
+    let tt = 2 * mtt;
+    let nc = p.chunks;
+    let nw = p.warps;
+    let ns = p.stages;
+    let cap = 8 * p.chunks;
+    let lane = lane_id();
+    let wid = warp_id();
+    let tid = thread_idx_x();
+    let g = lane / 4;
+    let q = lane % 4;
+    let kbs = (k + 127u32) / 128u32;
+    let gpr = k / 32;
+    // Output rows (GateUp: the intermediate size; its up rows start at `rows`).
+    let rows = if gu { n / 2 } else { n };
+    let r0 = block_idx_x() * 16 * p.mt;
+    let wstride = (n + 7u32) / 8u32 * kbs * 128u32;
+    let ring = shared::<u32>(nw * ns * tt * 128);
+    let dn = comptime!(if p.mode == GemvMode::Down { MAX_PAIRS } else { 1 });
+    let ln = comptime!(if p.mode == GemvMode::Down {
+        MAX_PAIRS
+    } else {
+        8 * p.chunks
+    });
+    let on = comptime!(if p.mode == GemvMode::Down { p.mt * p.chunks } else { 1 });
+    let ids_s = shared::<u32>(dn);
+    let flag_s = shared::<u32>(dn);
+    let list = shared::<u32>(ln);
+    let count_s = shared::<u32>(1);
+
+    // The x row of this lane's B column (`g + 8 c`) per chunk (u32::MAX = none).
+    let mut xrow = [0u32; nc];
+    #[unroll]
+    for c in 0..nc {
+        xrow[c] = if g + 8 * c < m { g + 8 * c } else { u32::MAX };
+    }
+    // Experts this block walks (GateUp: its leader pair's; Down: every distinct local one).
+    let mut ne = 1u32;
+    let mut expert = 0u32;
+    let pairs = if gu { m } else { m * topk };
+    if gu {
+        // Leader pair of the block: the first pair routed to its expert; others exit.
+        let p0 = block_idx_y();
+        let e = ids[p0];
+        if e >= experts {
+            return;
+        }
+        let mut dup = false;
+        for c0 in (0..p0).step_by(32) {
+            let pp = c0 + lane;
+            if vote_any(pp < p0 && ids[pp.min(p0)] == e) {
+                dup = true;
+            }
+        }
+        if dup {
+            return;
+        }
+        expert = e;
+        // Members (the pairs routed to `e`, in order) into `list`, by warp 0.
+        if wid == 0 {
+            if lane < cap {
+                list[lane] = u32::MAX;
+            }
+            sync_warp();
+            let mut base = 0u32;
+            for c0 in (p0..pairs).step_by(32) {
+                let pp = c0 + lane;
+                let f = if pp < pairs && ids[pp.min(pairs - 1)] == e {
+                    1u32
+                } else {
+                    0u32
+                };
+                let mut s = f;
+                #[unroll]
+                for b in 0..5u32 {
+                    let y = shfl_up(s, 1u32 << b);
+                    if lane >= (1u32 << b) {
+                        s += y;
+                    }
+                }
+                if f == 1 && base + s - 1 < cap {
+                    list[base + s - 1] = pp;
+                }
+                base += shfl_idx(s, 31u32);
+            }
+        }
+        sync_threads();
+        #[unroll]
+        for c in 0..nc {
+            let pr = list[g + 8 * c];
+            xrow[c] = if pr == u32::MAX { u32::MAX } else { pr / topk };
+        }
+    }
+    if down {
+        // Distinct local experts of the routing, in order of first appearance.
+        for pp in (tid..pairs).step_by(nw * 32) {
+            ids_s[pp] = ids[pp];
+        }
+        sync_threads();
+        for pp in (tid..pairs).step_by(nw * 32) {
+            let e = ids_s[pp];
+            let mut lead = e < experts;
+            for p2 in 0..pp {
+                if ids_s[p2] == e {
+                    lead = false;
+                }
+            }
+            flag_s[pp] = if lead { 1u32 } else { 0u32 };
+        }
+        sync_threads();
+        if wid == 0 {
+            let mut base = 0u32;
+            for c0 in (0..pairs).step_by(32) {
+                let pp = c0 + lane;
+                let f = if pp < pairs { flag_s[pp] } else { 0u32 };
+                let mut s = f;
+                #[unroll]
+                for b in 0..5u32 {
+                    let y = shfl_up(s, 1u32 << b);
+                    if lane >= (1u32 << b) {
+                        s += y;
+                    }
+                }
+                if f == 1 {
+                    list[base + s - 1] = ids_s[pp];
+                }
+                base += shfl_idx(s, 31u32);
+            }
+            if lane == 0 {
+                count_s[0] = base;
+            }
+        }
+        sync_threads();
+        ne = count_s[0];
+    }
+
+    // This warp's contiguous share of the block's (expert, k step) items.
+    let total = ne * kbs;
+    let per = (total + nw - 1) / nw;
+    let lo = (wid * per).min(total);
+    let hi = (lo + per).min(total);
+    let cnt = hi - lo;
+    let rbase = (wid * ns) * tt * 128 + lane * 4;
+
+    let mut acc = [[0.0f32; 4]; mtt * nc];
+    let mut oacc = [[0.0f32; 4]; on];
+    let mut sc = [0u32; ns * tt];
+    let mut wv = [[0u32; 4]; tt];
+    let mut xv = [[0u32; 4]; nc];
+    let mut af = [[0u32; 4]; 1];
+    let mut bf = [[0u32; 2]; nc];
+    let mut cur = u32::MAX;
+    // Router weights of the current expert for this lane's output tokens (Down).
+    let mut rwt = [0.0f32; 2 * nc];
+
+    // Prologue: items lo .. lo + stages into slots 0 .. stages, one cp.async group each.
+    #[unroll]
+    for u in 0..ns {
+        let it = lo + u;
+        let ei = if it < hi { it / kbs } else { 0u32 };
+        let kb = if it < hi { it % kbs } else { 0u32 };
+        let e = if down && it < hi { list[ei] } else { expert };
+        #[unroll]
+        for t in 0..tt {
+            let mi = t / 2;
+            let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
+            let grow = if gu && mi >= p.mt { rows + lr } else { lr };
+            let ok = it < hi && lr < rows;
+            let src = if ok {
+                e * wstride + ((grow / 8 * kbs + kb) * 32 + lane) * 4
+            } else {
+                0u32
+            };
+            cp_async_16_zfill(&mut ring[rbase + (u * tt + t) * 128], &w[src], ok);
+            let row = grow + g;
+            let grp = kb * 4 + q;
+            sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
+                scales[(e * n * gpr + row * gpr + grp) / 2]
+            } else {
+                0u32
+            };
+        }
+        cp_async_commit();
+    }
+    for rr in 0..(cnt + ns - 1) / ns {
+        #[unroll]
+        for u in 0..ns {
+            let it = lo + rr * ns + u;
+            cp_async_wait(ns - 1);
+            if it < hi {
+                let ei = it / kbs;
+                let kb = it % kbs;
+                let e = if down { list[ei] } else { expert };
+                if down && ei != cur {
+                    // Flush the finished expert with its router weights (tokens 2q, 2q + 1 + 8c).
+                    #[unroll]
+                    for c in 0..nc {
+                        #[unroll]
+                        for i in 0..p.mt {
+                            #[unroll]
+                            for r in 0..4 {
+                                oacc[i * nc + c][r] += rwt[c * 2 + r % 2] * acc[i * nc + c][r];
+                                acc[i * nc + c][r] = 0.0f32;
+                            }
+                        }
+                    }
+                    cur = ei;
+                    // This expert's act row of token g + 8c and router weights of tokens
+                    // 2q + cc + 8c (0 where the token does not use it).
+                    #[unroll]
+                    for c in 0..nc {
+                        xrow[c] = u32::MAX;
+                        rwt[c * 2] = 0.0f32;
+                        rwt[c * 2 + 1] = 0.0f32;
+                    }
+                    for j in 0..topk {
+                        #[unroll]
+                        for c in 0..nc {
+                            let tk = g + 8 * c;
+                            if tk < m && ids_s[tk * topk + j] == e {
+                                xrow[c] = tk * topk + j;
+                            }
+                            #[unroll]
+                            for cc in 0..2 {
+                                let t2 = 8 * c + 2 * q + cc;
+                                if t2 < m && ids_s[t2 * topk + j] == e {
+                                    rwt[c * 2 + cc] = route_w[t2 * topk + j];
+                                }
+                            }
+                        }
+                    }
+                }
+                #[unroll]
+                for t in 0..tt {
+                    let v = ring.vload(rbase + (u * tt + t) * 128);
+                    wv[t][0] = v.x;
+                    wv[t][1] = v.y;
+                    wv[t][2] = v.z;
+                    wv[t][3] = v.w;
+                }
+                let kq = kb * 128 + 32 * q;
+                #[unroll]
+                for j in 0..4 {
+                    #[unroll]
+                    for c in 0..nc {
+                        let ok = kq < k && xrow[c] != u32::MAX;
+                        let v = x.vload(if ok { xrow[c] * k + kq + 8 * j } else { 0u32 });
+                        xv[c][0] = if ok { v.x } else { 0u32 };
+                        xv[c][1] = if ok { v.y } else { 0u32 };
+                        xv[c][2] = if ok { v.z } else { 0u32 };
+                        xv[c][3] = if ok { v.w } else { 0u32 };
+                    }
+                    #[unroll]
+                    for i in 0..mtt {
+                        // Scales of rows g (tile 2i) and g + 8 (tile 2i + 1), in both halves.
+                        let grow = if gu && i >= p.mt {
+                            rows + r0 + 16 * (i - p.mt)
+                        } else {
+                            r0 + 16 * i
+                        };
+                        let sidx = e * n * gpr + (grow + g) * gpr + kb * 4 + q;
+                        let sel = if sidx % 2 == 1 { 0x3232u32 } else { 0x1010u32 };
+                        let sa = prmt(sc[u * tt + 2 * i], 0u32, sel);
+                        let sb = prmt(sc[u * tt + 2 * i + 1], 0u32, sel);
+                        #[unroll]
+                        for h in 0..2 {
+                            af[0][0] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h)), sa);
+                            af[0][2] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h + 4)), sa);
+                            af[0][1] = dequant_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h)), sb);
+                            af[0][3] = dequant_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h + 4)), sb);
+                            #[unroll]
+                            for c in 0..nc {
+                                bf[c][0] = xv[c][2 * h];
+                                bf[c][1] = xv[c][2 * h + 1];
+                                mma_m16n8k16_bf16(&mut acc[i * nc + c], &af[0], &bf[c]);
+                            }
+                        }
+                    }
+                }
+            }
+            // Refill slot u with the item `stages` later.
+            let it2 = it + ns;
+            let ei = if it2 < hi { it2 / kbs } else { 0u32 };
+            let kb = if it2 < hi { it2 % kbs } else { 0u32 };
+            let e = if down && it2 < hi { list[ei] } else { expert };
+            #[unroll]
+            for t in 0..tt {
+                let mi = t / 2;
+                let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
+                let grow = if gu && mi >= p.mt { rows + lr } else { lr };
+                let ok = it2 < hi && lr < rows;
+                let src = if ok {
+                    e * wstride + ((grow / 8 * kbs + kb) * 32 + lane) * 4
+                } else {
+                    0u32
+                };
+                cp_async_16_zfill(&mut ring[rbase + (u * tt + t) * 128], &w[src], ok);
+                let row = grow + g;
+                let grp = kb * 4 + q;
+                sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
+                    scales[(e * n * gpr + row * gpr + grp) / 2]
+                } else {
+                    0u32
+                };
+            }
+            cp_async_commit();
+        }
+    }
+    cp_async_wait(0);
+    if down {
+        #[unroll]
+        for c in 0..nc {
+            #[unroll]
+            for i in 0..p.mt {
+                #[unroll]
+                for r in 0..4 {
+                    oacc[i * nc + c][r] += rwt[c * 2 + r % 2] * acc[i * nc + c][r];
+                }
+            }
+        }
+    }
+    // Sum the warps' accumulators through the ring.
+    sync_threads();
+    let om = comptime!(if p.mode == GemvMode::Down {
+        p.mt
+    } else if p.mode == GemvMode::GateUp {
+        2 * p.mt
+    } else {
+        p.mt
+    });
+    #[unroll]
+    for i in 0..om {
+        #[unroll]
+        for c in 0..nc {
+            #[unroll]
+            for r in 0..4 {
+                if down {
+                    ring[((wid * om + i) * nc + c) * 128 + lane * 4 + r] = oacc[i * nc + c][r].to_bits();
+                } else {
+                    ring[((wid * om + i) * nc + c) * 128 + lane * 4 + r] = acc[i * nc + c][r].to_bits();
+                }
+            }
+        }
+    }
+    sync_threads();
+    for el in (tid..p.mt * nc * 128).step_by(nw * 32) {
+        let i = el / (nc * 128);
+        let c = (el / 128) % nc;
+        let ln = (el % 128) / 4;
+        let r = el % 4;
+        let row = r0 + 16 * i + ln / 4 + 8 * (r / 2);
+        let col = 8 * c + 2 * (ln % 4) + r % 2;
+        let mut v = 0.0f32;
+        let mut u2 = 0.0f32;
+        for ww in 0..nw {
+            v += f32::from_bits(ring[((ww * om + i) * nc + c) * 128 + ln * 4 + r]);
+            if gu {
+                u2 += f32::from_bits(ring[((ww * om + i + p.mt) * nc + c) * 128 + ln * 4 + r]);
+            }
+        }
+        if row < rows {
+            if gu {
+                let pr = list[col];
+                if pr != u32::MAX {
+                    out[pr * rows + row] = (silu(v) * u2) as bf16;
+                }
+            } else if col < m {
+                out[col * n + row] = v as bf16;
+            }
+        }
+    }
+}
