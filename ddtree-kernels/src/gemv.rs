@@ -233,7 +233,7 @@ macro_rules! gemv_split_kernel {
         #[kernel(block = p.warps * 32, space = [
             GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
             GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
-            GemvSplitParams { warps: 8, m: 4, cols: 2, unroll: 2 },
+            GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
             GemvSplitParams { warps: 8, m: 8, cols: 2, unroll: 2 },
             GemvSplitParams { warps: 4, m: 1, cols: 1, unroll: 4 },
             GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 4 },
