@@ -6,6 +6,8 @@ use ddtree_runtime::RuntimeError;
 
 pub use ddtree_runtime::timing::copy_bandwidth;
 
+pub mod decode_ops;
+
 /// The exit code of a run that returns whether every check passed.
 pub fn exit_code(run: Result<bool, RuntimeError>) -> ExitCode {
     match run {

@@ -27,7 +27,7 @@ use crate::{
     FillRandomU32, GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams,
     RowTopk, RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
-use crate::{gemv, GemvBf16, GemvBf16F32, GemvParams};
+use crate::{gemv, GemvBf16, GemvBf16F32, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitParams};
 use crate::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 
 /// Where checks run.
@@ -1493,11 +1493,14 @@ pub fn add_rms_norm(
 pub fn add_rms_norm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
     for p in AddRmsNorm::space() {
-        let mut ns = vec![(1, 64), (2, 7), (3, 136), (4, 1000), (2, 1500)];
+        let mut ns = vec![(1, 64), (2, 7), (3, 136), (4, 1000), (2, 1500), (1, 2056)];
         if sizes == Sizes::Full {
-            ns.extend([(7, 7168), (64, 7168), (33, 512), (3, 7171)]);
+            ns.extend([(1, 7168), (7, 7168), (64, 7168), (33, 512), (3, 7171), (1, 1536)]);
         }
         for (rows, n) in ns {
+            if p.hold > 0 && n % 8 != 0 {
+                continue;
+            }
             out.extend(add_rms_norm(t, &p, rows, n, rng)?);
         }
     }
@@ -1764,6 +1767,100 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
     Ok(out)
 }
 
+/// Checks the split-K GEMVs [`GemvSplitBf16`] and [`GemvSplitF32`] as [`gemv_pair`] does.
+pub fn gemv_split_pair(
+    t: &Target<'_>,
+    p: &GemvSplitParams,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let (a, af) = random_bf16(rng, rows * kd, -1.0, 1.0);
+    let (w, wf) = random_bf16(rng, n * kd, -1.0, 1.0);
+    let (da, dw) = (t.upload(&a)?, t.upload(&w)?);
+    let grid = gemv::split_grid(p, n as u32);
+    let want = gemv::reference(&af, &wf, rows, n, kd);
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    let case = format!("rows={rows} n={n} k={kd}");
+
+    let mut ob = poisoned_bf16(t, rows * n)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut ob),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: a is rows x k, w is n x k, out rows x n; k % 8 == 0 and 1 <= rows <= p.m.
+    unsafe { t.launch::<GemvSplitBf16>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&ob)?);
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
+    let mut out = vec![result::<GemvSplitBf16>(p, case.clone(), &got, &want, tol)];
+
+    let mut of = t.upload(&vec![f32::NAN; rows * n])?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut of),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: as above.
+    unsafe { t.launch::<GemvSplitF32>(p, grid, &mut args)? };
+    let got = t.download(&of)?;
+    let tol = Tolerance {
+        rtol: 1e-4,
+        atol: 1e-4 * rms,
+        rel_l2: 1e-5,
+    };
+    out.push(result::<GemvSplitF32>(p, case, &got, &want, tol));
+    Ok(out)
+}
+
+/// Every candidate of [`GemvSplitBf16`] and [`GemvSplitF32`]: every row count `1..=m` over
+/// small cases with ragged `n` and `k` (shorter and longer than one pass of the block); the full
+/// sizes add the router (48 and 384 columns of 7168) and the small-`n` projections.
+pub fn gemv_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let small = [(1, 8), (3, 24), (5, 1032), (2, 4104)];
+    let full = [
+        (48, 7168),
+        (384, 7168),
+        (576, 7168),
+        (1536, 7168),
+        (7, 7176),
+        (1031, 1536),
+    ];
+    let mut out = Vec::new();
+    for p in GemvSplitBf16::space() {
+        let m = p.m as usize;
+        for (i, &(n, k)) in small.iter().enumerate() {
+            for rows in 1..=m {
+                if rows == m || rows % small.len() == i {
+                    out.extend(gemv_split_pair(t, &p, rows, n, k, rng)?);
+                }
+            }
+        }
+        if sizes == Sizes::Full {
+            for &(n, k) in &full {
+                for rows in [1, m] {
+                    out.extend(gemv_split_pair(t, &p, rows, n, k, rng)?);
+                    if m == 1 {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
@@ -1792,6 +1889,9 @@ pub const SUITES: &[Suite] = &[
     cast_f32_bf16_suite,
     copy_rows_f32_suite,
     gemv_suite,
+    gemv_split_suite,
+    crate::attention::check::mla_absorb_query_suite,
+    crate::attention::check::mla_absorb_output_suite,
 ];
 
 /// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.

@@ -17,6 +17,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
 use crate::common::warp_sum;
@@ -205,6 +206,207 @@ gemv_kernel!(
     gemv_bf16_f32,
     f32
 );
+
+/// Compile-time parameters of [`GemvSplitBf16`] and [`GemvSplitF32`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct GemvSplitParams {
+    /// Warps per block; all of them split the reduction of the block's columns.
+    pub warps: u32,
+    /// Most activation rows (1, 2, 4 or 8).
+    pub m: u32,
+    /// Output columns per block.
+    pub cols: u32,
+    /// 128-bit weight loads per column a thread issues per main-loop iteration (before using
+    /// any).
+    pub unroll: u32,
+}
+
+/// The launch grid of the split-K GEMVs for `n` output columns: `ceil(n / cols)` blocks.
+pub fn split_grid(p: &GemvSplitParams, n: u32) -> u32 {
+    n.div_ceil(p.cols).max(1)
+}
+
+/// The two split-K kernels differ only in the output element type.
+macro_rules! gemv_split_kernel {
+    ($(#[$attr:meta])* $name:ident, $out:ident) => {
+        $(#[$attr])*
+        #[kernel(block = p.warps * 32, space = [
+            GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 8, m: 8, cols: 2, unroll: 2 },
+            GemvSplitParams { warps: 4, m: 1, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 4 },
+            GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
+            GemvSplitParams { warps: 4, m: 8, cols: 1, unroll: 2 },
+        ])]
+        pub fn $name(
+            #[comptime] p: &GemvSplitParams,
+            a: &[bf16],
+            w: &[bf16],
+            out: &mut [$out],
+            rows: u32,
+            n: u32,
+            k: u32,
+        ) {
+            comptime_assert!(
+                p.m == 1 || p.m == 2 || p.m == 4 || p.m == 8,
+                "m must be 1, 2, 4 or 8"
+            );
+            comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
+            comptime_assert!(p.cols >= 1 && p.unroll >= 1, "cols and unroll must be positive");
+            let cols = p.cols;
+            let un = p.unroll;
+            let threads = comptime!(p.warps * 32);
+            let red = shared::<f32>(p.warps * p.m * p.cols);
+            let tid = thread_idx_x();
+            let j0 = block_idx_x() * cols;
+            let chunks = k / 8;
+            // Weight row offsets; a column past `n` re-reads the last row and is not written.
+            let mut wrow = [0u32; cols];
+            #[unroll]
+            for c in 0..cols {
+                wrow[c] = (j0 + c).min(n - 1) * k;
+            }
+            let mut acc = [0.0f32; p.m * cols];
+            let mut w0 = [0u32; un * cols];
+            let mut w1 = [0u32; un * cols];
+            let mut w2 = [0u32; un * cols];
+            let mut w3 = [0u32; un * cols];
+            let mut ch = tid;
+            // Main loop: `un` chunks per column, all loads issued before any is used.
+            while ch + threads * (un - 1) < chunks {
+                #[unroll]
+                for u in 0..un {
+                    #[unroll]
+                    for c in 0..cols {
+                        let v = w.vload(wrow[c] + (ch + u * threads) * 8);
+                        w0[u * cols + c] = v.x;
+                        w1[u * cols + c] = v.y;
+                        w2[u * cols + c] = v.z;
+                        w3[u * cols + c] = v.w;
+                    }
+                }
+                #[unroll]
+                for u in 0..un {
+                    #[unroll]
+                    for r in 0..p.m {
+                        if r < rows {
+                            let av = a.vload(r * k + (ch + u * threads) * 8);
+                            #[unroll]
+                            for c in 0..cols {
+                                let i = u * cols + c;
+                                let s = dot2(acc[r * cols + c], av.x, w0[i]);
+                                let s = dot2(s, av.y, w1[i]);
+                                let s = dot2(s, av.z, w2[i]);
+                                acc[r * cols + c] = dot2(s, av.w, w3[i]);
+                            }
+                        }
+                    }
+                }
+                ch += threads * un;
+            }
+            // Tail: fewer than `un` chunks left for this thread.
+            while ch < chunks {
+                #[unroll]
+                for c in 0..cols {
+                    let v = w.vload(wrow[c] + ch * 8);
+                    w0[c] = v.x;
+                    w1[c] = v.y;
+                    w2[c] = v.z;
+                    w3[c] = v.w;
+                }
+                #[unroll]
+                for r in 0..p.m {
+                    if r < rows {
+                        let av = a.vload(r * k + ch * 8);
+                        #[unroll]
+                        for c in 0..cols {
+                            let s = dot2(acc[r * cols + c], av.x, w0[c]);
+                            let s = dot2(s, av.y, w1[c]);
+                            let s = dot2(s, av.z, w2[c]);
+                            acc[r * cols + c] = dot2(s, av.w, w3[c]);
+                        }
+                    }
+                }
+                ch += threads;
+            }
+            let lane = lane_id();
+            let warp = warp_id();
+            #[unroll]
+            for i in 0..p.m * cols {
+                let s = warp_sum(acc[i]);
+                if lane == 0 {
+                    red[warp * p.m * cols + i] = s;
+                }
+            }
+            sync_threads();
+            for i in (tid..p.m * cols).step_by(threads) {
+                let r = i / cols;
+                let c = i % cols;
+                if r < rows && j0 + c < n {
+                    let mut s = 0.0f32;
+                    #[unroll]
+                    for wi in 0..p.warps {
+                        s += red[wi * p.m * cols + i];
+                    }
+                    out[r * n + j0 + c] = s as $out;
+                }
+            }
+        }
+    };
+}
+
+gemv_split_kernel!(
+    /// [`GemvBf16`] for few output columns and long rows: every warp of a block splits the
+    /// reduction of the block's `p.cols` columns (thread `i` takes the 8-element chunks `i, i +
+    /// 32 * warps, ...`, `p.unroll` of them loaded before use), and the warps are summed through
+    /// shared memory, so `n` columns spread over `n / cols` blocks of `warps` warps. Same
+    /// arguments and constraints as [`GemvBf16`]; grid: [`split_grid`].
+    gemv_split_bf16,
+    bf16
+);
+
+gemv_split_kernel!(
+    /// [`GemvSplitBf16`] with an f32 output (router logits: `n = 48` or `384`, `k = 7168`).
+    gemv_split_f32,
+    f32
+);
+
+/// Which GEMV kernel suits a shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvChoice {
+    /// One warp per column (or several columns): [`GemvBf16`] / [`GemvBf16F32`].
+    Warp(GemvParams),
+    /// A block per column with the reduction split over its warps: [`GemvSplitBf16`] /
+    /// [`GemvSplitF32`].
+    Split(GemvSplitParams),
+}
+
+/// Warps per SM the per-column kernel should have (with 4 to 8 loads of 16 bytes in flight per
+/// lane) to keep enough bytes in flight to cover DRAM latency on an H100/H200-class GPU.
+pub const WARPS_PER_SM: usize = 32;
+
+/// The GEMV for `rows` activation rows (1..=8), `n` output columns of length `k` on a GPU of
+/// `sms` SMs: the per-column kernel when it has at least [`WARPS_PER_SM`] warps per SM
+/// (`n` large: the LM head, `o_proj`, `q_b`), else the split-K kernel, whose blocks each put
+/// 8 warps on one or two columns (the router's 48 or 384 columns, `kv_a` 576, `q_a` 1536).
+/// `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=8).
+pub fn choose(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
+    if rows == 0 || rows > 8 || k % 8 != 0 || n == 0 {
+        return None;
+    }
+    let m = rows.next_power_of_two() as u32;
+    let warp = GemvBf16::space().into_iter().find(|p| p.m == m)?;
+    let warps = n.div_ceil(cols_per_warp(&warp) as usize);
+    if warps >= WARPS_PER_SM * sms.max(1) {
+        return Some(GemvChoice::Warp(warp));
+    }
+    GemvSplitBf16::space()
+        .into_iter()
+        .find(|p| p.m == m)
+        .map(GemvChoice::Split)
+}
 
 /// CPU reference (f64 accumulation): `a` is `[rows, k]`, `w` is `[n, k]`; returns `[rows, n]`
 /// in f32 (the bf16 kernel rounds this to bf16).

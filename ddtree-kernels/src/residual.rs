@@ -18,20 +18,53 @@ pub struct AddRmsNormParams {
     pub block: u32,
     /// Add `y` into `x` first (otherwise `y` is not read and `x` not written).
     pub add: bool,
+    /// 8-element chunks each thread loads with 128-bit loads, all before the sum, and keeps in
+    /// registers for the second pass (needs `n % 8 == 0`); `0`: scalar loops that read `x`
+    /// twice. Rows longer than `block * 8 * hold` take the scalar loops for the rest.
+    pub hold: u32,
+}
+
+/// Rows up to which [`choose_add_rms_norm`] prefers a variant that holds the row in registers.
+pub const FEW_ROWS: usize = 16;
+
+/// The [`AddRmsNorm`] variant for `rows` rows of `n` (no tuner key: a fixed rule). For at most
+/// [`FEW_ROWS`] rows with `n % 8 == 0`, the variant with `add == add` that holds a whole row in
+/// registers with the fewest idle threads (smallest `block * hold`, first in space order);
+/// otherwise the first variant with `hold == 0` and `add == add` (the default).
+pub fn choose_add_rms_norm(rows: usize, n: usize, add: bool) -> Option<AddRmsNormParams> {
+    let space = <AddRmsNorm as ddtree_codegen::Kernel>::space();
+    let held = space
+        .iter()
+        .filter(|p| p.add == add && p.hold > 0 && n % 8 == 0 && n <= (p.block * 8 * p.hold) as usize)
+        .min_by_key(|p| p.block * p.hold)
+        .copied();
+    match held {
+        Some(p) if rows <= FEW_ROWS => Some(p),
+        _ => space.into_iter().find(|p| p.add == add && p.hold == 0),
+    }
 }
 
 /// For each of `rows` rows of `n` (grid = rows, one block per row): when `p.add`,
 /// `x[r, i] += f32(y[r, i])` (written back, f32); then with `inv = 1 / sqrt(mean(x[r]^2) + eps)`
 /// (f32), `out[r, i] = bf16(f32(weight[i]) * (x[r, i] * inv))`, rounded to nearest even. When
-/// `!p.add`, `y` is not read (any non-empty buffer will do) and `x` is not written. Any `n >= 1`.
+/// `!p.add`, `y` is not read (any non-empty buffer will do) and `x` is not written. Any `n >= 1`
+/// (`n % 8 == 0`, 32-byte aligned `x` and 16-byte aligned `y`, `weight`, `out` when
+/// `p.hold > 0`).
 #[kernel(block = p.block, space = [
-    AddRmsNormParams { block: 256, add: true },
-    AddRmsNormParams { block: 256, add: false },
-    AddRmsNormParams { block: 128, add: true },
-    AddRmsNormParams { block: 512, add: true },
-    AddRmsNormParams { block: 1024, add: true },
-    AddRmsNormParams { block: 128, add: false },
-    AddRmsNormParams { block: 512, add: false },
+    AddRmsNormParams { block: 256, add: true, hold: 0 },
+    AddRmsNormParams { block: 256, add: false, hold: 0 },
+    AddRmsNormParams { block: 128, add: true, hold: 0 },
+    AddRmsNormParams { block: 512, add: true, hold: 0 },
+    AddRmsNormParams { block: 1024, add: true, hold: 0 },
+    AddRmsNormParams { block: 128, add: false, hold: 0 },
+    AddRmsNormParams { block: 512, add: false, hold: 0 },
+    AddRmsNormParams { block: 512, add: true, hold: 2 },
+    AddRmsNormParams { block: 256, add: true, hold: 4 },
+    AddRmsNormParams { block: 1024, add: true, hold: 1 },
+    AddRmsNormParams { block: 256, add: true, hold: 1 },
+    AddRmsNormParams { block: 64, add: true, hold: 1 },
+    AddRmsNormParams { block: 512, add: false, hold: 2 },
+    AddRmsNormParams { block: 256, add: false, hold: 1 },
 ])]
 pub fn add_rms_norm(
     #[comptime] p: &AddRmsNormParams,
@@ -49,7 +82,58 @@ pub fn add_rms_norm(
     let tid = thread_idx_x();
     let base = block_idx_x() * n;
     let mut ss = 0.0f32;
-    for i in (tid..n).step_by(p.block) {
+    let held = comptime!(p.hold.max(1));
+    let mut xv = [[0.0f32; 8]; held];
+    // Elements from `first` on take the scalar loops (all of them when `hold == 0`).
+    let mut first = 0u32;
+    if p.hold > 0 {
+        first = (n / 8).min(p.hold * p.block) * 8;
+        #[unroll]
+        for u in 0..p.hold {
+            let c = tid + u * p.block;
+            if c < n / 8 {
+                let i = base + c * 8;
+                let lo = x.vload(i);
+                let hi = x.vload(i + 4);
+                xv[u][0] = f32::from_bits(lo.x);
+                xv[u][1] = f32::from_bits(lo.y);
+                xv[u][2] = f32::from_bits(lo.z);
+                xv[u][3] = f32::from_bits(lo.w);
+                xv[u][4] = f32::from_bits(hi.x);
+                xv[u][5] = f32::from_bits(hi.y);
+                xv[u][6] = f32::from_bits(hi.z);
+                xv[u][7] = f32::from_bits(hi.w);
+                if p.add {
+                    let yv = y.vload(i);
+                    xv[u][0] += bf16_lo(yv.x);
+                    xv[u][1] += bf16_hi(yv.x);
+                    xv[u][2] += bf16_lo(yv.y);
+                    xv[u][3] += bf16_hi(yv.y);
+                    xv[u][4] += bf16_lo(yv.z);
+                    xv[u][5] += bf16_hi(yv.z);
+                    xv[u][6] += bf16_lo(yv.w);
+                    xv[u][7] += bf16_hi(yv.w);
+                    let mut s0 = lo;
+                    s0.x = xv[u][0].to_bits();
+                    s0.y = xv[u][1].to_bits();
+                    s0.z = xv[u][2].to_bits();
+                    s0.w = xv[u][3].to_bits();
+                    let mut s1 = hi;
+                    s1.x = xv[u][4].to_bits();
+                    s1.y = xv[u][5].to_bits();
+                    s1.z = xv[u][6].to_bits();
+                    s1.w = xv[u][7].to_bits();
+                    x.vstore(i, s0);
+                    x.vstore(i + 4, s1);
+                }
+                #[unroll]
+                for e in 0..8 {
+                    ss += xv[u][e] * xv[u][e];
+                }
+            }
+        }
+    }
+    for i in (first + tid..n).step_by(p.block) {
         let mut v = x[base + i];
         if p.add {
             v += y[base + i] as f32;
@@ -59,7 +143,22 @@ pub fn add_rms_norm(
     }
     // Each thread reads back only the elements it wrote.
     let inv = 1.0f32 / (block_sum(ss) / (n as f32) + eps).sqrt();
-    for i in (tid..n).step_by(p.block) {
+    if p.hold > 0 {
+        #[unroll]
+        for u in 0..p.hold {
+            let c = tid + u * p.block;
+            if c < n / 8 {
+                let w = weight.vload(c * 8);
+                let mut o = w;
+                o.x = pack_bf16x2(bf16_lo(w.x) * (xv[u][0] * inv), bf16_hi(w.x) * (xv[u][1] * inv));
+                o.y = pack_bf16x2(bf16_lo(w.y) * (xv[u][2] * inv), bf16_hi(w.y) * (xv[u][3] * inv));
+                o.z = pack_bf16x2(bf16_lo(w.z) * (xv[u][4] * inv), bf16_hi(w.z) * (xv[u][5] * inv));
+                o.w = pack_bf16x2(bf16_lo(w.w) * (xv[u][6] * inv), bf16_hi(w.w) * (xv[u][7] * inv));
+                out.vstore(base + c * 8, o);
+            }
+        }
+    }
+    for i in (first + tid..n).step_by(p.block) {
         out[base + i] = ((weight[i] as f32) * (x[base + i] * inv)) as bf16;
     }
 }

@@ -8,7 +8,37 @@
 //! `(i, i + dim / 2)` (`interleave: false`).
 
 use ddtree_codegen::dsl::*;
-use ddtree_macros::{kernel, KernelParams};
+use ddtree_macros::{device_fn, kernel, KernelParams};
+
+/// The first element of a rotated pair: `x0 * c - x1 * s` (every RoPE kernel's math).
+#[device_fn]
+pub fn rope_first(x0: f32, x1: f32, c: f32, s: f32) -> f32 {
+    x0 * c - x1 * s
+}
+
+/// The second element of a rotated pair: `x1 * c + x0 * s`.
+#[device_fn]
+pub fn rope_second(x0: f32, x1: f32, c: f32, s: f32) -> f32 {
+    x1 * c + x0 * s
+}
+
+/// Offset of the first element of pair `i` within the rope dims: `2 i` interleaved, else `i`.
+pub fn pair_step(interleave: bool) -> u32 {
+    if interleave {
+        2
+    } else {
+        1
+    }
+}
+
+/// Distance from a pair's first element to its second: 1 interleaved, else `dim / 2`.
+pub fn pair_distance(dim: u32, interleave: bool) -> u32 {
+    if interleave {
+        1
+    } else {
+        dim / 2
+    }
+}
 
 /// Compile-time parameters of [`RopeInterleaved`] (the name predates the `interleave` switch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
@@ -58,12 +88,12 @@ pub fn rope_interleaved(
         let c = cos[pos * half + i];
         let s = sin[pos * half + i];
         // The pair's first element and the distance to its second.
-        let a = row * stride + offset + if p.interleave { 2 * i } else { i };
-        let b = a + comptime!(if p.interleave { 1 } else { p.dim / 2 });
+        let a = row * stride + offset + comptime!(pair_step(p.interleave)) * i;
+        let b = a + comptime!(pair_distance(p.dim, p.interleave));
         let x0 = x[a] as f32;
         let x1 = x[b] as f32;
-        x[a] = (x0 * c - x1 * s) as bf16;
-        x[b] = (x1 * c + x0 * s) as bf16;
+        x[a] = rope_first(x0, x1, c, s) as bf16;
+        x[b] = rope_second(x0, x1, c, s) as bf16;
     }
 }
 

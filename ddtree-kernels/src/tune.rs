@@ -201,8 +201,18 @@ impl Tunable for RmsNorm {
         key.bucketed()
     }
 
+    /// Every variant the width allows; for at most [`crate::rms_norm::FEW_ROWS`] rows the one
+    /// that holds the row in registers comes first (the untuned choice: one round trip to
+    /// memory per row matters more than bandwidth there).
     fn candidates(key: &RowsKey) -> Vec<Self::Params> {
-        Self::space().into_iter().filter(|p| !p.vec || key.n % 8 == 0).collect()
+        let mut all: Vec<_> = Self::space().into_iter().filter(|p| !p.vec || key.n % 8 == 0).collect();
+        if key.rows <= crate::rms_norm::FEW_ROWS {
+            if let Some(h) = crate::rms_norm::row_holder(&all, key.n) {
+                all.retain(|p| *p != h);
+                all.insert(0, h);
+            }
+        }
+        all
     }
 
     fn cost(key: &RowsKey) -> Cost {
@@ -853,9 +863,16 @@ mod tests {
         let ragged = RmsNorm::candidates(&RowsKey { rows: 1, n: 1001 });
         assert!(!ragged.is_empty() && ragged.iter().all(|p| !p.vec));
         assert_eq!(
-            RmsNorm::candidates(&RowsKey { rows: 1, n: 7168 })[0],
+            RmsNorm::candidates(&RowsKey { rows: 64, n: 7168 })[0],
             RmsNorm::default_params()
         );
+        let one = RmsNorm::candidates(&RowsKey { rows: 1, n: 7168 })[0];
+        assert!(
+            crate::rms_norm::holds_row(&one, 7168) && one.block * one.hold == 1024,
+            "{one:?}"
+        );
+        let q_a = RmsNorm::candidates(&RowsKey { rows: 1, n: 1536 })[0];
+        assert_eq!((q_a.block, q_a.hold), (256, 1));
         assert!(GemmBf16::candidates(&GemmKey { m: 1, n: 8, k: 12 }).is_empty());
     }
 

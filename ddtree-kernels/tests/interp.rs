@@ -9,8 +9,9 @@ use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
     AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
-    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GqaAttention, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm,
-    RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
+    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvSplitBf16, GemvSplitF32, GqaAttention, MlaAbsorbOutput,
+    MlaAbsorbQuery, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul,
+    SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -189,4 +190,24 @@ fn a_64_cubed_tile_gemm_interprets_in_seconds() {
         GemmBf16::symbol(&p)
     );
     assert!(secs < 10.0, "interpreting a 64x64x64 GEMM took {secs:.1} s");
+}
+
+#[test]
+fn mla_absorb_query() {
+    every_candidate::<MlaAbsorbQuery>(ddtree_kernels::attention::check::mla_absorb_query_suite);
+}
+
+#[test]
+fn mla_absorb_output() {
+    every_candidate::<MlaAbsorbOutput>(ddtree_kernels::attention::check::mla_absorb_output_suite);
+}
+
+#[test]
+fn gemv_split() {
+    check::on_each_target(|t, rng| {
+        let results = check::gemv_split_suite(t, Sizes::Small, rng)?;
+        assert_covers::<GemvSplitBf16>(&results);
+        assert_covers::<GemvSplitF32>(&results);
+        Ok(results)
+    });
 }

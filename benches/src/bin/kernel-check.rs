@@ -7,8 +7,12 @@
 //! 4. row top-k at the decode sizes (rows 1, 4, 16 of n = 163840, k = 1 and 8): the one-block-
 //!    per-row `RowTopk` default next to the split path of `TopkRunner`, whose output is checked.
 //!
-//! Usage: `kernel-check [--small] [--seed N] [--skip-bench] [--topk-only]`. Exits non-zero if any
-//! check fails.
+//! 5. with `--decode-ops`: only the checks of the decode-step kernels (absorbed MLA query and
+//!    output, GEMVs, norms, latent append) and their timings next to what they replace
+//!    ([`ddtree_benches::decode_ops`]).
+//!
+//! Usage: `kernel-check [--small] [--seed N] [--skip-bench] [--topk-only] [--decode-ops]`. Exits
+//! non-zero if any check fails.
 
 use std::process::ExitCode;
 
@@ -39,6 +43,9 @@ struct Args {
     /// Only the top-k checks (both kernels) and the top-k timings.
     #[arg(long)]
     topk_only: bool,
+    /// Only the decode-step kernels' checks and their timings (T = 1, 4, 16 on Kimi shapes).
+    #[arg(long)]
+    decode_ops: bool,
 }
 
 fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), RuntimeError> {
@@ -204,7 +211,22 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     println!("seed: {seed}");
     let target = Target::Gpu(&gpu);
     let sizes = if args.small { Sizes::Small } else { Sizes::Full };
-    let results = if args.topk_only {
+    let results = if args.decode_ops {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut out = Vec::new();
+        for suite in [
+            ddtree_kernels::attention::check::mla_absorb_query_suite as check::Suite,
+            ddtree_kernels::attention::check::mla_absorb_output_suite,
+            ddtree_kernels::attention::check::kv_append_suite,
+            check::gemv_suite,
+            check::gemv_split_suite,
+            check::rms_norm_suite,
+            check::add_rms_norm_suite,
+        ] {
+            out.extend(suite(&target, sizes, &mut rng)?);
+        }
+        out
+    } else if args.topk_only {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut out = check::topk_suite(&target, sizes, &mut rng)?;
         out.extend(check::topk_split_suite(&target, sizes, &mut rng)?);
@@ -214,7 +236,11 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     };
     report(&results);
     let mut all_passed = results.iter().all(|r| r.passed);
-    if args.topk_only {
+    if args.decode_ops {
+        if !args.skip_bench {
+            ddtree_benches::decode_ops::decode_ops_bench(&gpu)?;
+        }
+    } else if args.topk_only {
         all_passed &= topk_bench(&gpu)?;
     } else if !args.skip_bench {
         println!(

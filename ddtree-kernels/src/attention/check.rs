@@ -7,7 +7,10 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::{gqa, mla, GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend};
+use super::{
+    gqa, mla, mla_absorb, GqaAttention, GqaParams, MlaAbsorbOutput, MlaAbsorbQuery, MlaAppendParams, MlaAttention,
+    MlaAttnParams, MlaKvAppend, MlaOutputParams, MlaQueryParams,
+};
 use crate::check::{poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Sizes, Target, Tolerance};
 use crate::tree::check::random_mask;
 
@@ -148,11 +151,15 @@ pub fn kv_append_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result
             (3, 512, 64, 2),
             (2, 100, 6, 1),
             (2, 300, 2, 0),
+            (2, 1024, 64, 3),
         ];
         if sizes == Sizes::Full {
             cases.extend([(64, 512, 64, 1000), (200, 512, 64, 0), (33, 32, 16, 4000)]);
         }
         for (rows, lora, rope, row0) in cases {
+            if p.vec && (lora % 8 != 0 || rope % 8 != 0) {
+                continue;
+            }
             out.push(kv_append(t, &p, rows, lora, rope, row0, rng)?);
         }
     }
@@ -245,6 +252,153 @@ pub fn gqa_attention_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Re
         }
         for (rows, keys, heads, kv_heads, head_dim) in cases {
             out.push(gqa_attention(t, &p, rows, keys, heads, kv_heads, head_dim, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Checks [`MlaAbsorbQuery`] on `rows` tokens of `heads` heads with latent width `lora` and `v`
+/// value dims per head (only the head stride of `kv_b` depends on it): `q`, `kv_b` and positions
+/// random, the output poisoned. Bf16 tolerance with the absolute part scaled by the output's RMS
+/// (sums of `nope` products cancel).
+pub fn mla_absorb_query(
+    t: &Target<'_>,
+    p: &MlaQueryParams,
+    rows: usize,
+    heads: usize,
+    lora: usize,
+    v: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let (nope, rope) = (p.nope as usize, p.rope as usize);
+    let (half, max_pos) = (rope / 2, 4096usize);
+    let (q, qf) = random_bf16(rng, rows * heads * (nope + rope), -1.0, 1.0);
+    let (w, wf) = random_bf16(rng, heads * (nope + v) * lora, -1.0, 1.0);
+    let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..max_pos as u32)).collect();
+    let (cos, sin) = rope_tables(max_pos, half);
+    let (dq, dw, dp) = (t.upload(&q)?, t.upload(&w)?, t.upload(&positions)?);
+    let (dc, ds) = (t.upload(&cos)?, t.upload(&sin)?);
+    let mut out = poisoned_bf16(t, rows * heads * (lora + rope))?;
+    let mut args = [
+        Arg::In(&dq),
+        Arg::In(&dw),
+        Arg::In(&dp),
+        Arg::In(&dc),
+        Arg::In(&ds),
+        Arg::Out(&mut out),
+        Arg::from(rows as u32),
+        Arg::from(heads as u32),
+        Arg::from(lora as u32),
+        Arg::from(((nope + v) * lora) as u32),
+    ];
+    let grid = mla_absorb::query_grid(p, heads as u32, lora as u32);
+    // SAFETY: q [rows, heads, nope + rope], kv_b [heads * (nope + v), lora] with lora % cols ==
+    // 0 (the suite's cases), out [rows, heads, lora + rope], positions below max_pos.
+    unsafe { t.launch::<MlaAbsorbQuery>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    let want = mla_absorb::query_reference(
+        &qf,
+        &wf,
+        &positions,
+        &cos,
+        &sin,
+        heads,
+        (nope, rope, v, lora),
+        p.interleave,
+    );
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
+    let case = format!("rows={rows} heads={heads} lora={lora} v={v}");
+    Ok(result::<MlaAbsorbQuery>(p, case, &got, &want, tol))
+}
+
+/// Every candidate of [`MlaAbsorbQuery`]: one token and several (the decode step and small
+/// trees), one head and several, the candidate's smallest latent and a wider one; the full
+/// sizes add Kimi's 64 heads at 1, 4 and 16 tokens.
+pub fn mla_absorb_query_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in MlaAbsorbQuery::space() {
+        let c = p.cols as usize;
+        let mut cases = vec![(1, 1, c, 8), (3, 2, 2 * c, 16)];
+        if sizes == Sizes::Full {
+            cases.extend([
+                (1, 64, 512, 128),
+                (4, 64, 512, 128),
+                (16, 64, 512, 128),
+                (17, 8, 512, 128),
+            ]);
+        }
+        for (rows, heads, lora, v) in cases {
+            out.push(mla_absorb_query(t, &p, rows, heads, lora, v, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Checks [`MlaAbsorbOutput`] on `rows` tokens of `heads` heads (`nope` and `v` dims per head,
+/// the candidate's `lora`), output poisoned; tolerance as [`mla_absorb_query`].
+pub fn mla_absorb_output(
+    t: &Target<'_>,
+    p: &MlaOutputParams,
+    rows: usize,
+    heads: usize,
+    nope: usize,
+    v: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let lora = p.lora as usize;
+    let (a, af) = random_bf16(rng, rows * heads * lora, -1.0, 1.0);
+    let (w, wf) = random_bf16(rng, heads * (nope + v) * lora, -1.0, 1.0);
+    let (da, dw) = (t.upload(&a)?, t.upload(&w)?);
+    let mut out = poisoned_bf16(t, rows * heads * v)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut out),
+        Arg::from(rows as u32),
+        Arg::from(heads as u32),
+        Arg::from(nope as u32),
+        Arg::from(v as u32),
+        Arg::from(((nope + v) * lora) as u32),
+    ];
+    let grid = mla_absorb::output_grid(p, heads as u32, v as u32);
+    // SAFETY: o_lat [rows, heads, lora], kv_b [heads * (nope + v), lora], out [rows, heads * v];
+    // v % cols == 0 (the suite's cases).
+    unsafe { t.launch::<MlaAbsorbOutput>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    let want = mla_absorb::output_reference(&af, &wf, rows, heads, (nope, v, lora));
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
+    let case = format!("rows={rows} heads={heads} nope={nope} v={v}");
+    Ok(result::<MlaAbsorbOutput>(p, case, &got, &want, tol))
+}
+
+/// Every candidate of [`MlaAbsorbOutput`]: one and several tokens, a head count that leaves the
+/// last block partly idle; the full sizes add Kimi's 64 heads (nope 128, v 128) at 1, 4 and 16
+/// tokens.
+pub fn mla_absorb_output_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for p in MlaAbsorbOutput::space() {
+        let c = p.cols as usize;
+        let mut cases = vec![(1, 1, 8, c), (3, 3, 16, 2 * c)];
+        if sizes == Sizes::Full {
+            cases.extend([
+                (1, 64, 128, 128),
+                (4, 64, 128, 128),
+                (16, 64, 128, 128),
+                (5, 7, 128, 128),
+            ]);
+        }
+        for (rows, heads, nope, v) in cases {
+            out.push(mla_absorb_output(t, &p, rows, heads, nope, v, rng)?);
         }
     }
     Ok(out)

@@ -16,6 +16,8 @@ use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
 
 use crate::common::{block_sum, warp_sum};
+use crate::rms_norm::{scale_bf16x2, sq_bf16x2};
+use crate::rope::{rope_first, rope_second};
 
 /// Output columns each lane accumulates per pass of [`MlaAttention`] (`32 * MLA_COLS` = 512
 /// columns per pass: one pass for Kimi's latent of 512).
@@ -30,6 +32,24 @@ pub const MLA_Q_SHARED: u32 = 1024;
 pub struct MlaAppendParams {
     /// Threads per block (one block per appended row).
     pub block: u32,
+    /// Load each thread's first 8 latent values with one 128-bit load before the sum and keep
+    /// them in registers for the write (needs `lora % 8 == 0` and `rope % 8 == 0`); values past
+    /// `8 * block` take the scalar loops.
+    pub vec: bool,
+}
+
+/// The [`MlaKvAppend`] variant for a latent of `lora` and `rope` rope dims (no tuner key: a
+/// fixed rule): the `vec` variant with the fewest threads that still gives every thread one
+/// chunk (`8 * block >= lora`) when the widths allow 128-bit loads, else the default.
+pub fn choose_append(lora: usize, rope: usize) -> MlaAppendParams {
+    let space = <MlaKvAppend as ddtree_codegen::Kernel>::space();
+    let vec_ok = lora % 8 == 0 && rope % 8 == 0;
+    space
+        .iter()
+        .filter(|p| vec_ok && p.vec && 8 * p.block as usize >= lora)
+        .min_by_key(|p| p.block)
+        .copied()
+        .unwrap_or(space[0])
 }
 
 /// Appends `rows` latent-cache rows: input row `t` of `kv_a` (`[rows, lora + rope]`) becomes
@@ -41,9 +61,12 @@ pub struct MlaAppendParams {
 /// and `s = sin[..]` (tables `[max_pos, rope / 2]` f32, YaRN folded in). Each value is
 /// rounded to bf16 once. `rope` must be even. Grid: `rows`.
 #[kernel(block = p.block, space = [
-    MlaAppendParams { block: 128 },
-    MlaAppendParams { block: 64 },
-    MlaAppendParams { block: 256 },
+    MlaAppendParams { block: 128, vec: false },
+    MlaAppendParams { block: 64, vec: false },
+    MlaAppendParams { block: 256, vec: false },
+    MlaAppendParams { block: 64, vec: true },
+    MlaAppendParams { block: 32, vec: true },
+    MlaAppendParams { block: 128, vec: true },
 ])]
 #[allow(clippy::too_many_arguments)]
 pub fn mla_kv_append(
@@ -71,12 +94,37 @@ pub fn mla_kv_append(
         let src = t * w;
         let dst = (lens[0] + t) * w;
         let mut ss = 0.0f32;
-        for i in (tid..lora).step_by(p.block) {
+        let mut hv = [0u32; 4];
+        // Latent values from `first` on take the scalar loops (all of them without `vec`).
+        let mut first = 0u32;
+        if p.vec {
+            first = (lora / 8).min(p.block) * 8;
+            if tid < lora / 8 {
+                let v = kv_a.vload(src + tid * 8);
+                hv[0] = v.x;
+                hv[1] = v.y;
+                hv[2] = v.z;
+                hv[3] = v.w;
+                ss = sq_bf16x2(v.x) + sq_bf16x2(v.y) + sq_bf16x2(v.z) + sq_bf16x2(v.w);
+            }
+        }
+        for i in (first + tid..lora).step_by(p.block) {
             let v = kv_a[src + i] as f32;
             ss += v * v;
         }
         let inv = 1.0f32 / (block_sum(ss) / (lora as f32) + eps).sqrt();
-        for i in (tid..lora).step_by(p.block) {
+        if p.vec {
+            if tid < lora / 8 {
+                let g = norm.vload(tid * 8);
+                let mut o = g;
+                o.x = scale_bf16x2(hv[0], g.x, inv);
+                o.y = scale_bf16x2(hv[1], g.y, inv);
+                o.z = scale_bf16x2(hv[2], g.z, inv);
+                o.w = scale_bf16x2(hv[3], g.w, inv);
+                cache.vstore(dst + tid * 8, o);
+            }
+        }
+        for i in (first + tid..lora).step_by(p.block) {
             cache[dst + i] = ((norm[i] as f32) * ((kv_a[src + i] as f32) * inv)) as bf16;
         }
         let half = rope / 2;
@@ -87,8 +135,8 @@ pub fn mla_kv_append(
             let at = lora + 2 * i;
             let x0 = kv_a[src + at] as f32;
             let x1 = kv_a[src + at + 1] as f32;
-            cache[dst + at] = (x0 * c - x1 * s) as bf16;
-            cache[dst + at + 1] = (x1 * c + x0 * s) as bf16;
+            cache[dst + at] = rope_first(x0, x1, c, s) as bf16;
+            cache[dst + at + 1] = rope_second(x0, x1, c, s) as bf16;
         }
     }
 }

@@ -10,8 +10,8 @@ mod types;
 
 use std::sync::{Arc, Mutex};
 
-use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvParams};
-use ddtree_kernels::residual::{self, AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
+use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvChoice, GemvSplitBf16, GemvSplitF32};
+use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
@@ -21,8 +21,8 @@ use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Re
 use ddtree_kernels::{add, fill, tree, tune};
 use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
-    GqaAttention, GqaParams, MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute, MoeRouteParams,
-    RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
+    GqaAttention, GqaParams, MlaAbsorbOutput, MlaAbsorbQuery, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute,
+    MoeRouteParams, RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
@@ -280,6 +280,12 @@ enum Staged {
     /// The cache length before a forward, one value (kernels read it on the device).
     Lens,
 }
+
+/// Most tokens for which `mla_query` / `mla_output` use the one-launch absorbed-MLA kernels
+/// (`mla_absorb_query`, `mla_absorb_output`: every weight byte read once, the tokens looped in
+/// the kernel); above it cuBLAS's batched GEMM (its ~30 µs of host time and extra launches are
+/// then small next to the work).
+const MLA_ABSORB_MAX_ROWS: usize = 16;
 
 /// Split count of the verify attention's partial buffers: rows x splits.
 const VERIFY_PARTIALS: usize = 1 << 16;
@@ -1071,23 +1077,44 @@ impl Backend for CudaBackend {
         let a = x.bf16("linear")?;
         match w {
             CudaWeight::Dense { w, .. } => {
-                if let Some(p) = self.gemv_params(x.rows, k) {
-                    let kern = self.variant::<GemvBf16>(&p)?;
-                    // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
-                    unsafe {
-                        GemvBf16::launch(
-                            &kern,
-                            &self.stream,
-                            gemv::grid(&p, n as u32),
-                            a,
-                            w,
-                            out.bf16_mut("linear")?,
-                            x.rows as u32,
-                            n as u32,
-                            k as u32,
-                        )?
-                    };
-                    return Ok(out);
+                match self.gemv_params(x.rows, n, k) {
+                    Some(GemvChoice::Warp(p)) => {
+                        let kern = self.variant::<GemvBf16>(&p)?;
+                        // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
+                        unsafe {
+                            GemvBf16::launch(
+                                &kern,
+                                &self.stream,
+                                gemv::grid(&p, n as u32),
+                                a,
+                                w,
+                                out.bf16_mut("linear")?,
+                                x.rows as u32,
+                                n as u32,
+                                k as u32,
+                            )?
+                        };
+                        return Ok(out);
+                    }
+                    Some(GemvChoice::Split(p)) => {
+                        let kern = self.variant::<GemvSplitBf16>(&p)?;
+                        // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
+                        unsafe {
+                            GemvSplitBf16::launch(
+                                &kern,
+                                &self.stream,
+                                gemv::split_grid(&p, n as u32),
+                                a,
+                                w,
+                                out.bf16_mut("linear")?,
+                                x.rows as u32,
+                                n as u32,
+                                k as u32,
+                            )?
+                        };
+                        return Ok(out);
+                    }
+                    None => {}
                 }
                 // SAFETY: a [m, k], w [n, k], out [m, n].
                 unsafe { self.blas.linear(a, w, out.bf16_mut("linear")?, x.rows, n, k)? }
@@ -1179,25 +1206,45 @@ impl Backend for CudaBackend {
             return Err(fail(format!("linear_f32: {} columns into a [{n}, {k}] weight", x.cols)));
         }
         let mut out = self.alloc::<f32>(x.rows * n)?;
-        if let Some(p) = self.gemv_params(x.rows, *k) {
-            let kern = self.variant::<GemvBf16F32>(&p)?;
-            // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
-            unsafe {
-                GemvBf16F32::launch(
-                    &kern,
-                    &self.stream,
-                    gemv::grid(&p, *n as u32),
-                    x.bf16("linear_f32")?,
-                    w,
-                    &mut out,
-                    x.rows as u32,
-                    *n as u32,
-                    *k as u32,
-                )?
-            };
-        } else {
-            // SAFETY: a [m, k], w [n, k], out [m, n].
-            unsafe { self.blas.linear(x.bf16("linear_f32")?, w, &mut out, x.rows, *n, *k)? };
+        match self.gemv_params(x.rows, *n, *k) {
+            Some(GemvChoice::Warp(p)) => {
+                let kern = self.variant::<GemvBf16F32>(&p)?;
+                // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
+                unsafe {
+                    GemvBf16F32::launch(
+                        &kern,
+                        &self.stream,
+                        gemv::grid(&p, *n as u32),
+                        x.bf16("linear_f32")?,
+                        w,
+                        &mut out,
+                        x.rows as u32,
+                        *n as u32,
+                        *k as u32,
+                    )?
+                };
+            }
+            Some(GemvChoice::Split(p)) => {
+                let kern = self.variant::<GemvSplitF32>(&p)?;
+                // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
+                unsafe {
+                    GemvSplitF32::launch(
+                        &kern,
+                        &self.stream,
+                        gemv::split_grid(&p, *n as u32),
+                        x.bf16("linear_f32")?,
+                        w,
+                        &mut out,
+                        x.rows as u32,
+                        *n as u32,
+                        *k as u32,
+                    )?
+                };
+            }
+            None => {
+                // SAFETY: a [m, k], w [n, k], out [m, n].
+                unsafe { self.blas.linear(x.bf16("linear_f32")?, w, &mut out, x.rows, *n, *k)? };
+            }
         }
         Ok(CudaTensor {
             rows: x.rows,
@@ -1290,7 +1337,9 @@ impl Backend for CudaBackend {
         }
         let (rows, n) = (x.rows, x.cols);
         let mut out = self.tensor_bf16(rows, n)?;
-        let k = self.first_variant::<AddRmsNorm>(|p: &AddRmsNormParams| p.add)?;
+        let p = residual::choose_add_rms_norm(rows, n, true)
+            .ok_or_else(|| fail("add_rms_norm: no variant with the residual add".into()))?;
+        let k = self.variant::<AddRmsNorm>(&p)?;
         let DeviceData::F32(xf) = &mut x.data else {
             unreachable!("checked above")
         };
@@ -1424,7 +1473,7 @@ impl Backend for CudaBackend {
         let tables = self.rope_tables(rope, max)?;
         let pos = self.staged(Staged::Positions, positions)?;
         let lens = self.staged(Staged::Lens, &[start as u32])?;
-        let k = self.first_variant::<MlaKvAppend>(|_: &MlaAppendParams| true)?;
+        let k = self.variant::<MlaKvAppend>(&ddtree_kernels::attention::mla::choose_append(lora, width - lora))?;
         let mut dst = cache.layer_mut(layer);
         // SAFETY: kv_a [rows, width]; the layer holds capacity rows and start + rows fit.
         unsafe {
@@ -1481,6 +1530,43 @@ impl Backend for CudaBackend {
         }
         let t = q.rows;
         let mut q_abs = self.tensor_bf16(t, d.heads * lw)?;
+        let absorb = (t <= MLA_ABSORB_MAX_ROWS && d.kv_lora % 8 == 0)
+            .then(|| {
+                <MlaAbsorbQuery as ddtree_codegen::Kernel>::space()
+                    .into_iter()
+                    .find(|p| {
+                        (p.nope as usize, p.rope as usize, p.interleave) == (d.nope, d.rope, rope.interleaved())
+                            && d.kv_lora % p.cols as usize == 0
+                    })
+            })
+            .flatten();
+        if let Some(p) = absorb {
+            let kern = self.variant::<MlaAbsorbQuery>(&p)?;
+            let max = positions.iter().copied().max().unwrap_or(0);
+            let tables = self.rope_tables(rope, max)?;
+            let pos = self.staged(Staged::Positions, positions)?;
+            let grid = ddtree_kernels::attention::mla_absorb::query_grid(&p, d.heads as u32, d.kv_lora as u32);
+            // SAFETY: q [t, heads, nope + rope], kv_b [heads * (nope + v), kv_lora] with
+            // kv_lora % cols == 0, q_abs [t, heads, lw]; one position per token within the tables.
+            unsafe {
+                MlaAbsorbQuery::launch(
+                    &kern,
+                    &self.stream,
+                    grid,
+                    q.bf16("mla_query")?,
+                    w,
+                    &*pos,
+                    &tables.cos,
+                    &tables.sin,
+                    q_abs.bf16_mut("mla_query")?,
+                    t as u32,
+                    d.heads as u32,
+                    d.kv_lora as u32,
+                    ((d.nope + d.v) * d.kv_lora) as u32,
+                )?
+            };
+            return Ok(q_abs);
+        }
         let g = BatchedGemm {
             m: t,
             n: d.kv_lora,
@@ -1622,6 +1708,35 @@ impl Backend for CudaBackend {
         }
         let t = o_lat.rows;
         let mut o = self.tensor_bf16(t, d.heads * d.v)?;
+        let absorb = (t <= MLA_ABSORB_MAX_ROWS)
+            .then(|| {
+                <MlaAbsorbOutput as ddtree_codegen::Kernel>::space()
+                    .into_iter()
+                    .find(|p| p.lora as usize == d.kv_lora && d.v % p.cols as usize == 0)
+            })
+            .flatten();
+        if let Some(p) = absorb {
+            let kern = self.variant::<MlaAbsorbOutput>(&p)?;
+            let grid = ddtree_kernels::attention::mla_absorb::output_grid(&p, d.heads as u32, d.v as u32);
+            // SAFETY: o_lat [t, heads, kv_lora], kv_b [heads * (nope + v), kv_lora], o [t, heads * v];
+            // v % cols == 0.
+            unsafe {
+                MlaAbsorbOutput::launch(
+                    &kern,
+                    &self.stream,
+                    grid,
+                    o_lat.bf16("mla_output")?,
+                    w,
+                    o.bf16_mut("mla_output")?,
+                    t as u32,
+                    d.heads as u32,
+                    d.nope as u32,
+                    d.v as u32,
+                    ((d.nope + d.v) * d.kv_lora) as u32,
+                )?
+            };
+            return Ok(o);
+        }
         let g = BatchedGemm {
             m: t,
             n: d.v,
@@ -1845,17 +1960,12 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// The GEMV variant for `rows` rows of width `k`, when one applies: up to 8 rows (decode and
-    /// small trees), `k % 8 == 0`. Above that cuBLAS is faster; below it its ~30 µs of host
-    /// time per call (algorithm heuristics) is more than the GPU work.
-    fn gemv_params(&self, rows: usize, k: usize) -> Option<GemvParams> {
-        if rows == 0 || rows > 8 || k % 8 != 0 {
-            return None;
-        }
-        let m = rows.next_power_of_two() as u32;
-        <GemvBf16 as ddtree_codegen::Kernel>::space()
-            .into_iter()
-            .find(|p| p.m == m)
+    /// The GEMV for `rows` rows, `n` outputs of width `k`, when one applies: up to 8 rows (decode
+    /// and small trees), `k % 8 == 0`; the per-column kernel for wide outputs, the split-K one
+    /// for narrow ones ([`gemv::choose`]). Above 8 rows cuBLAS is faster; below it its ~30 µs of
+    /// host time per call (algorithm heuristics) is more than the GPU work.
+    fn gemv_params(&self, rows: usize, n: usize, k: usize) -> Option<GemvChoice> {
+        gemv::choose(rows, n, k, self.gpu().fingerprint().sm_count as usize)
     }
 
     /// RMSNorm of `rows` rows of `n` values with the tuned variant for the shape.

@@ -1,0 +1,382 @@
+//! `kernel-check --decode-ops`: the small ops of a Kimi K2.6 decode step, each new kernel next to
+//! what it replaces, at T = 1, 4 and 16 tokens (cold L2: a flush buffer is overwritten before
+//! every timed run). Prints µs and the weight/activation bytes moved per µs (GB/s).
+
+use ddtree_codegen::Kernel;
+use ddtree_kernels::attention::{mla, mla_absorb};
+use ddtree_kernels::gemv::{self, GemvChoice};
+use ddtree_kernels::residual;
+use ddtree_kernels::{
+    fill, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32, GemvSplitBf16, GemvSplitF32,
+    MlaAbsorbOutput, MlaAbsorbQuery, MlaKvAppend, RmsNorm, RopeInterleaved,
+};
+use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
+use ddtree_runtime::cudarc::driver::CudaSlice;
+use ddtree_runtime::timing::median_us_flushed;
+use ddtree_runtime::{Blas, Gpu, RuntimeError};
+use half::bf16;
+
+const HEADS: usize = 64;
+const NOPE: usize = 128;
+const ROPE: usize = 64;
+const V: usize = 128;
+const LORA: usize = 512;
+const HIDDEN: usize = 7168;
+
+struct Bufs<'g> {
+    gpu: &'g Gpu,
+    fill_bf16: ddtree_runtime::CompiledKernel<FillRandomBf16>,
+    fill_f32: ddtree_runtime::CompiledKernel<FillRandomF32>,
+    seed: u32,
+}
+
+impl Bufs<'_> {
+    fn bf16(&mut self, n: usize) -> Result<CudaSlice<bf16>, RuntimeError> {
+        let s = self.gpu.stream();
+        let mut out = s
+            .alloc_zeros::<bf16>(n.max(1))
+            .map_err(RuntimeError::driver("allocating"))?;
+        self.seed += 1;
+        let grid = fill::grid(&FillParams { block: 256 }, n);
+        // SAFETY: out holds n elements.
+        unsafe { FillRandomBf16::launch(&self.fill_bf16, s, grid, &mut out, n as u32, self.seed, -1.0, 1.0)? };
+        Ok(out)
+    }
+
+    fn f32(&mut self, n: usize, lo: f32, hi: f32) -> Result<CudaSlice<f32>, RuntimeError> {
+        let s = self.gpu.stream();
+        let mut out = s
+            .alloc_zeros::<f32>(n.max(1))
+            .map_err(RuntimeError::driver("allocating"))?;
+        self.seed += 1;
+        let grid = fill::grid(&FillParams { block: 256 }, n);
+        // SAFETY: out holds n elements.
+        unsafe { FillRandomF32::launch(&self.fill_f32, s, grid, &mut out, n as u32, self.seed, lo, hi)? };
+        Ok(out)
+    }
+}
+
+fn row(op: &str, t: usize, what: &str, us: f64, bytes: f64) {
+    println!("| {op} | {t} | {what} | {us:.1} | {:.0} |", bytes / us / 1e3);
+}
+
+/// Times the decode ops; see the module docs.
+pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let sms = gpu.fingerprint().sm_count as usize;
+    let blas = Blas::new(gpu)?;
+    let mut b = Bufs {
+        gpu,
+        fill_bf16: gpu.compile::<FillRandomBf16>(&FillRandomBf16::default_params())?,
+        fill_f32: gpu.compile::<FillRandomF32>(&FillRandomF32::default_params())?,
+        seed: 7,
+    };
+    let mut flush = s
+        .alloc_zeros::<u8>(2 * ddtree_runtime::l2_bytes(gpu).max(64 << 20))
+        .map_err(RuntimeError::driver("allocating"))?;
+    let time = |flush: &mut CudaSlice<u8>, f: &mut dyn FnMut() -> Result<(), RuntimeError>| {
+        median_us_flushed(s, 3, 50, Some(flush), |_| f())
+    };
+    println!("\n| op | T | kernel | µs | GB/s |");
+    println!("|---|---:|---|---:|---:|");
+
+    // The absorbed query and output against cuBLAS's batched GEMM (+ the copy and rope it needs).
+    let kv_b = b.bf16(HEADS * (NOPE + V) * LORA)?;
+    let w_bytes = (HEADS * NOPE * LORA * 2) as f64;
+    let pos_host: Vec<u32> = (0..16).map(|i| 1000 + i).collect();
+    let pos = s.clone_htod(&pos_host).map_err(RuntimeError::driver("upload"))?;
+    let cos = b.f32(4096 * ROPE / 2, -1.0, 1.0)?;
+    let sin = b.f32(4096 * ROPE / 2, -1.0, 1.0)?;
+    let qp = <MlaAbsorbQuery as Kernel>::space()[0];
+    let qk = gpu.compile::<MlaAbsorbQuery>(&qp)?;
+    let op = <MlaAbsorbOutput as Kernel>::space()[0];
+    let ok = gpu.compile::<MlaAbsorbOutput>(&op)?;
+    let rope_k = gpu.compile::<RopeInterleaved>(&<RopeInterleaved as Kernel>::space()[0])?;
+    for t in [1usize, 4, 16] {
+        let q = b.bf16(t * HEADS * (NOPE + ROPE))?;
+        let mut q_abs = b.bf16(t * HEADS * (LORA + ROPE))?;
+        let us = time(&mut flush, &mut || {
+            // SAFETY: Kimi shapes; buffers sized above.
+            unsafe {
+                MlaAbsorbQuery::launch(
+                    &qk,
+                    s,
+                    mla_absorb::query_grid(&qp, HEADS as u32, LORA as u32),
+                    &q,
+                    &kv_b,
+                    &pos,
+                    &cos,
+                    &sin,
+                    &mut q_abs,
+                    t as u32,
+                    HEADS as u32,
+                    LORA as u32,
+                    ((NOPE + V) * LORA) as u32,
+                )
+            }
+        })?;
+        row("mla_query", t, &MlaAbsorbQuery::symbol(&qp), us, w_bytes);
+        let g = BatchedGemm {
+            m: t,
+            n: LORA,
+            k: NOPE,
+            batch: HEADS,
+            a: Strided {
+                offset: 0,
+                ld: HEADS * (NOPE + ROPE),
+                stride: NOPE + ROPE,
+            },
+            b: Strided {
+                offset: 0,
+                ld: LORA,
+                stride: (NOPE + V) * LORA,
+            },
+            b_op: RightOperand::Plain,
+            c: Strided {
+                offset: 0,
+                ld: HEADS * (LORA + ROPE),
+                stride: LORA + ROPE,
+            },
+        };
+        let rp = *rope_k.params();
+        let us = time(&mut flush, &mut || {
+            // SAFETY: the strides stay inside q, kv_b and q_abs; the rope covers t * heads rows.
+            unsafe {
+                blas.batched(&g, &q, &kv_b, &mut q_abs)?;
+                RopeInterleaved::launch(
+                    &rope_k,
+                    s,
+                    ddtree_kernels::rope::grid(&rp, t * HEADS),
+                    &mut q_abs,
+                    &pos,
+                    &cos,
+                    &sin,
+                    (t * HEADS) as u32,
+                    HEADS as u32,
+                    (LORA + ROPE) as u32,
+                    LORA as u32,
+                )
+            }
+        })?;
+        row("mla_query", t, "cuBLAS batched + rope (old path, no copy)", us, w_bytes);
+
+        let o_lat = b.bf16(t * HEADS * LORA)?;
+        let mut o = b.bf16(t * HEADS * V)?;
+        let us = time(&mut flush, &mut || {
+            // SAFETY: Kimi shapes; buffers sized above.
+            unsafe {
+                MlaAbsorbOutput::launch(
+                    &ok,
+                    s,
+                    mla_absorb::output_grid(&op, HEADS as u32, V as u32),
+                    &o_lat,
+                    &kv_b,
+                    &mut o,
+                    t as u32,
+                    HEADS as u32,
+                    NOPE as u32,
+                    V as u32,
+                    ((NOPE + V) * LORA) as u32,
+                )
+            }
+        })?;
+        row("mla_output", t, &MlaAbsorbOutput::symbol(&op), us, w_bytes);
+        let g = BatchedGemm {
+            m: t,
+            n: V,
+            k: LORA,
+            batch: HEADS,
+            a: Strided {
+                offset: 0,
+                ld: HEADS * LORA,
+                stride: LORA,
+            },
+            b: Strided {
+                offset: NOPE * LORA,
+                ld: LORA,
+                stride: (NOPE + V) * LORA,
+            },
+            b_op: RightOperand::Transposed,
+            c: Strided {
+                offset: 0,
+                ld: HEADS * V,
+                stride: V,
+            },
+        };
+        let us = time(&mut flush, &mut || {
+            // SAFETY: the strides stay inside o_lat, kv_b and o.
+            unsafe { blas.batched(&g, &o_lat, &kv_b, &mut o) }
+        })?;
+        row("mla_output", t, "cuBLAS batched (old path)", us, w_bytes);
+    }
+
+    // GEMVs: the per-column kernel (the old choice) next to `gemv::choose`.
+    for (n, k) in [
+        (1536, HIDDEN),
+        (576, HIDDEN),
+        (12288, 1536),
+        (HIDDEN, 8192),
+        (48, HIDDEN),
+        (384, HIDDEN),
+    ] {
+        let w = b.bf16(n * k)?;
+        for t in [1usize, 4] {
+            let a = b.bf16(t * k)?;
+            let mut out = b.bf16(t * n)?;
+            let mut out_f = b.f32(t * n, 0.0, 1.0)?;
+            let bytes = (2 * n * k) as f64;
+            let f32_out = n <= 384;
+            let op = format!("linear{} {k}->{n}", if f32_out { "_f32" } else { "" });
+            let m = t.next_power_of_two() as u32;
+            let old = <GemvBf16 as Kernel>::space().into_iter().find(|p| p.m == m).expect("m");
+            let ko = gpu.compile::<GemvBf16>(&old)?;
+            let kf = gpu.compile::<GemvBf16F32>(&old)?;
+            let us = time(&mut flush, &mut || {
+                // SAFETY: a [t, k], w [n, k], out [t, n].
+                unsafe {
+                    if f32_out {
+                        GemvBf16F32::launch(
+                            &kf,
+                            s,
+                            gemv::grid(&old, n as u32),
+                            &a,
+                            &w,
+                            &mut out_f,
+                            t as u32,
+                            n as u32,
+                            k as u32,
+                        )
+                    } else {
+                        GemvBf16::launch(
+                            &ko,
+                            s,
+                            gemv::grid(&old, n as u32),
+                            &a,
+                            &w,
+                            &mut out,
+                            t as u32,
+                            n as u32,
+                            k as u32,
+                        )
+                    }
+                }
+            })?;
+            row(&op, t, &format!("{} (old)", GemvBf16::symbol(&old)), us, bytes);
+            if let Some(GemvChoice::Split(p)) = gemv::choose(t, n, k, sms) {
+                let ks = gpu.compile::<GemvSplitBf16>(&p)?;
+                let ksf = gpu.compile::<GemvSplitF32>(&p)?;
+                let us = time(&mut flush, &mut || {
+                    // SAFETY: as above.
+                    unsafe {
+                        if f32_out {
+                            GemvSplitF32::launch(
+                                &ksf,
+                                s,
+                                gemv::split_grid(&p, n as u32),
+                                &a,
+                                &w,
+                                &mut out_f,
+                                t as u32,
+                                n as u32,
+                                k as u32,
+                            )
+                        } else {
+                            GemvSplitBf16::launch(
+                                &ks,
+                                s,
+                                gemv::split_grid(&p, n as u32),
+                                &a,
+                                &w,
+                                &mut out,
+                                t as u32,
+                                n as u32,
+                                k as u32,
+                            )
+                        }
+                    }
+                })?;
+                row(&op, t, &format!("{} (new)", GemvSplitBf16::symbol(&p)), us, bytes);
+            }
+        }
+    }
+
+    // Norms: default variant next to the row-in-registers one.
+    let nw = b.bf16(HIDDEN)?;
+    for t in [1usize, 4, 16] {
+        let x = b.bf16(t * HIDDEN)?;
+        let mut out = b.bf16(t * HIDDEN)?;
+        let bytes = (4 * t * HIDDEN) as f64;
+        let space = <RmsNorm as Kernel>::space();
+        let held = ddtree_kernels::rms_norm::row_holder(&space, HIDDEN).expect("a holder of 7168");
+        for (p, what) in [(space[0], "default"), (held, "holds the row")] {
+            let k = gpu.compile::<RmsNorm>(&p)?;
+            let us = time(&mut flush, &mut || {
+                // SAFETY: x and out hold t rows of 7168.
+                unsafe { RmsNorm::launch(&k, s, t as u32, &x, &nw, &mut out, HIDDEN as u32, 1e-6) }
+            })?;
+            row(
+                "rms_norm 7168",
+                t,
+                &format!("{} ({what})", RmsNorm::symbol(&p)),
+                us,
+                bytes,
+            );
+        }
+        let mut xf = b.f32(t * HIDDEN, -1.0, 1.0)?;
+        let y = b.bf16(t * HIDDEN)?;
+        let old = <AddRmsNorm as Kernel>::space()[0];
+        let new = residual::choose_add_rms_norm(t, HIDDEN, true).expect("a variant");
+        for (p, what) in [(old, "old"), (new, "new")] {
+            let k = gpu.compile::<AddRmsNorm>(&p)?;
+            let us = time(&mut flush, &mut || {
+                // SAFETY: x, y and out hold t rows of 7168.
+                unsafe { AddRmsNorm::launch(&k, s, t as u32, &mut xf, &y, &nw, &mut out, HIDDEN as u32, 1e-6) }
+            })?;
+            row(
+                "add_rms_norm 7168",
+                t,
+                &format!("{} ({what})", AddRmsNorm::symbol(&p)),
+                us,
+                (12 * t * HIDDEN) as f64,
+            );
+        }
+        let kv_a = b.bf16(t * (LORA + ROPE))?;
+        let g = b.bf16(LORA)?;
+        let mut cache = b.bf16(64 * (LORA + ROPE))?;
+        let lens = s.clone_htod(&[3u32]).map_err(RuntimeError::driver("upload"))?;
+        let old = <MlaKvAppend as Kernel>::space()[0];
+        let new = mla::choose_append(LORA, ROPE);
+        for (p, what) in [(old, "old"), (new, "new")] {
+            let k = gpu.compile::<MlaKvAppend>(&p)?;
+            let us = time(&mut flush, &mut || {
+                // SAFETY: kv_a holds t rows of 576, the cache 64 >= 3 + t rows.
+                unsafe {
+                    MlaKvAppend::launch(
+                        &k,
+                        s,
+                        t as u32,
+                        &kv_a,
+                        &g,
+                        &pos,
+                        &cos,
+                        &sin,
+                        &mut cache,
+                        &lens,
+                        t as u32,
+                        LORA as u32,
+                        ROPE as u32,
+                        1e-6,
+                    )
+                }
+            })?;
+            row(
+                "mla_append_kv",
+                t,
+                &format!("{} ({what})", MlaKvAppend::symbol(&p)),
+                us,
+                (4 * t * (LORA + ROPE)) as f64,
+            );
+        }
+    }
+    Ok(())
+}
