@@ -394,6 +394,8 @@ pub fn run<B: Backend>(
         max_new_tokens: opts.spec_tokens,
         ..GenerateOptions::default()
     };
+    // Untimed first (compiles, tunes, records the CUDA graphs), as every run below.
+    generate_plain(model, &prompt, &gen)?;
     let plain = generate_plain(model, &prompt, &gen)?;
     let plain_tps = rate(plain.tokens.len().saturating_sub(1), plain.decode);
     progress(&format!(
@@ -430,6 +432,10 @@ pub fn run<B: Backend>(
                     }
                 }
             };
+            // An untimed run first, as for plain decode: the timed one then replays the CUDA
+            // graphs of its tree sizes instead of recording them.
+            let mut warm = Scripted::new(opts.block_size, accept, continuation.clone(), cfg.vocab_size, opts.seed);
+            generate_speculative(model, &mut warm, &prompt, &gen, &options)?;
             let out = generate_speculative(model, &mut drafter, &prompt, &gen, &options)?;
             if let (Budget::Fixed(n), None) = (budget, &cost) {
                 let st = &out.stats;

@@ -14,7 +14,7 @@ use clap::Parser;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{CheckResult, Sizes, Target};
 use ddtree_kernels::tree::check::{self, random_logits, random_mask};
-use ddtree_kernels::tree::gpu::{upload, zeros, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
+use ddtree_kernels::tree::gpu::{builder_fits, upload, zeros, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
 use ddtree_kernels::tree::{MlaVerifySplit, TreeBuild, LATENT, ROW};
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{Gpu, RuntimeError};
@@ -110,6 +110,10 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
             let mut best: Option<(f64, String)> = None;
             let mut default_us = 0.0;
             for (i, p) in TreeBuild::space().into_iter().enumerate() {
+                if !builder_fits(&p, v, b) {
+                    println!("  {} skipped at V = {v}, B = {b} (too many slice candidates)", TreeBuild::symbol(&p));
+                    continue;
+                }
                 let mut bld = GpuBuilder::with_params(gpu, &p, l, v, b)?;
                 let us = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
                 if i == 0 {

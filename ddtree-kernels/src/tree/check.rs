@@ -6,7 +6,7 @@ use ddtree_runtime::{Gpu, RuntimeError};
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::gpu::{download, upload, verify_splits, GpuAccept, GpuBuilder};
+use super::gpu::{builder_fits, download, upload, verify_splits, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
@@ -77,7 +77,7 @@ pub fn builder(
 ) -> Result<Vec<CheckResult>, RuntimeError> {
     let s = gpu.stream();
     let mut out = Vec::new();
-    for p in TreeBuild::space() {
+    for p in TreeBuild::space().into_iter().filter(|p| builder_fits(p, vocab, budget)) {
         let logits = random_logits(rng, depth, vocab);
         let root = rng.random_range(0..vocab as u32);
         let mut b = GpuBuilder::with_params(gpu, &p, depth, vocab, budget)?;

@@ -75,6 +75,12 @@ pub struct GpuBuilder {
     pub mask: CudaSlice<u32>,
 }
 
+/// Whether builder variant `p` takes `vocab` at `budget`: its merge ranks fewer than 65536
+/// slice candidates per depth (`ceil(vocab / span) * min(budget, vocab)`).
+pub fn builder_fits(p: &TreeBuildParams, vocab: usize, budget: usize) -> bool {
+    vocab.div_ceil(p.span as usize) * budget.min(vocab) < 65536
+}
+
 impl GpuBuilder {
     /// Compiles the default variant and allocates the buffers. Needs `budget <= 1024`,
     /// `depth <= 16`.
@@ -82,7 +88,7 @@ impl GpuBuilder {
         GpuBuilder::with_params(gpu, &TreeBuild::default_params(), depth, vocab, budget)
     }
 
-    /// [`GpuBuilder::new`] with variant `p`.
+    /// [`GpuBuilder::new`] with variant `p`, which must [fit](builder_fits) the shape.
     pub fn with_params(
         gpu: &Gpu,
         p: &TreeBuildParams,
@@ -94,15 +100,15 @@ impl GpuBuilder {
             (1..=MAX_K).contains(&budget) && (1..=16).contains(&depth) && vocab >= 1,
             "budget 1..=1024, depth 1..=16"
         );
+        assert!(
+            builder_fits(p, vocab, budget),
+            "vocab {vocab} at budget {budget} needs too many slice candidates for {p:?}"
+        );
         let s = gpu.stream();
         let k = budget.min(vocab);
         // Slice blocks per depth: as few as the variant's span allows.
         let nb = vocab.div_ceil(p.span as usize);
         let span = vocab.div_ceil(nb);
-        assert!(
-            nb * k < 65536,
-            "vocab {vocab} needs {nb} slices of {k} candidates: too many"
-        );
         let cap = budget + 1;
         Ok(GpuBuilder {
             kernel: gpu.compile::<TreeBuild>(p)?,

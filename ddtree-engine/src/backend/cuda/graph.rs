@@ -178,7 +178,7 @@ impl CudaBackend {
             let st = self.state();
             match st.graphs.step {
                 Some(step) if !st.graphs.off && !self.profile.on() => {
-                    let (ptr, _sync) = cache.buf.device_ptr(&self.stream);
+                    let (ptr, _sync) = cache.buf().device_ptr(&self.stream);
                     let key = GraphKey {
                         rows: step.rows,
                         words: step.words,

@@ -1,5 +1,7 @@
 //! The CUDA backend's device-side values.
 
+use std::sync::{Arc, Mutex};
+
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
@@ -119,6 +121,10 @@ pub struct CudaExperts {
     pub s2: CudaSlice<u32>,
 }
 
+/// Buffers of dropped caches, kept for the next cache of the same size: a new request then
+/// gets the same device address, so the CUDA graphs recorded on the last one still apply.
+pub(crate) type CachePool = Arc<Mutex<Vec<CudaSlice<bf16>>>>;
+
 /// The latent cache of every layer in one buffer `[layers, capacity, width]`.
 #[derive(Debug)]
 pub struct CudaKvCache {
@@ -128,21 +134,43 @@ pub struct CudaKvCache {
     pub capacity: usize,
     /// Rows held by each layer.
     pub lens: Vec<usize>,
-    /// The rows.
-    pub buf: CudaSlice<bf16>,
+    /// The rows (always `Some` until dropped).
+    pub(crate) buf: Option<CudaSlice<bf16>>,
+    /// Where the buffer goes when the cache is dropped.
+    pub(crate) pool: CachePool,
 }
 
 impl CudaKvCache {
+    /// Every layer's rows.
+    pub fn buf(&self) -> &CudaSlice<bf16> {
+        self.buf.as_ref().expect("a live cache holds its buffer")
+    }
+
+    /// Every layer's rows, writable.
+    pub fn buf_mut(&mut self) -> &mut CudaSlice<bf16> {
+        self.buf.as_mut().expect("a live cache holds its buffer")
+    }
+
     /// Layer `l`'s rows.
     pub fn layer(&self, l: usize) -> CudaView<'_, bf16> {
         let per = self.capacity * self.width;
-        self.buf.slice(l * per..(l + 1) * per)
+        self.buf().slice(l * per..(l + 1) * per)
     }
 
     /// Layer `l`'s rows, writable.
     pub fn layer_mut(&mut self, l: usize) -> CudaViewMut<'_, bf16> {
         let per = self.capacity * self.width;
-        self.buf.slice_mut(l * per..(l + 1) * per)
+        self.buf_mut().slice_mut(l * per..(l + 1) * per)
+    }
+}
+
+impl Drop for CudaKvCache {
+    fn drop(&mut self) {
+        if let (Some(buf), Ok(mut pool)) = (self.buf.take(), self.pool.lock()) {
+            // One spare: the most recent.
+            pool.clear();
+            pool.push(buf);
+        }
     }
 }
 
