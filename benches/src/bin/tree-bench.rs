@@ -111,7 +111,10 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
             let mut default_us = 0.0;
             for (i, p) in TreeBuild::space().into_iter().enumerate() {
                 if !builder_fits(&p, v, b) {
-                    println!("  {} skipped at V = {v}, B = {b} (too many slice candidates)", TreeBuild::symbol(&p));
+                    println!(
+                        "  {} skipped at V = {v}, B = {b} (too many slice candidates)",
+                        TreeBuild::symbol(&p)
+                    );
                     continue;
                 }
                 let mut bld = GpuBuilder::with_params(gpu, &p, l, v, b)?;

@@ -77,7 +77,10 @@ pub fn builder(
 ) -> Result<Vec<CheckResult>, RuntimeError> {
     let s = gpu.stream();
     let mut out = Vec::new();
-    for p in TreeBuild::space().into_iter().filter(|p| builder_fits(p, vocab, budget)) {
+    for p in TreeBuild::space()
+        .into_iter()
+        .filter(|p| builder_fits(p, vocab, budget))
+    {
         let logits = random_logits(rng, depth, vocab);
         let root = rng.random_range(0..vocab as u32);
         let mut b = GpuBuilder::with_params(gpu, &p, depth, vocab, budget)?;

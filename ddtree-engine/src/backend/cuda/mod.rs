@@ -220,7 +220,8 @@ struct State {
     max_capacity: usize,
     moe_bufs: Vec<((usize, usize, bool, usize), ddtree_kernels::w4a16::moe::MoeBuffers)>,
     w4a16: Scratch,
-    verify: Option<tree::gpu::GpuVerify>,
+    /// Verify attention per variant ([`verify_variant`]).
+    verify: Vec<tree::gpu::GpuVerify>,
     moe: Vec<((bool, usize), Arc<MoeKernels>)>,
     builders: Vec<((usize, usize, usize), tree::gpu::GpuBuilder)>,
 }
@@ -293,6 +294,25 @@ const MLA_ABSORB_QUERY_MAX_ROWS: usize = 4;
 /// GEMM: 7.5 vs 8.6 µs at 1 token, 10.9 vs 8.1 at 4 on the H200.
 const MLA_ABSORB_OUTPUT_MAX_ROWS: usize = 2;
 
+/// The verify attention variant for `rows` (node, head) query rows, from the H200 timings of
+/// `tree-bench` (BENCHMARKS.md, best variant per case): 32 rows per block and 64-key tiles up
+/// to one node of 64 heads, 64 rows per block and a 3-deep ring of 32-key tiles above it.
+fn verify_variant(rows: usize) -> tree::VerifyParams {
+    if rows <= 64 {
+        tree::VerifyParams {
+            rg: 2,
+            bn: 64,
+            stages: 2,
+        }
+    } else {
+        tree::VerifyParams {
+            rg: 4,
+            bn: 32,
+            stages: 3,
+        }
+    }
+}
+
 /// Split count of the verify attention's partial buffers: rows x splits.
 const VERIFY_PARTIALS: usize = 1 << 16;
 
@@ -313,7 +333,7 @@ impl CudaBackend {
             max_capacity: 0,
             moe_bufs: Vec::new(),
             w4a16: Scratch::new(&stream, 1)?,
-            verify: None,
+            verify: Vec::new(),
             moe: Vec::new(),
             builders: Vec::new(),
         };
@@ -919,7 +939,9 @@ impl Backend for CudaBackend {
         };
         let buf = match spare {
             Some(mut buf) => {
-                self.stream.memset_zeros(&mut buf).map_err(drv("clearing the KV cache"))?;
+                self.stream
+                    .memset_zeros(&mut buf)
+                    .map_err(drv("clearing the KV cache"))?;
                 buf
             }
             None => {
@@ -1664,12 +1686,17 @@ impl Backend for CudaBackend {
         if d.kv_lora == LATENT && d.rope == ROPE {
             let mut st = self.state();
             let st = &mut *st;
-            if st.verify.is_none() {
-                st.graphs.replaced("the verify attention partials");
-                let p = <tree::MlaVerifySplit as ddtree_codegen::Kernel>::space()[0];
-                st.verify = Some(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
-            }
-            let verify = st.verify.as_mut().expect("made above");
+            let p = verify_variant(n * d.heads);
+            let at = match st.verify.iter().position(|v| *v.params() == p) {
+                Some(i) => i,
+                None => {
+                    st.graphs.replaced("the verify attention partials");
+                    st.verify
+                        .push(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
+                    st.verify.len() - 1
+                }
+            };
+            let verify = &mut st.verify[at];
             // The split count is sized for the length bucket (the kernel reads the length
             // itself), so one recorded graph serves every length of its bucket.
             let sh = tree::gpu::VerifyShape {
