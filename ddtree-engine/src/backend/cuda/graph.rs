@@ -226,6 +226,7 @@ impl CudaBackend {
                 g.argmax = Some((self.alloc(n)?, self.alloc(n)?));
             }
             g.recording = true;
+            self.recording.store(true, std::sync::atomic::Ordering::Relaxed);
             g.spoiled = None;
         }
         let generation = self.state().graphs.generation;
@@ -242,6 +243,7 @@ impl CudaBackend {
                 .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH),
             Err(e) => Err(e),
         };
+        self.recording.store(false, std::sync::atomic::Ordering::Relaxed);
         // The recording ran nothing: undo its one host-side effect.
         self.kv_truncate(cache, step.prefix)?;
         let mut st = self.state();

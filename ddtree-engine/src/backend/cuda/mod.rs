@@ -235,6 +235,8 @@ pub struct CudaBackend {
     state: Mutex<State>,
     /// The spare KV-cache buffer (see [`types::CachePool`]).
     caches: types::CachePool,
+    /// A greedy forward is being recorded (readable without the state lock).
+    recording: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) fn fail(reason: String) -> EngineError {
@@ -348,6 +350,7 @@ impl CudaBackend {
             blas,
             state: Mutex::new(state),
             caches: Default::default(),
+            recording: Default::default(),
         })
     }
 
@@ -381,6 +384,11 @@ impl CudaBackend {
     }
 
     fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        if self.recording.load(std::sync::atomic::Ordering::Relaxed) {
+            // A copy from host memory cannot be replayed: the recording fails (the forward then
+            // runs eagerly).
+            return Err(fail("a host-to-device copy inside a CUDA graph recording".into()));
+        }
         if v.is_empty() {
             return self.stream.alloc_zeros::<T>(1).map_err(drv("allocating"));
         }
