@@ -7,7 +7,7 @@
 //! 3. grouped down `w4a16_gemm` with the router weight applied into `y[pair, H]`;
 //! 4. `moe_sum` adds the top-k rows of each token.
 //!
-//! For at most [`GEMV_MAX_TOKENS`] tokens (decode and small trees) [`MoeKernels::run`] takes the
+//! For at most [`GEMV_MAX_TOKENS`] tokens (the decode step) [`MoeKernels::run`] takes the
 //! small-token path instead: two [`W4a16Gemv`] launches straight from the routing (gate_up into
 //! `act`, then down with the router weights and the top-k sum fused into `out`).
 //!
@@ -185,11 +185,11 @@ pub struct MoeKernels {
     gemv: Vec<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
 }
 
-/// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path: up to 16
-/// tokens every expert's pairs and every token fit the two n8 chunks of one block, and the
-/// weight streaming of the two GEMV launches beats align + grouped GEMM + sum (four launches,
-/// half-empty m16 tiles). Above it the grouped GEMM's mma tiles fill up and it takes over.
-pub const GEMV_MAX_TOKENS: u32 = 16;
+/// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path (the
+/// kernels take up to 16). Measured on the H200 (`w4a16-bench --moe-only`, Kimi K2.6 EP8
+/// slice): 99.2 vs 117.4 µs at T = 1, but 171.7 vs 156.0 at T = 2 and 418.7 vs 349.0 at T = 8:
+/// from two tokens on the grouped GEMM is faster.
+pub const GEMV_MAX_TOKENS: u32 = 1;
 
 /// Device buffers of one MoE step for up to `max_tokens` tokens.
 #[derive(Debug)]
@@ -248,7 +248,9 @@ impl MoeKernels {
             sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
             gemv: if gate_up.layout == super::Layout::Interleaved && gate_up.group == 32 {
                 let mut v = Vec::new();
-                for t in [8, GEMV_MAX_TOKENS] {
+                let mut chunks = vec![GEMV_MAX_TOKENS.min(8), GEMV_MAX_TOKENS];
+                chunks.dedup();
+                for t in chunks {
                     let (Some(u), Some(d)) = (
                         gemv::default_params(GemvMode::GateUp, t),
                         gemv::default_params(GemvMode::Down, t),

@@ -267,9 +267,10 @@ fn check_u32(what: &str, n: usize) -> Result<u32> {
 
 const FILL: FillParams = FillParams { block: 256 };
 /// Most activation rows for which an INT4 `linear` runs the small-token [`W4a16Gemv`] (one
-/// launch, no split-K reduce) instead of the tensor-core GEMM: the dense variants take up to 16
-/// rows (two n8 chunks), the decode step and small trees.
-const DENSE_GEMV_MAX_ROWS: u32 = 16;
+/// launch, no split-K reduce) instead of the tensor-core GEMM: the decode step. The variants
+/// take up to 16 rows, but the MoE form of the same kernel loses to the grouped GEMM from two
+/// tokens on (see [`ddtree_kernels::w4a16::moe::GEMV_MAX_TOKENS`]).
+const DENSE_GEMV_MAX_ROWS: u32 = 1;
 /// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
 const MOE_BUFFER_SETS: usize = 16;
 
