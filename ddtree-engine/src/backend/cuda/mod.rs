@@ -266,11 +266,14 @@ fn check_u32(what: &str, n: usize) -> Result<u32> {
 }
 
 const FILL: FillParams = FillParams { block: 256 };
-/// Most activation rows for which an INT4 `linear` runs the small-token [`W4a16Gemv`] (one
-/// launch, no split-K reduce) instead of the tensor-core GEMM: the decode step. The variants
-/// take up to 16 rows, but the MoE form of the same kernel loses to the grouped GEMM from two
-/// tokens on (see [`ddtree_kernels::w4a16::moe::GEMV_MAX_TOKENS`]).
-const DENSE_GEMV_MAX_ROWS: u32 = 1;
+/// Whether an INT4 `linear` of `rows` rows over an `[n, k]` weight runs the small-token
+/// [`W4a16Gemv`] (one launch, no split-K reduce) instead of the tensor-core GEMM. On the H200
+/// (`w4a16-bench`) the GEMV wins at every M <= 16 on weights of up to 2^26 elements (7168->2048
+/// 10.7 vs 18.6 µs at M = 1, 13.5 vs 17.6 at M = 16; 1536->12288 15.0 vs 19.4 at M = 16) and
+/// loses on the 7168->36864 dense MLP (64.6 vs 62.1 µs at M = 1, 114.8 vs 77.3 at M = 16).
+fn dense_int4_gemv(rows: usize, n: usize, k: usize) -> bool {
+    rows <= 16 && n * k <= 1 << 26
+}
 /// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
 const MOE_BUFFER_SETS: usize = 16;
 
@@ -1174,7 +1177,7 @@ impl Backend for CudaBackend {
             CudaWeight::Int4 {
                 group, packed, scales, ..
             } => {
-                let small = x.rows as u32 <= DENSE_GEMV_MAX_ROWS && *group == 32 && k % 32 == 0;
+                let small = dense_int4_gemv(x.rows, n, k) && *group == 32 && k % 32 == 0;
                 if let Some(p) = w4gemv::default_params(GemvMode::Dense, x.rows as u32).filter(|_| small) {
                     let kern = self.variant::<W4a16Gemv>(&p)?;
                     let none_u32 = self.identity(1)?;
