@@ -1671,10 +1671,23 @@ pub fn gemv_pair(
     kd: usize,
     rng: &mut StdRng,
 ) -> Result<Vec<CheckResult>, CheckError> {
+    gemv_outputs::<GemvBf16, GemvBf16F32>(t, p, gemv::grid(p, n as u32), rows, n, kd, rng)
+}
+
+/// [`gemv_pair`] for any pair of GEMV kernels of the same arguments: `B` with bf16 output, `F`
+/// with f32 output, both launched on `grid`.
+fn gemv_outputs<B: Kernel, F: Kernel<Params = B::Params>>(
+    t: &Target<'_>,
+    p: &B::Params,
+    grid: u32,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
     let (a, af) = random_bf16(rng, rows * kd, -1.0, 1.0);
     let (w, wf) = random_bf16(rng, n * kd, -1.0, 1.0);
     let (da, dw) = (t.upload(&a)?, t.upload(&w)?);
-    let grid = gemv::grid(p, n as u32);
     let want = gemv::reference(&af, &wf, rows, n, kd);
     let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
     let case = format!("rows={rows} n={n} k={kd}");
@@ -1689,15 +1702,15 @@ pub fn gemv_pair(
         Arg::from(kd as u32),
     ];
     // SAFETY: a is rows x k, w is n x k, out rows x n; k % 8 == 0 and 1 <= rows <= p.m (the
-    // suite's cases).
-    unsafe { t.launch::<GemvBf16>(p, grid, &mut args)? };
+    // suites' cases).
+    unsafe { t.launch::<B>(p, grid, &mut args)? };
     let got = to_f32(&t.download(&ob)?);
     let tol = Tolerance {
         rtol: 1e-2,
         atol: 1e-2 * rms,
         rel_l2: 1e-2,
     };
-    let mut out = vec![result::<GemvBf16>(p, case.clone(), &got, &want, tol)];
+    let mut out = vec![result::<B>(p, case.clone(), &got, &want, tol)];
 
     let mut of = t.upload(&vec![f32::NAN; rows * n])?;
     let mut args = [
@@ -1709,14 +1722,44 @@ pub fn gemv_pair(
         Arg::from(kd as u32),
     ];
     // SAFETY: as above.
-    unsafe { t.launch::<GemvBf16F32>(p, grid, &mut args)? };
+    unsafe { t.launch::<F>(p, grid, &mut args)? };
     let got = t.download(&of)?;
     let tol = Tolerance {
         rtol: 1e-4,
         atol: 1e-4 * rms,
         rel_l2: 1e-5,
     };
-    out.push(result::<GemvBf16F32>(p, case, &got, &want, tol));
+    out.push(result::<F>(p, case, &got, &want, tol));
+    Ok(out)
+}
+
+/// Every row count `1..=m` over the `small` cases (the largest on each), and with
+/// [`Sizes::Full`] rows 1 and `m` on the `full` cases: the GEMV suites' sweep.
+fn gemv_sweep(
+    sizes: Sizes,
+    m: usize,
+    small: &[(usize, usize)],
+    full: &[(usize, usize)],
+    mut check: impl FnMut(usize, usize, usize) -> Result<Vec<CheckResult>, CheckError>,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    for (i, &(n, k)) in small.iter().enumerate() {
+        for rows in 1..=m {
+            if rows == m || rows % small.len() == i {
+                out.extend(check(rows, n, k)?);
+            }
+        }
+    }
+    if sizes == Sizes::Full {
+        for &(n, k) in full {
+            for rows in [1, m] {
+                out.extend(check(rows, n, k)?);
+                if m == 1 {
+                    break;
+                }
+            }
+        }
+    }
     Ok(out)
 }
 
@@ -1741,27 +1784,11 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
     ];
     let mut out = Vec::new();
     for p in GemvBf16::space() {
-        let m = p.m as usize;
-        for (i, &(n, k)) in small.iter().enumerate() {
-            // Every row count over the cases, the largest on every case.
-            for rows in 1..=m {
-                if rows == m || rows % small.len() == i {
-                    out.extend(gemv_pair(t, &p, rows, n, k, rng)?);
-                }
-            }
-        }
-        if sizes == Sizes::Full {
-            for &(n, k) in &full {
-                for rows in [1, m] {
-                    out.extend(gemv_pair(t, &p, rows, n, k, rng)?);
-                    if m == 1 {
-                        break;
-                    }
-                }
-            }
-            if p == GemvBf16::space()[0] {
-                out.extend(gemv_pair(t, &p, 1, 163840, 7168, rng)?);
-            }
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gemv_pair(t, &p, rows, n, k, rng)
+        })?);
+        if sizes == Sizes::Full && p == GemvBf16::space()[0] {
+            out.extend(gemv_pair(t, &p, 1, 163840, 7168, rng)?);
         }
     }
     Ok(out)
@@ -1776,52 +1803,7 @@ pub fn gemv_split_pair(
     kd: usize,
     rng: &mut StdRng,
 ) -> Result<Vec<CheckResult>, CheckError> {
-    let (a, af) = random_bf16(rng, rows * kd, -1.0, 1.0);
-    let (w, wf) = random_bf16(rng, n * kd, -1.0, 1.0);
-    let (da, dw) = (t.upload(&a)?, t.upload(&w)?);
-    let grid = gemv::split_grid(p, n as u32);
-    let want = gemv::reference(&af, &wf, rows, n, kd);
-    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
-    let case = format!("rows={rows} n={n} k={kd}");
-
-    let mut ob = poisoned_bf16(t, rows * n)?;
-    let mut args = [
-        Arg::In(&da),
-        Arg::In(&dw),
-        Arg::Out(&mut ob),
-        Arg::from(rows as u32),
-        Arg::from(n as u32),
-        Arg::from(kd as u32),
-    ];
-    // SAFETY: a is rows x k, w is n x k, out rows x n; k % 8 == 0 and 1 <= rows <= p.m.
-    unsafe { t.launch::<GemvSplitBf16>(p, grid, &mut args)? };
-    let got = to_f32(&t.download(&ob)?);
-    let tol = Tolerance {
-        rtol: 1e-2,
-        atol: 1e-2 * rms,
-        rel_l2: 1e-2,
-    };
-    let mut out = vec![result::<GemvSplitBf16>(p, case.clone(), &got, &want, tol)];
-
-    let mut of = t.upload(&vec![f32::NAN; rows * n])?;
-    let mut args = [
-        Arg::In(&da),
-        Arg::In(&dw),
-        Arg::Out(&mut of),
-        Arg::from(rows as u32),
-        Arg::from(n as u32),
-        Arg::from(kd as u32),
-    ];
-    // SAFETY: as above.
-    unsafe { t.launch::<GemvSplitF32>(p, grid, &mut args)? };
-    let got = t.download(&of)?;
-    let tol = Tolerance {
-        rtol: 1e-4,
-        atol: 1e-4 * rms,
-        rel_l2: 1e-5,
-    };
-    out.push(result::<GemvSplitF32>(p, case, &got, &want, tol));
-    Ok(out)
+    gemv_outputs::<GemvSplitBf16, GemvSplitF32>(t, p, gemv::split_grid(p, n as u32), rows, n, kd, rng)
 }
 
 /// Every candidate of [`GemvSplitBf16`] and [`GemvSplitF32`]: every row count `1..=m` over
@@ -1839,24 +1821,9 @@ pub fn gemv_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Resul
     ];
     let mut out = Vec::new();
     for p in GemvSplitBf16::space() {
-        let m = p.m as usize;
-        for (i, &(n, k)) in small.iter().enumerate() {
-            for rows in 1..=m {
-                if rows == m || rows % small.len() == i {
-                    out.extend(gemv_split_pair(t, &p, rows, n, k, rng)?);
-                }
-            }
-        }
-        if sizes == Sizes::Full {
-            for &(n, k) in &full {
-                for rows in [1, m] {
-                    out.extend(gemv_split_pair(t, &p, rows, n, k, rng)?);
-                    if m == 1 {
-                        break;
-                    }
-                }
-            }
-        }
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gemv_split_pair(t, &p, rows, n, k, rng)
+        })?);
     }
     Ok(out)
 }

@@ -21,8 +21,6 @@ use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, Staged};
 use crate::backend::{Backend, StepInputs};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
-use ddtree_kernels::tune;
-use ddtree_kernels::RowTopk;
 
 /// Cache lengths (prefix plus new rows) that share a recording: up to the next power of two,
 /// at least 256.
@@ -311,29 +309,9 @@ impl CudaBackend {
     /// The argmax of every row of `logits` into the persistent outputs (recorded); returns the
     /// row count.
     fn argmax_recorded(&self, logits: &CudaTensor) -> Result<usize> {
-        let key = tune::TopkKey {
-            rows: logits.rows,
-            n: logits.cols,
-            k: 1,
-        };
-        let k = self.kernels.get::<RowTopk>(&key)?;
-        if k.params().k != 1 {
-            return Err(fail("argmax: the tuned top-k variant is not k = 1".into()));
-        }
         let mut st = self.state();
         let (values, indices) = st.graphs.argmax.as_mut().expect("allocated before recording");
-        // SAFETY: logits [rows, n]; the outputs hold at least rows values.
-        unsafe {
-            RowTopk::launch(
-                &k,
-                &self.stream,
-                logits.rows as u32,
-                logits.f32("argmax")?,
-                values,
-                indices,
-                logits.cols as u32,
-            )?
-        };
+        self.argmax_into(logits, values, indices)?;
         Ok(logits.rows)
     }
 

@@ -1322,29 +1322,9 @@ impl Backend for CudaBackend {
 
     fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
         let _span = self.profile.span("argmax_rows");
-        let key = tune::TopkKey {
-            rows: logits.rows,
-            n: logits.cols,
-            k: 1,
-        };
-        let k = self.kernels.get::<RowTopk>(&key)?;
-        if k.params().k != 1 {
-            return Err(fail("argmax_rows: the tuned top-k variant is not k = 1".into()));
-        }
         let mut values = self.alloc::<f32>(logits.rows)?;
         let mut indices = self.alloc::<u32>(logits.rows)?;
-        // SAFETY: logits [rows, n]; one value and index per row.
-        unsafe {
-            RowTopk::launch(
-                &k,
-                &self.stream,
-                logits.rows as u32,
-                logits.f32("argmax_rows")?,
-                &mut values,
-                &mut indices,
-                logits.cols as u32,
-            )?
-        };
+        self.argmax_into(logits, &mut values, &mut indices)?;
         self.stream.clone_dtoh(&indices).map_err(drv("copying from the GPU"))
     }
 
@@ -2026,6 +2006,38 @@ impl CudaBackend {
     /// host time per call (algorithm heuristics) is more than the GPU work.
     fn gemv_params(&self, rows: usize, n: usize, k: usize) -> Option<GemvChoice> {
         gemv::choose(rows, n, k, self.gpu().fingerprint().sm_count as usize)
+    }
+
+    /// The largest value of every row of f32 `logits` and its index (the lowest among equal
+    /// maxima) into `values` and `indices` (at least `logits.rows` each), with the tuned top-1.
+    fn argmax_into(
+        &self,
+        logits: &CudaTensor,
+        values: &mut CudaSlice<f32>,
+        indices: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        let key = tune::TopkKey {
+            rows: logits.rows,
+            n: logits.cols,
+            k: 1,
+        };
+        let k = self.kernels.get::<RowTopk>(&key)?;
+        if k.params().k != 1 {
+            return Err(fail("argmax: the tuned top-k variant is not k = 1".into()));
+        }
+        // SAFETY: logits [rows, n]; the outputs hold at least one value and index per row.
+        unsafe {
+            RowTopk::launch(
+                &k,
+                &self.stream,
+                logits.rows as u32,
+                logits.f32("argmax")?,
+                values,
+                indices,
+                logits.cols as u32,
+            )?
+        };
+        Ok(())
     }
 
     /// RMSNorm of `rows` rows of `n` values with the tuned variant for the shape.
