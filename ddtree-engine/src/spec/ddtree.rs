@@ -29,6 +29,15 @@ use crate::spec::stats::SpecStats;
 /// want far fewer).
 pub const AUTO_MAX_BUDGET: usize = 256;
 
+/// `auto` builds each round's tree at up to this many times the last round's choice (the first
+/// round at the maximum): building the largest tree every round costs more than the nodes it is
+/// never cut to (1.0-1.3 ms per round at 256 nodes vs 0.14 ms at 8 on the H200, Kimi EP8 bench).
+/// A choice at the edge of the built tree grows the next one by the same factor.
+pub const AUTO_BUILD_GROWTH: usize = 4;
+
+/// The smallest tree `auto` builds once it has a previous choice.
+pub const AUTO_MIN_BUILD: usize = 16;
+
 /// The tree node budget B (root not counted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Budget {
@@ -47,8 +56,9 @@ pub struct SpecOptions {
     /// The measured per-round costs `auto` optimizes (e.g. from the tune cache); `None` uses
     /// [`CostModel::fallback`] and the statistics say so. Ignored for fixed budgets.
     pub cost: Option<CostModel>,
-    /// The largest budget `auto` may choose: each round's tree is built at this size, then cut
-    /// to the chosen one.
+    /// The largest budget `auto` may choose: each round's tree is built at up to
+    /// [`AUTO_BUILD_GROWTH`] times the last choice (the first at this size), then cut to the
+    /// chosen one.
     pub max_auto_budget: usize,
 }
 
@@ -170,6 +180,7 @@ pub fn generate_speculative<B: Backend>(
     tokens.push(first);
     let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
 
+    let mut last_choice: Option<usize> = None;
     while going {
         let start = tokens.len() - 1;
         let bonus = tokens[start];
@@ -193,12 +204,17 @@ pub fn generate_speculative<B: Backend>(
         }
         // Positions past the context cannot be verified.
         let depth = (block_size - 1).min(context - 1 - start);
-        let mut tree = b.draft_tree(&drafted, depth, budget, bonus)?;
+        let build = match (auto_cost, last_choice) {
+            (Some(_), Some(last)) => (AUTO_BUILD_GROWTH * last).clamp(AUTO_MIN_BUILD.min(budget), budget),
+            _ => budget,
+        };
+        let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
         if let Some(cost) = auto_cost {
             // Best-first order: the first B nodes are the top-B tree, the one the builder gives
             // at budget B.
-            let chosen = choose_budget(&tree.path_logprob[1..], cost, budget);
+            let chosen = choose_budget(&tree.path_logprob[1..], cost, build);
             tree.truncate(chosen + 1);
+            last_choice = Some(chosen);
         }
         stats.budgets.push(tree.len() - 1);
         stats.build += t.elapsed();

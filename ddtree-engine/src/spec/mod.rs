@@ -18,7 +18,9 @@ pub mod stats;
 pub mod test_drafters;
 
 pub use budget::{choose_budget, CostModel, VerifyPoint};
-pub use ddtree::{generate_speculative, Budget, SpecGeneration, SpecOptions, AUTO_MAX_BUDGET};
+pub use ddtree::{
+    generate_speculative, Budget, SpecGeneration, SpecOptions, AUTO_BUILD_GROWTH, AUTO_MAX_BUDGET, AUTO_MIN_BUILD,
+};
 pub use dflash::DFlashDrafter;
 pub use drafter::{DraftRequest, Drafter};
 pub use sampling::Sampling;
