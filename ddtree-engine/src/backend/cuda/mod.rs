@@ -277,6 +277,12 @@ fn dense_int4_gemv(rows: usize, n: usize, k: usize) -> bool {
 /// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
 const MOE_BUFFER_SETS: usize = 16;
 
+/// The output of [`CudaBackend::dense_product`]: bf16 activations or f32 (router, LM head).
+enum DenseOut<'a> {
+    Bf16(&'a mut CudaSlice<bf16>),
+    F32(&'a mut CudaSlice<f32>),
+}
+
 /// Upload slots whose last contents are kept on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Staged {
@@ -1132,47 +1138,7 @@ impl Backend for CudaBackend {
         let a = x.bf16("linear")?;
         match w {
             CudaWeight::Dense { w, .. } => {
-                match self.gemv_params(x.rows, n, k) {
-                    Some(GemvChoice::Warp(p)) => {
-                        let kern = self.variant::<GemvBf16>(&p)?;
-                        // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
-                        unsafe {
-                            GemvBf16::launch(
-                                &kern,
-                                &self.stream,
-                                gemv::grid(&p, n as u32),
-                                a,
-                                w,
-                                out.bf16_mut("linear")?,
-                                x.rows as u32,
-                                n as u32,
-                                k as u32,
-                            )?
-                        };
-                        return Ok(out);
-                    }
-                    Some(GemvChoice::Split(p)) => {
-                        let kern = self.variant::<GemvSplitBf16>(&p)?;
-                        // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
-                        unsafe {
-                            GemvSplitBf16::launch(
-                                &kern,
-                                &self.stream,
-                                gemv::split_grid(&p, n as u32),
-                                a,
-                                w,
-                                out.bf16_mut("linear")?,
-                                x.rows as u32,
-                                n as u32,
-                                k as u32,
-                            )?
-                        };
-                        return Ok(out);
-                    }
-                    None => {}
-                }
-                // SAFETY: a [m, k], w [n, k], out [m, n].
-                unsafe { self.blas.linear(a, w, out.bf16_mut("linear")?, x.rows, n, k)? }
+                self.dense_product(a, w, DenseOut::Bf16(out.bf16_mut("linear")?), x.rows, n, k)?
             }
             CudaWeight::Int4 {
                 group, packed, scales, ..
@@ -1261,46 +1227,7 @@ impl Backend for CudaBackend {
             return Err(fail(format!("linear_f32: {} columns into a [{n}, {k}] weight", x.cols)));
         }
         let mut out = self.alloc::<f32>(x.rows * n)?;
-        match self.gemv_params(x.rows, *n, *k) {
-            Some(GemvChoice::Warp(p)) => {
-                let kern = self.variant::<GemvBf16F32>(&p)?;
-                // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
-                unsafe {
-                    GemvBf16F32::launch(
-                        &kern,
-                        &self.stream,
-                        gemv::grid(&p, *n as u32),
-                        x.bf16("linear_f32")?,
-                        w,
-                        &mut out,
-                        x.rows as u32,
-                        *n as u32,
-                        *k as u32,
-                    )?
-                };
-            }
-            Some(GemvChoice::Split(p)) => {
-                let kern = self.variant::<GemvSplitF32>(&p)?;
-                // SAFETY: a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0.
-                unsafe {
-                    GemvSplitF32::launch(
-                        &kern,
-                        &self.stream,
-                        gemv::split_grid(&p, *n as u32),
-                        x.bf16("linear_f32")?,
-                        w,
-                        &mut out,
-                        x.rows as u32,
-                        *n as u32,
-                        *k as u32,
-                    )?
-                };
-            }
-            None => {
-                // SAFETY: a [m, k], w [n, k], out [m, n].
-                unsafe { self.blas.linear(x.bf16("linear_f32")?, w, &mut out, x.rows, *n, *k)? };
-            }
-        }
+        self.dense_product(x.bf16("linear_f32")?, w, DenseOut::F32(&mut out), x.rows, *n, *k)?;
         Ok(CudaTensor {
             rows: x.rows,
             cols: *n,
@@ -2006,6 +1933,74 @@ impl CudaBackend {
     /// host time per call (algorithm heuristics) is more than the GPU work.
     fn gemv_params(&self, rows: usize, n: usize, k: usize) -> Option<GemvChoice> {
         gemv::choose(rows, n, k, self.gpu().fingerprint().sm_count as usize)
+    }
+
+    /// `out = a w^T` for `a` `[rows, k]` and a dense bf16 `w` `[n, k]`: the GEMV [`gemv::choose`]
+    /// picks for the shape (one warp per column or split-K), cuBLAS when none fits.
+    fn dense_product(
+        &self,
+        a: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        out: DenseOut<'_>,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        let (r, n32, k32) = (rows as u32, n as u32, k as u32);
+        let s = &self.stream;
+        // SAFETY (every launch): a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0 (the
+        // GEMVs are only chosen then); cuBLAS: a [m, k], w [n, k], out [m, n].
+        unsafe {
+            match (self.gemv_params(rows, n, k), out) {
+                (Some(GemvChoice::Warp(p)), DenseOut::Bf16(o)) => GemvBf16::launch(
+                    &*self.variant::<GemvBf16>(&p)?,
+                    s,
+                    gemv::grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (Some(GemvChoice::Warp(p)), DenseOut::F32(o)) => GemvBf16F32::launch(
+                    &*self.variant::<GemvBf16F32>(&p)?,
+                    s,
+                    gemv::grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (Some(GemvChoice::Split(p)), DenseOut::Bf16(o)) => GemvSplitBf16::launch(
+                    &*self.variant::<GemvSplitBf16>(&p)?,
+                    s,
+                    gemv::split_grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (Some(GemvChoice::Split(p)), DenseOut::F32(o)) => GemvSplitF32::launch(
+                    &*self.variant::<GemvSplitF32>(&p)?,
+                    s,
+                    gemv::split_grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (None, DenseOut::Bf16(o)) => self.blas.linear(a, w, o, rows, n, k)?,
+                (None, DenseOut::F32(o)) => self.blas.linear(a, w, o, rows, n, k)?,
+            }
+        }
+        Ok(())
     }
 
     /// The largest value of every row of f32 `logits` and its index (the lowest among equal
