@@ -460,8 +460,6 @@ pub enum Helper {
     Prmt,
     /// fma.rn.bf16x2.
     FmaBf16x2,
-    /// The programmatic-dependent-launch entry every kernel starts with.
-    GridDependency,
 }
 
 impl Helper {
@@ -613,18 +611,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
     unsigned int d;
     asm(\"fma.rn.bf16x2 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(c));
     return d;
-}
-"
-            }
-            Helper::GridDependency => {
-                "// Programmatic dependent launch (sm_90+): let the next kernel of the stream start
-// launching now, then wait until the previous kernel has finished and its writes are visible.
-// Both are no-ops for a launch without the programmatic attribute.
-__device__ __forceinline__ void grid_dependency_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");
-    asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");
-#endif
 }
 "
             }

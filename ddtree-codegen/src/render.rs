@@ -3,9 +3,7 @@
 //! Output is deterministic (same IR, same bytes): a header naming the kernel and every
 //! parameter, a prelude holding only the helpers the kernel uses (bf16/f16 as raw bits, so NVRTC
 //! needs no include path), the device functions it calls, then the kernel with
-//! `extern "C" __global__ __launch_bounds__(threads)`, whose first statement is the
-//! programmatic-dependent-launch entry (`grid_dependency_sync`: the next kernel may start
-//! launching, and this one waits for the previous kernel's writes before it reads anything).
+//! `extern "C" __global__ __launch_bounds__(threads)`.
 
 use std::collections::BTreeSet;
 use std::fmt::Write;
@@ -24,7 +22,6 @@ pub fn render(k: &KernelIr) -> String {
         ty_helpers(&a.ty, &mut helpers);
     }
     stmts_helpers(&k.body, &mut helpers);
-    helpers.insert(Helper::GridDependency);
     for d in &fns {
         for a in &d.args {
             ty_helpers(&a.ty, &mut helpers);
@@ -81,7 +78,6 @@ pub fn render(k: &KernelIr) -> String {
         k.symbol,
         args.join(", ")
     );
-    out.push_str("    grid_dependency_sync();\n");
     block(&mut out, &k.body, 1);
     out.push_str("}\n");
     out

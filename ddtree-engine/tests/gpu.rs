@@ -200,8 +200,7 @@ fn dflash_drafter_on_the_gpu_matches_plain_greedy() {
     );
 }
 
-/// Greedy forwards replayed from CUDA graphs (kernels with programmatic dependent launch) give
-/// the tokens of eager forwards launched one after another: plain decoding
+/// Greedy forwards replayed from CUDA graphs give the tokens of eager forwards: plain decoding
 /// and DDTree verification (a graph per tree size), on a fixture whose every op can be
 /// recorded (tiny-kimi) and on one whose half-split rope cannot (tiny-dsv3: eager fallback).
 #[test]
@@ -209,7 +208,6 @@ fn cuda_graph_replays_equal_eager_forwards() {
     let Some(b) = gpu() else { return };
     let eager = CudaBackend::open(CudaOptions {
         no_graphs: true,
-        no_pdl: true,
         ..CudaOptions::default()
     })
     .unwrap();

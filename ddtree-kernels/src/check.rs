@@ -89,7 +89,7 @@ impl<T: Elem> Operand for DevBuf<T> {
     fn push<'a>(&'a self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
         match self {
             DevBuf::Gpu(s) => {
-                l.buffer(s);
+                l.arg(s);
                 Ok(())
             }
             DevBuf::Host(..) => Err(wrong_target()),
@@ -98,7 +98,7 @@ impl<T: Elem> Operand for DevBuf<T> {
     fn push_mut<'a>(&'a mut self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
         match self {
             DevBuf::Gpu(s) => {
-                l.buffer(s);
+                l.arg(s);
                 Ok(())
             }
             DevBuf::Host(..) => Err(wrong_target()),

@@ -1,6 +1,5 @@
 //! Device discovery that never panics, the device fingerprint and the device's launch limits.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdevice_attribute;
@@ -122,7 +121,6 @@ pub struct Gpu {
     fingerprint: Fingerprint,
     limits: DeviceLimits,
     jit: Arc<Jit>,
-    pub(crate) programmatic: Arc<AtomicBool>,
 }
 
 impl Gpu {
@@ -184,15 +182,12 @@ impl Gpu {
             nvrtc_version: crate::nvrtc::nvrtc_version().ok(),
         };
         let jit = Arc::new(Jit::new(fingerprint.arch(), Some(CubinCache::at_default_location())));
-        // Programmatic dependent launch needs sm_90; on by default there.
-        let fingerprint_pdl = fingerprint.compute_capability.0 >= 9;
         Ok(Gpu {
             ctx,
             stream,
             fingerprint,
             limits,
             jit,
-            programmatic: Arc::new(AtomicBool::new(fingerprint_pdl)),
         })
     }
 
@@ -216,21 +211,6 @@ impl Gpu {
     /// The context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
-    }
-
-    /// Turns programmatic dependent launch on or off for every kernel compiled on this GPU
-    /// (on by default from sm_90, where it is supported; ignored below). With it, a kernel may
-    /// start launching while the previous one of the stream drains: every generated kernel
-    /// first lets its successor launch and then waits for its predecessor's writes
-    /// (`griddepcontrol`), so the stream's order of effects is unchanged.
-    pub fn set_programmatic_launch(&self, on: bool) {
-        let supported = self.fingerprint.compute_capability.0 >= 9;
-        self.programmatic.store(on && supported, Ordering::Relaxed);
-    }
-
-    /// Whether kernels launch with programmatic dependent launch.
-    pub fn programmatic_launch(&self) -> bool {
-        self.programmatic.load(Ordering::Relaxed)
     }
 
     /// The stream kernels launch on by default.

@@ -3,10 +3,7 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use cudarc::driver::{sys, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use ddtree_codegen::{Kernel, KernelId, KernelIr};
 
@@ -48,8 +45,6 @@ pub struct CompiledKernel<K: Kernel> {
     registers: i32,
     spill_bytes: i32,
     max_grid: [u32; 3],
-    /// The owning [`Gpu`]'s programmatic-dependent-launch switch.
-    programmatic: Arc<AtomicBool>,
     _kernel: PhantomData<K>,
 }
 
@@ -197,7 +192,6 @@ impl Gpu {
             registers,
             spill_bytes,
             max_grid: self.limits().max_grid,
-            programmatic: self.programmatic.clone(),
             _kernel: PhantomData,
         })
     }
@@ -246,106 +240,47 @@ impl<K: Kernel> CompiledKernel<K> {
             kernel: self.id.symbol.clone(),
             limit,
         })?;
+        let [x, y, z] = grid.0;
+        let cfg = LaunchConfig {
+            grid_dim: (x, y, z),
+            block_dim: (self.block[0], self.block[1], self.block[2]),
+            shared_mem_bytes: self.dyn_smem,
+        };
         Ok(Launcher {
-            func: &self.func,
-            stream,
-            grid: grid.0,
-            block: self.block,
-            dyn_smem: self.dyn_smem,
-            programmatic: self.programmatic.load(Ordering::Relaxed),
-            values: Vec::with_capacity(16),
+            args: stream.launch_builder(&self.func),
+            cfg,
             symbol: &self.id.symbol,
         })
     }
 }
 
-/// A launch being assembled: arguments are pushed in kernel-signature order, each stored by
-/// value (device pointers as their address, scalars in the low bytes of a 64-bit slot).
+/// A launch being assembled: arguments are pushed in kernel-signature order.
 pub struct Launcher<'a> {
-    func: &'a CudaFunction,
-    stream: &'a Arc<CudaStream>,
-    grid: [u32; 3],
-    block: [u32; 3],
-    dyn_smem: u32,
-    programmatic: bool,
-    values: Vec<u64>,
+    args: LaunchArgs<'a>,
+    cfg: LaunchConfig,
     symbol: &'a str,
 }
 
-impl Launcher<'_> {
-    /// Pushes the next argument: a scalar or a device pointer (`CUdeviceptr`) of at most 8 bytes.
-    pub fn arg<T: DeviceRepr + Copy>(&mut self, arg: &T) -> &mut Self {
-        const { assert!(std::mem::size_of::<T>() <= 8, "kernel arguments are at most 8 bytes") };
-        let mut slot = 0u64;
-        // SAFETY: `T` is plain data of at most 8 bytes (checked above), copied into the slot's
-        // low bytes, which is where the driver reads a parameter of that size on little-endian.
-        unsafe { std::ptr::copy_nonoverlapping(arg as *const T as *const u8, &mut slot as *mut u64 as *mut u8, std::mem::size_of::<T>()) };
-        self.values.push(slot);
+impl<'a> Launcher<'a> {
+    /// Pushes the next argument.
+    pub fn arg<T>(&mut self, arg: T) -> &mut Self
+    where
+        LaunchArgs<'a>: PushKernelArg<T>,
+    {
+        self.args.arg(arg);
         self
     }
 
-    /// Pushes a device buffer's address as the next argument.
-    pub fn buffer<T>(&mut self, buf: &impl DevicePtr<T>) -> &mut Self {
-        let (ptr, _order) = buf.device_ptr(self.stream);
-        self.values.push(ptr);
-        self
-    }
-
-    /// Launches; with programmatic dependent launch on (see [`Gpu::set_programmatic_launch`])
-    /// the kernel may start while the previous kernel of the stream drains (every generated
-    /// kernel waits for it before its first read).
+    /// Launches.
     ///
     /// # Safety
     /// The pushed arguments must match the kernel's C signature (the generated launchers
     /// guarantee it) and describe valid buffers.
     pub unsafe fn launch(mut self) -> Result<(), RuntimeError> {
-        let what = || format!("launching `{}`", self.symbol);
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(RuntimeError::driver(what()))?;
-        let mut params: Vec<*mut c_void> = self.values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        let [gx, gy, gz] = self.grid;
-        let [bx, by, bz] = self.block;
-        let result = if self.programmatic {
-            // SAFETY: an all-zero attribute value is valid; the field set is the one `id` names.
-            let mut attr = sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: unsafe { std::mem::zeroed() },
-            };
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let cfg = sys::CUlaunchConfig {
-                gridDimX: gx,
-                gridDimY: gy,
-                gridDimZ: gz,
-                blockDimX: bx,
-                blockDimY: by,
-                blockDimZ: bz,
-                sharedMemBytes: self.dyn_smem,
-                hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: `params` points at one value per kernel parameter (the caller's contract);
-            // `cfg` and `attr` outlive the call.
-            unsafe {
-                sys::cuLaunchKernelEx(&cfg, self.func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
-            }
-        } else {
-            // SAFETY: as above.
-            unsafe {
-                cudarc::driver::result::launch_kernel(
-                    self.func.cu_function(),
-                    (gx, gy, gz),
-                    (bx, by, bz),
-                    self.dyn_smem,
-                    self.stream.cu_stream(),
-                    &mut params,
-                )
-            }
-        };
-        result.map_err(RuntimeError::driver(what()))
+        // SAFETY: forwarded to the caller.
+        unsafe { self.args.launch(self.cfg) }
+            .map(|_| ())
+            .map_err(RuntimeError::driver(format!("launching `{}`", self.symbol)))
     }
 }
 

@@ -88,10 +88,6 @@ struct DeviceArgs {
     /// Run every forward eagerly instead of recording and replaying CUDA graphs (CUDA).
     #[arg(long)]
     no_cuda_graphs: bool,
-    /// Launch kernels one after another instead of letting each start while the previous one
-    /// drains (programmatic dependent launch, sm_90+) (CUDA).
-    #[arg(long)]
-    no_pdl: bool,
 }
 
 /// Arguments of `ddtree bench`.
@@ -222,7 +218,6 @@ fn on_device(
     let options = CudaOptions {
         no_autotune: dev.no_autotune,
         no_graphs: dev.no_cuda_graphs,
-        no_pdl: dev.no_pdl,
     };
     let gpu = match dev.device {
         Device::Cpu => None,
@@ -704,7 +699,6 @@ mod tests {
             device,
             no_autotune: false,
             no_cuda_graphs: false,
-            no_pdl: false,
         };
         let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))
             .unwrap_err()

@@ -196,9 +196,6 @@ pub struct CudaOptions {
     /// Run every greedy forward eagerly instead of recording and replaying CUDA graphs
     /// (`--no-cuda-graphs`).
     pub no_graphs: bool,
-    /// Launch kernels without programmatic dependent launch (`--no-pdl`; see
-    /// [`Gpu::set_programmatic_launch`]).
-    pub no_pdl: bool,
 }
 
 /// Rope tables uploaded for one [`Rope`].
@@ -339,9 +336,6 @@ impl CudaBackend {
         // One stream: cudarc's per-buffer event tracking only costs time here.
         // SAFETY: every buffer of this backend lives on this one stream.
         unsafe { gpu.context().disable_event_tracking() };
-        if options.no_pdl {
-            gpu.set_programmatic_launch(false);
-        }
         let blas = Blas::new(&gpu)?;
         let state = State {
             ropes: Vec::new(),
