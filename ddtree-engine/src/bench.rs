@@ -125,8 +125,8 @@ pub struct BenchOptions {
     pub decode_steps: usize,
     /// Tree budgets of the DDTree runs.
     pub budgets: Vec<usize>,
-    /// Acceptance probabilities of the scripted drafters (1.0 is the oracle).
-    pub accept: Vec<f32>,
+    /// Scripted drafter profiles of the DDTree runs.
+    pub accept: Vec<DraftProfile>,
     /// Prompt length of the DDTree runs.
     pub prompt_len: usize,
     /// Tokens generated per DDTree run (and by the plain run they are compared with).
@@ -146,7 +146,13 @@ impl BenchOptions {
                 contexts: vec![1024, 8192, 32768],
                 decode_steps: 24,
                 budgets: vec![8, 16, 32, 64, 128, 256],
-                accept: vec![1.0, 0.9, 0.7, 0.5],
+                accept: vec![
+                    DraftProfile::Noisy(1.0),
+                    DraftProfile::Noisy(0.9),
+                    DraftProfile::Noisy(0.7),
+                    DraftProfile::Noisy(0.5),
+                    DraftProfile::Switching,
+                ],
                 prompt_len: 128,
                 spec_tokens: 48,
                 block_size: 8,
@@ -156,7 +162,11 @@ impl BenchOptions {
                 contexts: vec![16, 64],
                 decode_steps: 4,
                 budgets: vec![4, 16],
-                accept: vec![1.0, 0.5],
+                accept: vec![
+                    DraftProfile::Noisy(1.0),
+                    DraftProfile::Noisy(0.5),
+                    DraftProfile::Switching,
+                ],
                 prompt_len: 8,
                 spec_tokens: 12,
                 block_size: 4,
@@ -183,11 +193,62 @@ pub struct DecodeRow {
     pub floor_fraction: Option<f64>,
 }
 
+/// How a [`Scripted`] drafter drafts (`--accept`: a probability, or `switching`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DraftProfile {
+    /// Right at each position with probability P (1: the oracle), otherwise a wrong token ranks
+    /// first and the right one second; always ~85% confident, so miscalibrated below 1.
+    Noisy(f32),
+    /// Calibrated and regime-switching: stretches of [`SWITCH_SPAN`] positions alternate between
+    /// an easy regime (top token 92% likely) and a hard one (35%, with the right token often
+    /// ranked 2nd to 5th); the right token's rank is drawn from the drafter's own distribution,
+    /// so its probabilities are honest. A fixed budget is right for one regime at most.
+    Switching,
+}
+
+/// Positions per regime of [`DraftProfile::Switching`].
+pub const SWITCH_SPAN: usize = 24;
+
+/// The drafter's top-5 probabilities (the rest spread over the vocabulary) per regime of
+/// [`DraftProfile::Switching`]: easy, then hard.
+const SWITCH_TOP: [[f64; 5]; 2] = [[0.92, 0.04, 0.015, 0.01, 0.005], [0.35, 0.2, 0.15, 0.1, 0.05]];
+
+impl std::fmt::Display for DraftProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DraftProfile::Noisy(p) => write!(f, "{p}"),
+            DraftProfile::Switching => f.write_str("switching"),
+        }
+    }
+}
+
+impl std::str::FromStr for DraftProfile {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "switching" {
+            return Ok(DraftProfile::Switching);
+        }
+        match s.parse::<f32>() {
+            Ok(p) if (0.0..=1.0).contains(&p) => Ok(DraftProfile::Noisy(p)),
+            _ => Err(format!(
+                "`{s}` is not a drafter profile: give an acceptance probability in [0, 1] or `switching`"
+            )),
+        }
+    }
+}
+
+impl Serialize for DraftProfile {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// One DDTree run.
 #[derive(Debug, Clone, Serialize)]
 pub struct SpecRow {
-    /// Drafter acceptance probability (1.0: the oracle).
-    pub accept: f32,
+    /// Drafter profile.
+    pub accept: DraftProfile,
     /// Budget (`None`: auto).
     pub budget: Option<usize>,
     /// Mean budget chosen per round (auto).
@@ -262,13 +323,12 @@ pub fn decode_bytes(cfg: &ModelConfig, context: usize) -> u64 {
     total
 }
 
-/// A drafter that knows the target's greedy continuation: at each drafted position its top
-/// token is the right one with probability `accept`, otherwise a wrong token (the right one then
-/// ranks second). The logits are made on the host and handed over with
+/// A drafter that knows the target's greedy continuation and drafts it as its
+/// [`DraftProfile`] says. The logits are made on the host and handed over with
 /// [`Backend::load_logits`].
 pub struct Scripted {
     block_size: usize,
-    accept: f32,
+    accept: DraftProfile,
     continuation: Vec<u32>,
     vocab: usize,
     rng: StdRng,
@@ -276,7 +336,7 @@ pub struct Scripted {
 
 impl Scripted {
     /// A drafter of `block_size - 1` positions over `continuation` (prompt + greedy tokens).
-    pub fn new(block_size: usize, accept: f32, continuation: Vec<u32>, vocab: usize, seed: u64) -> Scripted {
+    pub fn new(block_size: usize, accept: DraftProfile, continuation: Vec<u32>, vocab: usize, seed: u64) -> Scripted {
         Scripted {
             block_size,
             accept,
@@ -289,10 +349,9 @@ impl Scripted {
 
 impl<B: Backend> Drafter<B> for Scripted {
     fn name(&self) -> String {
-        if self.accept >= 1.0 {
-            "scripted oracle".into()
-        } else {
-            format!("scripted:{}", self.accept)
+        match self.accept {
+            DraftProfile::Noisy(p) if p >= 1.0 => "scripted oracle".into(),
+            a => format!("scripted:{a}"),
         }
     }
 
@@ -314,23 +373,63 @@ impl<B: Backend> Drafter<B> for Scripted {
         for i in 0..depth {
             let pos = request.tokens.len() + i;
             let right = self.continuation.get(pos).copied().unwrap_or(0) as usize;
-            let hit = self.rng.random::<f32>() < self.accept;
-            // Peaked like a trained drafter: the top token holds ~85% of the mass, the runner-up
-            // ~11%, three more ~1% each, the rest of the vocabulary almost nothing.
-            let row = m.row_mut(i);
-            row[right] = 28.0;
-            if !hit {
-                let wrong = (right + self.rng.random_range(1..self.vocab)) % self.vocab;
-                row[wrong] = 30.0;
-            }
-            for _ in 0..3 {
-                let other = self.rng.random_range(0..self.vocab);
-                if row[other] == 0.0 {
-                    row[other] = 25.5;
+            match self.accept {
+                DraftProfile::Noisy(p) => self.noisy_row(m.row_mut(i), right, p),
+                DraftProfile::Switching => {
+                    let top = &SWITCH_TOP[(pos / SWITCH_SPAN) % 2];
+                    self.calibrated_row(m.row_mut(i), right, top)
                 }
             }
         }
         target.backend().load_logits(m)
+    }
+}
+
+impl Scripted {
+    /// A [`DraftProfile::Noisy`] row: peaked like a trained drafter (the top token ~85% of the
+    /// mass, the runner-up ~11%, three more ~1% each, the rest almost nothing).
+    fn noisy_row(&mut self, row: &mut [f32], right: usize, p: f32) {
+        row[right] = 28.0;
+        if self.rng.random::<f32>() >= p {
+            let wrong = (right + self.rng.random_range(1..self.vocab)) % self.vocab;
+            row[wrong] = 30.0;
+        }
+        for _ in 0..3 {
+            let other = self.rng.random_range(0..self.vocab);
+            if row[other] == 0.0 {
+                row[other] = 25.5;
+            }
+        }
+    }
+
+    /// A calibrated row: softmax gives the probabilities `top` to five distinct tokens and the
+    /// rest of the mass to the others (logit 0), and the right token takes rank `r` with
+    /// probability `top[r]` (or none of the five with the rest).
+    fn calibrated_row(&mut self, row: &mut [f32], right: usize, top: &[f64; 5]) {
+        let rest = 1.0 - top.iter().sum::<f64>();
+        // exp(logit) = p * z with the other tokens' total exp(0) * (vocab - 5) = rest * z.
+        let z = (self.vocab - top.len()) as f64 / rest;
+        let u: f64 = self.rng.random();
+        let mut acc = 0.0;
+        let rank = top.iter().position(|&p| {
+            acc += p;
+            u < acc
+        });
+        let mut used = vec![right];
+        for (r, &p) in top.iter().enumerate() {
+            let tok = if Some(r) == rank {
+                right
+            } else {
+                loop {
+                    let t = self.rng.random_range(0..self.vocab);
+                    if !used.contains(&t) {
+                        used.push(t);
+                        break t;
+                    }
+                }
+            };
+            row[tok] = (p * z).ln() as f32;
+        }
     }
 }
 
@@ -404,8 +503,10 @@ pub fn run<B: Backend>(
     ));
     let continuation: Vec<u32> = prompt.iter().chain(&plain.tokens).copied().collect();
     let mut spec = Vec::new();
-    // The verify latency t(B) measured by the fixed-budget runs (first drafter) feeds `auto`.
+    // The verify latency t(B) measured by the fixed-budget runs (first drafter) feeds `auto`,
+    // with the plain decode step as the one-token point.
     let mut cost: Option<CostModel> = None;
+    let plain_step_us = 1e6 / plain_tps;
     let mut points: Vec<(usize, f64)> = Vec::new();
     let mut fixed_us = [0.0f64; 3];
     for &accept in &opts.accept {
@@ -418,6 +519,9 @@ pub fn run<B: Backend>(
                     if cost.is_none() && !points.is_empty() {
                         let n = points.len() as f64;
                         let [d, b_, a] = fixed_us.map(|x| x / n);
+                        if points.iter().all(|&(t, _)| t > 1) {
+                            points.insert(0, (1, plain_step_us));
+                        }
                         cost = Some(CostModel::new(
                             format!("bench {} fixed-budget rounds", preset.name()),
                             d,
@@ -493,7 +597,14 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn spec_row(accept: f32, budget: Budget, s: &SpecStats, tokens: &[u32], plain: &[u32], plain_tps: f64) -> SpecRow {
+fn spec_row(
+    accept: DraftProfile,
+    budget: Budget,
+    s: &SpecStats,
+    tokens: &[u32],
+    plain: &[u32],
+    plain_tps: f64,
+) -> SpecRow {
     let rounds = s.rounds.max(1) as f64;
     let decode = s.draft + s.build + s.verify + s.accept;
     let tps = rate(s.tokens.saturating_sub(1), decode);

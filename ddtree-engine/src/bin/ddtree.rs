@@ -105,9 +105,10 @@ struct BenchArgs {
     /// Tree budgets of the DDTree runs; default: the preset's.
     #[arg(long, value_delimiter = ',')]
     budgets: Option<Vec<usize>>,
-    /// Drafter acceptance probabilities (1 = oracle); default: the preset's.
+    /// Drafter profiles: acceptance probabilities (1 = oracle) and/or `switching` (a calibrated
+    /// drafter alternating easy and hard stretches); default: the preset's.
     #[arg(long, value_delimiter = ',')]
-    accept: Option<Vec<f32>>,
+    accept: Option<Vec<ddtree_engine::bench::DraftProfile>>,
     /// Tokens generated per DDTree run; default: the preset's.
     #[arg(long)]
     tokens: Option<usize>,
