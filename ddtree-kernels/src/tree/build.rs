@@ -432,6 +432,10 @@ pub fn tree_build(
     for d in 2..depth + 1 {
         let o = (d - 1) % 2;
         let w = d % 2;
+        // This depth's log-probs, as bits in ckey (free after the merge).
+        for r in (tid..k).step_by(p.block) {
+            ckey[r] = lp[(d - 1) * k + r].to_bits();
+        }
         sync_threads();
         // Children of the depth d - 1 members: member j (0-based) keeps ranks r < k with
         // (j + 1) * (r + 1) <= budget (that many better tuples otherwise) and, when G is full,
@@ -450,7 +454,7 @@ pub fn tree_build(
                 let ps = key_value(gk[o][x]);
                 let mut going = true;
                 while going && m < k && (j + 1) * (m + 1) <= budget {
-                    let key = order_key(ps + lp[(d - 1) * k + m]);
+                    let key = order_key(ps + f32::from_bits(ckey[m]));
                     if full && !better(key, gx[o][x] | (m + 1), tk, tx) {
                         going = false;
                     } else {
@@ -469,7 +473,7 @@ pub fn tree_build(
             let x = j + 1;
             let ps = key_value(gk[o][x]);
             for r in 0..tmp[x] {
-                cand_key[at] = order_key(ps + lp[(d - 1) * k + r]);
+                cand_key[at] = order_key(ps + f32::from_bits(ckey[r]));
                 cand_tok[at] = x | (r << 11);
                 at += 1;
             }
@@ -587,11 +591,7 @@ pub fn tree_build(
         let pi = mw & 2047u32;
         let r = (mw >> 11) & 2047u32;
         first_child[i] = if tmp[i] > 0 { gx[f][remap[i]] as i32 } else { -1 };
-        token[i] = if i == 0 {
-            root[0]
-        } else {
-            tok[(d - 1) * k + r]
-        };
+        token[i] = if i == 0 { root[0] } else { tok[(d - 1) * k + r] };
         if i == 0 {
             parent[0] = -1;
             next_sibling[0] = -1;

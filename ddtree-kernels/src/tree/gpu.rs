@@ -9,11 +9,11 @@ use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtr
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
 
+use super::build::expansion_candidates;
 use super::{
     CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeBuild, TreeBuildParams,
     VerifyParams, LATENT, MAX_K,
 };
-use super::build::expansion_candidates;
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
     move |source| RuntimeError::Driver {
