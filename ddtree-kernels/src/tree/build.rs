@@ -42,6 +42,10 @@ pub const MAX_K: usize = 1024;
 /// Nodes (root included) the expansion's shared state holds.
 const CAP: u32 = 1025;
 
+/// Expansion candidates per round kept in shared memory (key, then reference, in `ctok`,
+/// free after the merge); later ones go to the `cand_key` / `cand_tok` scratch.
+const SHARED_CANDS: u32 = 512;
+
 /// The most expansion candidates of one round at `budget` and `k`:
 /// `sum over j in 1..=budget of min(k, budget / j)` (see the module docs).
 pub fn expansion_candidates(budget: usize, k: usize) -> usize {
@@ -112,7 +116,8 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// covers logits `[b * span, min((b + 1) * span, vocab))` of its row (`span <= p.span`).
 ///
 /// Inputs: `logits` `[depth, vocab]`, `root[0]` (the root token). Scratch: `cand_key` /
-/// `cand_tok` (`[depth, nb, k]`, and at least [`expansion_candidates`]), `part_ms`
+/// `cand_tok` (`[depth, nb, k]`, and at least [`expansion_candidates`] (the expansion's
+/// candidates past the first 512)), `part_ms`
 /// (`[depth, nb, 2]`), `counters` (`depth + 1` zeros; left zero). Outputs: `lp` / `tok` (`[depth, k]`, best first),
 /// `lse` (`[depth]`), the tree arrays (capacity `budget + 1`), the node count `n_out[0]` and the
 /// mask rows (`[n, ceil(n / 32)]`). `stop` ends the launch early, for timing the stages:
@@ -473,8 +478,14 @@ pub fn tree_build(
             let x = j + 1;
             let ps = key_value(gk[o][x]);
             for r in 0..tmp[x] {
-                cand_key[at] = order_key(ps + f32::from_bits(ckey[r]));
-                cand_tok[at] = x | (r << 11);
+                let key = order_key(ps + f32::from_bits(ckey[r]));
+                if at < SHARED_CANDS {
+                    ctok[at] = key;
+                    ctok[SHARED_CANDS + at] = x | (r << 11);
+                } else {
+                    cand_key[at] = key;
+                    cand_tok[at] = x | (r << 11);
+                }
                 at += 1;
             }
         }
@@ -495,8 +506,13 @@ pub fn tree_build(
                 mw = gm[o][e + 1];
                 rank = e;
             } else {
-                let c = cand_tok[e - g];
-                key = cand_key[e - g];
+                let ci = e - g;
+                let c = if ci < SHARED_CANDS {
+                    ctok[SHARED_CANDS + ci]
+                } else {
+                    cand_tok[ci]
+                };
+                key = if ci < SHARED_CANDS { ctok[ci] } else { cand_key[ci] };
                 lx = gx[o][c & 2047u32] | ((c >> 11) + 1);
                 mw = meta_word(c & 2047u32, c >> 11, d);
                 let mut lo = 0u32;
@@ -512,11 +528,15 @@ pub fn tree_build(
                 rank = lo;
             }
             for c2 in 0..nc {
-                let k2 = cand_key[c2];
+                let k2 = if c2 < SHARED_CANDS { ctok[c2] } else { cand_key[c2] };
                 if k2 > key {
                     rank += 1;
                 } else if k2 == key {
-                    let c = cand_tok[c2];
+                    let c = if c2 < SHARED_CANDS {
+                        ctok[SHARED_CANDS + c2]
+                    } else {
+                        cand_tok[c2]
+                    };
                     if (gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx {
                         rank += 1;
                     }
