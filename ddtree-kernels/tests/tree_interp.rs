@@ -4,6 +4,7 @@
 
 use ddtree_codegen::interp::{Buffer, Element, HostArg, Program};
 use ddtree_codegen::Kernel;
+use ddtree_kernels::tree::build::expansion_candidates;
 use ddtree_kernels::tree::reference::{build_with_lse, DraftTree};
 use ddtree_kernels::tree::{
     accept_reference, sample_rows, CompactRows, TreeAccept, TreeBuild, TreeBuildParams, TreeSample,
@@ -44,9 +45,10 @@ fn gpu_build(
     let nb = v.div_ceil(span);
     let lg = buf(logits);
     let rootb = buf(&[root]);
+    let cands = (l * nb * k).max(expansion_candidates(budget, k));
     let mut scratch = [
-        buf(&vec![u32::MAX; l * nb * k]),
-        buf(&vec![u32::MAX; l * nb * k]),
+        buf(&vec![u32::MAX; cands]),
+        buf(&vec![u32::MAX; cands]),
         buf(&vec![f32::NAN; l * nb * 2]),
         buf(&vec![f32::NAN; l * k]),
         buf(&vec![u32::MAX; l * k]),
@@ -62,11 +64,10 @@ fn gpu_build(
         buf(&vec![f32::NAN; cap]),
         buf(&[0u32]),
         buf(&vec![0xdead_beefu32; cap * cap.div_ceil(32)]),
-        buf(&vec![0u32; cap]),
     ];
     for _ in 0..2 {
         let [ck, ct, ms, lp, tok, lse, counters] = &mut scratch;
-        let [tk, par, dep, fc, ns, plp, n, mask, meta] = &mut outs;
+        let [tk, par, dep, fc, ns, plp, n, mask] = &mut outs;
         run::<TreeBuild>(
             p,
             [nb as u32, l as u32, 1],
@@ -88,12 +89,12 @@ fn gpu_build(
                 HostArg::Out(plp),
                 HostArg::Out(n),
                 HostArg::Out(mask),
-                HostArg::Out(meta),
                 u(v as u32),
                 u(k as u32),
                 u(v.div_ceil(nb) as u32),
                 u(l as u32),
                 u(budget as u32),
+                u(3),
             ],
         );
         assert_eq!(counters.to_vec::<u32>(), vec![0; l + 1], "counters left at zero");

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::{Gpu, RuntimeError};
@@ -57,6 +57,36 @@ pub fn median_us_flushed(
     }
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])
+}
+
+/// Device time per call of `f` as a CUDA graph replay sees it, without the host's per-launch
+/// overhead: `per_graph` calls (`f` gets `0..per_graph`, to rotate inputs) are captured back to
+/// back into one graph, which is replayed `warmup` times and then timed `reps` times one by one
+/// with CUDA events; returns the median replay divided by `per_graph`, in microseconds. `f`
+/// must only enqueue work (no host synchronisation, no host-to-device copies).
+pub fn graph_us(
+    stream: &Arc<CudaStream>,
+    per_graph: usize,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> Result<(), RuntimeError>,
+) -> Result<f64, RuntimeError> {
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(RuntimeError::driver("starting a CUDA graph capture"))?;
+    let captured = (0..per_graph.max(1)).try_for_each(&mut f);
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(RuntimeError::driver("ending a CUDA graph capture"))?;
+    captured?;
+    let graph = graph.ok_or_else(|| RuntimeError::Launch {
+        kernel: "a CUDA graph".into(),
+        reason: "the capture was empty".into(),
+    })?;
+    let us = median_us(stream, warmup, reps, |_| {
+        graph.launch().map_err(RuntimeError::driver("launching a CUDA graph"))
+    })?;
+    Ok(us / per_graph.max(1) as f64)
 }
 
 /// Device-to-device copy bandwidth in GB/s (bytes read + written), median of 10 copies of 1 GiB.

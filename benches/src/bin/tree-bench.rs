@@ -1,6 +1,8 @@
 //! DDTree step kernels on the GPU, in one run: checks against the CPU references (builder,
 //! verify attention, sampling, accept, compaction), then timings: build (every variant) +
-//! accept at B = 16/64/256/1024 (L = 7 and 15, V = 163840) and verify attention at ctx 1K/4K/16K/32K x nodes
+//! accept at B = 16/64/256/1024 (L = 7 and 15, V = 163840) as device time of back-to-back
+//! calls replayed from a CUDA graph (no host launch overhead, as a captured engine step), the
+//! builder's stages (slice, merge, expansion loop, tree arrays + masks) the same way, and verify attention at ctx 1K/4K/16K/32K x nodes
 //! 1/8/16/32/64 x heads 8/64 against the floor (measured copy bandwidth and cuBLAS bf16 rate)
 //! and the naive kernel. Verify attention times every candidate of `mla_verify_split` (rows per
 //! block, KV tile, ring depth) at the automatic split count, twice and half it, and reports the
@@ -14,9 +16,11 @@ use clap::Parser;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{CheckResult, Sizes, Target};
 use ddtree_kernels::tree::check::{self, random_logits, random_mask};
-use ddtree_kernels::tree::gpu::{builder_fits, upload, zeros, GpuAccept, GpuBuilder, GpuVerify, VerifyShape};
+use ddtree_kernels::tree::gpu::{
+    builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
+};
 use ddtree_kernels::tree::{MlaVerifySplit, TreeBuild, LATENT, ROW};
-use ddtree_runtime::timing::median_us;
+use ddtree_runtime::timing::{graph_us, median_us};
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -94,11 +98,16 @@ fn bf16_rate(gpu: &Gpu) -> Result<f64, RuntimeError> {
     Ok(2.0 * (n as f64).powi(3) / (us * 1e-6) / 1e12)
 }
 
+/// Graph replays per timing sample (each build reads the next of the rotated logits copies).
+const PER_GRAPH: usize = 16;
+
 fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let v = 163840usize;
-    println!("\n| L | B | build µs (default) | best variant µs | accept µs | compact 61 layers µs | build+accept µs |");
-    println!("|---:|---:|---:|---|---:|---:|---:|");
+    let mut phases = Vec::new();
+    println!("\nDevice time per call, {PER_GRAPH} calls back to back in a CUDA graph (as a captured engine step); eager = one launch timed alone, host launch overhead included.");
+    println!("\n| L | B | build µs (default) | best variant µs | accept µs | compact 61 layers µs | build+accept µs | build eager µs |");
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
     for l in [7usize, 15] {
         let copies: Vec<_> = (0..8)
             .map(|_| upload(s, &random_logits(rng, l, v)))
@@ -118,7 +127,7 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
                     continue;
                 }
                 let mut bld = GpuBuilder::with_params(gpu, &p, l, v, b)?;
-                let us = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
+                let us = graph_us(s, PER_GRAPH, 3, 20, |i| bld.build(s, &copies[i % copies.len()], &root))?;
                 if i == 0 {
                     default_us = us;
                 }
@@ -128,19 +137,54 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
             }
             let (best_us, best_sym) = best.expect("at least one variant");
             let mut bld = GpuBuilder::new(gpu, l, v, b)?;
+            let eager = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
+            // Cumulative stage times; each stage's own time is the difference.
+            let mut cum = [0.0f64; 4];
+            for (c, stage) in cum.iter_mut().zip([
+                BuildStage::Slice,
+                BuildStage::Merge,
+                BuildStage::Expand,
+                BuildStage::All,
+            ]) {
+                *c = graph_us(s, PER_GRAPH, 3, 20, |i| {
+                    bld.build_until(s, &copies[i % copies.len()], &root, stage)
+                })?;
+            }
+            phases.push((l, b, cum));
             bld.build(s, &copies[0], &root)?;
-            let accept = median_us(s, 5, 50, |_| acc.accept(s, &bld, &target, &mut root))?;
+            let accept = graph_us(s, PER_GRAPH, 3, 20, |_| acc.accept(s, &bld, &target, &mut root))?;
             let mut cache = zeros::<bf16>(s, 61 * 4096 * ROW)?;
             let compact = median_us(s, 3, 20, |_| acc.compact(s, &mut cache, 61, 3000, ROW, 4096 * ROW))?;
-            let both = median_us(s, 5, 50, |i| {
+            let both = graph_us(s, PER_GRAPH, 3, 20, |i| {
                 bld.build(s, &copies[i % copies.len()], &root)?;
                 acc.accept(s, &bld, &target, &mut root)
             })?;
             println!(
-                "| {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {accept:.1} | {compact:.1} | {both:.1} |"
+                "| {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {accept:.1} | {compact:.1} | {both:.1} | {eager:.1} |"
             );
-            rows.push(format!("build L={l:<2} B={b:<5} build {default_us:>8.1} µs (best {best_us:.1} {best_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs"));
+            rows.push(format!("build L={l:<2} B={b:<5} build {default_us:>8.1} µs (best {best_us:.1} {best_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs  (eager build {eager:.1} µs)"));
         }
+    }
+    println!("\nBuilder stages (default variant, graph-timed; a stage = the launch stopped after it minus the launch stopped before it):");
+    println!("\n| L | B | slice µs | merge µs | expand loop µs | tree+mask µs | total µs |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for (l, b, c) in phases {
+        println!(
+            "| {l} | {b} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            c[0],
+            c[1] - c[0],
+            c[2] - c[1],
+            c[3] - c[2],
+            c[3]
+        );
+        rows.push(format!(
+            "stages L={l:<2} B={b:<5} slice {:>6.1}  merge {:>6.1}  expand {:>7.1}  tree+mask {:>6.1}  total {:>7.1} µs",
+            c[0],
+            c[1] - c[0],
+            c[2] - c[1],
+            c[3] - c[2],
+            c[3]
+        ));
     }
     Ok(())
 }
@@ -246,6 +290,10 @@ fn main() -> ExitCode {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1)
     });
+    // One stream, as in the engine: cudarc's per-buffer event tracking would add host work to
+    // every launch and break stream capture.
+    // SAFETY: every buffer of this run lives on the GPU's one stream.
+    unsafe { gpu.context().disable_event_tracking() };
     println!("tree-bench on {} (seed {seed})", gpu.arch());
     let mut rng = StdRng::seed_from_u64(seed);
     let mut failed = 0;

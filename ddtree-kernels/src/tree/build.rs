@@ -12,13 +12,18 @@
 //! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
 //!    warp), the same radix select over the `nb * k` candidates, and the `k` winners ranked
 //!    (larger key, then smaller token) into the depth's log-probs `min(x - lse, 0)` and tokens.
-//! 3. **Expand** (the last merging block): DDTree's best-first expansion by warp 0, then the
-//!    tree arrays and the ancestor-or-self mask rows by all threads. The frontier holds one
-//!    entry per emitted node (its next child: every node's children are a sorted stream), owned
-//!    by lane `node % 32`, which caches the best of its entries; a pop is a 5-step shuffle max
-//!    of the lanes' order keys (equal scores: the exact rank-tuple rule of
-//!    [`super::reference`], found by walking the two paths), after which only the popped
-//!    stream's lane rescans its entries and the new node's lane compares one entry.
+//! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
+//!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
+//!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
+//!    block finds them one depth per round: G (the best `budget` tuples of depth below d,
+//!    sorted) and the children of its depth d - 1 members are ranked together, and the best
+//!    `budget` are G for depth d. The best of depth <= d have their parents in G, and a child
+//!    of rank r of G's j-th member (0-based) has at least (j + 1) (r + 1) - 1 better tuples,
+//!    so only children with (j + 1) (r + 1) <= budget (and, when G is full, better than its
+//!    worst member) are candidates: at most [`expansion_candidates`] per round. Equal scores
+//!    compare pre-order indices in G (a child of member p with rank r sits right after p).
+//!    Then the tree arrays (child lists from per-parent counts), path scores and the
+//!    ancestor-or-self mask rows.
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
@@ -36,6 +41,16 @@ pub const MAX_K: usize = 1024;
 
 /// Nodes (root included) the expansion's shared state holds.
 const CAP: u32 = 1025;
+
+/// Expansion candidates per round kept in shared memory (key, then reference, in `ctok`,
+/// free after the merge); later ones go to the `cand_key` / `cand_tok` scratch.
+const SHARED_CANDS: u32 = 512;
+
+/// The most expansion candidates of one round at `budget` and `k`:
+/// `sum over j in 1..=budget of min(k, budget / j)` (see the module docs).
+pub fn expansion_candidates(budget: usize, k: usize) -> usize {
+    (1..=budget).map(|j| k.min(budget / j)).sum()
+}
 
 /// The order key of an f32 (as [`super::reference::order_key`]).
 #[device_fn]
@@ -84,63 +99,30 @@ fn block_excl_scan(v: u32) -> u32 {
     inc - v + before
 }
 
-/// The index of the single set bit of `pow2` (exact: powers of two convert to f32 exactly).
-#[device_fn]
-fn bit_index(pow2: u32) -> u32 {
-    ((pow2 as f32).to_bits() >> 23) - 127u32
-}
-
 /// Node metadata word: parent (11 bits), rank among its siblings (11 bits), depth (from bit 22).
 #[device_fn]
 fn meta_word(parent: u32, rank: u32, depth: u32) -> u32 {
     parent | (rank << 11) | (depth << 22)
 }
 
-/// Whether the frontier entry "child `r1` of node `p1`" has a lexicographically smaller rank
-/// tuple than "child `r2` of node `p2`" (distinct entries), walking the nodes' [`meta_word`]s.
+/// The builder's order: whether (order key `ka`, lexicographic code `la`) comes before
+/// (`kb`, `lb`): higher score, then the lexicographically smaller rank tuple.
 #[device_fn]
-fn entry_less(meta: &[u32], p1: u32, r1: u32, p2: u32, r2: u32) -> bool {
-    let d1 = (meta[p1] >> 22) + 1;
-    let d2 = (meta[p2] >> 22) + 1;
-    let mut a = p1;
-    let mut ra = r1;
-    let mut da = d1;
-    let mut b = p2;
-    let mut rb = r2;
-    let mut db = d2;
-    // Lift the deeper entry to the other's depth: "child ra of a" becomes a itself.
-    while da > db {
-        ra = (meta[a] >> 11) & 2047u32;
-        a = meta[a] & 2047u32;
-        da -= 1;
-    }
-    while db > da {
-        rb = (meta[b] >> 11) & 2047u32;
-        b = meta[b] & 2047u32;
-        db -= 1;
-    }
-    let mut res = d1 < d2;
-    if a != b || ra != rb {
-        // Walk up to the common parent; the ranks below it decide.
-        while a != b {
-            ra = (meta[a] >> 11) & 2047u32;
-            a = meta[a] & 2047u32;
-            rb = (meta[b] >> 11) & 2047u32;
-            b = meta[b] & 2047u32;
-        }
-        res = ra < rb;
-    }
-    res
+fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
+    ka > kb || (ka == kb && la < lb)
 }
 
 /// The whole builder in one launch (see the module docs). Grid `(nb, depth)`; block `b`
 /// covers logits `[b * span, min((b + 1) * span, vocab))` of its row (`span <= p.span`).
 ///
 /// Inputs: `logits` `[depth, vocab]`, `root[0]` (the root token). Scratch: `cand_key` /
-/// `cand_tok` (`[depth, nb, k]`), `part_ms` (`[depth, nb, 2]`), `counters` (`depth + 1`
-/// zeros; left zero), `meta` (`budget + 1`). Outputs: `lp` / `tok` (`[depth, k]`, best first),
+/// `cand_tok` (`[depth, nb, k]`, and at least [`expansion_candidates`] (the expansion's
+/// candidates past the first 512)), `part_ms`
+/// (`[depth, nb, 2]`), `counters` (`depth + 1` zeros; left zero). Outputs: `lp` / `tok` (`[depth, k]`, best first),
 /// `lse` (`[depth]`), the tree arrays (capacity `budget + 1`), the node count `n_out[0]` and the
-/// mask rows (`[n, ceil(n / 32)]`). Needs `1 <= k = min(budget, vocab) <= MAX_K`,
+/// mask rows (`[n, ceil(n / 32)]`). `stop` ends the launch early, for timing the stages:
+/// 0 after the slices, 1 after the merges, 2 after the expansion loop (before the tree arrays
+/// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k < 65536`.
 #[kernel(block = p.block, space = [
     TreeBuildParams { block: 512, span: 4096 },
@@ -166,12 +148,12 @@ pub fn tree_build(
     path_lp: &mut [f32],
     n_out: &mut [u32],
     mask: &mut [u32],
-    meta: &mut [u32],
     vocab: u32,
     k: u32,
     span: u32,
     depth: u32,
     budget: u32,
+    stop: u32,
 ) {
     comptime_assert!(
         p.block % 32 == 0 && p.block >= 256 && p.block <= 1024,
@@ -426,141 +408,224 @@ pub fn tree_build(
             flag[0] = if last { 1u32 } else { 0u32 };
         }
         sync_threads();
-        if flag[0] == 0u32 {
+        if flag[0] == 0u32 || stop == stage {
             return;
         }
     }
 
-    // Stage 2: the expansion. Per node: meta word, path score; per node's child stream (owned
-    // by lane node % 32): the order key of its next child's score (0 = none), that child's rank,
-    // and the last emitted child.
-    let n_meta = shared::<u32>(CAP);
-    let n_score = shared::<f32>(CAP);
-    let f_key = shared::<u32>(CAP);
-    let f_rank = shared::<u32>(CAP);
-    let f_last = shared::<u32>(CAP);
-    let n_sh = shared::<u32>(1);
-    for i in (tid..budget + 1).step_by(p.block) {
-        first_child[i] = -1;
-        next_sibling[i] = -1;
+    // Stage 2: the expansion, one depth per round (see the module docs). The set G of the best
+    // prefixes so far, best first, as nodes 1..=g of buffer `(round depth) % 2`: order key of the
+    // path score, lexicographic code (pre-order index << 11, or a round's two-level code), meta
+    // word. Node 0 is the root.
+    let gk = shared_2d::<u32>(2, CAP);
+    let gx = shared_2d::<u32>(2, CAP);
+    let gm = shared_2d::<u32>(2, CAP);
+    let remap = shared::<u32>(CAP);
+    let tmp = shared::<u32>(CAP);
+    let nc_s = shared::<u32>(1);
+    for x in (tid..k).step_by(p.block) {
+        gk[1][x + 1] = order_key(lp[x]);
+        gx[1][x + 1] = x << 11;
+        gm[1][x + 1] = meta_word(0u32, x, 1u32);
     }
-    sync_threads();
-    if warp == 0 {
-        if lane == 0 {
-            n_meta[0] = 0u32;
-            meta[0] = 0u32;
-            n_score[0] = 0.0f32;
-            f_rank[0] = 0u32;
-            f_key[0] = if depth > 0 && budget > 0 {
-                order_key(lp[0])
+    if tid == 0 {
+        gm[0][0] = 0u32;
+        gm[1][0] = 0u32;
+        remap[0] = 0u32;
+    }
+    let mut g = k;
+    for d in 2..depth + 1 {
+        let o = (d - 1) % 2;
+        let w = d % 2;
+        // This depth's log-probs, as bits in ckey (free after the merge).
+        for r in (tid..k).step_by(p.block) {
+            ckey[r] = lp[(d - 1) * k + r].to_bits();
+        }
+        sync_threads();
+        // Children of the depth d - 1 members: member j (0-based) keeps ranks r < k with
+        // (j + 1) * (r + 1) <= budget (that many better tuples otherwise) and, when G is full,
+        // better than its worst member; a prefix of the ranks.
+        let full = g == budget;
+        let tk = gk[o][g];
+        let tx = gx[o][g];
+        let ch = (g + p.block - 1) / p.block;
+        let j0 = (tid * ch).min(g);
+        let j1 = (j0 + ch).min(g);
+        let mut own = 0u32;
+        for j in j0..j1 {
+            let x = j + 1;
+            let mut m = 0u32;
+            if (gm[o][x] >> 22) == d - 1 {
+                let ps = key_value(gk[o][x]);
+                let mut going = true;
+                while going && m < k && (j + 1) * (m + 1) <= budget {
+                    let key = order_key(ps + f32::from_bits(ckey[m]));
+                    if full && !better(key, gx[o][x] | (m + 1), tk, tx) {
+                        going = false;
+                    } else {
+                        m += 1;
+                    }
+                }
+            }
+            tmp[x] = m;
+            own += m;
+        }
+        let mut at = block_excl_scan(own);
+        if tid == p.block - 1 {
+            nc_s[0] = at + own;
+        }
+        for j in j0..j1 {
+            let x = j + 1;
+            let ps = key_value(gk[o][x]);
+            for r in 0..tmp[x] {
+                let key = order_key(ps + f32::from_bits(ckey[r]));
+                if at < SHARED_CANDS {
+                    ctok[at] = key;
+                    ctok[SHARED_CANDS + at] = x | (r << 11);
+                } else {
+                    cand_key[at] = key;
+                    cand_tok[at] = x | (r << 11);
+                }
+                at += 1;
+            }
+        }
+        sync_threads();
+        // Rank every member and candidate (members: binary search; candidates: all compared);
+        // the best `budget` go to buffer w at their rank, parents still numbered as in G.
+        let nc = nc_s[0];
+        let total = g + nc;
+        let ng = total.min(budget);
+        for e in (tid..total).step_by(p.block) {
+            let mut key = 0u32;
+            let mut lx = 0u32;
+            let mut mw = 0u32;
+            let mut rank = 0u32;
+            if e < g {
+                key = gk[o][e + 1];
+                lx = gx[o][e + 1];
+                mw = gm[o][e + 1];
+                rank = e;
             } else {
-                0u32
-            };
-        }
-        sync_warp();
-        // Lane i caches the best entry among streams i, i + 32, ...: node `best`, its next
-        // child's rank `brank` and order key `bkey` (0 = none: every score's key is larger).
-        let mut best = 0u32;
-        let mut brank = 0u32;
-        let mut bkey = 0u32;
-        if lane == 0 {
-            bkey = f_key[0];
-        }
-        let mut n = 1u32;
-        while n <= budget {
-            let mut mx = bkey;
-            #[unroll]
-            for o in 0..5u32 {
-                mx = mx.max(shfl_xor(mx, 16u32 >> o));
-            }
-            if mx == 0u32 {
-                break;
-            }
-            let ties = ballot(bkey == mx);
-            let low = ties & (0u32 - ties);
-            let mut wl = bit_index(low);
-            let mut pw = shfl_idx(best, wl);
-            let mut r = shfl_idx(brank, wl);
-            if ties != low {
-                // Equal scores: the smallest rank tuple among the tied lanes.
-                let mut rest = ties ^ low;
-                while rest != 0u32 {
-                    let lb = rest & (0u32 - rest);
-                    rest = rest ^ lb;
-                    let l2 = bit_index(lb);
-                    let p2 = shfl_idx(best, l2);
-                    let r2 = shfl_idx(brank, l2);
-                    if entry_less(meta, p2, r2, pw, r) {
-                        wl = l2;
-                        pw = p2;
-                        r = r2;
-                    }
-                }
-            }
-            let d = (n_meta[pw] >> 22) + 1;
-            let sc = key_value(mx);
-            let nl = n % 32;
-            if lane == nl {
-                let mw = meta_word(pw, r, d);
-                n_meta[n] = mw;
-                meta[n] = mw;
-                n_score[n] = sc;
-                f_rank[n] = 0u32;
-                f_key[n] = if d < depth { order_key(sc + lp[d * k]) } else { 0u32 };
-            }
-            if lane == wl {
-                // The popped stream (this lane's): link the node, advance, rescan.
-                if r == 0u32 {
-                    first_child[pw] = n as i32;
+                let ci = e - g;
+                let c = if ci < SHARED_CANDS {
+                    ctok[SHARED_CANDS + ci]
                 } else {
-                    next_sibling[f_last[pw]] = n as i32;
-                }
-                f_last[pw] = n;
-                f_rank[pw] = r + 1;
-                f_key[pw] = if r + 1 < k {
-                    order_key(n_score[pw] + lp[(d - 1) * k + r + 1])
-                } else {
-                    0u32
+                    cand_tok[ci]
                 };
-                bkey = 0u32;
-                for sl in (lane..n + 1).step_by(32) {
-                    let key = f_key[sl];
-                    if key > bkey || (key == bkey && key != 0u32 && entry_less(meta, sl, f_rank[sl], best, brank)) {
-                        best = sl;
-                        brank = f_rank[sl];
-                        bkey = key;
+                key = if ci < SHARED_CANDS { ctok[ci] } else { cand_key[ci] };
+                lx = gx[o][c & 2047u32] | ((c >> 11) + 1);
+                mw = meta_word(c & 2047u32, c >> 11, d);
+                let mut lo = 0u32;
+                let mut hi = g;
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if better(gk[o][mid + 1], gx[o][mid + 1], key, lx) {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
                     }
                 }
-            } else if lane == nl {
-                let key = f_key[n];
-                if key > bkey || (key == bkey && key != 0u32 && entry_less(meta, n, 0u32, best, brank)) {
-                    best = n;
-                    brank = 0u32;
-                    bkey = key;
+                rank = lo;
+            }
+            for c2 in 0..nc {
+                let k2 = if c2 < SHARED_CANDS { ctok[c2] } else { cand_key[c2] };
+                if k2 > key {
+                    rank += 1;
+                } else if k2 == key {
+                    let c = if c2 < SHARED_CANDS {
+                        ctok[SHARED_CANDS + c2]
+                    } else {
+                        cand_tok[c2]
+                    };
+                    if (gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx {
+                        rank += 1;
+                    }
                 }
             }
-            n += 1;
-            sync_warp();
+            if e < g {
+                remap[e + 1] = if rank < budget { rank + 1 } else { 0u32 };
+            }
+            if rank < budget {
+                gk[w][rank + 1] = key;
+                gm[w][rank + 1] = mw;
+                tmp[rank + 1] = lx;
+            }
         }
-        if lane == 0 {
-            n_sh[0] = n;
-            n_out[0] = n;
+        sync_threads();
+        // Renumber the parents; the lexicographic codes become pre-order indices again.
+        for x in (tid + 1..ng + 1).step_by(p.block) {
+            let mw = gm[w][x];
+            gm[w][x] = (mw & 0xfffff800u32) | remap[mw & 2047u32];
+            let lx = tmp[x];
+            let mut before = 0u32;
+            for y in 1..ng + 1 {
+                if tmp[y] < lx {
+                    before += 1;
+                }
+            }
+            gx[w][x] = before << 11;
         }
+        g = ng;
     }
     sync_threads();
-    let n = n_sh[0];
+    if stop == 2u32 {
+        return;
+    }
+    // The tree: node i is G's member i (root 0). Children per node (a prefix of the ranks),
+    // their offsets, and each child in its parent's slot (in gx, free now).
+    let f = depth % 2;
+    let n = g + 1;
     let words = (n + 31) / 32;
     for i in (tid..n).step_by(p.block) {
-        let mw = n_meta[i];
+        tmp[i] = 0u32;
+    }
+    sync_threads();
+    for i in (tid + 1..n).step_by(p.block) {
+        tmp.atomic_add(gm[f][i] & 2047u32, 1u32);
+    }
+    sync_threads();
+    let ch = (n + p.block - 1) / p.block;
+    let i0 = (tid * ch).min(n);
+    let i1 = (i0 + ch).min(n);
+    let mut own = 0u32;
+    for i in i0..i1 {
+        own += tmp[i];
+    }
+    let mut at = block_excl_scan(own);
+    for i in i0..i1 {
+        remap[i] = at;
+        at += tmp[i];
+    }
+    sync_threads();
+    for i in (tid + 1..n).step_by(p.block) {
+        let mw = gm[f][i];
+        gx[f][remap[mw & 2047u32] + ((mw >> 11) & 2047u32)] = i;
+    }
+    sync_threads();
+    if tid == 0 {
+        n_out[0] = n;
+    }
+    for i in (tid..n).step_by(p.block) {
+        let mw = gm[f][i];
         let d = mw >> 22;
-        token[i] = if i == 0 {
-            root[0]
+        let pi = mw & 2047u32;
+        let r = (mw >> 11) & 2047u32;
+        first_child[i] = if tmp[i] > 0 { gx[f][remap[i]] as i32 } else { -1 };
+        token[i] = if i == 0 { root[0] } else { tok[(d - 1) * k + r] };
+        if i == 0 {
+            parent[0] = -1;
+            next_sibling[0] = -1;
+            path_lp[0] = 0.0f32;
         } else {
-            tok[(d - 1) * k + ((mw >> 11) & 2047u32)]
-        };
-        parent[i] = if i == 0 { -1 } else { (mw & 2047u32) as i32 };
+            parent[i] = pi as i32;
+            next_sibling[i] = if r + 1 < tmp[pi] {
+                gx[f][remap[pi] + r + 1] as i32
+            } else {
+                -1
+            };
+            path_lp[i] = key_value(gk[f][i]);
+        }
         depth_out[i] = d;
-        path_lp[i] = n_score[i];
         // Mask row: ancestors have decreasing indices, so the words fill from the top down.
         for w in i / 32 + 1..words {
             mask[i * words + w] = 0u32;
@@ -579,7 +644,7 @@ pub fn tree_build(
             if a == 0 {
                 walking = false;
             } else {
-                a = n_meta[a] & 2047u32;
+                a = gm[f][a] & 2047u32;
             }
         }
         mask[i * words] = bits;

@@ -9,6 +9,7 @@ use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtr
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
 
+use super::build::expansion_candidates;
 use super::{
     CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeBuild, TreeBuildParams,
     VerifyParams, LATENT, MAX_K,
@@ -37,6 +38,19 @@ pub fn download<T: DeviceRepr + Default + Clone>(
     d: &CudaSlice<T>,
 ) -> Result<Vec<T>, RuntimeError> {
     s.clone_dtoh(d).map_err(drv("copying from the GPU"))
+}
+
+/// How far a [`GpuBuilder::build_until`] launch runs (for timing the builder's stages).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BuildStage {
+    /// The slice top-k and log-sum-exp partials.
+    Slice = 0,
+    /// Plus the per-depth merges (log-probs, tokens, log-sum-exp).
+    Merge = 1,
+    /// Plus the best-first expansion loop.
+    Expand = 2,
+    /// The whole build: plus the tree arrays and mask rows.
+    All = 3,
 }
 
 /// The GPU tree builder for fixed `depth`, `vocab` and `budget`, with its device buffers.
@@ -70,7 +84,6 @@ pub struct GpuBuilder {
     pub path_lp: CudaSlice<f32>,
     /// Node count `[1]`.
     pub n: CudaSlice<u32>,
-    meta: CudaSlice<u32>,
     /// Mask rows `[n, ceil(n / 32)]` (capacity for `budget + 1` nodes).
     pub mask: CudaSlice<u32>,
 }
@@ -110,6 +123,7 @@ impl GpuBuilder {
         let nb = vocab.div_ceil(p.span as usize);
         let span = vocab.div_ceil(nb);
         let cap = budget + 1;
+        let cands = (depth * nb * k).max(expansion_candidates(budget, k));
         Ok(GpuBuilder {
             kernel: gpu.compile::<TreeBuild>(p)?,
             depth,
@@ -119,8 +133,8 @@ impl GpuBuilder {
             span,
             nb,
             lse: zeros(s, depth)?,
-            cand_key: zeros(s, depth * nb * k)?,
-            cand_tok: zeros(s, depth * nb * k)?,
+            cand_key: zeros(s, cands)?,
+            cand_tok: zeros(s, cands)?,
             part_ms: zeros(s, depth * nb * 2)?,
             counters: zeros(s, depth + 1)?,
             lp: zeros(s, depth * k)?,
@@ -132,7 +146,6 @@ impl GpuBuilder {
             next_sibling: zeros(s, cap)?,
             path_lp: zeros(s, cap)?,
             n: zeros(s, 1)?,
-            meta: zeros(s, cap)?,
             mask: zeros(s, cap * cap.div_ceil(32))?,
         })
     }
@@ -145,9 +158,22 @@ impl GpuBuilder {
         logits: &CudaSlice<f32>,
         root: &CudaSlice<u32>,
     ) -> Result<(), RuntimeError> {
+        self.build_until(s, logits, root, BuildStage::All)
+    }
+
+    /// [`GpuBuilder::build`] up to and including `stage` (the later stages' outputs are left
+    /// as they were).
+    pub fn build_until(
+        &mut self,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        root: &CudaSlice<u32>,
+        stage: BuildStage,
+    ) -> Result<(), RuntimeError> {
         let (v, k, span, nb) = (self.vocab as u32, self.k as u32, self.span as u32, self.nb as u32);
         let d = self.depth as u32;
-        // SAFETY: logits hold depth * vocab values; candidates depth * nb * k, partials
+        // SAFETY: logits hold depth * vocab values; candidates depth * nb * k and
+        // expansion_candidates(budget, k), partials
         // depth * nb * 2, counters depth + 1 (zero between launches); span <= the variant's
         // span, k <= min(MAX_K, vocab), nb * k < 65536; the tree outputs hold budget + 1
         // nodes (mask rows included), budget <= 1024, depth <= 16.
@@ -173,12 +199,12 @@ impl GpuBuilder {
                 &mut self.path_lp,
                 &mut self.n,
                 &mut self.mask,
-                &mut self.meta,
                 v,
                 k,
                 span,
                 d,
                 self.budget as u32,
+                stage as u32,
             )
         }
     }
