@@ -86,9 +86,7 @@ pub const GEMV_SPACE: &[GemvParams] = &[
     g(8, 4, 4, 1, 4),
     g(8, 16, 16, 1, 2),
     g(16, 4, 1, 4, 2),
-    g(16, 4, 1, 2, 4),
     g(16, 8, 8, 1, 4),
-    g(16, 8, 8, 2, 2),
     g(16, 16, 16, 1, 2),
 ];
 
@@ -274,8 +272,8 @@ gemv_kernel!(
     w_up
 );
 
-/// Warps per SM the warp-per-column layout needs (with 4 to 8 loads of 16 bytes in flight per
-/// lane) to keep enough bytes in flight to cover DRAM latency on an H100/H200-class GPU.
+/// Weight rows per SM from which the warp-per-column layout has enough warps (with 4 to 8 loads
+/// of 16 bytes in flight per lane) to cover DRAM latency on an H100/H200-class GPU.
 pub const WARPS_PER_SM: usize = 32;
 
 /// Most activation rows a GEMV takes (the largest `m` of [`GEMV_SPACE`]).
@@ -283,8 +281,8 @@ pub const MAX_ROWS: usize = 16;
 
 /// The GEMV variant for `rows` activation rows (1..=[`MAX_ROWS`]) and `n` output columns of
 /// length `k` on a GPU of `sms` SMs (`gated`: [`GemvSiluMul`], whose groups read two weight
-/// rows per column). A warp per column group when that gives at least [`WARPS_PER_SM`] warps per
-/// SM (the LM head, `o_proj`, `q_b`, the shared expert's down), unrolled 8 deep for rows that
+/// rows per column). A warp per column group when the weight rows are at least [`WARPS_PER_SM`]
+/// per SM (the LM head, `o_proj`, `q_b`, the shared expert's down), unrolled 8 deep for rows that
 /// one pass of 8 covers (`k <= 2048`) and for 1-2 rows; else split-K inside a block of 8 warps
 /// (`q_a`, `kv_a`, the fused gate/up), or 16 when the columns are fewer than the SMs (the
 /// router). `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=16).
@@ -294,9 +292,8 @@ pub fn choose(rows: usize, n: usize, k: usize, sms: usize, gated: bool) -> Optio
     }
     let m = rows.next_power_of_two() as u32;
     let per_m = || GEMV_SPACE.iter().copied().filter(move |p| p.m == m);
-    let warp_cols = per_m().find(|p| p.split == 1)?.cols as usize;
     let weight_rows = if gated { 2 * n } else { n };
-    let pick = if weight_rows.div_ceil(warp_cols) >= WARPS_PER_SM * sms.max(1) {
+    let pick = if weight_rows >= WARPS_PER_SM * sms.max(1) {
         let deep = m <= 2 || k <= 2048;
         per_m()
             .filter(|p| p.split == 1)
@@ -326,4 +323,33 @@ pub fn reference(a: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Vec<f
 /// [`reference`], in f32.
 pub fn silu_mul_reference(a: &[f32], w_gate: &[f32], w_up: &[f32], rows: usize, n: usize, k: usize) -> Vec<f32> {
     crate::silu_mul::reference_split(&reference(a, w_gate, rows, n, k), &reference(a, w_up, rows, n, k))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layouts [`choose`] gives the Kimi K2.6 decode products on an H200 (132 SMs).
+    #[test]
+    fn choose_on_kimi_shapes() {
+        let pick = |rows, n, k, gated| {
+            let p = choose(rows, n, k, 132, gated).expect("a variant");
+            assert!(GEMV_SPACE.contains(&p) && p.m as usize >= rows);
+            (p.warps, p.split, p.cols, p.unroll)
+        };
+        for rows in 1..=2 {
+            assert_eq!(pick(rows, 7168, 8192, false), (4, 1, 1, 8), "o_proj");
+            assert_eq!(pick(rows, 12288, 1536, false), (4, 1, 1, 8), "q_b");
+            assert_eq!(pick(rows, 163840, 7168, false), (4, 1, 1, 8), "lm_head");
+            assert_eq!(pick(rows, 1536, 7168, false), (8, 8, 1, 4), "q_a");
+            assert_eq!(pick(rows, 2048, 7168, true), (8, 8, 1, 4), "gate+up");
+            assert_eq!(pick(rows, 48, 7168, false), (16, 16, 1, 2), "router");
+        }
+        assert_eq!(pick(4, 7168, 8192, false), (4, 1, 2, 2), "o_proj");
+        assert_eq!(pick(4, 7168, 2048, false), (4, 1, 2, 2), "down");
+        assert_eq!(pick(8, 7168, 2048, false), (4, 1, 4, 2), "down");
+        assert_eq!(pick(4, 576, 7168, false), (8, 8, 1, 4), "kv_a");
+        assert_eq!(choose(17, 7168, 8192, 132, false), None);
+        assert_eq!(choose(1, 7168, 8191, 132, false), None);
+    }
 }
