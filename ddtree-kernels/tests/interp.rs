@@ -9,9 +9,8 @@ use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
     AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
-    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvSplitBf16, GemvSplitF32, GqaAttention, MlaAbsorbOutput,
-    MlaAbsorbQuery, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul,
-    SiluMulSplit,
+    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvSiluMul, GqaAttention, MlaAbsorbOutput, MlaAbsorbQuery,
+    MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -131,13 +130,14 @@ fn copy_rows_f32() {
     every_candidate::<CopyRowsF32>(check::copy_rows_f32_suite);
 }
 
-/// The GEMV suite covers both output types.
+/// The GEMV suite covers both output types and the fused gate/up.
 #[test]
 fn gemv() {
     check::on_each_target(|t, rng| {
         let results = check::gemv_suite(t, Sizes::Small, rng)?;
         assert_covers::<GemvBf16>(&results);
         assert_covers::<GemvBf16F32>(&results);
+        assert_covers::<GemvSiluMul>(&results);
         Ok(results)
     });
 }
@@ -200,14 +200,4 @@ fn mla_absorb_query() {
 #[test]
 fn mla_absorb_output() {
     every_candidate::<MlaAbsorbOutput>(ddtree_kernels::attention::check::mla_absorb_output_suite);
-}
-
-#[test]
-fn gemv_split() {
-    check::on_each_target(|t, rng| {
-        let results = check::gemv_split_suite(t, Sizes::Small, rng)?;
-        assert_covers::<GemvSplitBf16>(&results);
-        assert_covers::<GemvSplitF32>(&results);
-        Ok(results)
-    });
 }
