@@ -188,7 +188,10 @@ pub fn w4a16_gemv(
     comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
     comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
     let rb = comptime!(p.ring_bytes());
-    comptime_assert!(rb <= 200 * 1024, "the ring must fit in 200 KiB of dynamic shared memory");
+    comptime_assert!(
+        rb <= 200 * 1024,
+        "the ring must fit in 200 KiB of dynamic shared memory"
+    );
     let down = p.mode == GemvMode::Down;
     let gu = p.mode == GemvMode::GateUp;
     // m16 tiles and 8-row tiles per k step.
@@ -223,8 +226,10 @@ pub fn w4a16_gemv(
     let flag_s = shared::<u32>(dn);
     let list = shared::<u32>(ln);
     let count_s = shared::<u32>(1);
-    // Down: act row (pair) of token `t` for the `ei`-th expert at `ei * cap + t` (u32::MAX = none).
-    let pn = comptime!(if p.mode == GemvMode::Down {
+    // Down with xr: act row (pair) of token `t` for the `ei`-th expert at `ei * cap + t`
+    // (u32::MAX = none), for the lanes that copy other tokens' x slices. (The flush below finds
+    // a lane's own rows and router weights in registers: fewer registers in the main loop.)
+    let pn = comptime!(if p.mode == GemvMode::Down && p.xr {
         MAX_PAIRS * 8 * p.chunks
     } else {
         1
@@ -335,6 +340,8 @@ pub fn w4a16_gemv(
         }
         sync_threads();
         ne = count_s[0];
+    }
+    if down && p.xr {
         for idx in (tid..ne * cap).step_by(nw * 32) {
             let e = list[idx / cap];
             let t = idx % cap;
@@ -424,7 +431,10 @@ pub fn w4a16_gemv(
                     }
                     let kx = kb * 128 + 8 * xs;
                     if it < hi && xr_row != u32::MAX && kx < k {
-                        cp_async_16(&mut ring[wbase + u * sw + tt * 128 + c * 512 + xdst + 32 * i], &x[xr_row * k + kx]);
+                        cp_async_16(
+                            &mut ring[wbase + u * sw + tt * 128 + c * 512 + xdst + 32 * i],
+                            &x[xr_row * k + kx],
+                        );
                     }
                 }
             }
@@ -462,13 +472,23 @@ pub fn w4a16_gemv(
                     // 2q + cc + 8c (0 where the token does not use it).
                     #[unroll]
                     for c in 0..nc {
-                        xrow[c] = prow[ei * cap + g + 8 * c];
+                        xrow[c] = u32::MAX;
+                        rwt[c * 2] = 0.0f32;
+                        rwt[c * 2 + 1] = 0.0f32;
+                    }
+                    for j in 0..topk {
                         #[unroll]
-                        for cc in 0..2 {
-                            let pr = prow[ei * cap + 8 * c + 2 * q + cc];
-                            rwt[c * 2 + cc] = 0.0f32;
-                            if pr != u32::MAX {
-                                rwt[c * 2 + cc] = route_w[pr];
+                        for c in 0..nc {
+                            let tk = g + 8 * c;
+                            if tk < m && ids_s[tk * topk + j] == e {
+                                xrow[c] = tk * topk + j;
+                            }
+                            #[unroll]
+                            for cc in 0..2 {
+                                let t2 = 8 * c + 2 * q + cc;
+                                if t2 < m && ids_s[t2 * topk + j] == e {
+                                    rwt[c * 2 + cc] = route_w[t2 * topk + j];
+                                }
                             }
                         }
                     }
@@ -551,10 +571,10 @@ pub fn w4a16_gemv(
                 } else {
                     0u32
                 };
-            if p.xr {
-                // Every lane has read this slot's x before any lane overwrites it.
-                sync_warp();
-            }
+                if p.xr {
+                    // Every lane has read this slot's x before any lane overwrites it.
+                    sync_warp();
+                }
                 cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
                 let row = grow + g;
                 let grp = kb * 4 + q;
@@ -585,7 +605,10 @@ pub fn w4a16_gemv(
                         }
                         let kx = kb * 128 + 8 * xs;
                         if it2 < hi && xr_row != u32::MAX && kx < k {
-                            cp_async_16(&mut ring[wbase + u * sw + tt * 128 + c * 512 + xdst + 32 * i], &x[xr_row * k + kx]);
+                            cp_async_16(
+                                &mut ring[wbase + u * sw + tt * 128 + c * 512 + xdst + 32 * i],
+                                &x[xr_row * k + kx],
+                            );
                         }
                     }
                 }
