@@ -479,8 +479,11 @@ impl MoeBench {
     }
 }
 
+/// Compiled MoE kernels and the (gate_up, down) pair they were made for.
+type MoePair<P> = (MoeKernels, (P, P));
+
 /// Every grouped (gate_up, down) pair, compiled.
-fn grouped_kernels(gpu: &Gpu) -> Result<Vec<(MoeKernels, (W4a16Params, W4a16Params))>, RuntimeError> {
+fn grouped_kernels(gpu: &Gpu) -> Result<Vec<MoePair<W4a16Params>>, RuntimeError> {
     moe_pairs()
         .into_iter()
         .map(|(u, d)| Ok((MoeKernels::new(gpu, &u, &d)?, (u, d))))
@@ -488,7 +491,7 @@ fn grouped_kernels(gpu: &Gpu) -> Result<Vec<(MoeKernels, (W4a16Params, W4a16Para
 }
 
 /// Every small-token (gate_up, down) pair, compiled (next to the default grouped pair).
-fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<(MoeKernels, (GemvW4Params, GemvW4Params))>, RuntimeError> {
+fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeError> {
     let (gu, gd) = pairs_default();
     check::gemv_moe_pairs()
         .into_iter()
@@ -502,7 +505,7 @@ fn best_grouped(
     mb: &MoeBench,
     s: &Arc<CudaStream>,
     reps: usize,
-    kernels: &[(MoeKernels, (W4a16Params, W4a16Params))],
+    kernels: &[MoePair<W4a16Params>],
     tokens: usize,
     routes: &Routes,
     x: &CudaSlice<bf16>,
