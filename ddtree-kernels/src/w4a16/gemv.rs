@@ -82,9 +82,11 @@ const W: GemvMode = GemvMode::Down;
 
 /// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
 /// with `chunks == 2` the one for up to 16 ([`default_params`]). The `xr` ones (x in the ring)
-/// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: more
-/// warps splitting k for the narrow shapes (a shorter chain per block), two m16 tiles per block
-/// for the wide ones (x amortized over 32 rows).
+/// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: 8-16
+/// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
+/// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
+/// ~96 KB of weights in flight per SM), and `Down` rings of at most 60 KB so the 448 row slabs
+/// of hidden 7168 fit in one wave of 3-4 blocks per SM.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(D, 4, 1, 8, 1, false),
     gv(D, 4, 1, 8, 2, false),
@@ -94,7 +96,7 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(D, 8, 1, 4, 1, true),
     gv(D, 16, 1, 2, 1, true),
     gv(D, 4, 2, 4, 1, true),
-    gv(D, 8, 1, 3, 2, true),
+    gv(D, 16, 1, 2, 2, true),
     gv(D, 4, 2, 4, 2, true),
     gv(G, 4, 1, 4, 1, false),
     gv(G, 4, 1, 4, 2, false),
@@ -108,8 +110,8 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(W, 8, 1, 4, 1, false),
     gv(W, 8, 1, 4, 2, false),
     gv(W, 4, 1, 6, 1, true),
-    gv(W, 8, 1, 4, 1, true),
-    gv(W, 4, 1, 4, 2, true),
+    gv(W, 4, 1, 4, 1, true),
+    gv(W, 4, 1, 3, 2, true),
 ];
 
 /// Tokens one variant takes: `8 chunks`.
