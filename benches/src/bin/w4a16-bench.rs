@@ -14,7 +14,13 @@
 //! Times are per call in a stream of back-to-back calls (as in a captured decode step), with
 //! the weights rotated over more than three times the L2 so every call reads them from DRAM.
 //!
-//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only]`. Exits non-zero if any check fails.
+//! `--gemv` runs only the small-token GEMV comparison: the GPU checks of every GEMV candidate
+//! (dense at ragged and Kimi sizes, MoE pairs on small and 48-expert blocks), then one table per
+//! candidate column: dense M = 1, 4, 16 on 7168->36864, 7168->2048, 2048->7168, 1536->12288
+//! (with the default GEMM for reference) and the MoE EP8 slice at T = 1..16 (grouped GEMM vs
+//! every GEMV pair), µs and % of copy bandwidth, the best per row in bold.
+//!
+//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--gemv]`. Exits non-zero if any check fails.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -30,7 +36,7 @@ use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::DeviceExperts;
 use ddtree_kernels::w4a16::{Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
 use ddtree_runtime::timing::median_us;
-use ddtree_runtime::{Gpu, RuntimeError};
+use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -50,6 +56,9 @@ struct Args {
     /// Only the MoE table (after the checks).
     #[arg(long)]
     moe_only: bool,
+    /// Only the small-token GEMV candidates: their checks, then every candidate per row.
+    #[arg(long)]
+    gemv: bool,
 }
 
 const L2_BYTES: usize = 60 << 20;
@@ -118,6 +127,103 @@ struct Timed {
     us: f64,
 }
 
+/// Packed weight plus scale bytes of an `[n, k]` g32 matrix.
+fn q_bytes(n: usize, k: usize) -> usize {
+    n * k / 2 + n * k / 32 * 2
+}
+
+/// One dense matrix in both layouts (checkpoint, interleaved) with its scale words.
+type DenseCopy = (CudaSlice<u32>, CudaSlice<u32>, CudaSlice<u32>);
+
+/// Enough copies of random `[n, k]` weights that one rotation exceeds L2 three times over.
+fn dense_weights(gpu: &Gpu, n: usize, k: usize, rng: &mut StdRng) -> Result<Vec<DenseCopy>, RuntimeError> {
+    (0..copies(q_bytes(n, k)))
+        .map(|_| {
+            let p = random_weights(rng, n, k, 1);
+            Ok((
+                device_weights(gpu, &p, Layout::Checkpoint)?,
+                device_weights(gpu, &p, Layout::Interleaved)?,
+                upload(gpu.stream(), &scale_words(&p.scales))?,
+            ))
+        })
+        .collect()
+}
+
+/// Times one dense W4A16 GEMM variant (`kern`: params, kernel, split-K reduce) at `[m, n, k]`
+/// with `splits`, rotating weights and activations.
+#[allow(clippy::too_many_arguments)]
+fn time_gemm(
+    s: &Arc<CudaStream>,
+    reps: usize,
+    kern: (
+        &W4a16Params,
+        &CompiledKernel<W4a16Gemm>,
+        Option<&CompiledKernel<W4a16Reduce>>,
+    ),
+    wts: &[DenseCopy],
+    acts: &[CudaSlice<bf16>],
+    scratch: &mut Scratch,
+    out: &mut CudaSlice<bf16>,
+    [m, n, k]: [usize; 3],
+    splits: u32,
+) -> Result<f64, RuntimeError> {
+    let (p, gk, red) = kern;
+    time_us(s, reps, |i| {
+        let (wc, wi, sc) = &wts[i % wts.len()];
+        let w = if p.layout == Layout::Interleaved { wi } else { wc };
+        let args = GemmArgs {
+            a: &acts[i % acts.len()],
+            w,
+            scales: sc,
+            residual: None,
+            routing: None,
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+        };
+        // SAFETY: shapes as documented; k is a multiple of the group.
+        unsafe { gemm::launch(gk, red, s, &args, scratch, out, splits) }
+    })
+}
+
+/// Times one dense [`W4a16Gemv`] variant at `[m, n, k]`, rotating weights and activations;
+/// `none` is any non-empty f32 buffer (the unused router weights).
+#[allow(clippy::too_many_arguments)]
+fn time_gemv(
+    s: &Arc<CudaStream>,
+    reps: usize,
+    gk: &CompiledKernel<W4a16Gemv>,
+    wts: &[DenseCopy],
+    acts: &[CudaSlice<bf16>],
+    none: &CudaSlice<f32>,
+    out: &mut CudaSlice<bf16>,
+    [m, n, k]: [usize; 3],
+) -> Result<f64, RuntimeError> {
+    let ids = upload(s, &[0u32])?;
+    time_us(s, reps, |i| {
+        let (_, wi, sc) = &wts[i % wts.len()];
+        // SAFETY: a [m <= 8 chunks, k], interleaved weights [n, k], out [m, n].
+        unsafe {
+            W4a16Gemv::launch(
+                gk,
+                s,
+                w4gemv::grid(gk.params(), n as u32, 1),
+                &acts[i % acts.len()],
+                wi,
+                sc,
+                &ids,
+                none,
+                out,
+                m as u32,
+                n as u32,
+                k as u32,
+                1,
+                1,
+            )
+        }
+    })
+}
+
 /// One dense shape: weights in both layouts, rotated; every candidate at every M.
 fn bench_shape(
     gpu: &Gpu,
@@ -129,17 +235,8 @@ fn bench_shape(
     rng: &mut StdRng,
 ) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let q_bytes = n * k / 2 + n * k / 32 * 2;
-    let nq = copies(q_bytes);
-    let mut wts = Vec::new();
-    for _ in 0..nq {
-        let p = random_weights(rng, n, k, 1);
-        wts.push((
-            device_weights(gpu, &p, Layout::Checkpoint)?,
-            device_weights(gpu, &p, Layout::Interleaved)?,
-            upload(s, &scale_words(&p.scales))?,
-        ));
-    }
+    let q_bytes = q_bytes(n, k);
+    let wts = dense_weights(gpu, n, k, rng)?;
     let nb = copies(n * k * 2);
     let bws: Vec<CudaSlice<bf16>> = (0..nb)
         .map(|_| random_bf16_dev(s, rng, n * k))
@@ -189,22 +286,17 @@ fn bench_shape(
                 vec![1]
             };
             for sp in splits {
-                let us = time_us(s, reps, |i| {
-                    let (wc, wi, sc) = &wts[i % nq];
-                    let w = if p.layout == Layout::Interleaved { wi } else { wc };
-                    let args = GemmArgs {
-                        a: &acts[i % na],
-                        w,
-                        scales: sc,
-                        residual: None,
-                        routing: None,
-                        m: m as u32,
-                        n: n as u32,
-                        k: k as u32,
-                    };
-                    // SAFETY: shapes as documented; k is a multiple of the group.
-                    unsafe { gemm::launch(gk, red.as_ref(), s, &args, &mut scratch, &mut out, sp) }
-                })?;
+                let us = time_gemm(
+                    s,
+                    reps,
+                    (p, gk, red.as_ref()),
+                    &wts,
+                    &acts,
+                    &mut scratch,
+                    &mut out,
+                    [m, n, k],
+                    sp,
+                )?;
                 if *p == dp && sp == dsplits {
                     default_us = us;
                 }
@@ -224,30 +316,7 @@ fn bench_shape(
             if (w4gemv::max_tokens(p) as usize) < m {
                 continue;
             }
-            let none = &scratch.part;
-            let ids = upload(s, &[0u32])?;
-            let us = time_us(s, reps, |i| {
-                let (_, wi, sc) = &wts[i % nq];
-                // SAFETY: a [m <= 8 chunks, k], interleaved weights [n, k], out [m, n].
-                unsafe {
-                    W4a16Gemv::launch(
-                        gk,
-                        s,
-                        w4gemv::grid(p, n as u32, 1),
-                        &acts[i % na],
-                        wi,
-                        sc,
-                        &ids,
-                        none,
-                        &mut out,
-                        m as u32,
-                        n as u32,
-                        k as u32,
-                        1,
-                        1,
-                    )
-                }
-            })?;
+            let us = time_gemv(s, reps, gk, &wts, &acts, &scratch.part, &mut out, [m, n, k])?;
             gv.push(Timed {
                 label: short_gemv(p),
                 us,
@@ -298,115 +367,186 @@ fn short(p: &W4a16Params) -> String {
     )
 }
 
-fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), RuntimeError> {
-    let s = gpu.stream();
-    let (experts, hidden, inter, topk) = (48usize, 7168usize, 2048usize, 8usize);
-    // One random expert repeated: the same traffic as distinct experts, far faster to make.
-    let one13 = random_weights(rng, 2 * inter, hidden, 1);
-    let one2 = random_weights(rng, hidden, inter, 1);
-    let rep = |p: &PackedInt4| PackedInt4 {
-        packed: p.packed.repeat(experts),
-        scales: p.scales.repeat(experts),
-        experts,
-        ..p.clone()
-    };
-    let (w13, w2) = (rep(&one13), rep(&one2));
-    let per_expert = w13.bytes_per_expert() + w2.bytes_per_expert();
-    let (s13, s2) = (
-        upload(s, &scale_words(&w13.scales))?,
-        upload(s, &scale_words(&w2.scales))?,
-    );
-    let mut layouts = Vec::new();
-    for l in [Layout::Interleaved, Layout::Checkpoint] {
-        layouts.push((l, device_weights(gpu, &w13, l)?, device_weights(gpu, &w2, l)?));
+/// The MoE bench data: a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8) in both
+/// layouts.
+struct MoeBench {
+    s13: CudaSlice<u32>,
+    s2: CudaSlice<u32>,
+    layouts: Vec<(Layout, CudaSlice<u32>, CudaSlice<u32>)>,
+    per_expert: usize,
+}
+
+const MOE_EXPERTS: usize = 48;
+const MOE_HIDDEN: usize = 7168;
+const MOE_INTER: usize = 2048;
+const MOE_TOPK: usize = 8;
+
+/// Random routings per token count (rotated), their device copies, and the mean experts touched.
+struct Routes {
+    sets: Vec<(CudaSlice<u32>, CudaSlice<f32>)>,
+    touched: f64,
+}
+
+impl MoeBench {
+    fn new(gpu: &Gpu, rng: &mut StdRng) -> Result<MoeBench, RuntimeError> {
+        let s = gpu.stream();
+        // One random expert repeated: the same traffic as distinct experts, far faster to make.
+        let one13 = random_weights(rng, 2 * MOE_INTER, MOE_HIDDEN, 1);
+        let one2 = random_weights(rng, MOE_HIDDEN, MOE_INTER, 1);
+        let rep = |p: &PackedInt4| PackedInt4 {
+            packed: p.packed.repeat(MOE_EXPERTS),
+            scales: p.scales.repeat(MOE_EXPERTS),
+            experts: MOE_EXPERTS,
+            ..p.clone()
+        };
+        let (w13, w2) = (rep(&one13), rep(&one2));
+        let mut layouts = Vec::new();
+        for l in [Layout::Interleaved, Layout::Checkpoint] {
+            layouts.push((l, device_weights(gpu, &w13, l)?, device_weights(gpu, &w2, l)?));
+        }
+        Ok(MoeBench {
+            s13: upload(s, &scale_words(&w13.scales))?,
+            s2: upload(s, &scale_words(&w2.scales))?,
+            layouts,
+            per_expert: w13.bytes_per_expert() + w2.bytes_per_expert(),
+        })
     }
-    println!("\nMoE W4A16, Kimi K2.6 EP8 slice: {experts} local experts, hidden {hidden}, inter {inter}, top-{topk} routed among the local experts; {:.1} MB per expert", per_expert as f64 / 1e6);
-    println!("| T | touched experts | touched MB | grouped µs | GB/s | % of copy | best grouped pair | gemv µs | GB/s | % of copy | best gemv pair |");
-    println!("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|");
-    let gemv_pairs = check::gemv_moe_pairs();
-    let gemv_kernels: Vec<MoeKernels> = gemv_pairs
-        .iter()
-        .map(|(u, d)| MoeKernels::new(gpu, &pairs_default().0, &pairs_default().1)?.with_gemv(gpu, Some((u, d))))
-        .collect::<Result<_, _>>()?;
-    let pairs = moe_pairs();
-    let kernels: Vec<MoeKernels> = pairs
-        .iter()
-        .map(|(u, d)| MoeKernels::new(gpu, u, d))
-        .collect::<Result<_, _>>()?;
-    for tokens in [1usize, 2, 4, 8, 16, 32, 64] {
-        let sets = 8;
-        let mut routes = Vec::new();
+
+    /// The experts in `layout`.
+    fn experts(&self, layout: Layout) -> DeviceExperts<'_> {
+        let (_, w13, w2) = self
+            .layouts
+            .iter()
+            .find(|(l, ..)| *l == layout)
+            .expect("both layouts made");
+        DeviceExperts {
+            w13,
+            s13: &self.s13,
+            w2,
+            s2: &self.s2,
+            experts: MOE_EXPERTS as u32,
+            hidden: MOE_HIDDEN as u32,
+            inter: MOE_INTER as u32,
+        }
+    }
+
+    /// Eight random routings of `tokens` tokens.
+    fn routes(&self, s: &Arc<CudaStream>, tokens: usize, rng: &mut StdRng) -> Result<Routes, RuntimeError> {
+        let mut sets = Vec::new();
         let mut touched = 0usize;
-        for _ in 0..sets {
-            let (ids, w) = random_routing(rng, tokens, topk, experts);
+        for _ in 0..8 {
+            let (ids, w) = random_routing(rng, tokens, MOE_TOPK, MOE_EXPERTS);
             let mut t: Vec<u32> = ids.clone();
             t.sort_unstable();
             t.dedup();
             touched += t.len();
-            routes.push((upload(s, &ids)?, upload(s, &w)?));
+            sets.push((upload(s, &ids)?, upload(s, &w)?));
         }
-        let x = random_bf16_dev(s, rng, tokens * hidden)?;
-        let mut out = s
-            .alloc_zeros::<bf16>(tokens * hidden)
-            .map_err(RuntimeError::driver("allocating"))?;
-        let mut best: Option<(f64, String)> = None;
-        for (kern, (up, down)) in kernels.iter().zip(&pairs) {
-            let (_, d13, d2) = layouts
-                .iter()
-                .find(|(l, ..)| *l == up.layout)
-                .expect("both layouts made");
-            let ex = DeviceExperts {
-                w13: d13,
-                s13: &s13,
-                w2: d2,
-                s2: &s2,
-                experts: experts as u32,
-                hidden: hidden as u32,
-                inter: inter as u32,
-            };
-            let mut bufs = kern.buffers(s, tokens, topk, &ex)?;
-            let us = time_us(s, reps, |i| {
-                let (ids, w) = &routes[i % sets];
-                // SAFETY: shapes as documented; weights in the pair's layout.
-                unsafe { kern.run_grouped(s, &ex, &x, ids, w, &mut out, &mut bufs, tokens as u32, topk as u32) }
-            })?;
-            let label = format!("{} / {}", short(up), short(down));
-            if best.as_ref().is_none_or(|(b, _)| us < *b) {
-                best = Some((us, label));
+        Ok(Routes {
+            touched: touched as f64 / sets.len() as f64,
+            sets,
+        })
+    }
+
+    /// Times `kern` on `tokens` tokens: its small-token path when `gemv`, else the grouped one.
+    #[allow(clippy::too_many_arguments)]
+    fn time(
+        &self,
+        s: &Arc<CudaStream>,
+        reps: usize,
+        kern: &MoeKernels,
+        layout: Layout,
+        gemv: bool,
+        tokens: usize,
+        routes: &Routes,
+        x: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<f64, RuntimeError> {
+        let ex = self.experts(layout);
+        let mut bufs = kern.buffers(s, tokens, MOE_TOPK, &ex)?;
+        let (t, k) = (tokens as u32, MOE_TOPK as u32);
+        time_us(s, reps, |i| {
+            let (ids, w) = &routes.sets[i % routes.sets.len()];
+            // SAFETY: shapes as documented; weights in the kernels' layout.
+            unsafe {
+                if gemv {
+                    kern.run_gemv(s, &ex, x, ids, w, out, &mut bufs, t, k)
+                } else {
+                    kern.run_grouped(s, &ex, x, ids, w, out, &mut bufs, t, k)
+                }
             }
+        })
+    }
+}
+
+/// Compiled MoE kernels and the (gate_up, down) pair they were made for.
+type MoePair<P> = (MoeKernels, (P, P));
+
+/// Every grouped (gate_up, down) pair, compiled.
+fn grouped_kernels(gpu: &Gpu) -> Result<Vec<MoePair<W4a16Params>>, RuntimeError> {
+    moe_pairs()
+        .into_iter()
+        .map(|(u, d)| Ok((MoeKernels::new(gpu, &u, &d)?, (u, d))))
+        .collect()
+}
+
+/// Every small-token (gate_up, down) pair, compiled (next to the default grouped pair).
+fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeError> {
+    let (gu, gd) = pairs_default();
+    check::gemv_moe_pairs()
+        .into_iter()
+        .map(|(u, d)| Ok((MoeKernels::new(gpu, &gu, &gd)?.with_gemv(gpu, Some((&u, &d)))?, (u, d))))
+        .collect()
+}
+
+/// The fastest grouped pair at `tokens`: µs and label.
+#[allow(clippy::too_many_arguments)]
+fn best_grouped(
+    mb: &MoeBench,
+    s: &Arc<CudaStream>,
+    reps: usize,
+    kernels: &[MoePair<W4a16Params>],
+    tokens: usize,
+    routes: &Routes,
+    x: &CudaSlice<bf16>,
+    out: &mut CudaSlice<bf16>,
+) -> Result<(f64, String), RuntimeError> {
+    let mut best: Option<(f64, String)> = None;
+    for (kern, (up, down)) in kernels {
+        let us = mb.time(s, reps, kern, up.layout, false, tokens, routes, x, out)?;
+        if best.as_ref().is_none_or(|(b, _)| us < *b) {
+            best = Some((us, format!("{} / {}", short(up), short(down))));
         }
-        let (us, label) = best.expect("at least one pair");
-        let (_, d13, d2) = layouts
-            .iter()
-            .find(|(l, ..)| *l == Layout::Interleaved)
-            .expect("both layouts made");
-        let ex = DeviceExperts {
-            w13: d13,
-            s13: &s13,
-            w2: d2,
-            s2: &s2,
-            experts: experts as u32,
-            hidden: hidden as u32,
-            inter: inter as u32,
-        };
+    }
+    Ok(best.expect("at least one grouped pair"))
+}
+
+fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let mb = MoeBench::new(gpu, rng)?;
+    println!("\nMoE W4A16, Kimi K2.6 EP8 slice: {MOE_EXPERTS} local experts, hidden {MOE_HIDDEN}, inter {MOE_INTER}, top-{MOE_TOPK} routed among the local experts; {:.1} MB per expert", mb.per_expert as f64 / 1e6);
+    println!("| T | touched experts | touched MB | grouped µs | GB/s | % of copy | best grouped pair | gemv µs | GB/s | % of copy | best gemv pair |");
+    println!("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|");
+    let gemv_kernels = gemv_moe_kernels(gpu)?;
+    let kernels = grouped_kernels(gpu)?;
+    for tokens in [1usize, 2, 4, 8, 16, 32, 64] {
+        let routes = mb.routes(s, tokens, rng)?;
+        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let (us, label) = best_grouped(&mb, s, reps, &kernels, tokens, &routes, &x, &mut out)?;
         let mut gbest: Option<(f64, String)> = None;
-        for (kern, (up, down)) in gemv_kernels.iter().zip(&gemv_pairs) {
-            if !kern.uses_gemv(tokens as u32, topk as u32) {
+        for (kern, (up, down)) in &gemv_kernels {
+            if !kern.uses_gemv(tokens as u32, MOE_TOPK as u32) {
                 continue;
             }
-            let mut bufs = kern.buffers(s, tokens, topk, &ex)?;
-            let us = time_us(s, reps, |i| {
-                let (ids, w) = &routes[i % sets];
-                // SAFETY: shapes as documented; interleaved g32 weights.
-                unsafe { kern.run_gemv(s, &ex, &x, ids, w, &mut out, &mut bufs, tokens as u32, topk as u32) }
-            })?;
-            let label = format!("{} / {}", short_gemv(up), short_gemv(down));
+            let us = mb.time(s, reps, kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?;
             if gbest.as_ref().is_none_or(|(b, _)| us < *b) {
-                gbest = Some((us, label));
+                gbest = Some((us, format!("{} / {}", short_gemv(up), short_gemv(down))));
             }
         }
-        let avg_touched = touched as f64 / sets as f64;
-        let bytes = avg_touched * per_expert as f64;
+        let bytes = routes.touched * mb.per_expert as f64;
         let gbs = bytes / (us * 1e-6) / 1e9;
         let gemv_col = match gbest {
             Some((gus, gl)) => {
@@ -416,10 +556,123 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
             None => "- | - | - | (grouped path)".into(),
         };
         println!(
-            "| {tokens} | {avg_touched:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} | {gemv_col} |",
+            "| {tokens} | {:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} | {gemv_col} |",
+            routes.touched,
             bytes / 1e6,
             100.0 * gbs / bw
         );
+    }
+    Ok(())
+}
+
+/// `us` as "µs (% of copy)" for `bytes` moved, bold when it is `best`.
+fn cell(us: Option<f64>, bytes: f64, bw: f64, best: f64) -> String {
+    match us {
+        None => "-".into(),
+        Some(us) => {
+            let c = format!("{us:.1} ({:.0}%)", 100.0 * bytes / (us * 1e-6) / 1e9 / bw);
+            if us == best {
+                format!("**{c}**")
+            } else {
+                c
+            }
+        }
+    }
+}
+
+/// A table row's cells, the fastest in bold.
+fn cells(times: &[Option<f64>], bytes: f64, bw: f64) -> String {
+    let best = times.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    times
+        .iter()
+        .map(|t| cell(*t, bytes, bw, best))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// `--gemv`: every dense GEMV candidate (and the default GEMM) at M = 1, 4, 16 on the decode
+/// shapes, then every GEMV pair (and the best grouped pair) on the MoE slice at T = 1..16.
+fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let dense: Vec<(GemvW4Params, CompiledKernel<W4a16Gemv>)> = GEMV_SPACE
+        .iter()
+        .filter(|p| p.mode == GemvMode::Dense)
+        .map(|p| Ok((*p, gpu.compile::<W4a16Gemv>(p)?)))
+        .collect::<Result<_, RuntimeError>>()?;
+    println!("\nDense GEMV candidates, µs (% of copy bandwidth; bytes = packed weights + scales + x + out); GEMM = default_dense's pick and splits");
+    let heads: Vec<String> = dense.iter().map(|(p, _)| short_gemv(p)).collect();
+    println!("| K->N | M | GEMM | {} |", heads.join(" | "));
+    println!("|---|---:|{}", "---:|".repeat(heads.len() + 1));
+    for (k, n) in [(7168, 36864), (7168, 2048), (2048, 7168), (1536, 12288)] {
+        let wts = dense_weights(gpu, n, k, rng)?;
+        for m in [1usize, 4, 16] {
+            let acts: Vec<CudaSlice<bf16>> = (0..4)
+                .map(|_| random_bf16_dev(s, rng, m * k))
+                .collect::<Result<_, _>>()?;
+            let mut out = s
+                .alloc_zeros::<bf16>(m * n)
+                .map_err(RuntimeError::driver("allocating"))?;
+            let mut scratch = Scratch::new(s, 8 * m * n)?;
+            let (dp, splits) = default_dense(m as u32, n as u32, k as u32);
+            let gk = gpu.compile::<W4a16Gemm>(&dp)?;
+            let red = if dp.splitk {
+                Some(gpu.compile::<W4a16Reduce>(&ReduceParams {
+                    block: 256,
+                    epilogue: dp.epilogue,
+                })?)
+            } else {
+                None
+            };
+            let mut times = vec![Some(time_gemm(
+                s,
+                reps,
+                (&dp, &gk, red.as_ref()),
+                &wts,
+                &acts,
+                &mut scratch,
+                &mut out,
+                [m, n, k],
+                splits,
+            )?)];
+            for (p, gk) in &dense {
+                times.push(if (w4gemv::max_tokens(p) as usize) < m {
+                    None
+                } else {
+                    Some(time_gemv(s, reps, gk, &wts, &acts, &scratch.part, &mut out, [m, n, k])?)
+                });
+            }
+            let bytes = (q_bytes(n, k) + 2 * m * k + 2 * m * n) as f64;
+            println!("| {k}->{n} | {m} | {} |", cells(&times, bytes, bw));
+        }
+    }
+    let mb = MoeBench::new(gpu, rng)?;
+    let gemv_kernels = gemv_moe_kernels(gpu)?;
+    let kernels = grouped_kernels(gpu)?;
+    println!("\nMoE GEMV pairs on the Kimi K2.6 EP8 slice ({MOE_EXPERTS} experts, {MOE_HIDDEN} / {MOE_INTER}, top-{MOE_TOPK}), µs (% of copy bandwidth over the touched experts' bytes); grouped = the best grouped GEMM pair (align + 2 GEMMs + sum)");
+    let heads: Vec<String> = gemv_kernels
+        .iter()
+        .map(|(_, (u, d))| format!("{} / {}", short_gemv(u), short_gemv(d)))
+        .collect();
+    println!("| T | touched MB | grouped | {} |", heads.join(" | "));
+    println!("|---:|---:|---:|{}", "---:|".repeat(heads.len()));
+    for tokens in [1usize, 2, 4, 8, 16] {
+        let routes = mb.routes(s, tokens, rng)?;
+        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let (gus, _) = best_grouped(&mb, s, reps, &kernels, tokens, &routes, &x, &mut out)?;
+        let mut times = vec![Some(gus)];
+        for (kern, (up, down)) in &gemv_kernels {
+            let takes = w4gemv::max_tokens(up).min(w4gemv::max_tokens(down)) as usize >= tokens;
+            times.push(if takes {
+                Some(mb.time(s, reps, kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?)
+            } else {
+                None
+            });
+        }
+        let bytes = routes.touched * mb.per_expert as f64;
+        println!("| {tokens} | {:.0} | {} |", bytes / 1e6, cells(&times, bytes, bw));
     }
     Ok(())
 }
@@ -444,8 +697,18 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     let mut all_passed = true;
     if !args.skip_checks {
         let mut rng = StdRng::seed_from_u64(seed);
-        let mut results = check::suite(&Target::Gpu(&gpu), Sizes::Full, &mut rng)?;
-        results.extend(check::gemv_suite(&Target::Gpu(&gpu), Sizes::Full, &mut rng)?);
+        let t = Target::Gpu(&gpu);
+        let results = if args.gemv {
+            // Every GEMV candidate; the Kimi-sized MoE checks (a slow CPU reference) are left
+            // to the full run.
+            let mut r = check::gemv_dense_suite(&t, Sizes::Full, &mut rng)?;
+            r.extend(check::gemv_moe_suite(&t, Sizes::Full, false, &mut rng)?);
+            r
+        } else {
+            let mut r = check::suite(&t, Sizes::Full, &mut rng)?;
+            r.extend(check::gemv_suite(&t, Sizes::Full, &mut rng)?);
+            r
+        };
         for r in results.iter().filter(|r| !r.passed) {
             println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
         }
@@ -459,6 +722,10 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     }
     let bw = ddtree_benches::copy_bandwidth(&gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
+    if args.gemv {
+        bench_gemv(&gpu, bw, args.reps, &mut StdRng::seed_from_u64(seed ^ 0x5eed))?;
+        return Ok(all_passed);
+    }
     println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");
     println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits | GEMV µs | GEMV % of copy | best GEMV |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|");

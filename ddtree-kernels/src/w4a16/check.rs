@@ -602,21 +602,22 @@ pub fn gemv_moe(
 }
 
 /// (gate_up, down) pairs of [`W4a16Gemv`] variants covering every MoE candidate: each gate_up
-/// one with a down one of the same `chunks`, and each down one likewise.
+/// one with the first down one of the same `chunks` and `xr`, and each down one likewise.
 pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
     let of = |mode| GEMV_SPACE.iter().filter(move |p| p.mode == mode);
+    let like = |a: &GemvW4Params, b: &GemvW4Params| a.chunks == b.chunks && a.xr == b.xr;
     let mut out = Vec::new();
     for up in of(GemvMode::GateUp) {
         let d = of(GemvMode::Down)
-            .find(|d| d.chunks == up.chunks)
-            .expect("a down variant per chunks");
+            .find(|d| like(d, up))
+            .expect("a down variant per chunks and xr");
         out.push((*up, *d));
     }
     for d in of(GemvMode::Down) {
         if !out.iter().any(|(_, x)| x == d) {
             let up = of(GemvMode::GateUp)
-                .find(|u| u.chunks == d.chunks)
-                .expect("a gate_up variant per chunks");
+                .find(|u| like(u, d))
+                .expect("a gate_up variant per chunks and xr");
             out.push((*up, *d));
         }
     }
@@ -626,6 +627,14 @@ pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
 /// Every [`W4a16Gemv`] candidate: dense ones at ragged sizes with 1 and the most rows they take,
 /// routed pairs on small MoE blocks (and, with [`Sizes::Full`], Kimi-sized ones).
 pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = gemv_dense_suite(t, sizes, rng)?;
+    out.extend(gemv_moe_suite(t, sizes, sizes == Sizes::Full, rng)?);
+    Ok(out)
+}
+
+/// Every dense [`W4a16Gemv`] candidate at ragged sizes with 1 and the most rows it takes (and,
+/// with [`Sizes::Full`], Kimi-sized ones).
+pub fn gemv_dense_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let full = sizes == Sizes::Full;
     let mut out = Vec::new();
     for p in GEMV_SPACE.iter().filter(|p| p.mode == GemvMode::Dense) {
@@ -643,16 +652,27 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
             out.push(gemv_dense(t, p, m, n, k, rng)?);
         }
     }
+    Ok(out)
+}
+
+/// Every (gate_up, down) pair of [`gemv_moe_pairs`] on small MoE blocks; with [`Sizes::Full`]
+/// also on wider ones (48 experts, top-8), and with `kimi` on the Kimi K2.6 EP8 slice (slow on
+/// the CPU side: the reference dequantizes every expert).
+pub fn gemv_moe_suite(
+    t: &Target<'_>,
+    sizes: Sizes,
+    kimi: bool,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
     for (up, down) in gemv_moe_pairs() {
         let tmax = gemv::max_tokens(&up) as usize;
         let mut cases = vec![(1, 3, 128, 32, 2), (tmax.min(5), 4, 160, 96, 3), (tmax, 3, 256, 32, 4)];
-        if full {
-            cases = vec![
-                (1, 6, 256, 64, 2),
-                (tmax, 9, 288, 128, 4),
-                (1, 48, 7168, 2048, 8),
-                (tmax, 48, 7168, 2048, 8),
-            ];
+        if sizes == Sizes::Full {
+            cases = vec![(1, 6, 256, 64, 2), (tmax, 9, 288, 128, 4), (tmax, 48, 512, 128, 8)];
+        }
+        if kimi {
+            cases.extend([(1, 48, 7168, 2048, 8), (tmax, 48, 7168, 2048, 8)]);
         }
         for (tk, e, h, i, topk) in cases {
             out.push(gemv_moe(t, &up, &down, tk, e, h, i, topk, rng)?);

@@ -59,15 +59,20 @@ pub struct GemvW4Params {
     /// n8 token chunks: tokens (dense rows, pairs of one expert, or `Down` tokens) per launch
     /// are at most `8 chunks`.
     pub chunks: u32,
+    /// The activations ride the ring: each k step's `[8 chunks, 128]` x slice is `cp.async`ed
+    /// with its weights, `stages` steps ahead, instead of loaded from global memory right before
+    /// its mma (an exposed L2 round trip per k step).
+    pub xr: bool,
 }
 
-const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32) -> GemvW4Params {
+const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: bool) -> GemvW4Params {
     GemvW4Params {
         mode,
         warps,
         mt,
         stages,
         chunks,
+        xr,
     }
 }
 
@@ -76,21 +81,37 @@ const G: GemvMode = GemvMode::GateUp;
 const W: GemvMode = GemvMode::Down;
 
 /// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
-/// with `chunks == 2` the one for up to 16 ([`default_params`]).
+/// with `chunks == 2` the one for up to 16 ([`default_params`]). The `xr` ones (x in the ring)
+/// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: 8-16
+/// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
+/// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
+/// ~96 KB of weights in flight per SM), and `Down` rings of at most 60 KB so the 448 row slabs
+/// of hidden 7168 fit in one wave of 3-4 blocks per SM.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
-    gv(D, 4, 1, 8, 1),
-    gv(D, 4, 1, 8, 2),
-    gv(D, 8, 1, 4, 1),
-    gv(D, 4, 2, 4, 1),
-    gv(D, 8, 1, 4, 2),
-    gv(G, 4, 1, 4, 1),
-    gv(G, 4, 1, 4, 2),
-    gv(G, 8, 1, 2, 1),
-    gv(G, 2, 1, 8, 1),
-    gv(W, 4, 1, 8, 1),
-    gv(W, 4, 1, 8, 2),
-    gv(W, 8, 1, 4, 1),
-    gv(W, 8, 1, 4, 2),
+    gv(D, 4, 1, 8, 1, false),
+    gv(D, 4, 1, 8, 2, false),
+    gv(D, 8, 1, 4, 1, false),
+    gv(D, 4, 2, 4, 1, false),
+    gv(D, 8, 1, 4, 2, false),
+    gv(D, 8, 1, 4, 1, true),
+    gv(D, 16, 1, 2, 1, true),
+    gv(D, 4, 2, 4, 1, true),
+    gv(D, 16, 1, 2, 2, true),
+    gv(D, 4, 2, 4, 2, true),
+    gv(G, 4, 1, 4, 1, false),
+    gv(G, 4, 1, 4, 2, false),
+    gv(G, 8, 1, 2, 1, false),
+    gv(G, 2, 1, 8, 1, false),
+    gv(G, 4, 1, 4, 1, true),
+    gv(G, 8, 1, 2, 1, true),
+    gv(G, 4, 1, 3, 2, true),
+    gv(W, 4, 1, 8, 1, false),
+    gv(W, 4, 1, 8, 2, false),
+    gv(W, 8, 1, 4, 1, false),
+    gv(W, 8, 1, 4, 2, false),
+    gv(W, 4, 1, 6, 1, true),
+    gv(W, 4, 1, 4, 1, true),
+    gv(W, 4, 1, 3, 2, true),
 ];
 
 /// Tokens one variant takes: `8 chunks`.
@@ -120,10 +141,22 @@ pub fn grid(p: &GemvW4Params, n: u32, pairs: u32) -> (u32, u32, u32) {
     (rows.div_ceil(rows_per_block(p)).max(1), y, 1)
 }
 
-/// Shared-memory bytes of a variant's ring.
-pub fn ring_bytes(p: &GemvW4Params) -> u32 {
-    let tiles = if p.mode == GemvMode::GateUp { 4 * p.mt } else { 2 * p.mt };
-    p.warps * p.stages * tiles * 512
+impl GemvW4Params {
+    /// Words of one k step in a warp's ring: the 8-row weight tiles (512 bytes each), then
+    /// with `xr` the `[8 chunks, 128]` bf16 x slice.
+    pub const fn stage_words(&self) -> u32 {
+        let tiles = if matches!(self.mode, GemvMode::GateUp) {
+            4 * self.mt
+        } else {
+            2 * self.mt
+        };
+        tiles * 128 + if self.xr { 512 * self.chunks } else { 0 }
+    }
+
+    /// Dynamic shared-memory bytes of the ring (every warp's `stages` k steps).
+    pub const fn ring_bytes(&self) -> u32 {
+        self.warps * self.stages * self.stage_words() * 4
+    }
 }
 
 /// `x` bf16 activations (`Dense`: `[m, k]`; `GateUp`: tokens `[T, k]`; `Down`: `act`
@@ -136,7 +169,7 @@ pub fn ring_bytes(p: &GemvW4Params) -> u32 {
 /// `(n / 2) % 8 == 0`, at most `8 chunks` tokens (`Dense`, `Down`) or pairs per expert
 /// (`GateUp`), and `Down` at most [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty
 /// buffer. Grid: [`grid`].
-#[kernel(block = p.warps * 32, space = GEMV_SPACE.to_vec())]
+#[kernel(block = p.warps * 32, dyn_smem = p.ring_bytes(), space = GEMV_SPACE.to_vec())]
 pub fn w4a16_gemv(
     #[comptime] p: &GemvW4Params,
     x: &[bf16],
@@ -156,10 +189,10 @@ pub fn w4a16_gemv(
     comptime_assert!(p.stages >= 1 && p.stages <= 8, "stages must be 1..=8");
     comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
     comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
-    let rb = comptime!(ring_bytes(p));
+    let rb = comptime!(p.ring_bytes());
     comptime_assert!(
-        rb + 2048 <= 49152,
-        "the ring must fit in 48 KiB of static shared memory"
+        rb <= 200 * 1024,
+        "the ring must fit in 200 KiB of dynamic shared memory"
     );
     let down = p.mode == GemvMode::Down;
     let gu = p.mode == GemvMode::GateUp;
@@ -181,7 +214,9 @@ pub fn w4a16_gemv(
     let rows = if gu { n / 2 } else { n };
     let r0 = block_idx_x() * 16 * p.mt;
     let wstride = (n + 7u32) / 8u32 * kbs * 128u32;
-    let ring = shared::<u32>(nw * ns * tt * 128);
+    // Per warp `stages` steps of `sw` words: tiles at `t * 128`, then (xr) x at `tt * 128`.
+    let sw = comptime!(p.stage_words());
+    let ring = dyn_shared::<u32>();
     let dn = comptime!(if p.mode == GemvMode::Down { MAX_PAIRS } else { 1 });
     let ln = comptime!(if p.mode == GemvMode::Down {
         MAX_PAIRS
@@ -193,6 +228,15 @@ pub fn w4a16_gemv(
     let flag_s = shared::<u32>(dn);
     let list = shared::<u32>(ln);
     let count_s = shared::<u32>(1);
+    // Down with xr: act row (pair) of token `t` for the `ei`-th expert at `ei * cap + t`
+    // (u32::MAX = none), for the lanes that copy other tokens' x slices. (The flush below finds
+    // a lane's own rows and router weights in registers: fewer registers in the main loop.)
+    let pn = comptime!(if p.mode == GemvMode::Down && p.xr {
+        MAX_PAIRS * 8 * p.chunks
+    } else {
+        1
+    });
+    let prow = shared::<u32>(pn);
 
     // The x row of this lane's B column (`g + 8 c`) per chunk (u32::MAX = none).
     let mut xrow = [0u32; nc];
@@ -299,6 +343,22 @@ pub fn w4a16_gemv(
         sync_threads();
         ne = count_s[0];
     }
+    if down && p.xr {
+        for idx in (tid..ne * cap).step_by(nw * 32) {
+            let e = list[idx / cap];
+            let t = idx % cap;
+            let mut r = u32::MAX;
+            if t < m {
+                for j in 0..topk {
+                    if ids_s[t * topk + j] == e {
+                        r = t * topk + j;
+                    }
+                }
+            }
+            prow[idx] = r;
+        }
+        sync_threads();
+    }
 
     // This warp's contiguous share of the block's (expert, k step) items.
     let total = ne * kbs;
@@ -306,7 +366,13 @@ pub fn w4a16_gemv(
     let lo = (wid * per).min(total);
     let hi = (lo + per).min(total);
     let cnt = hi - lo;
-    let rbase = (wid * ns) * tt * 128 + lane * 4;
+    let wbase = wid * ns * sw;
+    let rbase = wbase + lane * 4;
+    // x copies (xr): lane copies 16 bytes (8 k) `s` of token slots `lane / 16 + 2 i` per chunk,
+    // stored as `[j][g][q]` 16-byte cells (k = 32 q + 8 j of token g) so each mma's B reads are
+    // one conflict-free 512-byte row of the ring.
+    let xs = lane % 16;
+    let xdst = ((xs % 4) * 32 + lane / 16 * 4 + xs / 4) * 4;
 
     let mut acc = [[0.0f32; 4]; mtt * nc];
     let mut oacc = [[0.0f32; 4]; on];
@@ -337,7 +403,7 @@ pub fn w4a16_gemv(
             } else {
                 0u32
             };
-            cp_async_16_zfill(&mut ring[rbase + (u * tt + t) * 128], &w[src], ok);
+            cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
             let row = grow + g;
             let grp = kb * 4 + q;
             sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
@@ -346,6 +412,35 @@ pub fn w4a16_gemv(
                 0u32
             };
         }
+        if p.xr {
+            #[unroll]
+            for c in 0..nc {
+                #[unroll]
+                for i in 0..4 {
+                    let tok = lane / 16 + 2 * i + 8 * c;
+                    let mut xr_row = u32::MAX;
+                    if down {
+                        if it < hi {
+                            xr_row = prow[ei * cap + tok];
+                        }
+                    } else if gu {
+                        let pr = list[tok];
+                        if pr != u32::MAX {
+                            xr_row = pr / topk;
+                        }
+                    } else if tok < m {
+                        xr_row = tok;
+                    }
+                    let kx = kb * 128 + 8 * xs;
+                    if it < hi && xr_row != u32::MAX && kx < k {
+                        cp_async_16(
+                            &mut ring[wbase + u * sw + tt * 128 + c * 512 + xdst + 32 * i],
+                            &x[xr_row * k + kx],
+                        );
+                    }
+                }
+            }
+        }
         cp_async_commit();
     }
     for rr in 0..(cnt + ns - 1) / ns {
@@ -353,6 +448,10 @@ pub fn w4a16_gemv(
         for u in 0..ns {
             let it = lo + rr * ns + u;
             cp_async_wait(ns - 1);
+            if p.xr {
+                // The x slice of this slot was copied by other lanes.
+                sync_warp();
+            }
             if it < hi {
                 let ei = it / kbs;
                 let kb = it % kbs;
@@ -398,7 +497,7 @@ pub fn w4a16_gemv(
                 }
                 #[unroll]
                 for t in 0..tt {
-                    let v = ring.vload(rbase + (u * tt + t) * 128);
+                    let v = ring.vload(rbase + u * sw + t * 128);
                     wv[t][0] = v.x;
                     wv[t][1] = v.y;
                     wv[t][2] = v.z;
@@ -410,11 +509,25 @@ pub fn w4a16_gemv(
                     #[unroll]
                     for c in 0..nc {
                         let ok = kq < k && xrow[c] != u32::MAX;
-                        let v = x.vload(if ok { xrow[c] * k + kq + 8 * j } else { 0u32 });
-                        xv[c][0] = if ok { v.x } else { 0u32 };
-                        xv[c][1] = if ok { v.y } else { 0u32 };
-                        xv[c][2] = if ok { v.z } else { 0u32 };
-                        xv[c][3] = if ok { v.w } else { 0u32 };
+                        if p.xr {
+                            #[unroll]
+                            for r in 0..4 {
+                                xv[c][r] = 0u32;
+                            }
+                            if ok {
+                                let v = ring.vload(rbase + u * sw + tt * 128 + c * 512 + j * 128);
+                                xv[c][0] = v.x;
+                                xv[c][1] = v.y;
+                                xv[c][2] = v.z;
+                                xv[c][3] = v.w;
+                            }
+                        } else {
+                            let v = x.vload(if ok { xrow[c] * k + kq + 8 * j } else { 0u32 });
+                            xv[c][0] = if ok { v.x } else { 0u32 };
+                            xv[c][1] = if ok { v.y } else { 0u32 };
+                            xv[c][2] = if ok { v.z } else { 0u32 };
+                            xv[c][3] = if ok { v.w } else { 0u32 };
+                        }
                     }
                     #[unroll]
                     for i in 0..mtt {
@@ -460,7 +573,11 @@ pub fn w4a16_gemv(
                 } else {
                     0u32
                 };
-                cp_async_16_zfill(&mut ring[rbase + (u * tt + t) * 128], &w[src], ok);
+                if p.xr {
+                    // Every lane has read this slot's x before any lane overwrites it.
+                    sync_warp();
+                }
+                cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
                 let row = grow + g;
                 let grp = kb * 4 + q;
                 sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
@@ -468,6 +585,35 @@ pub fn w4a16_gemv(
                 } else {
                     0u32
                 };
+            }
+            if p.xr {
+                #[unroll]
+                for c in 0..nc {
+                    #[unroll]
+                    for i in 0..4 {
+                        let tok = lane / 16 + 2 * i + 8 * c;
+                        let mut xr_row = u32::MAX;
+                        if down {
+                            if it2 < hi {
+                                xr_row = prow[ei * cap + tok];
+                            }
+                        } else if gu {
+                            let pr = list[tok];
+                            if pr != u32::MAX {
+                                xr_row = pr / topk;
+                            }
+                        } else if tok < m {
+                            xr_row = tok;
+                        }
+                        let kx = kb * 128 + 8 * xs;
+                        if it2 < hi && xr_row != u32::MAX && kx < k {
+                            cp_async_16(
+                                &mut ring[wbase + u * sw + tt * 128 + c * 512 + xdst + 32 * i],
+                                &x[xr_row * k + kx],
+                            );
+                        }
+                    }
+                }
             }
             cp_async_commit();
         }
