@@ -14,10 +14,14 @@
 //! read from DRAM once per split for up to 64 rows. Tensor cores (`mma.sync` m16n8k16 bf16,
 //! operands through `ldmatrix`): per row group of 16 rows, four warps split the 576-dim score
 //! reduction (summed through shared memory in a fixed order, so they agree), and each then owns
-//! 128 of the 512 output columns for `P V`; online softmax in f32. [`MlaVerifyCombine`] merges
-//! the split partials by their log-sum-exp.
+//! 128 of the 512 output columns for `P V`; online softmax in f32. [`MlaVerifyWide`]: the same
+//! split pass with each warp doing the whole 576-dim score reduction for its 16 rows and part of
+//! the tile's keys, the probabilities passed through a bf16 tile in shared memory, and each warp
+//! owning 64 output columns of every row for `P V` (each value byte read from shared memory once
+//! per tile). [`MlaVerifyCombine`] merges the split partials (bf16) by their log-sum-exp.
 
 use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
 use ddtree_macros::{kernel, KernelParams};
 
 use crate::common::warp_sum;
@@ -54,7 +58,8 @@ impl VerifyParams {
 /// `chunk = ceil(total / splits)` rounded up to `bn`, split `s` covers keys
 /// `[s * chunk, min((s + 1) * chunk, total))` (possibly none). Iteration `it` issues the load of
 /// tile `it` and computes tile `it - (stages - 1)`, so `stages - 1` tiles are in flight while one
-/// is computed. Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and
+/// is computed. Writes normalized partial outputs `part_o` (`[splits, rows, 512]` bf16, as
+/// pairs in `u32`) and
 /// partial natural log-sum-exp `part_lse` (`[splits, rows]`, -inf when the split saw no key).
 #[kernel(block = p.rg * 128, dyn_smem = p.dyn_smem(), space = [
     VerifyParams { rg: 4, bn: 32, stages: 2 },
@@ -69,7 +74,7 @@ pub fn mla_verify_split(
     cache: &[bf16],
     mask: &[u32],
     lens: &[u32],
-    part_o: &mut [f32],
+    part_o: &mut [u32],
     part_lse: &mut [f32],
     rows: u32,
     heads: u32,
@@ -286,12 +291,10 @@ pub fn mla_verify_split(
     for t in 0..16 {
         let col = cg * 128 + t * 8 + qd * 2;
         if ra < rows {
-            part_o[(split * rows + ra) * 512 + col] = acc[t][0] * inv_a;
-            part_o[(split * rows + ra) * 512 + col + 1] = acc[t][1] * inv_a;
+            part_o[((split * rows + ra) * 512 + col) / 2] = pack_bf16x2(acc[t][0] * inv_a, acc[t][1] * inv_a);
         }
         if rb < rows {
-            part_o[(split * rows + rb) * 512 + col] = acc[t][2] * inv_b;
-            part_o[(split * rows + rb) * 512 + col + 1] = acc[t][3] * inv_b;
+            part_o[((split * rows + rb) * 512 + col) / 2] = pack_bf16x2(acc[t][2] * inv_b, acc[t][3] * inv_b);
         }
     }
     if cg == 0 && qd == 0 {
@@ -313,35 +316,414 @@ pub fn mla_verify_split(
     }
 }
 
-/// Merges the split partials: grid = `(rows, 16)`, 128 threads. Block `(r, y)` owns the 32
-/// output columns `32 y ..` of row `r` (one per lane); its four warps take every fourth split,
-/// so many independent partial loads are in flight, and sum through shared memory. Writes `out`
-/// (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
+/// Compile-time parameters of [`MlaVerifyWide`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct WideParams {
+    /// Row groups of 16 query rows per block: 2 or 4 (8 warps either way).
+    pub rg: u32,
+    /// KV tile (keys per step): 32 or 64.
+    pub bn: u32,
+    /// Depth of the shared-memory tile ring, >= 2.
+    pub stages: u32,
+}
+
+impl WideParams {
+    /// Query rows per block.
+    pub const fn rows_per_block(&self) -> u32 {
+        16 * self.rg
+    }
+
+    /// Bytes of dynamic shared memory: the Q tile plus the KV ring, bf16.
+    pub const fn dyn_smem(&self) -> u32 {
+        (self.rg * 16 + self.stages * self.bn) * 576 * 2
+    }
+}
+
+/// Split-KV pass with full-width warps: the same grid, inputs and partial outputs as
+/// [`MlaVerifySplit`], 8 warps. For `Q K^T` each warp owns 16 query rows and `bn / (8 / rg)`
+/// keys of the tile over all 576 dims, so no partial scores cross warps; the row maxima of a
+/// tile meet in shared memory, and the probabilities go to a bf16 `P` tile there. For `P V`
+/// each warp owns all `16 rg` rows and 64 of the 512 output columns, so every value byte is read
+/// from shared memory once per tile (the dim-split kernel reads it once per 16 rows). Partial
+/// outputs are bf16 pairs, as [`MlaVerifyCombine`] reads them.
+#[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
+    WideParams { rg: 4, bn: 64, stages: 2 },
+    WideParams { rg: 4, bn: 32, stages: 4 },
+    WideParams { rg: 4, bn: 32, stages: 3 },
+    WideParams { rg: 2, bn: 64, stages: 2 },
+])]
+pub fn mla_verify_wide(
+    #[comptime] p: &WideParams,
+    q: &[bf16],
+    cache: &[bf16],
+    mask: &[u32],
+    lens: &[u32],
+    part_o: &mut [u32],
+    part_lse: &mut [f32],
+    rows: u32,
+    heads: u32,
+    nodes: u32,
+    words: u32,
+    scale: f32,
+) {
+    comptime_assert!(p.rg == 2 || p.rg == 4, "rg must be 2 or 4");
+    comptime_assert!(p.bn == 32 || p.bn == 64, "bn must be 32 or 64");
+    comptime_assert!(p.bn * p.rg >= 128, "each warp needs at least 16 keys of the tile");
+    comptime_assert!(p.stages >= 2, "stages must be at least 2");
+    comptime_assert!(
+        (p.rg * 16 + p.stages * p.bn) * 1152 + p.rg * 16 * (p.bn + 8) * 2 + 4 * 64 * 4 + 2 * 64 * 4 <= 232448,
+        "shared memory is limited to 227 KiB per block"
+    );
+    let rpb = p.rg * 16;
+    // Warps per row group (splitting the tile's keys) and keys per warp.
+    let kq = 8 / p.rg;
+    let kw = p.bn / kq;
+    // u32 (bf16 pairs) per row of the P tile, padded against bank conflicts.
+    let psw = (p.bn + 8) / 2;
+    // Q tile `[16 rg, 576]` at 0, then the ring of `stages` tiles `[bn, 576]`; rows of 72
+    // 16-byte chunks, chunk `c` of row `r` stored at `c ^ (r % 8)` (conflict-free ldmatrix).
+    let sm = dyn_shared::<bf16>();
+    let ring = rpb * 576;
+    let sp = shared::<u32>(p.rg * 16 * ((p.bn + 8) / 2));
+    let smax = shared::<f32>(4 * 64);
+    let salpha = shared::<f32>(64);
+    let sstat = shared::<f32>(64);
+    let tid = thread_idx_x();
+    let lane = lane_id();
+    let warp = warp_id();
+    let rgi = warp / (8 / p.rg);
+    let kqi = warp % (8 / p.rg);
+    let key0 = kqi * kw;
+    let g = lane / 4;
+    let qd = lane % 4;
+    let blk0 = block_idx_x() * rpb;
+    let la = rgi * 16 + g;
+    let lb = la + 8;
+    let prefix = lens[0];
+    let total = prefix + nodes;
+    let splits = grid_dim_y();
+    let chunk = ((total + splits - 1) / splits + p.bn - 1) / p.bn * p.bn;
+    let kv0 = block_idx_y() * chunk;
+    let kv1 = (kv0 + chunk).min(total);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let node_a = ((blk0 + la) / heads).min(nodes - 1);
+    let node_b = ((blk0 + lb) / heads).min(nodes - 1);
+
+    // The block's query rows (zero past `rows`): the oldest cp.async group.
+    for ch in (tid..rpb * 72).step_by(256) {
+        let r = ch / 72;
+        let c = ch % 72;
+        let ok = blk0 + r < rows;
+        let src = if ok { (blk0 + r) * 576 + c * 8 } else { 0u32 };
+        cp_async_16_zfill(&mut sm[r * 576 + (c ^ (r % 8)) * 8], &q[src], ok);
+    }
+    cp_async_commit();
+
+    // P V accumulators: rows `16 mt + g (+ 8)` of the block, columns `64 warp + 8 n + 2 qd`.
+    let mut acc = [[0.0f32; 4]; p.rg * 8];
+    let mut s = [[0.0f32; 4]; kw / 8];
+    let mut qa = [0u32; 4];
+    let mut bq = [0u32; 4];
+    let mut b = [0u32; 2];
+    let mut b2 = [0u32; 2];
+    let mut pa = [[0u32; 4]; p.rg];
+    let mut al = [0.0f32; p.rg * 2];
+    let mut m_a = f32::NEG_INFINITY;
+    let mut m_b = f32::NEG_INFINITY;
+    let mut l_a = 0.0f32;
+    let mut l_b = 0.0f32;
+
+    let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
+    for it in 0..ntiles + p.stages - 1 {
+        // Tile `it - (stages - 1)` (and the Q tile) has landed, and every warp is done with
+        // tile `it - stages`, whose slot tile `it` reuses, and with the last P tile.
+        cp_async_wait(p.stages - 2);
+        sync_threads();
+        if it < ntiles {
+            let ld = ring + (it % p.stages) * p.bn * 576;
+            let kl = kv0 + it * p.bn;
+            for ch in (tid..p.bn * 72).step_by(256) {
+                let r = ch / 72;
+                let c = ch % 72;
+                let ok = kl + r < kv1;
+                let src = if ok { (kl + r) * 576 + c * 8 } else { 0u32 };
+                cp_async_16_zfill(&mut sm[ld + r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+            }
+        }
+        cp_async_commit();
+        if it + 1 >= p.stages {
+            let ti = it + 1 - p.stages;
+            let kt = kv0 + ti * p.bn;
+            let st = ring + (ti % p.stages) * p.bn * 576;
+
+            // Scores of this warp's 16 rows and `kw` keys over all 576 dims.
+            #[unroll]
+            for j in 0..kw / 8 {
+                #[unroll]
+                for e in 0..4 {
+                    s[j][e] = 0.0f32;
+                }
+            }
+            #[unroll]
+            for kk in 0..36 {
+                let qr = rgi * 16 + lane % 16;
+                let qc = kk * 2 + lane / 16;
+                ldmatrix_x4(&mut qa, &sm[qr * 576 + (qc ^ (qr % 8)) * 8]);
+                #[unroll]
+                for jp in 0..kw / 16 {
+                    let r = key0 + jp * 16 + (lane / 16) * 8 + lane % 8;
+                    let c = kk * 2 + (lane / 8) % 2;
+                    ldmatrix_x4(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    b[0] = bq[0];
+                    b[1] = bq[1];
+                    b2[0] = bq[2];
+                    b2[1] = bq[3];
+                    mma_m16n8k16_bf16(&mut s[2 * jp], &qa, &b);
+                    mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qa, &b2);
+                }
+            }
+            // Mask (the mask words are read for tree keys only) and this warp's row maxima.
+            let mut mx_a = f32::NEG_INFINITY;
+            let mut mx_b = f32::NEG_INFINITY;
+            #[unroll]
+            for j in 0..kw / 8 {
+                #[unroll]
+                for e in 0..4 {
+                    let key = kt + key0 + j * 8 + qd * 2 + e % 2;
+                    let node = if e < 2 { node_a } else { node_b };
+                    let t = key - prefix;
+                    let vis = key < kv1 && (key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1);
+                    s[j][e] = if vis { s[j][e] * scale_log2 } else { f32::NEG_INFINITY };
+                }
+                mx_a = mx_a.max(s[j][0].max(s[j][1]));
+                mx_b = mx_b.max(s[j][2].max(s[j][3]));
+            }
+            mx_a = mx_a.max(shfl_xor(mx_a, 1u32));
+            mx_a = mx_a.max(shfl_xor(mx_a, 2u32));
+            mx_b = mx_b.max(shfl_xor(mx_b, 1u32));
+            mx_b = mx_b.max(shfl_xor(mx_b, 2u32));
+            if qd == 0 {
+                smax[kqi * 64 + la] = mx_a;
+                smax[kqi * 64 + lb] = mx_b;
+            }
+            sync_threads();
+
+            // Online softmax: every warp of a row group forms the same new maxima.
+            let mut mn_a = m_a;
+            let mut mn_b = m_b;
+            #[unroll]
+            for k in 0..kq {
+                mn_a = mn_a.max(smax[k * 64 + la]);
+                mn_b = mn_b.max(smax[k * 64 + lb]);
+            }
+            // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+            let base_a = if mn_a == f32::NEG_INFINITY { 0.0f32 } else { mn_a };
+            let base_b = if mn_b == f32::NEG_INFINITY { 0.0f32 } else { mn_b };
+            let alpha_a = (m_a - base_a).exp2();
+            let alpha_b = (m_b - base_b).exp2();
+            m_a = mn_a;
+            m_b = mn_b;
+            l_a *= alpha_a;
+            l_b *= alpha_b;
+            #[unroll]
+            for j in 0..kw / 8 {
+                s[j][0] = (s[j][0] - base_a).exp2();
+                s[j][1] = (s[j][1] - base_a).exp2();
+                s[j][2] = (s[j][2] - base_b).exp2();
+                s[j][3] = (s[j][3] - base_b).exp2();
+                l_a += s[j][0] + s[j][1];
+                l_b += s[j][2] + s[j][3];
+                let pc = (key0 + j * 8 + qd * 2) / 2;
+                sp[la * psw + pc] = pack_bf16x2(s[j][0], s[j][1]);
+                sp[lb * psw + pc] = pack_bf16x2(s[j][2], s[j][3]);
+            }
+            if kqi == 0 && qd == 0 {
+                salpha[la] = alpha_a;
+                salpha[lb] = alpha_b;
+            }
+            sync_threads();
+
+            // P V over all rows and this warp's 64 output columns.
+            #[unroll]
+            for mt in 0..p.rg {
+                al[2 * mt] = salpha[mt * 16 + g];
+                al[2 * mt + 1] = salpha[mt * 16 + g + 8];
+            }
+            let mut settled = true;
+            #[unroll]
+            for i in 0..p.rg * 2 {
+                settled = settled && al[i] == 1.0f32;
+            }
+            // Once the row maxima settle (most tiles of a long context), skip the rescale.
+            if !vote_all(settled) {
+                #[unroll]
+                for mt in 0..p.rg {
+                    #[unroll]
+                    for n in 0..8 {
+                        acc[mt * 8 + n][0] *= al[2 * mt];
+                        acc[mt * 8 + n][1] *= al[2 * mt];
+                        acc[mt * 8 + n][2] *= al[2 * mt + 1];
+                        acc[mt * 8 + n][3] *= al[2 * mt + 1];
+                    }
+                }
+            }
+            #[unroll]
+            for kk in 0..p.bn / 16 {
+                #[unroll]
+                for mt in 0..p.rg {
+                    ldmatrix_x4(&mut pa[mt], &sp[(mt * 16 + lane % 16) * psw + kk * 8 + (lane / 16) * 4]);
+                }
+                #[unroll]
+                for t2 in 0..4 {
+                    let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+                    let c = warp * 8 + t2 * 2 + lane / 16;
+                    ldmatrix_x4_trans(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    b[0] = bq[0];
+                    b[1] = bq[1];
+                    b2[0] = bq[2];
+                    b2[1] = bq[3];
+                    #[unroll]
+                    for mt in 0..p.rg {
+                        mma_m16n8k16_bf16(&mut acc[mt * 8 + 2 * t2], &pa[mt], &b);
+                        mma_m16n8k16_bf16(&mut acc[mt * 8 + 2 * t2 + 1], &pa[mt], &b2);
+                    }
+                }
+            }
+        }
+    }
+
+    // Row sums (this warp's keys; the row group's warps meet in shared memory) and maxima.
+    l_a += shfl_xor(l_a, 1u32);
+    l_a += shfl_xor(l_a, 2u32);
+    l_b += shfl_xor(l_b, 1u32);
+    l_b += shfl_xor(l_b, 2u32);
+    if qd == 0 {
+        smax[kqi * 64 + la] = l_a;
+        smax[kqi * 64 + lb] = l_b;
+        if kqi == 0 {
+            sstat[la] = m_a;
+            sstat[lb] = m_b;
+        }
+    }
+    sync_threads();
+    let split = block_idx_y();
+    #[unroll]
+    for i in 0..p.rg * 2 {
+        let rl = (i / 2) * 16 + g + (i % 2) * 8;
+        let mut l = 0.0f32;
+        #[unroll]
+        for k in 0..kq {
+            l += smax[k * 64 + rl];
+        }
+        let inv = if l > 0.0f32 { 1.0f32 / l } else { 0.0f32 };
+        let row = blk0 + rl;
+        if row < rows {
+            #[unroll]
+            for n in 0..8 {
+                let col = warp * 64 + n * 8 + qd * 2;
+                let a = acc[(i / 2) * 8 + n][(i % 2) * 2];
+                let c = acc[(i / 2) * 8 + n][(i % 2) * 2 + 1];
+                part_o[((split * rows + row) * 512 + col) / 2] = pack_bf16x2(a * inv, c * inv);
+            }
+        }
+    }
+    if tid < rpb && blk0 + tid < rows {
+        let mut l = 0.0f32;
+        #[unroll]
+        for k in 0..kq {
+            l += smax[k * 64 + tid];
+        }
+        part_lse[split * rows + blk0 + tid] = if l > 0.0f32 {
+            (sstat[tid] + l.log2()) * std::f32::consts::LN_2
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+}
+
+/// A split-pass variant: [`MlaVerifySplit`] or [`MlaVerifyWide`]. Both take the same arguments
+/// and grid shape and write the same partials for [`MlaVerifyCombine`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyVariant {
+    /// The dim-split kernel.
+    Split(VerifyParams),
+    /// The full-width kernel.
+    Wide(WideParams),
+}
+
+impl Default for VerifyVariant {
+    /// The safe default: the full-width kernel's first candidate.
+    fn default() -> VerifyVariant {
+        VerifyVariant::Wide(MlaVerifyWide::default_params())
+    }
+}
+
+impl VerifyVariant {
+    /// Every candidate of both kernels, the default first.
+    pub fn all() -> Vec<VerifyVariant> {
+        let wide = MlaVerifyWide::space().into_iter().map(VerifyVariant::Wide);
+        wide.chain(MlaVerifySplit::space().into_iter().map(VerifyVariant::Split))
+            .collect()
+    }
+
+    /// Query rows per block.
+    pub fn rows_per_block(&self) -> u32 {
+        match self {
+            VerifyVariant::Split(p) => p.rows_per_block(),
+            VerifyVariant::Wide(p) => p.rows_per_block(),
+        }
+    }
+
+    /// Keys per tile.
+    pub fn bn(&self) -> u32 {
+        match self {
+            VerifyVariant::Split(p) => p.bn,
+            VerifyVariant::Wide(p) => p.bn,
+        }
+    }
+
+    /// The kernel symbol.
+    pub fn symbol(&self) -> String {
+        match self {
+            VerifyVariant::Split(p) => MlaVerifySplit::symbol(p),
+            VerifyVariant::Wide(p) => MlaVerifyWide::symbol(p),
+        }
+    }
+}
+
+/// Merges the split partials: grid = `(rows, 8)`, 128 threads. Block `(r, y)` owns the 64
+/// output columns `64 y ..` of row `r` (a bf16 pair per lane); its four warps take every fourth
+/// split, so many independent partial loads are in flight, and sum through shared memory.
+/// Writes `out` (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
 #[kernel(block = 128)]
-pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
+pub fn mla_verify_combine(part_o: &[u32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
     let r = block_idx_x();
     let lane = lane_id();
     let warp = warp_id();
-    let col = block_idx_y() * 32 + lane;
+    let col = block_idx_y() * 64 + lane * 2;
     let mut m = f32::NEG_INFINITY;
     for sidx in 0..splits {
         m = m.max(part_lse[sidx * rows + r]);
     }
     // A split that saw no key has weight 0 and a zero partial.
     let mut wsum = 0.0f32;
-    let mut o = 0.0f32;
+    let mut o0 = 0.0f32;
+    let mut o1 = 0.0f32;
     for sidx in (warp..splits).step_by(4) {
         let ls = part_lse[sidx * rows + r];
         // Splits past the device-side length saw no key: skip their partials.
         if ls != f32::NEG_INFINITY {
             let w = (ls - m).exp();
+            let pr = part_o[((sidx * rows + r) * 512 + col) / 2];
             wsum += w;
-            o += w * part_o[(sidx * rows + r) * 512 + col];
+            o0 += w * bf16_lo(pr);
+            o1 += w * bf16_hi(pr);
         }
     }
-    let so = shared::<f32>(4 * 32);
+    let so = shared::<f32>(4 * 64);
     let sw = shared::<f32>(4);
-    so[warp * 32 + lane] = o;
+    so[warp * 64 + lane * 2] = o0;
+    so[warp * 64 + lane * 2 + 1] = o1;
     if lane == 0 {
         sw[warp] = wsum;
     }
@@ -349,7 +731,11 @@ pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], ls
     if warp == 0 {
         let ws = sw[0] + sw[1] + sw[2] + sw[3];
         let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
-        out[r * 512 + col] = ((so[lane] + so[32 + lane] + so[64 + lane] + so[96 + lane]) * inv) as bf16;
+        #[unroll]
+        for e in 0..2 {
+            let c = lane * 2 + e;
+            out[r * 512 + block_idx_y() * 64 + c] = ((so[c] + so[64 + c] + so[128 + c] + so[192 + c]) * inv) as bf16;
+        }
         if lane == 0 && block_idx_y() == 0 {
             lse[r] = m + ws.ln();
         }
