@@ -283,13 +283,15 @@ impl GpuAccept {
     }
 }
 
-/// The split count [`GpuVerify::auto_splits`] picks for variant `v` on `sms` SMs: about one
-/// block per SM (a block's shared memory fills an SM), at least two tiles per split of the
-/// `keys` (an upper bound of the length), at most `max_rows_splits / rows`.
+/// The split count [`GpuVerify::auto_splits`] picks for variant `v` on `sms` SMs: at most one
+/// block per SM (a block's shared memory fills an SM, so one more block would start a second,
+/// mostly idle wave), at least one tile per split of the `keys` (an upper bound of the length;
+/// short contexts are latency-bound, so one tile per block is quickest), at most
+/// `max_rows_splits / rows`.
 pub fn verify_splits(v: &VerifyVariant, sms: usize, rows: usize, keys: usize, max_rows_splits: usize) -> usize {
     let row_blocks = rows.div_ceil(v.rows_per_block() as usize);
-    sms.div_ceil(row_blocks)
-        .clamp(1, keys.div_ceil(2 * v.bn() as usize).max(1))
+    (sms / row_blocks)
+        .clamp(1, keys.div_ceil(v.bn() as usize).max(1))
         .min(max_rows_splits / rows)
         .max(1)
 }
