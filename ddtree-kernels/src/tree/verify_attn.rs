@@ -325,6 +325,9 @@ pub struct WideParams {
     pub bn: u32,
     /// Depth of the shared-memory tile ring, >= 2.
     pub stages: u32,
+    /// Query rows per warp in `Q K^T`: 16 (all 8 warps), or 32 (4 warps; each key fragment
+    /// serves two row tiles, so the tile is read half as often).
+    pub qk: u32,
 }
 
 impl WideParams {
@@ -347,10 +350,11 @@ impl WideParams {
 /// from shared memory once per tile (the dim-split kernel reads it once per 16 rows). Partial
 /// outputs are bf16 pairs, as [`MlaVerifyCombine`] reads them.
 #[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
-    WideParams { rg: 4, bn: 64, stages: 2 },
-    WideParams { rg: 4, bn: 32, stages: 4 },
-    WideParams { rg: 4, bn: 32, stages: 3 },
-    WideParams { rg: 2, bn: 64, stages: 2 },
+    WideParams { rg: 4, bn: 64, stages: 2, qk: 16 },
+    WideParams { rg: 4, bn: 64, stages: 2, qk: 32 },
+    WideParams { rg: 4, bn: 32, stages: 4, qk: 16 },
+    WideParams { rg: 4, bn: 32, stages: 3, qk: 16 },
+    WideParams { rg: 2, bn: 64, stages: 2, qk: 16 },
 ])]
 pub fn mla_verify_wide(
     #[comptime] p: &WideParams,
@@ -371,13 +375,19 @@ pub fn mla_verify_wide(
     comptime_assert!(p.bn * p.rg >= 128, "each warp needs at least 16 keys of the tile");
     comptime_assert!(p.stages >= 2, "stages must be at least 2");
     comptime_assert!(
+        p.qk == 16 || (p.qk == 32 && p.rg == 4),
+        "qk must be 16, or 32 at rg = 4"
+    );
+    comptime_assert!(
         (p.rg * 16 + p.stages * p.bn) * 1152 + p.rg * 16 * (p.bn + 8) * 2 + 4 * 64 * 4 + 2 * 64 * 4 <= 232448,
         "shared memory is limited to 227 KiB per block"
     );
     let rpb = p.rg * 16;
-    // Warps per row group (splitting the tile's keys) and keys per warp.
+    // Warps per `Q K^T` row group (splitting the tile's keys), keys per warp, row tiles per
+    // warp; warps `8 / mr ..` sit out `Q K^T`.
     let kq = 8 / p.rg;
     let kw = p.bn / kq;
+    let mr = p.qk / 16;
     // u32 (bf16 pairs) per row of the P tile, padded against bank conflicts.
     let psw = (p.bn + 8) / 2;
     // Q tile `[16 rg, 576]` at 0, then the ring of `stages` tiles `[bn, 576]`; rows of 72
@@ -391,14 +401,13 @@ pub fn mla_verify_wide(
     let tid = thread_idx_x();
     let lane = lane_id();
     let warp = warp_id();
-    let rgi = warp / (8 / p.rg);
-    let kqi = warp % (8 / p.rg);
+    let rgi = warp / kq;
+    let kqi = warp % kq;
     let key0 = kqi * kw;
+    let qkw = warp < 8 / mr;
     let g = lane / 4;
     let qd = lane % 4;
     let blk0 = block_idx_x() * rpb;
-    let la = rgi * 16 + g;
-    let lb = la + 8;
     let prefix = lens[0];
     let total = prefix + nodes;
     let splits = grid_dim_y();
@@ -406,8 +415,14 @@ pub fn mla_verify_wide(
     let kv0 = block_idx_y() * chunk;
     let kv1 = (kv0 + chunk).min(total);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let node_a = ((blk0 + la) / heads).min(nodes - 1);
-    let node_b = ((blk0 + lb) / heads).min(nodes - 1);
+    // This thread's `Q K^T` rows `i`: `16 (i / 2) + g + 8 (i % 2)` of its row group, and their nodes.
+    let mut lr = [0u32; mr * 2];
+    let mut node = [0u32; mr * 2];
+    #[unroll]
+    for i in 0..mr * 2 {
+        lr[i] = rgi * p.qk + (i / 2) * 16 + g + (i % 2) * 8;
+        node[i] = ((blk0 + lr[i]) / heads).min(nodes - 1);
+    }
 
     // The block's query rows (zero past `rows`): the oldest cp.async group.
     for ch in (tid..rpb * 72).step_by(256) {
@@ -421,17 +436,16 @@ pub fn mla_verify_wide(
 
     // P V accumulators: rows `16 mt + g (+ 8)` of the block, columns `64 warp + 8 n + 2 qd`.
     let mut acc = [[0.0f32; 4]; p.rg * 8];
-    let mut s = [[0.0f32; 4]; kw / 8];
-    let mut qa = [0u32; 4];
+    let mut s = [[0.0f32; 4]; mr * kw / 8];
+    let mut qa = [[0u32; 4]; mr];
     let mut bq = [0u32; 4];
     let mut b = [0u32; 2];
     let mut b2 = [0u32; 2];
     let mut pa = [[0u32; 4]; p.rg];
     let mut al = [0.0f32; p.rg * 2];
-    let mut m_a = f32::NEG_INFINITY;
-    let mut m_b = f32::NEG_INFINITY;
-    let mut l_a = 0.0f32;
-    let mut l_b = 0.0f32;
+    let mut m = [f32::NEG_INFINITY; mr * 2];
+    let mut l = [0.0f32; mr * 2];
+    let mut mx = [0.0f32; mr * 2];
 
     let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
     for it in 0..ntiles + p.stages - 1 {
@@ -456,90 +470,112 @@ pub fn mla_verify_wide(
             let kt = kv0 + ti * p.bn;
             let st = ring + (ti % p.stages) * p.bn * 576;
 
-            // Scores of this warp's 16 rows and `kw` keys over all 576 dims.
-            #[unroll]
-            for j in 0..kw / 8 {
+            // Scores of this warp's `qk` rows and `kw` keys over all 576 dims; row maxima.
+            let nj = kw / 8;
+            if qkw {
                 #[unroll]
-                for e in 0..4 {
-                    s[j][e] = 0.0f32;
+                for j in 0..mr * nj {
+                    #[unroll]
+                    for e in 0..4 {
+                        s[j][e] = 0.0f32;
+                    }
                 }
-            }
-            #[unroll]
-            for kk in 0..36 {
-                let qr = rgi * 16 + lane % 16;
-                let qc = kk * 2 + lane / 16;
-                ldmatrix_x4(&mut qa, &sm[qr * 576 + (qc ^ (qr % 8)) * 8]);
                 #[unroll]
-                for jp in 0..kw / 16 {
-                    let r = key0 + jp * 16 + (lane / 16) * 8 + lane % 8;
-                    let c = kk * 2 + (lane / 8) % 2;
-                    ldmatrix_x4(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
-                    b[0] = bq[0];
-                    b[1] = bq[1];
-                    b2[0] = bq[2];
-                    b2[1] = bq[3];
-                    mma_m16n8k16_bf16(&mut s[2 * jp], &qa, &b);
-                    mma_m16n8k16_bf16(&mut s[2 * jp + 1], &qa, &b2);
+                for kk in 0..36 {
+                    #[unroll]
+                    for mi in 0..mr {
+                        let qr = rgi * p.qk + mi * 16 + lane % 16;
+                        let qc = kk * 2 + lane / 16;
+                        ldmatrix_x4(&mut qa[mi], &sm[qr * 576 + (qc ^ (qr % 8)) * 8]);
+                    }
+                    #[unroll]
+                    for jp in 0..kw / 16 {
+                        let r = key0 + jp * 16 + (lane / 16) * 8 + lane % 8;
+                        let c = kk * 2 + (lane / 8) % 2;
+                        ldmatrix_x4(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                        b[0] = bq[0];
+                        b[1] = bq[1];
+                        b2[0] = bq[2];
+                        b2[1] = bq[3];
+                        #[unroll]
+                        for mi in 0..mr {
+                            mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp], &qa[mi], &b);
+                            mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp + 1], &qa[mi], &b2);
+                        }
+                    }
                 }
-            }
-            // Mask (the mask words are read for tree keys only) and this warp's row maxima.
-            let mut mx_a = f32::NEG_INFINITY;
-            let mut mx_b = f32::NEG_INFINITY;
-            #[unroll]
-            for j in 0..kw / 8 {
+                // Mask (the mask words are read for tree keys only) and this warp's row maxima.
                 #[unroll]
-                for e in 0..4 {
-                    let key = kt + key0 + j * 8 + qd * 2 + e % 2;
-                    let node = if e < 2 { node_a } else { node_b };
-                    let t = key - prefix;
-                    let vis = key < kv1 && (key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1);
-                    s[j][e] = if vis { s[j][e] * scale_log2 } else { f32::NEG_INFINITY };
+                for i in 0..mr * 2 {
+                    mx[i] = f32::NEG_INFINITY;
                 }
-                mx_a = mx_a.max(s[j][0].max(s[j][1]));
-                mx_b = mx_b.max(s[j][2].max(s[j][3]));
-            }
-            mx_a = mx_a.max(shfl_xor(mx_a, 1u32));
-            mx_a = mx_a.max(shfl_xor(mx_a, 2u32));
-            mx_b = mx_b.max(shfl_xor(mx_b, 1u32));
-            mx_b = mx_b.max(shfl_xor(mx_b, 2u32));
-            if qd == 0 {
-                smax[kqi * 64 + la] = mx_a;
-                smax[kqi * 64 + lb] = mx_b;
+                #[unroll]
+                for mi in 0..mr {
+                    #[unroll]
+                    for j in 0..nj {
+                        #[unroll]
+                        for e in 0..4 {
+                            let i = mi * 2 + e / 2;
+                            let key = kt + key0 + j * 8 + qd * 2 + e % 2;
+                            let t = key - prefix;
+                            let vis =
+                                key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
+                            s[mi * nj + j][e] = if vis {
+                                s[mi * nj + j][e] * scale_log2
+                            } else {
+                                f32::NEG_INFINITY
+                            };
+                            mx[i] = mx[i].max(s[mi * nj + j][e]);
+                        }
+                    }
+                }
+                #[unroll]
+                for i in 0..mr * 2 {
+                    mx[i] = mx[i].max(shfl_xor(mx[i], 1u32));
+                    mx[i] = mx[i].max(shfl_xor(mx[i], 2u32));
+                    if qd == 0 {
+                        smax[kqi * 64 + lr[i]] = mx[i];
+                    }
+                }
             }
             sync_threads();
 
             // Online softmax: every warp of a row group forms the same new maxima.
-            let mut mn_a = m_a;
-            let mut mn_b = m_b;
-            #[unroll]
-            for k in 0..kq {
-                mn_a = mn_a.max(smax[k * 64 + la]);
-                mn_b = mn_b.max(smax[k * 64 + lb]);
-            }
-            // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
-            let base_a = if mn_a == f32::NEG_INFINITY { 0.0f32 } else { mn_a };
-            let base_b = if mn_b == f32::NEG_INFINITY { 0.0f32 } else { mn_b };
-            let alpha_a = (m_a - base_a).exp2();
-            let alpha_b = (m_b - base_b).exp2();
-            m_a = mn_a;
-            m_b = mn_b;
-            l_a *= alpha_a;
-            l_b *= alpha_b;
-            #[unroll]
-            for j in 0..kw / 8 {
-                s[j][0] = (s[j][0] - base_a).exp2();
-                s[j][1] = (s[j][1] - base_a).exp2();
-                s[j][2] = (s[j][2] - base_b).exp2();
-                s[j][3] = (s[j][3] - base_b).exp2();
-                l_a += s[j][0] + s[j][1];
-                l_b += s[j][2] + s[j][3];
-                let pc = (key0 + j * 8 + qd * 2) / 2;
-                sp[la * psw + pc] = pack_bf16x2(s[j][0], s[j][1]);
-                sp[lb * psw + pc] = pack_bf16x2(s[j][2], s[j][3]);
-            }
-            if kqi == 0 && qd == 0 {
-                salpha[la] = alpha_a;
-                salpha[lb] = alpha_b;
+            if qkw {
+                #[unroll]
+                for i in 0..mr * 2 {
+                    let mut mn = m[i];
+                    #[unroll]
+                    for k in 0..kq {
+                        mn = mn.max(smax[k * 64 + lr[i]]);
+                    }
+                    // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+                    let base = if mn == f32::NEG_INFINITY { 0.0f32 } else { mn };
+                    let alpha = (m[i] - base).exp2();
+                    m[i] = mn;
+                    l[i] *= alpha;
+                    // `mx` now holds the exponent base.
+                    mx[i] = base;
+                    if kqi == 0 && qd == 0 {
+                        salpha[lr[i]] = alpha;
+                    }
+                }
+                #[unroll]
+                for mi in 0..mr {
+                    #[unroll]
+                    for j in 0..nj {
+                        let x = mi * nj + j;
+                        s[x][0] = (s[x][0] - mx[2 * mi]).exp2();
+                        s[x][1] = (s[x][1] - mx[2 * mi]).exp2();
+                        s[x][2] = (s[x][2] - mx[2 * mi + 1]).exp2();
+                        s[x][3] = (s[x][3] - mx[2 * mi + 1]).exp2();
+                        l[2 * mi] += s[x][0] + s[x][1];
+                        l[2 * mi + 1] += s[x][2] + s[x][3];
+                        let pc = (key0 + j * 8 + qd * 2) / 2;
+                        sp[lr[2 * mi] * psw + pc] = pack_bf16x2(s[x][0], s[x][1]);
+                        sp[lr[2 * mi + 1] * psw + pc] = pack_bf16x2(s[x][2], s[x][3]);
+                    }
+                }
             }
             sync_threads();
 
@@ -593,16 +629,17 @@ pub fn mla_verify_wide(
     }
 
     // Row sums (this warp's keys; the row group's warps meet in shared memory) and maxima.
-    l_a += shfl_xor(l_a, 1u32);
-    l_a += shfl_xor(l_a, 2u32);
-    l_b += shfl_xor(l_b, 1u32);
-    l_b += shfl_xor(l_b, 2u32);
-    if qd == 0 {
-        smax[kqi * 64 + la] = l_a;
-        smax[kqi * 64 + lb] = l_b;
-        if kqi == 0 {
-            sstat[la] = m_a;
-            sstat[lb] = m_b;
+    if qkw {
+        #[unroll]
+        for i in 0..mr * 2 {
+            l[i] += shfl_xor(l[i], 1u32);
+            l[i] += shfl_xor(l[i], 2u32);
+            if qd == 0 {
+                smax[kqi * 64 + lr[i]] = l[i];
+                if kqi == 0 {
+                    sstat[lr[i]] = m[i];
+                }
+            }
         }
     }
     sync_threads();
@@ -610,12 +647,12 @@ pub fn mla_verify_wide(
     #[unroll]
     for i in 0..p.rg * 2 {
         let rl = (i / 2) * 16 + g + (i % 2) * 8;
-        let mut l = 0.0f32;
+        let mut ls = 0.0f32;
         #[unroll]
         for k in 0..kq {
-            l += smax[k * 64 + rl];
+            ls += smax[k * 64 + rl];
         }
-        let inv = if l > 0.0f32 { 1.0f32 / l } else { 0.0f32 };
+        let inv = if ls > 0.0f32 { 1.0f32 / ls } else { 0.0f32 };
         let row = blk0 + rl;
         if row < rows {
             #[unroll]
@@ -628,13 +665,13 @@ pub fn mla_verify_wide(
         }
     }
     if tid < rpb && blk0 + tid < rows {
-        let mut l = 0.0f32;
+        let mut ls = 0.0f32;
         #[unroll]
         for k in 0..kq {
-            l += smax[k * 64 + tid];
+            ls += smax[k * 64 + tid];
         }
-        part_lse[split * rows + blk0 + tid] = if l > 0.0f32 {
-            (sstat[tid] + l.log2()) * std::f32::consts::LN_2
+        part_lse[split * rows + blk0 + tid] = if ls > 0.0f32 {
+            (sstat[tid] + ls.log2()) * std::f32::consts::LN_2
         } else {
             f32::NEG_INFINITY
         };

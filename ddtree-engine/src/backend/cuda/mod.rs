@@ -315,6 +315,7 @@ fn verify_variant(rows: usize) -> tree::VerifyVariant {
         rg: if rows <= 32 { 2 } else { 4 },
         bn: 64,
         stages: 2,
+        qk: 16,
     })
 }
 
