@@ -343,8 +343,9 @@ impl WideParams {
 }
 
 /// Split-KV pass with full-width warps: the same grid, inputs and partial outputs as
-/// [`MlaVerifySplit`], 8 warps. For `Q K^T` each warp owns 16 query rows and `bn / (8 / rg)`
-/// keys of the tile over all 576 dims, so no partial scores cross warps; the row maxima of a
+/// [`MlaVerifySplit`], 8 warps. For `Q K^T` each warp owns `qk` query rows (16: all 8 warps;
+/// 32: warps 0..4) and `bn / (8 / rg)` keys of the tile over all 576 dims, so no partial
+/// scores cross warps; the row maxima of a
 /// tile meet in shared memory, and the probabilities go to a bf16 `P` tile there. For `P V`
 /// each warp owns all `16 rg` rows and 64 of the 512 output columns, so every value byte is read
 /// from shared memory once per tile (the dim-split kernel reads it once per 16 rows). Partial
