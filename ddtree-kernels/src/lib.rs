@@ -93,6 +93,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<w4a16::W4a16Gemv>()?);
     all.extend(variants::<tree::TreeBuild>()?);
     all.extend(variants::<tree::MlaVerifySplit>()?);
+    all.extend(variants::<tree::MlaVerifyWide>()?);
     all.extend(variants::<tree::MlaVerifyCombine>()?);
     all.extend(variants::<tree::MlaVerifyNaive>()?);
     all.extend(variants::<tree::TreeAccept>()?);

@@ -2,11 +2,13 @@
 //! verify attention, sampling, accept, compaction), then timings: build (every variant) +
 //! accept at B = 16/64/256/1024 (L = 7 and 15, V = 163840) as device time of back-to-back
 //! calls replayed from a CUDA graph (no host launch overhead, as a captured engine step), the
-//! builder's stages (slice, merge, expansion loop, tree arrays + masks) the same way, and verify attention at ctx 1K/4K/16K/32K x nodes
-//! 1/8/16/32/64 x heads 8/64 against the floor (measured copy bandwidth and cuBLAS bf16 rate)
-//! and the naive kernel. Verify attention times every candidate of `mla_verify_split` (rows per
-//! block, KV tile, ring depth) at the automatic split count, twice and half it, and reports the
-//! best; the prefix length is passed on the device, as the engine does. Prints a compact table at the end; exits non-zero if a check fails.
+//! builder's stages (slice, merge, expansion, tree arrays + masks) the same way, and verify
+//! attention at ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/64 x 64 heads against the floor (measured
+//! copy bandwidth and cuBLAS bf16 rate). Verify attention times every candidate of
+//! `mla_verify_wide` and `mla_verify_split` (rows per block, KV tile, ring depth) at the
+//! automatic split count, half and twice it, prints each candidate's best and marks the case's
+//! best; the prefix length is passed on the device, as the engine does. Prints a compact table
+//! at the end; exits non-zero if a check fails.
 //!
 //! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench]`.
 
@@ -19,7 +21,7 @@ use ddtree_kernels::tree::check::{self, random_logits, random_mask};
 use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
-use ddtree_kernels::tree::{MlaVerifySplit, TreeBuild, LATENT, ROW};
+use ddtree_kernels::tree::{TreeBuild, VerifyVariant, LATENT, ROW};
 use ddtree_runtime::timing::{graph_us, median_us};
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
@@ -192,6 +194,13 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
 /// The most KV splits the verify bench tries.
 const MAX_SPLITS: usize = 256;
 
+/// Rows x splits of each variant's partial buffers in the verify bench.
+const BENCH_PARTIALS: usize = 64 * 64 * 64;
+
+/// Verify attention at 64 heads, ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/64: every candidate of
+/// both split passes (with the combine) at the automatic split count, half and twice it; one
+/// line per candidate (its best split count) with µs, % of the copy floor (cache bytes at the
+/// measured copy bandwidth), TFLOP/s and % of the cuBLAS bf16 rate, the case's best marked `*`.
 fn bench_verify(
     gpu: &Gpu,
     rng: &mut StdRng,
@@ -201,74 +210,82 @@ fn bench_verify(
 ) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let sms = 132;
-    println!("\n| ctx | nodes | heads | best variant | splits | µs | GB/s | TFLOP/s | % floor | naive µs | speedup |");
-    println!("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    let heads = 64usize;
+    let mut verifiers = Vec::new();
+    for v in VerifyVariant::all() {
+        match GpuVerify::new(gpu, &v, BENCH_PARTIALS) {
+            Ok(g) => verifiers.push(g),
+            Err(e) => println!("skipping {}: {e}", v.symbol()),
+        }
+    }
+    println!("\n| ctx | nodes x heads | variant | splits | µs | % copy floor | TFLOP/s | % bf16 rate | best |");
+    println!("|---:|---|---|---:|---:|---:|---:|---:|---|");
     for ctx in [1024usize, 4096, 16384, 32768] {
-        for nodes in [1usize, 8, 16, 32, 64] {
-            for heads in [8usize, 64] {
-                let rows = nodes * heads;
-                let keys = ctx + nodes;
-                let bytes = keys * ROW * 2;
-                let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
-                let (one, _) = ddtree_kernels::check::random_bf16(rng, keys * ROW, -1.0, 1.0);
-                let caches: Vec<_> = (0..copies).map(|_| upload(s, &one)).collect::<Result<_, _>>()?;
-                let (qh, _) = ddtree_kernels::check::random_bf16(rng, rows * ROW, -1.0, 1.0);
-                let q = upload(s, &qh)?;
-                let (mask, words) = random_mask(rng, nodes, false);
-                let visible: usize = (0..nodes)
-                    .map(|i| {
-                        ctx + mask[i * words..][..words]
-                            .iter()
-                            .map(|w| w.count_ones() as usize)
-                            .sum::<usize>()
-                    })
-                    .sum::<usize>()
-                    * heads;
-                let flops = visible as f64 * 2.0 * (ROW + LATENT) as f64;
-                let dm = upload(s, &mask)?;
-                let dl = upload(s, &[ctx as u32])?;
-                let mut out = zeros::<bf16>(s, rows * LATENT)?;
-                let mut lse = zeros::<f32>(s, rows)?;
-                let sh = VerifyShape {
-                    nodes,
-                    heads,
-                    prefix: ctx,
-                    words,
-                    scale: 0.1,
-                };
-                let mut best: Option<(f64, String, usize)> = None;
-                for p in MlaVerifySplit::space() {
-                    let mut v = match GpuVerify::new(gpu, &p, rows * MAX_SPLITS) {
-                        Ok(v) => v,
-                        Err(e) => {
-                            println!("skipping {}: {e}", MlaVerifySplit::symbol(&p));
-                            continue;
-                        }
-                    };
-                    let auto = v.auto_splits(sms, &sh);
-                    for splits in [auto, (auto * 2).min(MAX_SPLITS), (auto / 2).max(1)] {
-                        let us = median_us(s, 3, 20, |i| {
-                            v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &dl, &mut out, &mut lse)
-                        })?;
-                        if best.as_ref().is_none_or(|b| us < b.0) {
-                            best = Some((us, MlaVerifySplit::symbol(&p), splits));
-                        }
+        for nodes in [1usize, 2, 4, 8, 16, 64] {
+            let rows = nodes * heads;
+            let keys = ctx + nodes;
+            let bytes = keys * ROW * 2;
+            let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
+            let (one, _) = ddtree_kernels::check::random_bf16(rng, keys * ROW, -1.0, 1.0);
+            let caches: Vec<_> = (0..copies).map(|_| upload(s, &one)).collect::<Result<_, _>>()?;
+            let (qh, _) = ddtree_kernels::check::random_bf16(rng, rows * ROW, -1.0, 1.0);
+            let q = upload(s, &qh)?;
+            let (mask, words) = random_mask(rng, nodes, false);
+            let visible: usize = (0..nodes)
+                .map(|i| {
+                    ctx + mask[i * words..][..words]
+                        .iter()
+                        .map(|w| w.count_ones() as usize)
+                        .sum::<usize>()
+                })
+                .sum::<usize>()
+                * heads;
+            let flops = visible as f64 * 2.0 * (ROW + LATENT) as f64;
+            let dm = upload(s, &mask)?;
+            let dl = upload(s, &[ctx as u32])?;
+            let mut out = zeros::<bf16>(s, rows * LATENT)?;
+            let mut lse = zeros::<f32>(s, rows)?;
+            let sh = VerifyShape {
+                nodes,
+                heads,
+                prefix: ctx,
+                words,
+                scale: 0.1,
+            };
+            // (µs, symbol, splits) per variant: its best split count.
+            let mut timed = Vec::new();
+            for v in &mut verifiers {
+                let auto = v.auto_splits(sms, &sh);
+                let mut best: Option<(f64, usize)> = None;
+                let mut tries = vec![auto, (auto / 2).max(1), (auto * 2).min(MAX_SPLITS)];
+                tries.sort_unstable();
+                tries.dedup();
+                for splits in tries.into_iter().filter(|&n| rows * n <= BENCH_PARTIALS) {
+                    let us = median_us(s, 3, 20, |i| {
+                        v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &dl, &mut out, &mut lse)
+                    })?;
+                    if best.is_none_or(|b| us < b.0) {
+                        best = Some((us, splits));
                     }
                 }
-                let (us, sym, splits) = best.expect("at least one variant");
-                let v = GpuVerify::new(gpu, &MlaVerifySplit::default_params(), rows)?;
-                let naive = median_us(s, 1, 3, |i| {
-                    v.run_naive(s, &sh, &q, &caches[i % copies], &dm, &mut out, &mut lse)
-                })?;
-                let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+                if let Some((us, splits)) = best {
+                    timed.push((us, v.variant().symbol(), splits));
+                }
+            }
+            let best_us = timed.iter().map(|t| t.0).fold(f64::INFINITY, f64::min);
+            for (us, sym, splits) in &timed {
+                let copy_pct = 100.0 * bytes as f64 / (bw * 1e9) / (us * 1e-6);
                 let tf = flops / (us * 1e-6) / 1e12;
-                let floor_us = (bytes as f64 / (bw * 1e9)).max(flops / (tflops * 1e12)) * 1e6;
-                let pct = 100.0 * floor_us / us;
-                println!("| {ctx} | {nodes} | {heads} | {sym} | {splits} | {us:.1} | {gbs:.0} | {tf:.1} | {pct:.0}% | {naive:.1} | {:.1}x |", naive / us);
-                rows_out.push(format!(
-                    "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads:<2} {us:>8.1} µs {gbs:>6.0} GB/s {tf:>6.1} TF/s {pct:>4.0}% floor  naive {naive:>9.1} µs ({:.1}x)  [{sym} s={splits}]",
-                    naive / us
-                ));
+                let tf_pct = 100.0 * tf / tflops;
+                let mark = if *us == best_us { "*" } else { "" };
+                println!(
+                    "| {ctx} | {nodes} x {heads} | {sym} | {splits} | {us:.1} | {copy_pct:.0}% | {tf:.1} | {tf_pct:.0}% | {mark} |"
+                );
+                if *us == best_us {
+                    rows_out.push(format!(
+                        "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads} {us:>8.1} µs {copy_pct:>4.0}% copy {tf:>6.1} TF/s ({tf_pct:.0}%)  best [{sym} s={splits}]"
+                    ));
+                }
             }
         }
     }

@@ -10,7 +10,7 @@ use super::gpu::{builder_fits, download, upload, verify_splits, GpuAccept, GpuBu
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
-    MlaVerifySplit, TreeBuild, TreeSample, VerifyParams, LATENT, ROW,
+    MlaVerifySplit, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::check::{
     compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Comparison, Sizes, Target, Tolerance,
@@ -166,12 +166,13 @@ pub struct VerifyCase {
     pub splits: Option<usize>,
 }
 
-/// Checks split-KV + combine (variant `p`; and the naive kernel when `naive`) on one case
-/// against the f64 CPU reference: fresh random inputs, poisoned outputs and partials (NaN), bf16
-/// tolerance on the output (absolute part scaled by its RMS), 1e-3 on the LSE.
+/// Checks split-KV + combine for each of `variants` (and the naive kernel when `naive`) on one
+/// case against the f64 CPU reference, computed once: fresh random inputs, poisoned outputs and
+/// partials (NaN) per run, bf16 tolerance on the output (absolute part scaled by its RMS), 1e-3
+/// on the LSE.
 pub fn verify(
     t: &Target<'_>,
-    p: &VerifyParams,
+    variants: &[VerifyVariant],
     c: VerifyCase,
     naive: bool,
     rng: &mut StdRng,
@@ -190,18 +191,11 @@ pub fn verify(
     let (mask, words) = random_mask(rng, nodes, chain);
     let scale = 2.0047 / (192f32).sqrt();
     let (want, want_lse) = verify_attention_reference(&qf, &cf, &mask, words, nodes, heads, prefix, scale);
-    let splits = c
-        .splits
-        .unwrap_or_else(|| verify_splits(p, 132, rows, bound + nodes, usize::MAX));
     let (dq, dc, dm, dl) = (
         t.upload(&qh)?,
         t.upload(&ch)?,
         t.upload(&mask)?,
         t.upload(&[prefix as u32])?,
-    );
-    let case = format!(
-        "ctx={prefix} bound={bound} nodes={nodes} heads={heads} {} splits={splits}",
-        if chain { "chain" } else { "tree" }
     );
     let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
     let tol = Tolerance {
@@ -214,48 +208,67 @@ pub fn verify(
         atol: 1e-3,
         rel_l2: 1e-3,
     };
+    let kind = if chain { "chain" } else { "tree" };
     let mut out = Vec::new();
-    let mut po = t.upload(&vec![f32::NAN; splits * rows * LATENT])?;
-    let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
-    let mut o = poisoned_bf16(t, rows * LATENT)?;
-    let mut l = t.upload(&vec![f32::NAN; rows])?;
-    let grid = ((rows as u32).div_ceil(p.rows_per_block()), splits as u32);
-    let mut args = [
-        Arg::In(&dq),
-        Arg::In(&dc),
-        Arg::In(&dm),
-        Arg::In(&dl),
-        Arg::Out(&mut po),
-        Arg::Out(&mut pl),
-        Arg::from(rows as u32),
-        Arg::from(heads as u32),
-        Arg::from(nodes as u32),
-        Arg::from(words as u32),
-        Arg::from(scale),
-    ];
-    // SAFETY: q holds rows rows, the cache lens[0] + nodes rows, the mask nodes rows of words,
-    // the partials splits * rows rows.
-    unsafe { t.launch::<MlaVerifySplit>(p, grid, &mut args)? };
-    let mut args = [
-        Arg::In(&po),
-        Arg::In(&pl),
-        Arg::Out(&mut o),
-        Arg::Out(&mut l),
-        Arg::from(rows as u32),
-        Arg::from(splits as u32),
-    ];
-    // SAFETY: the partials of the split pass; out and lse hold rows rows.
-    unsafe { t.launch::<MlaVerifyCombine>(&(), (rows as u32, 16), &mut args)? };
-    let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
-    out.push(result::<MlaVerifySplit>(p, case.clone(), &got, &want, tol));
-    out.push(result::<MlaVerifySplit>(
-        p,
-        format!("{case} lse"),
-        &t.download(&l)?,
-        &want_lse,
-        ltol,
-    ));
+    for v in variants {
+        let splits = c
+            .splits
+            .unwrap_or_else(|| verify_splits(v, 132, rows, bound + nodes, usize::MAX));
+        let case = format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits}");
+        let mut po = t.upload(&vec![0x7fc0_7fc0u32; splits * rows * LATENT / 2])?;
+        let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
+        let mut o = poisoned_bf16(t, rows * LATENT)?;
+        let mut l = t.upload(&vec![f32::NAN; rows])?;
+        let grid = ((rows as u32).div_ceil(v.rows_per_block()), splits as u32);
+        let mut args = [
+            Arg::In(&dq),
+            Arg::In(&dc),
+            Arg::In(&dm),
+            Arg::In(&dl),
+            Arg::Out(&mut po),
+            Arg::Out(&mut pl),
+            Arg::from(rows as u32),
+            Arg::from(heads as u32),
+            Arg::from(nodes as u32),
+            Arg::from(words as u32),
+            Arg::from(scale),
+        ];
+        // SAFETY: q holds rows rows, the cache lens[0] + nodes rows, the mask nodes rows of
+        // words, the partials splits * rows rows.
+        unsafe {
+            match v {
+                VerifyVariant::Split(p) => t.launch::<MlaVerifySplit>(p, grid, &mut args)?,
+                VerifyVariant::Wide(p) => t.launch::<MlaVerifyWide>(p, grid, &mut args)?,
+            }
+        };
+        let mut args = [
+            Arg::In(&po),
+            Arg::In(&pl),
+            Arg::Out(&mut o),
+            Arg::Out(&mut l),
+            Arg::from(rows as u32),
+            Arg::from(splits as u32),
+        ];
+        // SAFETY: the partials of the split pass; out and lse hold rows rows.
+        unsafe { t.launch::<MlaVerifyCombine>(&(), (rows as u32, 8), &mut args)? };
+        let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
+        let got_lse = t.download(&l)?;
+        for (case, got, want, tol) in [
+            (case.clone(), &got, &want, tol),
+            (format!("{case} lse"), &got_lse, &want_lse, ltol),
+        ] {
+            let comparison = compare(got, want, tol);
+            out.push(CheckResult {
+                kernel: "mla_verify",
+                symbol: v.symbol(),
+                case,
+                passed: comparison.passed(tol),
+                comparison,
+            });
+        }
+    }
     if naive {
+        let case = format!("ctx={prefix} nodes={nodes} heads={heads} {kind}");
         let mut o = poisoned_bf16(t, rows * LATENT)?;
         let mut l = t.upload(&vec![f32::NAN; rows])?;
         let mut args = [
@@ -285,9 +298,9 @@ pub fn verify(
     Ok(out)
 }
 
-/// Every candidate of [`MlaVerifySplit`] (with [`MlaVerifyCombine`], and the naive kernel on
-/// the default candidate) at the sizes of `sizes`: nodes 1..64, heads 8 and 64, chains and
-/// random trees, ragged prefixes, a grid sized from a larger bound than the device length (empty
+/// Every candidate of [`MlaVerifySplit`] and [`MlaVerifyWide`] (with [`MlaVerifyCombine`]), and
+/// the naive kernel, at the sizes of `sizes`: nodes 1..64, heads 8 and 64, chains and random
+/// trees, ragged prefixes, a grid sized from a larger bound than the device length (empty
 /// splits), one and several splits. The full sizes add contexts up to 32K.
 pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let case = |prefix, bound, nodes, heads, chain, splits| VerifyCase {
@@ -303,6 +316,7 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
         case(37, 200, 6, 8, false, Some(3)),
         case(70, 70, 1, 64, true, Some(2)),
         case(5, 5, 64, 1, false, Some(2)),
+        case(200, 200, 2, 8, false, Some(1)),
     ];
     if sizes == Sizes::Full {
         cases.extend([
@@ -323,11 +337,10 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
         cases.push(case(9, 9, 3, 64, false, Some(1)));
         cases.push(case(5, 5, 40, 2, false, Some(2)));
     }
+    let variants = VerifyVariant::all();
     let mut out = Vec::new();
-    for (i, p) in MlaVerifySplit::space().iter().enumerate() {
-        for &c in &cases {
-            out.extend(verify(t, p, c, i == 0, rng)?);
-        }
+    for &c in &cases {
+        out.extend(verify(t, &variants, c, true, rng)?);
     }
     Ok(out)
 }

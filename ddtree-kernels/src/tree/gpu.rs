@@ -11,8 +11,8 @@ use half::bf16;
 
 use super::build::expansion_candidates;
 use super::{
-    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, TreeAccept, TreeBuild, TreeBuildParams,
-    VerifyParams, LATENT, MAX_K,
+    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept, TreeBuild,
+    TreeBuildParams, VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -309,23 +309,32 @@ impl GpuAccept {
     }
 }
 
-/// The split count [`GpuVerify::auto_splits`] picks for variant `p` on `sms` SMs: about one
-/// block per SM (a block's shared memory fills an SM), at least two tiles per split of the
-/// `keys` (an upper bound of the length), at most `max_rows_splits / rows`.
-pub fn verify_splits(p: &VerifyParams, sms: usize, rows: usize, keys: usize, max_rows_splits: usize) -> usize {
-    let row_blocks = rows.div_ceil(p.rows_per_block() as usize);
-    sms.div_ceil(row_blocks)
-        .clamp(1, keys.div_ceil(2 * p.bn as usize).max(1))
+/// The split count [`GpuVerify::auto_splits`] picks for variant `v` on `sms` SMs: at most one
+/// block per SM (a block's shared memory fills an SM, so one more block would start a second,
+/// mostly idle wave), at least one tile per split of the `keys` (an upper bound of the length;
+/// short contexts are latency-bound, so one tile per block is quickest), at most
+/// `max_rows_splits / rows`.
+pub fn verify_splits(v: &VerifyVariant, sms: usize, rows: usize, keys: usize, max_rows_splits: usize) -> usize {
+    let row_blocks = rows.div_ceil(v.rows_per_block() as usize);
+    (sms / row_blocks)
+        .clamp(1, keys.div_ceil(v.bn() as usize).max(1))
         .min(max_rows_splits / rows)
         .max(1)
 }
 
+/// A compiled split pass.
+enum SplitKernel {
+    Split(CompiledKernel<MlaVerifySplit>),
+    Wide(CompiledKernel<MlaVerifyWide>),
+}
+
 /// The verify attention: split-KV + combine for one variant and split count, or naive.
 pub struct GpuVerify {
-    split: CompiledKernel<MlaVerifySplit>,
+    variant: VerifyVariant,
+    split: SplitKernel,
     combine: CompiledKernel<MlaVerifyCombine>,
     naive: CompiledKernel<MlaVerifyNaive>,
-    part_o: CudaSlice<f32>,
+    part_o: CudaSlice<u32>,
     part_lse: CudaSlice<f32>,
     max_rows_splits: usize,
 }
@@ -348,28 +357,33 @@ pub struct VerifyShape {
 }
 
 impl GpuVerify {
-    /// Compiles variant `p` and allocates partials for up to `max_rows_splits` rows x splits.
-    pub fn new(gpu: &Gpu, p: &VerifyParams, max_rows_splits: usize) -> Result<GpuVerify, RuntimeError> {
+    /// Compiles variant `v` and allocates partials (bf16) for up to `max_rows_splits` rows x
+    /// splits.
+    pub fn new(gpu: &Gpu, v: &VerifyVariant, max_rows_splits: usize) -> Result<GpuVerify, RuntimeError> {
         let s = gpu.stream();
         Ok(GpuVerify {
-            split: gpu.compile::<MlaVerifySplit>(p)?,
+            variant: *v,
+            split: match v {
+                VerifyVariant::Split(p) => SplitKernel::Split(gpu.compile::<MlaVerifySplit>(p)?),
+                VerifyVariant::Wide(p) => SplitKernel::Wide(gpu.compile::<MlaVerifyWide>(p)?),
+            },
             combine: gpu.compile::<MlaVerifyCombine>(&())?,
             naive: gpu.compile::<MlaVerifyNaive>(&())?,
-            part_o: zeros(s, max_rows_splits * LATENT)?,
+            part_o: zeros(s, max_rows_splits * LATENT / 2)?,
             part_lse: zeros(s, max_rows_splits)?,
             max_rows_splits,
         })
     }
 
-    /// The variant's parameters.
-    pub fn params(&self) -> &VerifyParams {
-        self.split.params()
+    /// The variant.
+    pub fn variant(&self) -> &VerifyVariant {
+        &self.variant
     }
 
     /// The split count of [`verify_splits`] for the upper bound `sh.prefix` of the length.
     pub fn auto_splits(&self, sms: usize, sh: &VerifyShape) -> usize {
         verify_splits(
-            self.split.params(),
+            &self.variant,
             sms,
             sh.nodes * sh.heads,
             sh.prefix + sh.nodes,
@@ -396,32 +410,23 @@ impl GpuVerify {
     ) -> Result<(), RuntimeError> {
         let rows = sh.nodes * sh.heads;
         assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1 && splits >= 1);
-        let grid = (
-            (rows as u32).div_ceil(self.split.params().rows_per_block()),
-            splits as u32,
-        );
+        let grid = ((rows as u32).div_ceil(self.variant.rows_per_block()), splits as u32);
+        let (po, pl) = (&mut self.part_o, &mut self.part_lse);
+        let (r, h, n, w) = (rows as u32, sh.heads as u32, sh.nodes as u32, sh.words as u32);
         // SAFETY: shapes as documented; partials hold rows * splits rows.
         unsafe {
-            MlaVerifySplit::launch(
-                &self.split,
-                s,
-                grid,
-                q,
-                cache,
-                mask,
-                lens,
-                &mut self.part_o,
-                &mut self.part_lse,
-                rows as u32,
-                sh.heads as u32,
-                sh.nodes as u32,
-                sh.words as u32,
-                sh.scale,
-            )?;
+            match &self.split {
+                SplitKernel::Split(k) => {
+                    MlaVerifySplit::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)?
+                }
+                SplitKernel::Wide(k) => {
+                    MlaVerifyWide::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)?
+                }
+            }
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
-                (rows as u32, 16),
+                (rows as u32, 8),
                 &self.part_o,
                 &self.part_lse,
                 out,

@@ -18,6 +18,8 @@ pub mod verify_attn;
 
 pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
-pub use verify_attn::{MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, VerifyParams};
+pub use verify_attn::{
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, VerifyParams, VerifyVariant, WideParams,
+};
 pub mod check;
 pub mod gpu;

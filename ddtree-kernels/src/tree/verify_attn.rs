@@ -14,10 +14,14 @@
 //! read from DRAM once per split for up to 64 rows. Tensor cores (`mma.sync` m16n8k16 bf16,
 //! operands through `ldmatrix`): per row group of 16 rows, four warps split the 576-dim score
 //! reduction (summed through shared memory in a fixed order, so they agree), and each then owns
-//! 128 of the 512 output columns for `P V`; online softmax in f32. [`MlaVerifyCombine`] merges
-//! the split partials by their log-sum-exp.
+//! 128 of the 512 output columns for `P V`; online softmax in f32. [`MlaVerifyWide`]: the same
+//! split pass with each warp doing the whole 576-dim score reduction for its 16 rows and part of
+//! the tile's keys, the probabilities passed through a bf16 tile in shared memory, and each warp
+//! owning 64 output columns of every row for `P V` (each value byte read from shared memory once
+//! per tile). [`MlaVerifyCombine`] merges the split partials (bf16) by their log-sum-exp.
 
 use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
 use ddtree_macros::{kernel, KernelParams};
 
 use crate::common::warp_sum;
@@ -54,7 +58,8 @@ impl VerifyParams {
 /// `chunk = ceil(total / splits)` rounded up to `bn`, split `s` covers keys
 /// `[s * chunk, min((s + 1) * chunk, total))` (possibly none). Iteration `it` issues the load of
 /// tile `it` and computes tile `it - (stages - 1)`, so `stages - 1` tiles are in flight while one
-/// is computed. Writes normalized partial outputs `part_o` (`[splits, rows, 512]` f32) and
+/// is computed. Writes normalized partial outputs `part_o` (`[splits, rows, 512]` bf16, as
+/// pairs in `u32`) and
 /// partial natural log-sum-exp `part_lse` (`[splits, rows]`, -inf when the split saw no key).
 #[kernel(block = p.rg * 128, dyn_smem = p.dyn_smem(), space = [
     VerifyParams { rg: 4, bn: 32, stages: 2 },
@@ -69,7 +74,7 @@ pub fn mla_verify_split(
     cache: &[bf16],
     mask: &[u32],
     lens: &[u32],
-    part_o: &mut [f32],
+    part_o: &mut [u32],
     part_lse: &mut [f32],
     rows: u32,
     heads: u32,
@@ -286,12 +291,10 @@ pub fn mla_verify_split(
     for t in 0..16 {
         let col = cg * 128 + t * 8 + qd * 2;
         if ra < rows {
-            part_o[(split * rows + ra) * 512 + col] = acc[t][0] * inv_a;
-            part_o[(split * rows + ra) * 512 + col + 1] = acc[t][1] * inv_a;
+            part_o[((split * rows + ra) * 512 + col) / 2] = pack_bf16x2(acc[t][0] * inv_a, acc[t][1] * inv_a);
         }
         if rb < rows {
-            part_o[(split * rows + rb) * 512 + col] = acc[t][2] * inv_b;
-            part_o[(split * rows + rb) * 512 + col + 1] = acc[t][3] * inv_b;
+            part_o[((split * rows + rb) * 512 + col) / 2] = pack_bf16x2(acc[t][2] * inv_b, acc[t][3] * inv_b);
         }
     }
     if cg == 0 && qd == 0 {
@@ -313,35 +316,452 @@ pub fn mla_verify_split(
     }
 }
 
-/// Merges the split partials: grid = `(rows, 16)`, 128 threads. Block `(r, y)` owns the 32
-/// output columns `32 y ..` of row `r` (one per lane); its four warps take every fourth split,
-/// so many independent partial loads are in flight, and sum through shared memory. Writes `out`
-/// (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
+/// Compile-time parameters of [`MlaVerifyWide`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct WideParams {
+    /// Row groups of 16 query rows per block: 2 or 4 (8 warps either way).
+    pub rg: u32,
+    /// KV tile (keys per step): 32 or 64.
+    pub bn: u32,
+    /// Depth of the shared-memory tile ring, >= 2.
+    pub stages: u32,
+    /// Query rows per warp in `Q K^T`: 16 (all 8 warps), or 32 (4 warps; each key fragment
+    /// serves two row tiles, so the tile is read half as often).
+    pub qk: u32,
+}
+
+impl WideParams {
+    /// Query rows per block.
+    pub const fn rows_per_block(&self) -> u32 {
+        16 * self.rg
+    }
+
+    /// Bytes of dynamic shared memory: the Q tile plus the KV ring, bf16.
+    pub const fn dyn_smem(&self) -> u32 {
+        (self.rg * 16 + self.stages * self.bn) * 576 * 2
+    }
+}
+
+/// Split-KV pass with full-width warps: the same grid, inputs and partial outputs as
+/// [`MlaVerifySplit`], 8 warps. For `Q K^T` each warp owns `qk` query rows (16: all 8 warps;
+/// 32: warps 0..4) and `bn / (8 / rg)` keys of the tile over all 576 dims, so no partial
+/// scores cross warps; the row maxima of a
+/// tile meet in shared memory, and the probabilities go to a bf16 `P` tile there. For `P V`
+/// each warp owns all `16 rg` rows and 64 of the 512 output columns, so every value byte is read
+/// from shared memory once per tile (the dim-split kernel reads it once per 16 rows). Partial
+/// outputs are bf16 pairs, as [`MlaVerifyCombine`] reads them.
+#[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
+    WideParams { rg: 4, bn: 64, stages: 2, qk: 16 },
+    WideParams { rg: 4, bn: 64, stages: 2, qk: 32 },
+    WideParams { rg: 4, bn: 32, stages: 4, qk: 16 },
+    WideParams { rg: 4, bn: 32, stages: 3, qk: 16 },
+    WideParams { rg: 2, bn: 64, stages: 2, qk: 16 },
+])]
+pub fn mla_verify_wide(
+    #[comptime] p: &WideParams,
+    q: &[bf16],
+    cache: &[bf16],
+    mask: &[u32],
+    lens: &[u32],
+    part_o: &mut [u32],
+    part_lse: &mut [f32],
+    rows: u32,
+    heads: u32,
+    nodes: u32,
+    words: u32,
+    scale: f32,
+) {
+    comptime_assert!(p.rg == 2 || p.rg == 4, "rg must be 2 or 4");
+    comptime_assert!(p.bn == 32 || p.bn == 64, "bn must be 32 or 64");
+    comptime_assert!(p.bn * p.rg >= 128, "each warp needs at least 16 keys of the tile");
+    comptime_assert!(p.stages >= 2, "stages must be at least 2");
+    comptime_assert!(
+        p.qk == 16 || (p.qk == 32 && p.rg == 4),
+        "qk must be 16, or 32 at rg = 4"
+    );
+    comptime_assert!(
+        (p.rg * 16 + p.stages * p.bn) * 1152 + p.rg * 16 * (p.bn + 8) * 2 + 4 * 64 * 4 + 2 * 64 * 4 <= 232448,
+        "shared memory is limited to 227 KiB per block"
+    );
+    let rpb = p.rg * 16;
+    // Warps per `Q K^T` row group (splitting the tile's keys), keys per warp, row tiles per
+    // warp; warps `8 / mr ..` sit out `Q K^T`.
+    let kq = 8 / p.rg;
+    let kw = p.bn / kq;
+    let mr = p.qk / 16;
+    // u32 (bf16 pairs) per row of the P tile, padded against bank conflicts.
+    let psw = (p.bn + 8) / 2;
+    // Q tile `[16 rg, 576]` at 0, then the ring of `stages` tiles `[bn, 576]`; rows of 72
+    // 16-byte chunks, chunk `c` of row `r` stored at `c ^ (r % 8)` (conflict-free ldmatrix).
+    let sm = dyn_shared::<bf16>();
+    let ring = rpb * 576;
+    let sp = shared::<u32>(p.rg * 16 * ((p.bn + 8) / 2));
+    let smax = shared::<f32>(4 * 64);
+    let salpha = shared::<f32>(64);
+    let sstat = shared::<f32>(64);
+    let tid = thread_idx_x();
+    let lane = lane_id();
+    let warp = warp_id();
+    let rgi = warp / kq;
+    let kqi = warp % kq;
+    let key0 = kqi * kw;
+    let qkw = warp < 8 / mr;
+    let g = lane / 4;
+    let qd = lane % 4;
+    let blk0 = block_idx_x() * rpb;
+    let prefix = lens[0];
+    let total = prefix + nodes;
+    let splits = grid_dim_y();
+    let chunk = ((total + splits - 1) / splits + p.bn - 1) / p.bn * p.bn;
+    let kv0 = block_idx_y() * chunk;
+    let kv1 = (kv0 + chunk).min(total);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    // This thread's `Q K^T` rows `i`: `16 (i / 2) + g + 8 (i % 2)` of its row group, and their nodes.
+    let mut lr = [0u32; mr * 2];
+    let mut node = [0u32; mr * 2];
+    #[unroll]
+    for i in 0..mr * 2 {
+        lr[i] = rgi * p.qk + (i / 2) * 16 + g + (i % 2) * 8;
+        node[i] = ((blk0 + lr[i]) / heads).min(nodes - 1);
+    }
+
+    // The block's query rows (zero past `rows`): the oldest cp.async group.
+    for ch in (tid..rpb * 72).step_by(256) {
+        let r = ch / 72;
+        let c = ch % 72;
+        let ok = blk0 + r < rows;
+        let src = if ok { (blk0 + r) * 576 + c * 8 } else { 0u32 };
+        cp_async_16_zfill(&mut sm[r * 576 + (c ^ (r % 8)) * 8], &q[src], ok);
+    }
+    cp_async_commit();
+
+    // P V accumulators: rows `16 mt + g (+ 8)` of the block, columns `64 warp + 8 n + 2 qd`.
+    let mut acc = [[0.0f32; 4]; p.rg * 8];
+    let mut s = [[0.0f32; 4]; mr * kw / 8];
+    let mut qa = [[0u32; 4]; mr];
+    let mut bq = [0u32; 4];
+    let mut b = [0u32; 2];
+    let mut b2 = [0u32; 2];
+    let mut pa = [[0u32; 4]; p.rg];
+    let mut al = [0.0f32; p.rg * 2];
+    let mut m = [f32::NEG_INFINITY; mr * 2];
+    let mut l = [0.0f32; mr * 2];
+    let mut mx = [0.0f32; mr * 2];
+
+    let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
+    for it in 0..ntiles + p.stages - 1 {
+        // Tile `it - (stages - 1)` (and the Q tile) has landed, and every warp is done with
+        // tile `it - stages`, whose slot tile `it` reuses, and with the last P tile.
+        cp_async_wait(p.stages - 2);
+        sync_threads();
+        if it < ntiles {
+            let ld = ring + (it % p.stages) * p.bn * 576;
+            let kl = kv0 + it * p.bn;
+            for ch in (tid..p.bn * 72).step_by(256) {
+                let r = ch / 72;
+                let c = ch % 72;
+                let ok = kl + r < kv1;
+                let src = if ok { (kl + r) * 576 + c * 8 } else { 0u32 };
+                cp_async_16_zfill(&mut sm[ld + r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+            }
+        }
+        cp_async_commit();
+        if it + 1 >= p.stages {
+            let ti = it + 1 - p.stages;
+            let kt = kv0 + ti * p.bn;
+            let st = ring + (ti % p.stages) * p.bn * 576;
+
+            // Scores of this warp's `qk` rows and `kw` keys over all 576 dims; row maxima.
+            let nj = kw / 8;
+            if qkw {
+                #[unroll]
+                for j in 0..mr * nj {
+                    #[unroll]
+                    for e in 0..4 {
+                        s[j][e] = 0.0f32;
+                    }
+                }
+                #[unroll]
+                for kk in 0..36 {
+                    #[unroll]
+                    for mi in 0..mr {
+                        let qr = rgi * p.qk + mi * 16 + lane % 16;
+                        let qc = kk * 2 + lane / 16;
+                        ldmatrix_x4(&mut qa[mi], &sm[qr * 576 + (qc ^ (qr % 8)) * 8]);
+                    }
+                    #[unroll]
+                    for jp in 0..kw / 16 {
+                        let r = key0 + jp * 16 + (lane / 16) * 8 + lane % 8;
+                        let c = kk * 2 + (lane / 8) % 2;
+                        ldmatrix_x4(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                        b[0] = bq[0];
+                        b[1] = bq[1];
+                        b2[0] = bq[2];
+                        b2[1] = bq[3];
+                        #[unroll]
+                        for mi in 0..mr {
+                            mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp], &qa[mi], &b);
+                            mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp + 1], &qa[mi], &b2);
+                        }
+                    }
+                }
+                // Mask (the mask words are read for tree keys only) and this warp's row maxima.
+                #[unroll]
+                for i in 0..mr * 2 {
+                    mx[i] = f32::NEG_INFINITY;
+                }
+                #[unroll]
+                for mi in 0..mr {
+                    #[unroll]
+                    for j in 0..nj {
+                        #[unroll]
+                        for e in 0..4 {
+                            let i = mi * 2 + e / 2;
+                            let key = kt + key0 + j * 8 + qd * 2 + e % 2;
+                            let t = key - prefix;
+                            let vis =
+                                key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
+                            s[mi * nj + j][e] = if vis {
+                                s[mi * nj + j][e] * scale_log2
+                            } else {
+                                f32::NEG_INFINITY
+                            };
+                            mx[i] = mx[i].max(s[mi * nj + j][e]);
+                        }
+                    }
+                }
+                #[unroll]
+                for i in 0..mr * 2 {
+                    mx[i] = mx[i].max(shfl_xor(mx[i], 1u32));
+                    mx[i] = mx[i].max(shfl_xor(mx[i], 2u32));
+                    if qd == 0 {
+                        smax[kqi * 64 + lr[i]] = mx[i];
+                    }
+                }
+            }
+            sync_threads();
+
+            // Online softmax: every warp of a row group forms the same new maxima.
+            if qkw {
+                #[unroll]
+                for i in 0..mr * 2 {
+                    let mut mn = m[i];
+                    #[unroll]
+                    for k in 0..kq {
+                        mn = mn.max(smax[k * 64 + lr[i]]);
+                    }
+                    // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+                    let base = if mn == f32::NEG_INFINITY { 0.0f32 } else { mn };
+                    let alpha = (m[i] - base).exp2();
+                    m[i] = mn;
+                    l[i] *= alpha;
+                    // `mx` now holds the exponent base.
+                    mx[i] = base;
+                    if kqi == 0 && qd == 0 {
+                        salpha[lr[i]] = alpha;
+                    }
+                }
+                #[unroll]
+                for mi in 0..mr {
+                    #[unroll]
+                    for j in 0..nj {
+                        let x = mi * nj + j;
+                        s[x][0] = (s[x][0] - mx[2 * mi]).exp2();
+                        s[x][1] = (s[x][1] - mx[2 * mi]).exp2();
+                        s[x][2] = (s[x][2] - mx[2 * mi + 1]).exp2();
+                        s[x][3] = (s[x][3] - mx[2 * mi + 1]).exp2();
+                        l[2 * mi] += s[x][0] + s[x][1];
+                        l[2 * mi + 1] += s[x][2] + s[x][3];
+                        let pc = (key0 + j * 8 + qd * 2) / 2;
+                        sp[lr[2 * mi] * psw + pc] = pack_bf16x2(s[x][0], s[x][1]);
+                        sp[lr[2 * mi + 1] * psw + pc] = pack_bf16x2(s[x][2], s[x][3]);
+                    }
+                }
+            }
+            sync_threads();
+
+            // P V over all rows and this warp's 64 output columns.
+            #[unroll]
+            for mt in 0..p.rg {
+                al[2 * mt] = salpha[mt * 16 + g];
+                al[2 * mt + 1] = salpha[mt * 16 + g + 8];
+            }
+            let mut settled = true;
+            #[unroll]
+            for i in 0..p.rg * 2 {
+                settled = settled && al[i] == 1.0f32;
+            }
+            // Once the row maxima settle (most tiles of a long context), skip the rescale.
+            if !vote_all(settled) {
+                #[unroll]
+                for mt in 0..p.rg {
+                    #[unroll]
+                    for n in 0..8 {
+                        acc[mt * 8 + n][0] *= al[2 * mt];
+                        acc[mt * 8 + n][1] *= al[2 * mt];
+                        acc[mt * 8 + n][2] *= al[2 * mt + 1];
+                        acc[mt * 8 + n][3] *= al[2 * mt + 1];
+                    }
+                }
+            }
+            #[unroll]
+            for kk in 0..p.bn / 16 {
+                #[unroll]
+                for mt in 0..p.rg {
+                    ldmatrix_x4(&mut pa[mt], &sp[(mt * 16 + lane % 16) * psw + kk * 8 + (lane / 16) * 4]);
+                }
+                #[unroll]
+                for t2 in 0..4 {
+                    let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+                    let c = warp * 8 + t2 * 2 + lane / 16;
+                    ldmatrix_x4_trans(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    b[0] = bq[0];
+                    b[1] = bq[1];
+                    b2[0] = bq[2];
+                    b2[1] = bq[3];
+                    #[unroll]
+                    for mt in 0..p.rg {
+                        mma_m16n8k16_bf16(&mut acc[mt * 8 + 2 * t2], &pa[mt], &b);
+                        mma_m16n8k16_bf16(&mut acc[mt * 8 + 2 * t2 + 1], &pa[mt], &b2);
+                    }
+                }
+            }
+        }
+    }
+
+    // Row sums (this warp's keys; the row group's warps meet in shared memory) and maxima.
+    if qkw {
+        #[unroll]
+        for i in 0..mr * 2 {
+            l[i] += shfl_xor(l[i], 1u32);
+            l[i] += shfl_xor(l[i], 2u32);
+            if qd == 0 {
+                smax[kqi * 64 + lr[i]] = l[i];
+                if kqi == 0 {
+                    sstat[lr[i]] = m[i];
+                }
+            }
+        }
+    }
+    sync_threads();
+    let split = block_idx_y();
+    #[unroll]
+    for i in 0..p.rg * 2 {
+        let rl = (i / 2) * 16 + g + (i % 2) * 8;
+        let mut ls = 0.0f32;
+        #[unroll]
+        for k in 0..kq {
+            ls += smax[k * 64 + rl];
+        }
+        let inv = if ls > 0.0f32 { 1.0f32 / ls } else { 0.0f32 };
+        let row = blk0 + rl;
+        if row < rows {
+            #[unroll]
+            for n in 0..8 {
+                let col = warp * 64 + n * 8 + qd * 2;
+                let a = acc[(i / 2) * 8 + n][(i % 2) * 2];
+                let c = acc[(i / 2) * 8 + n][(i % 2) * 2 + 1];
+                part_o[((split * rows + row) * 512 + col) / 2] = pack_bf16x2(a * inv, c * inv);
+            }
+        }
+    }
+    if tid < rpb && blk0 + tid < rows {
+        let mut ls = 0.0f32;
+        #[unroll]
+        for k in 0..kq {
+            ls += smax[k * 64 + tid];
+        }
+        part_lse[split * rows + blk0 + tid] = if ls > 0.0f32 {
+            (sstat[tid] + ls.log2()) * std::f32::consts::LN_2
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+}
+
+/// A split-pass variant: [`MlaVerifySplit`] or [`MlaVerifyWide`]. Both take the same arguments
+/// and grid shape and write the same partials for [`MlaVerifyCombine`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyVariant {
+    /// The dim-split kernel.
+    Split(VerifyParams),
+    /// The full-width kernel.
+    Wide(WideParams),
+}
+
+impl Default for VerifyVariant {
+    /// The safe default: the full-width kernel's first candidate.
+    fn default() -> VerifyVariant {
+        VerifyVariant::Wide(MlaVerifyWide::default_params())
+    }
+}
+
+impl VerifyVariant {
+    /// Every candidate of both kernels, the default first.
+    pub fn all() -> Vec<VerifyVariant> {
+        let wide = MlaVerifyWide::space().into_iter().map(VerifyVariant::Wide);
+        wide.chain(MlaVerifySplit::space().into_iter().map(VerifyVariant::Split))
+            .collect()
+    }
+
+    /// Query rows per block.
+    pub fn rows_per_block(&self) -> u32 {
+        match self {
+            VerifyVariant::Split(p) => p.rows_per_block(),
+            VerifyVariant::Wide(p) => p.rows_per_block(),
+        }
+    }
+
+    /// Keys per tile.
+    pub fn bn(&self) -> u32 {
+        match self {
+            VerifyVariant::Split(p) => p.bn,
+            VerifyVariant::Wide(p) => p.bn,
+        }
+    }
+
+    /// The kernel symbol.
+    pub fn symbol(&self) -> String {
+        match self {
+            VerifyVariant::Split(p) => MlaVerifySplit::symbol(p),
+            VerifyVariant::Wide(p) => MlaVerifyWide::symbol(p),
+        }
+    }
+}
+
+/// Merges the split partials: grid = `(rows, 8)`, 128 threads. Block `(r, y)` owns the 64
+/// output columns `64 y ..` of row `r` (a bf16 pair per lane); its four warps take every fourth
+/// split, so many independent partial loads are in flight, and sum through shared memory.
+/// Writes `out` (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
 #[kernel(block = 128)]
-pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
+pub fn mla_verify_combine(part_o: &[u32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
     let r = block_idx_x();
     let lane = lane_id();
     let warp = warp_id();
-    let col = block_idx_y() * 32 + lane;
+    let col = block_idx_y() * 64 + lane * 2;
     let mut m = f32::NEG_INFINITY;
     for sidx in 0..splits {
         m = m.max(part_lse[sidx * rows + r]);
     }
     // A split that saw no key has weight 0 and a zero partial.
     let mut wsum = 0.0f32;
-    let mut o = 0.0f32;
+    let mut o0 = 0.0f32;
+    let mut o1 = 0.0f32;
     for sidx in (warp..splits).step_by(4) {
         let ls = part_lse[sidx * rows + r];
         // Splits past the device-side length saw no key: skip their partials.
         if ls != f32::NEG_INFINITY {
             let w = (ls - m).exp();
+            let pr = part_o[((sidx * rows + r) * 512 + col) / 2];
             wsum += w;
-            o += w * part_o[(sidx * rows + r) * 512 + col];
+            o0 += w * bf16_lo(pr);
+            o1 += w * bf16_hi(pr);
         }
     }
-    let so = shared::<f32>(4 * 32);
+    let so = shared::<f32>(4 * 64);
     let sw = shared::<f32>(4);
-    so[warp * 32 + lane] = o;
+    so[warp * 64 + lane * 2] = o0;
+    so[warp * 64 + lane * 2 + 1] = o1;
     if lane == 0 {
         sw[warp] = wsum;
     }
@@ -349,7 +769,11 @@ pub fn mla_verify_combine(part_o: &[f32], part_lse: &[f32], out: &mut [bf16], ls
     if warp == 0 {
         let ws = sw[0] + sw[1] + sw[2] + sw[3];
         let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
-        out[r * 512 + col] = ((so[lane] + so[32 + lane] + so[64 + lane] + so[96 + lane]) * inv) as bf16;
+        #[unroll]
+        for e in 0..2 {
+            let c = lane * 2 + e;
+            out[r * 512 + block_idx_y() * 64 + c] = ((so[c] + so[64 + c] + so[128 + c] + so[192 + c]) * inv) as bf16;
+        }
         if lane == 0 && block_idx_y() == 0 {
             lse[r] = m + ws.ln();
         }

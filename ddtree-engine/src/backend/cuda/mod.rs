@@ -310,23 +310,17 @@ const MLA_ABSORB_QUERY_MAX_ROWS: usize = 4;
 /// GEMM: 7.5 vs 8.6 µs at 1 token, 10.9 vs 8.1 at 4 on the H200.
 const MLA_ABSORB_OUTPUT_MAX_ROWS: usize = 2;
 
-/// The verify attention variant for `rows` (node, head) query rows, from the H200 timings of
-/// `tree-bench` (BENCHMARKS.md, best variant per case): 32 rows per block and 64-key tiles up
-/// to one node of 64 heads, 64 rows per block and a 3-deep ring of 32-key tiles above it.
-fn verify_variant(rows: usize) -> tree::VerifyParams {
-    if rows <= 64 {
-        tree::VerifyParams {
-            rg: 2,
-            bn: 64,
-            stages: 2,
-        }
-    } else {
-        tree::VerifyParams {
-            rg: 4,
-            bn: 32,
-            stages: 3,
-        }
-    }
+/// The verify attention variant for `rows` (node, head) query rows: the full-width split pass
+/// (`mla_verify_wide`), 32 rows per block up to 32 rows, else 64 (all 64 heads of a node) with
+/// a 2-deep ring of 64-key tiles. To be confirmed per row count with `tree-bench`'s candidate
+/// table (BENCHMARKS.md).
+fn verify_variant(rows: usize) -> tree::VerifyVariant {
+    tree::VerifyVariant::Wide(tree::WideParams {
+        rg: if rows <= 32 { 2 } else { 4 },
+        bn: 64,
+        stages: 2,
+        qk: 16,
+    })
 }
 
 /// Split count of the verify attention's partial buffers: rows x splits.
@@ -1642,7 +1636,7 @@ impl Backend for CudaBackend {
             let mut st = self.state();
             let st = &mut *st;
             let p = verify_variant(n * d.heads);
-            let at = match st.verify.iter().position(|v| *v.params() == p) {
+            let at = match st.verify.iter().position(|v| *v.variant() == p) {
                 Some(i) => i,
                 None => {
                     st.graphs.replaced("the verify attention partials");
