@@ -1,17 +1,15 @@
 //! `kernel-check --decode-ops`: the small ops of a Kimi K2.6 decode step, each new kernel next to
-//! what it replaces, at T = 1, 4 and 16 tokens, and every bf16 GEMV candidate on the decode
-//! step's products at T = 1, 2, 4 and 16 (cold L2: a flush buffer is overwritten before every
-//! timed run). Prints µs and the weight/activation bytes moved per µs (GB/s), for the GEMVs also
-//! the % of the copy bandwidth.
+//! what it replaces, at T = 1, 4 and 16 tokens (cold L2: a flush buffer is overwritten before
+//! every timed run). Prints µs and the weight/activation bytes moved per µs (GB/s).
 
 use ddtree_codegen::Kernel;
 use ddtree_kernels::attention::{mla, mla_absorb};
-use ddtree_kernels::gemv;
+use ddtree_kernels::gemv::{self, GemvChoice};
+use ddtree_kernels::residual;
 use ddtree_kernels::{
-    fill, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32, GemvSiluMul, MlaAbsorbOutput,
-    MlaAbsorbQuery, MlaKvAppend, RmsNorm, RopeInterleaved, SiluMulSplit,
+    fill, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32, GemvSplitBf16, GemvSplitF32,
+    MlaAbsorbOutput, MlaAbsorbQuery, MlaKvAppend, RmsNorm, RopeInterleaved,
 };
-use ddtree_kernels::{residual, silu_mul};
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::CudaSlice;
 use ddtree_runtime::timing::median_us_flushed;
@@ -65,6 +63,7 @@ fn row(op: &str, t: usize, what: &str, us: f64, bytes: f64) {
 /// Times the decode ops; see the module docs.
 pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
     let s = gpu.stream();
+    let sms = gpu.fingerprint().sm_count as usize;
     let blas = Blas::new(gpu)?;
     let mut b = Bufs {
         gpu,
@@ -211,7 +210,95 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         row("mla_output", t, "cuBLAS batched (old path)", us, w_bytes);
     }
 
-    gemv_bench(gpu, &blas, &mut b, &mut flush)?;
+    // GEMVs: the per-column kernel (the old choice) next to `gemv::choose`.
+    for (n, k) in [
+        (1536, HIDDEN),
+        (576, HIDDEN),
+        (12288, 1536),
+        (HIDDEN, 8192),
+        (48, HIDDEN),
+        (384, HIDDEN),
+    ] {
+        let w = b.bf16(n * k)?;
+        for t in [1usize, 4] {
+            let a = b.bf16(t * k)?;
+            let mut out = b.bf16(t * n)?;
+            let mut out_f = b.f32(t * n, 0.0, 1.0)?;
+            let bytes = (2 * n * k) as f64;
+            let f32_out = n <= 384;
+            let op = format!("linear{} {k}->{n}", if f32_out { "_f32" } else { "" });
+            let m = t.next_power_of_two() as u32;
+            let old = <GemvBf16 as Kernel>::space().into_iter().find(|p| p.m == m).expect("m");
+            let ko = gpu.compile::<GemvBf16>(&old)?;
+            let kf = gpu.compile::<GemvBf16F32>(&old)?;
+            let us = time(&mut flush, &mut || {
+                // SAFETY: a [t, k], w [n, k], out [t, n].
+                unsafe {
+                    if f32_out {
+                        GemvBf16F32::launch(
+                            &kf,
+                            s,
+                            gemv::grid(&old, n as u32),
+                            &a,
+                            &w,
+                            &mut out_f,
+                            t as u32,
+                            n as u32,
+                            k as u32,
+                        )
+                    } else {
+                        GemvBf16::launch(
+                            &ko,
+                            s,
+                            gemv::grid(&old, n as u32),
+                            &a,
+                            &w,
+                            &mut out,
+                            t as u32,
+                            n as u32,
+                            k as u32,
+                        )
+                    }
+                }
+            })?;
+            row(&op, t, &format!("{} (old)", GemvBf16::symbol(&old)), us, bytes);
+            if let Some(GemvChoice::Split(p)) = gemv::choose(t, n, k, sms) {
+                let ks = gpu.compile::<GemvSplitBf16>(&p)?;
+                let ksf = gpu.compile::<GemvSplitF32>(&p)?;
+                let us = time(&mut flush, &mut || {
+                    // SAFETY: as above.
+                    unsafe {
+                        if f32_out {
+                            GemvSplitF32::launch(
+                                &ksf,
+                                s,
+                                gemv::split_grid(&p, n as u32),
+                                &a,
+                                &w,
+                                &mut out_f,
+                                t as u32,
+                                n as u32,
+                                k as u32,
+                            )
+                        } else {
+                            GemvSplitBf16::launch(
+                                &ks,
+                                s,
+                                gemv::split_grid(&p, n as u32),
+                                &a,
+                                &w,
+                                &mut out,
+                                t as u32,
+                                n as u32,
+                                k as u32,
+                            )
+                        }
+                    }
+                })?;
+                row(&op, t, &format!("{} (new)", GemvSplitBf16::symbol(&p)), us, bytes);
+            }
+        }
+    }
 
     // Norms: default variant next to the row-in-registers one.
     let nw = b.bf16(HIDDEN)?;
@@ -289,122 +376,6 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 us,
                 (4 * t * (LORA + ROPE)) as f64,
             );
-        }
-    }
-    Ok(())
-}
-
-/// What a GEMV row of the table computes.
-#[derive(Clone, Copy, PartialEq)]
-enum GemvOut {
-    Bf16,
-    F32,
-    /// The fused gate/up with SiLU-and-mul ([`GemvSiluMul`]).
-    Gated,
-}
-
-/// The bf16 products of a Kimi K2.6 decode step (per layer: `q_a`, `kv_a`, `q_b`, `o_proj`, the
-/// shared expert's fused gate/up and down, the router; once: the LM head) at T = 1, 2, 4 and 16:
-/// every GEMV candidate of the row count's `m` (µs, GB/s of weight bytes, % of the copy
-/// bandwidth; `best` marks the fastest candidate, `chosen` what [`gemv::choose`] picks, which the
-/// engine runs up to 8 rows, cuBLAS above) next to cuBLAS (for the gated product: the unfused
-/// path, the chosen GEMV for gate and for up, then `silu_mul`).
-fn gemv_bench(gpu: &Gpu, blas: &Blas, b: &mut Bufs<'_>, flush: &mut CudaSlice<u8>) -> Result<(), RuntimeError> {
-    let s = gpu.stream();
-    let sms = gpu.fingerprint().sm_count as usize;
-    let copy = ddtree_runtime::timing::copy_bandwidth(gpu)?;
-    println!("\ncopy bandwidth (device to device, read + write): {copy:.0} GB/s");
-    println!("\n| product | T | kernel | µs | GB/s | % of copy | |");
-    println!("|---|---:|---|---:|---:|---:|---|");
-    let silu = gpu.compile::<SiluMulSplit>(&<SiluMulSplit as Kernel>::space()[0])?;
-    let shapes = [
-        ("q_a", 1536, HIDDEN, GemvOut::Bf16),
-        ("kv_a", LORA + ROPE, HIDDEN, GemvOut::Bf16),
-        ("q_b", HEADS * (NOPE + ROPE), 1536, GemvOut::Bf16),
-        ("o_proj", HIDDEN, HEADS * V, GemvOut::Bf16),
-        ("shared gate+up", 2048, HIDDEN, GemvOut::Gated),
-        ("shared down", HIDDEN, 2048, GemvOut::Bf16),
-        ("router", 48, HIDDEN, GemvOut::F32),
-        ("router (384)", 384, HIDDEN, GemvOut::F32),
-        ("lm_head", 163840, HIDDEN, GemvOut::F32),
-    ];
-    for (name, n, k, kind) in shapes {
-        let gated = kind == GemvOut::Gated;
-        let w = b.bf16(n * k)?;
-        // The up weight of the gated product (a stand-in of one chunk otherwise).
-        let w_up = b.bf16(if gated { n * k } else { 8 })?;
-        let bytes = (2 * n * k * if gated { 2 } else { 1 }) as f64;
-        let op = format!("{name} {k}->{n}{}", if gated { " x2" } else { "" });
-        for t in [1usize, 2, 4, 16] {
-            let a = b.bf16(t * k)?;
-            let mut out = b.bf16(t * n)?;
-            let mut out_f = b.f32(t * n, 0.0, 1.0)?;
-            let (r, n32, k32) = (t as u32, n as u32, k as u32);
-            let mut rows = Vec::new();
-            let m = t.next_power_of_two() as u32;
-            for p in gemv::GEMV_SPACE.iter().filter(|p| p.m == m) {
-                let grid = gemv::grid(p, n32);
-                let us = match kind {
-                    GemvOut::Bf16 => {
-                        let kern = gpu.compile::<GemvBf16>(p)?;
-                        // SAFETY (all three): a [t, k], w and w_up [n, k], out [t, n], t <= p.m.
-                        median_us_flushed(s, 3, 50, Some(flush), |_| unsafe {
-                            GemvBf16::launch(&kern, s, grid, &a, &w, &mut out, r, n32, k32)
-                        })?
-                    }
-                    GemvOut::F32 => {
-                        let kern = gpu.compile::<GemvBf16F32>(p)?;
-                        median_us_flushed(s, 3, 50, Some(flush), |_| unsafe {
-                            GemvBf16F32::launch(&kern, s, grid, &a, &w, &mut out_f, r, n32, k32)
-                        })?
-                    }
-                    GemvOut::Gated => {
-                        let kern = gpu.compile::<GemvSiluMul>(p)?;
-                        median_us_flushed(s, 3, 50, Some(flush), |_| unsafe {
-                            GemvSiluMul::launch(&kern, s, grid, &a, &w, &w_up, &mut out, r, n32, k32)
-                        })?
-                    }
-                };
-                rows.push((GemvBf16::symbol(p), us, gemv::choose(t, n, k, sms, gated) == Some(*p)));
-            }
-            let base = if gated {
-                let p = gemv::choose(t, n, k, sms, false).expect("a GEMV for the shared expert");
-                let kern = gpu.compile::<GemvBf16>(&p)?;
-                let (mut gate, mut up) = (b.bf16(t * n)?, b.bf16(t * n)?);
-                let grid = gemv::grid(&p, n32);
-                let sg = silu_mul::grid_split(silu.params(), t * n);
-                // SAFETY: as above; the silu_mul covers the t * n values of gate, up and out.
-                let us = median_us_flushed(s, 3, 50, Some(flush), |_| unsafe {
-                    GemvBf16::launch(&kern, s, grid, &a, &w, &mut gate, r, n32, k32)?;
-                    GemvBf16::launch(&kern, s, grid, &a, &w_up, &mut up, r, n32, k32)?;
-                    SiluMulSplit::launch(&silu, s, sg, &gate, &up, &mut out, (t * n) as u32)
-                })?;
-                ("unfused: 2 x chosen GEMV + silu_mul (engine before)".to_string(), us)
-            } else {
-                // SAFETY: a [t, k], w [n, k], out [t, n].
-                let us = median_us_flushed(s, 3, 50, Some(flush), |_| unsafe {
-                    if kind == GemvOut::F32 {
-                        blas.linear(&a, &w, &mut out_f, t, n, k)
-                    } else {
-                        blas.linear(&a, &w, &mut out, t, n, k)
-                    }
-                })?;
-                ("cuBLAS".to_string(), us)
-            };
-            let best = rows.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
-            for (what, us, chosen) in rows.into_iter().chain([(base.0, base.1, false)]) {
-                let gbs = bytes / us / 1e3;
-                let mark = match (us == best, chosen) {
-                    (true, true) => "best, chosen",
-                    (true, false) => "best",
-                    (false, true) => "chosen",
-                    (false, false) => "",
-                };
-                println!(
-                    "| {op} | {t} | {what} | {us:.1} | {gbs:.0} | {:.0}% | {mark} |",
-                    100.0 * gbs / copy
-                );
-            }
         }
     }
     Ok(())

@@ -831,7 +831,7 @@ impl<B: Backend> Model<B> {
 
 /// `down(silu(gate x) * up x)` on any backend.
 pub fn ffn<B: Backend>(b: &B, f: &Ffn<B::Weight>, x: &B::Tensor) -> Result<B::Tensor> {
-    let act = b.gated_linear(x, &f.gate, &f.up)?;
+    let act = b.silu_mul(&b.linear(x, &f.gate)?, &b.linear(x, &f.up)?)?;
     b.linear(&act, &f.down)
 }
 

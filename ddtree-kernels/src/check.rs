@@ -27,7 +27,7 @@ use crate::{
     FillRandomU32, GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams,
     RowTopk, RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
-use crate::{gemv, GemvBf16, GemvBf16F32, GemvParams, GemvSiluMul};
+use crate::{gemv, GemvBf16, GemvBf16F32, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitParams};
 use crate::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 
 /// Where checks run.
@@ -1658,148 +1658,172 @@ pub fn copy_rows_f32_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Re
     Ok(out)
 }
 
-/// Checks GEMV candidates `ps` (each with `m >= rows`) on one random case: `a` `[rows, k]` and
-/// the weights `w`, `w_up` `[n, k]`, all in `[-1, 1)`, outputs poisoned with NaN, against
-/// [`gemv::reference`] (f64 sums, computed once for all candidates). Per candidate:
-/// [`GemvBf16`] with the bf16 tolerance (scaled by the output's RMS for the absolute part, as
-/// sums of `k` products cancel), [`GemvBf16F32`] with a tolerance far below one bf16 rounding (so
-/// an output rounded to bf16 fails), and with `gated` [`GemvSiluMul`] against
-/// [`gemv::silu_mul_reference`] with the bf16 tolerance.
-pub fn gemv_case(
+/// Checks both GEMVs ([`GemvBf16`], [`GemvBf16F32`]) for variant `p` on `rows` rows of `a`
+/// (`[rows, k]`, in `[-1, 1)`) against `w` (`[n, k]`, in `[-1, 1)`), outputs poisoned with NaN,
+/// against [`gemv::reference`] (f64 sums). The bf16 output gets the bf16 tolerance (scaled by
+/// the output's RMS for the absolute part, as sums of `k` products cancel); the f32 output a
+/// tolerance far below one bf16 rounding, so an output rounded to bf16 fails.
+pub fn gemv_pair(
     t: &Target<'_>,
-    ps: &[GemvParams],
+    p: &GemvParams,
     rows: usize,
     n: usize,
     kd: usize,
-    gated: bool,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    gemv_outputs::<GemvBf16, GemvBf16F32>(t, p, gemv::grid(p, n as u32), rows, n, kd, rng)
+}
+
+/// [`gemv_pair`] for any pair of GEMV kernels of the same arguments: `B` with bf16 output, `F`
+/// with f32 output, both launched on `grid`.
+fn gemv_outputs<B: Kernel, F: Kernel<Params = B::Params>>(
+    t: &Target<'_>,
+    p: &B::Params,
+    grid: u32,
+    rows: usize,
+    n: usize,
+    kd: usize,
     rng: &mut StdRng,
 ) -> Result<Vec<CheckResult>, CheckError> {
     let (a, af) = random_bf16(rng, rows * kd, -1.0, 1.0);
     let (w, wf) = random_bf16(rng, n * kd, -1.0, 1.0);
     let (da, dw) = (t.upload(&a)?, t.upload(&w)?);
     let want = gemv::reference(&af, &wf, rows, n, kd);
-    let up = if gated {
-        let (u, uf) = random_bf16(rng, n * kd, -1.0, 1.0);
-        let want_up = gemv::reference(&af, &uf, rows, n, kd);
-        Some((t.upload(&u)?, silu_mul::reference_split(&want, &want_up)))
-    } else {
-        None
-    };
-    let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len().max(1) as f32).sqrt();
-    let bf16_tol = |v: &[f32]| Tolerance {
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    let case = format!("rows={rows} n={n} k={kd}");
+
+    let mut ob = poisoned_bf16(t, rows * n)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut ob),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: a is rows x k, w is n x k, out rows x n; k % 8 == 0 and 1 <= rows <= p.m (the
+    // suites' cases).
+    unsafe { t.launch::<B>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&ob)?);
+    let tol = Tolerance {
         rtol: 1e-2,
-        atol: 1e-2 * rms(v),
+        atol: 1e-2 * rms,
         rel_l2: 1e-2,
     };
-    let f32_tol = Tolerance {
+    let mut out = vec![result::<B>(p, case.clone(), &got, &want, tol)];
+
+    let mut of = t.upload(&vec![f32::NAN; rows * n])?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dw),
+        Arg::Out(&mut of),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: as above.
+    unsafe { t.launch::<F>(p, grid, &mut args)? };
+    let got = t.download(&of)?;
+    let tol = Tolerance {
         rtol: 1e-4,
-        atol: 1e-4 * rms(&want),
+        atol: 1e-4 * rms,
         rel_l2: 1e-5,
     };
-    let case = format!("rows={rows} n={n} k={kd}");
-    let (r32, n32, k32) = (rows as u32, n as u32, kd as u32);
+    out.push(result::<F>(p, case, &got, &want, tol));
+    Ok(out)
+}
+
+/// Every row count `1..=m` over the `small` cases (the largest on each), and with
+/// [`Sizes::Full`] rows 1 and `m` on the `full` cases: the GEMV suites' sweep.
+fn gemv_sweep(
+    sizes: Sizes,
+    m: usize,
+    small: &[(usize, usize)],
+    full: &[(usize, usize)],
+    mut check: impl FnMut(usize, usize, usize) -> Result<Vec<CheckResult>, CheckError>,
+) -> Result<Vec<CheckResult>, CheckError> {
     let mut out = Vec::new();
-    for p in ps {
-        let grid = gemv::grid(p, n as u32);
-        // SAFETY (every launch): a is rows x k, the weights n x k, out rows x n; k % 8 == 0 and
-        // 1 <= rows <= p.m (the suites' cases).
-        let mut ob = poisoned_bf16(t, rows * n)?;
-        let mut args = [
-            Arg::In(&da),
-            Arg::In(&dw),
-            Arg::Out(&mut ob),
-            r32.into(),
-            n32.into(),
-            k32.into(),
-        ];
-        unsafe { t.launch::<GemvBf16>(p, grid, &mut args)? };
-        let got = to_f32(&t.download(&ob)?);
-        out.push(result::<GemvBf16>(p, case.clone(), &got, &want, bf16_tol(&want)));
-
-        let mut of = t.upload(&vec![f32::NAN; rows * n])?;
-        let mut args = [
-            Arg::In(&da),
-            Arg::In(&dw),
-            Arg::Out(&mut of),
-            r32.into(),
-            n32.into(),
-            k32.into(),
-        ];
-        unsafe { t.launch::<GemvBf16F32>(p, grid, &mut args)? };
-        let got = t.download(&of)?;
-        out.push(result::<GemvBf16F32>(p, case.clone(), &got, &want, f32_tol));
-
-        if let Some((du, want_act)) = &up {
-            let mut ob = poisoned_bf16(t, rows * n)?;
-            let mut args = [
-                Arg::In(&da),
-                Arg::In(&dw),
-                Arg::In(du),
-                Arg::Out(&mut ob),
-                r32.into(),
-                n32.into(),
-                k32.into(),
-            ];
-            unsafe { t.launch::<GemvSiluMul>(p, grid, &mut args)? };
-            let got = to_f32(&t.download(&ob)?);
-            out.push(result::<GemvSiluMul>(
-                p,
-                case.clone(),
-                &got,
-                want_act,
-                bf16_tol(want_act),
-            ));
+    for (i, &(n, k)) in small.iter().enumerate() {
+        for rows in 1..=m {
+            if rows == m || rows % small.len() == i {
+                out.extend(check(rows, n, k)?);
+            }
+        }
+    }
+    if sizes == Sizes::Full {
+        for &(n, k) in full {
+            for rows in [1, m] {
+                out.extend(check(rows, n, k)?);
+                if m == 1 {
+                    break;
+                }
+            }
         }
     }
     Ok(out)
 }
 
-/// Every candidate of [`GemvBf16`], [`GemvBf16F32`] and [`GemvSiluMul`] at the sizes of
-/// `sizes`. Small cases have ragged `n` (not multiples of a block's columns) and `k` from 8 up
-/// (shorter and longer than one pass of a group), each at `m` rows and at `1 + i % m` for the
-/// `i`-th case (so the rows below `m` vary over the cases). The full sizes add the Kimi K2.6 decode shapes
-/// at 1 row (every candidate) and at each `m` (the candidates of that `m`), up to each case's
-/// row cap, and the LM head (163840 x 7168, inputs of 2.3 GB) once, at 1 row on the default.
-/// Each case's inputs and CPU reference serve all the candidates checked on it.
+/// Every candidate of [`GemvBf16`] and [`GemvBf16F32`] at the sizes of `sizes`: every row count
+/// `1..=m` over small cases with ragged `n` (not multiples of a block's columns) and `k` from 8
+/// up; the full sizes add the Kimi K2.6 decode shapes at 1 and `m` rows (the LM head, 163840 x
+/// 7168, only once, at 1 row on the default candidate: its inputs are 2.3 GB).
 pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
-    let space = GemvBf16::space();
-    let small = [(1, 8), (37, 24), (21, 136), (5, 520), (3, 1032), (2, 4104)];
+    let small = [(1, 8), (37, 24), (70, 136), (5, 520), (19, 1032)];
     let full = [
-        (1536, 7168, 16),
-        (576, 7168, 16),
-        (2048, 7168, 16),
-        (48, 7168, 16),
-        (384, 7168, 16),
-        (1031, 7168, 4),
-        (12288, 1536, 16),
-        (7168, 8192, 16),
-        (7168, 2048, 16),
-        (7, 7176, 16),
-        (163840, 1024, 1),
-        (3, 8, 16),
-        (101, 24, 16),
+        (1536, 7168),
+        (576, 7168),
+        (2048, 7168),
+        (48, 7168),
+        (1031, 7168),
+        (12288, 1536),
+        (7168, 8192),
+        (7168, 2048),
+        (163840, 1024),
+        (3, 8),
+        (101, 24),
     ];
     let mut out = Vec::new();
-    for (i, &(n, k)) in small.iter().enumerate() {
-        for rows in 1..=gemv::MAX_ROWS {
-            let ps: Vec<_> = (space.iter().copied())
-                .filter(|p| rows == p.m as usize || rows == 1 + i % p.m as usize)
-                .collect();
-            if !ps.is_empty() {
-                out.extend(gemv_case(t, &ps, rows, n, k, true, rng)?);
-            }
+    for p in GemvBf16::space() {
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gemv_pair(t, &p, rows, n, k, rng)
+        })?);
+        if sizes == Sizes::Full && p == GemvBf16::space()[0] {
+            out.extend(gemv_pair(t, &p, 1, 163840, 7168, rng)?);
         }
     }
-    if sizes == Sizes::Full {
-        for &(n, k, cap) in &full {
-            for rows in [1, 2, 4, 8, 16].into_iter().filter(|&r| r <= cap) {
-                let ps: Vec<_> = (space.iter().copied())
-                    .filter(|p| rows == 1 || p.m as usize == rows)
-                    .collect();
-                out.extend(gemv_case(t, &ps, rows, n, k, true, rng)?);
-            }
-        }
-        out.extend(gemv_case(t, &space[..1], 1, 163840, 7168, false, rng)?);
+    Ok(out)
+}
+
+/// Checks the split-K GEMVs [`GemvSplitBf16`] and [`GemvSplitF32`] as [`gemv_pair`] does.
+pub fn gemv_split_pair(
+    t: &Target<'_>,
+    p: &GemvSplitParams,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    gemv_outputs::<GemvSplitBf16, GemvSplitF32>(t, p, gemv::split_grid(p, n as u32), rows, n, kd, rng)
+}
+
+/// Every candidate of [`GemvSplitBf16`] and [`GemvSplitF32`]: every row count `1..=m` over
+/// small cases with ragged `n` and `k` (shorter and longer than one pass of the block); the full
+/// sizes add the router (48 and 384 columns of 7168) and the small-`n` projections.
+pub fn gemv_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let small = [(1, 8), (3, 24), (5, 1032), (2, 4104)];
+    let full = [
+        (48, 7168),
+        (384, 7168),
+        (576, 7168),
+        (1536, 7168),
+        (7, 7176),
+        (1031, 1536),
+    ];
+    let mut out = Vec::new();
+    for p in GemvSplitBf16::space() {
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gemv_split_pair(t, &p, rows, n, k, rng)
+        })?);
     }
     Ok(out)
 }
@@ -1832,6 +1856,7 @@ pub const SUITES: &[Suite] = &[
     cast_f32_bf16_suite,
     copy_rows_f32_suite,
     gemv_suite,
+    gemv_split_suite,
     crate::attention::check::mla_absorb_query_suite,
     crate::attention::check::mla_absorb_output_suite,
 ];

@@ -1,19 +1,13 @@
 //! Memory-bound bf16 GEMV for decode (a few rows of activations against an `nn.Linear`
-//! weight): `out[r, j] = sum_i a[r, i] * w[j, i]`, f32 accumulation, with bf16 ([`GemvBf16`]) or
-//! f32 ([`GemvBf16F32`], router logits and the LM head) output, and the SwiGLU gate/up pair fused
-//! with its SiLU-and-mul ([`GemvSiluMul`]: `act[r, j] = silu(a w_gate[j]) * (a w_up[j])`).
+//! weight): `out[r, j] = sum_i a[r, i] * w[j, i]`, f32 accumulation, bf16 ([`GemvBf16`]) or
+//! f32 ([`GemvBf16F32`], router logits and the LM head) output.
 //!
-//! One main loop serves every layout. A block of [`GemvParams::warps`] warps holds
-//! `warps / split` groups; a group owns [`GemvParams::cols`] output columns and its `split`
-//! warps share the reduction over `k`: thread `t` of a group takes the 8-element chunks `t, t +
-//! 32 split, ...` of every column's weight row in 128-bit loads, issuing [`GemvParams::unroll`]
-//! of them per column (predicated at the end of the row, so a short row is one batch of
-//! independent loads, never a serial tail) before using any. `split = 1` is a warp per column
-//! group (wide outputs: the LM head, `o_proj`, `q_b`); `split = warps` is split-K inside a block
-//! (narrow outputs: the router, `kv_a`, `q_a`, the fused gate/up). The activation chunk matching
-//! each weight chunk is read from L1/L2 (`a` is small) and reused for all of a group's columns.
-//! Partial sums are reduced with warp shuffles, then through shared memory over the group's
-//! warps in a fixed order (deterministic), and written by one thread per output.
+//! Each warp owns [`cols_per_warp`] output columns: its lanes stride over `k` in 128-bit
+//! loads of 8 bf16 of the weight rows (issuing [`unroll`] loads per column before using any,
+//! so enough bytes are in flight), read the matching 8 elements of every activation row (`a` is
+//! small and stays in L1/L2, and each load is reused for all the warp's columns), keep
+//! `m * cols` partial sums in registers, and reduce them with warp shuffles; lane 0 writes.
+//! No shared memory and no block barrier: a launch is one cheap kernel with a plain grid.
 //!
 //! Constraints: `k % 8 == 0` and 16-byte aligned `a` and `w` (the 128-bit loads), `1 <= rows <=
 //! p.m`, and `n * k < 2^32` (u32 indexing).
@@ -23,79 +17,47 @@
 #![allow(clippy::missing_safety_doc)]
 
 use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
 use crate::common::warp_sum;
-use crate::silu_mul::silu;
 
-/// Compile-time parameters of [`GemvBf16`], [`GemvBf16F32`] and [`GemvSiluMul`].
+/// Compile-time parameters of [`GemvBf16`] and [`GemvBf16F32`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct GemvParams {
-    /// Most activation rows (1, 2, 4, 8 or 16): the kernel keeps `m` partial sums per column.
-    pub m: u32,
     /// Warps per block.
     pub warps: u32,
-    /// Warps sharing the reduction of one group of columns (divides `warps`): 1 is a warp per
-    /// group, `warps` one group per block (split-K).
-    pub split: u32,
-    /// Output columns per group (each activation load feeds all of them).
-    pub cols: u32,
-    /// 128-bit weight loads per column a thread issues per main-loop iteration before using any.
-    pub unroll: u32,
+    /// Most activation rows (1, 2, 4 or 8): the kernel keeps `m` partial sums per column.
+    pub m: u32,
 }
 
-const fn g(m: u32, warps: u32, split: u32, cols: u32, unroll: u32) -> GemvParams {
-    GemvParams {
-        m,
-        warps,
-        split,
-        cols,
-        unroll,
+/// Output columns per warp: 1 for `m <= 2`, else `m / 2` (each activation load then feeds
+/// several columns, so L1 traffic for `a` stays below the weight's DRAM traffic).
+pub fn cols_per_warp(p: &GemvParams) -> u32 {
+    if p.m <= 2 {
+        1
+    } else {
+        p.m / 2
     }
 }
 
-/// Every candidate, grouped by `m`; index 0 is the safe default (one row, a warp per column).
-/// Per `m` the space holds warp-per-column layouts (`split = 1`, shallow and deep unroll, more
-/// columns per warp as `m` grows), split-K layouts of 128 to 512 threads per column, and a
-/// middle layout of two warps per column; [`choose`] names the one the engine uses per shape.
-pub const GEMV_SPACE: &[GemvParams] = &[
-    g(1, 4, 1, 1, 4),
-    g(1, 4, 1, 1, 8),
-    g(1, 4, 1, 2, 4),
-    g(1, 8, 2, 1, 8),
-    g(1, 8, 8, 1, 4),
-    g(1, 8, 8, 2, 4),
-    g(1, 4, 4, 1, 8),
-    g(1, 16, 16, 1, 2),
-    g(2, 4, 1, 1, 4),
-    g(2, 4, 1, 1, 8),
-    g(2, 8, 2, 1, 8),
-    g(2, 8, 8, 1, 4),
-    g(2, 4, 4, 1, 8),
-    g(2, 16, 16, 1, 2),
-    g(4, 4, 1, 2, 2),
-    g(4, 4, 1, 1, 4),
-    g(4, 8, 2, 1, 4),
-    g(4, 8, 8, 1, 4),
-    g(4, 4, 4, 1, 8),
-    g(4, 16, 16, 1, 2),
-    g(8, 4, 1, 4, 2),
-    g(8, 4, 1, 2, 4),
-    g(8, 8, 8, 1, 4),
-    g(8, 8, 2, 1, 4),
-    g(8, 4, 4, 1, 4),
-    g(8, 16, 16, 1, 2),
-    g(16, 4, 1, 4, 2),
-    g(16, 8, 8, 1, 4),
-    g(16, 16, 16, 1, 2),
-];
-
-/// Output columns per block: `cols * warps / split`.
-pub fn cols_per_block(p: &GemvParams) -> u32 {
-    p.cols * (p.warps / p.split)
+/// 128-bit weight loads per column a lane issues per main-loop iteration: 4 for one column,
+/// else 2 (so 4 to 8 loads of the weight are in flight per lane).
+pub fn unroll(p: &GemvParams) -> u32 {
+    if cols_per_warp(p) == 1 {
+        4
+    } else {
+        2
+    }
 }
 
-/// The launch grid for `n` output columns: `ceil(n / cols_per_block)` blocks (at least 1).
+/// Output columns per block.
+pub fn cols_per_block(p: &GemvParams) -> u32 {
+    p.warps * cols_per_warp(p)
+}
+
+/// The launch grid for `n` output columns: `ceil(n / (warps * cols_per_warp))` blocks (at
+/// least 1).
 pub fn grid(p: &GemvParams, n: u32) -> u32 {
     n.div_ceil(cols_per_block(p)).max(1)
 }
@@ -106,136 +68,122 @@ fn dot2(acc: f32, a: u32, w: u32) -> f32 {
     bf16_hi(a).mul_add(bf16_hi(w), bf16_lo(a).mul_add(bf16_lo(w), acc))
 }
 
-/// The three kernels share one body: `$out` is the output element type (`as f32` on an f32 is a
-/// no-op), `$gated` whether a second weight `$up` is read (its rows are the group's second
-/// `cols` weight rows) and the output is `silu(gate) * up`.
+/// The two kernels differ only in the output element type (`as f32` on an f32 is a no-op), so
+/// one body serves both.
 macro_rules! gemv_kernel {
-    ($(#[$attr:meta])* $name:ident, $out:ident, $gated:literal $(, $up:ident)?) => {
+    ($(#[$attr:meta])* $name:ident, $out:ident) => {
         $(#[$attr])*
-        #[kernel(block = p.warps * 32, space = GEMV_SPACE.to_vec())]
+        #[kernel(block = p.warps * 32, space = [
+            GemvParams { warps: 4, m: 1 },
+            GemvParams { warps: 4, m: 2 },
+            GemvParams { warps: 4, m: 4 },
+            GemvParams { warps: 4, m: 8 },
+            GemvParams { warps: 8, m: 1 },
+            GemvParams { warps: 8, m: 8 },
+        ])]
         pub fn $name(
             #[comptime] p: &GemvParams,
             a: &[bf16],
             w: &[bf16],
-            $($up: &[bf16],)?
             out: &mut [$out],
             rows: u32,
             n: u32,
             k: u32,
         ) {
             comptime_assert!(
-                p.m == 1 || p.m == 2 || p.m == 4 || p.m == 8 || p.m == 16,
-                "m must be 1, 2, 4, 8 or 16"
+                p.m == 1 || p.m == 2 || p.m == 4 || p.m == 8,
+                "m must be 1, 2, 4 or 8"
             );
             comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
-            comptime_assert!(
-                p.split >= 1 && p.warps % p.split == 0,
-                "split must divide warps"
-            );
-            comptime_assert!(p.cols >= 1 && p.unroll >= 1, "cols and unroll must be positive");
-            let cols = p.cols;
-            // Weight rows per group: the gate rows, then (gated) as many up rows.
-            let wc = comptime!(if $gated { 2 * p.cols } else { p.cols });
-            let un = p.unroll;
-            let groups = comptime!(p.warps / p.split);
-            let threads = comptime!(p.warps * 32);
-            // Chunks one pass of a group covers.
-            let stride = comptime!(p.split * 32);
-            let red = shared::<f32>(p.warps * p.m * wc);
-            let tid = thread_idx_x();
-            let warp = warp_id();
-            let j0 = (block_idx_x() * groups + warp / p.split) * cols;
-            // A group past the last column loads nothing (it still meets the barrier).
-            let chunks = if j0 < n { k / 8 } else { 0 };
-            // Weight row offsets; a column past `n` re-reads the last row and is not written.
-            let mut wrow = [0u32; cols];
-            #[unroll]
-            for c in 0..cols {
-                wrow[c] = (j0 + c).min(n - 1) * k;
-            }
-            let mut acc = [0.0f32; p.m * wc];
-            let mut w0 = [0u32; un * wc];
-            let mut w1 = [0u32; un * wc];
-            let mut w2 = [0u32; un * wc];
-            let mut w3 = [0u32; un * wc];
-            let mut ch = (warp % p.split) * 32 + lane_id();
-            // Main loop: `un` chunks per weight row, all loads issued before any is used.
-            while ch < chunks {
+            let cols = comptime!(cols_per_warp(p));
+            let un = comptime!(unroll(p));
+            let lane = lane_id();
+            let j0 = (block_idx_x() * p.warps + warp_id()) * cols;
+            // Warp-uniform: a warp past the last column has nothing to do.
+            if j0 < n {
+                let chunks = k / 8;
+                // Weight row offsets; a column past `n` re-reads the last row and is not written.
+                let mut wrow = [0u32; cols];
                 #[unroll]
-                for u in 0..un {
-                    if ch + u * stride < chunks {
-                        let off = (ch + u * stride) * 8;
+                for c in 0..cols {
+                    wrow[c] = (j0 + c).min(n - 1) * k;
+                }
+                let mut acc = [0.0f32; p.m * cols];
+                let mut w0 = [0u32; un * cols];
+                let mut w1 = [0u32; un * cols];
+                let mut w2 = [0u32; un * cols];
+                let mut w3 = [0u32; un * cols];
+                let mut ch = lane;
+                // Main loop: `un` chunks per column, all loads issued before any is used.
+                while ch + 32 * (un - 1) < chunks {
+                    #[unroll]
+                    for u in 0..un {
                         #[unroll]
                         for c in 0..cols {
-                            let v = w.vload(wrow[c] + off);
-                            w0[u * wc + c] = v.x;
-                            w1[u * wc + c] = v.y;
-                            w2[u * wc + c] = v.z;
-                            w3[u * wc + c] = v.w;
+                            let v = w.vload(wrow[c] + (ch + u * 32) * 8);
+                            w0[u * cols + c] = v.x;
+                            w1[u * cols + c] = v.y;
+                            w2[u * cols + c] = v.z;
+                            w3[u * cols + c] = v.w;
                         }
-                        $(
-                            #[unroll]
-                            for c in 0..cols {
-                                let v = $up.vload(wrow[c] + off);
-                                w0[u * wc + cols + c] = v.x;
-                                w1[u * wc + cols + c] = v.y;
-                                w2[u * wc + cols + c] = v.z;
-                                w3[u * wc + cols + c] = v.w;
-                            }
-                        )?
                     }
-                }
-                #[unroll]
-                for u in 0..un {
-                    if ch + u * stride < chunks {
+                    #[unroll]
+                    for u in 0..un {
                         #[unroll]
                         for r in 0..p.m {
                             if r < rows {
-                                let av = a.vload(r * k + (ch + u * stride) * 8);
+                                let av = a.vload(r * k + (ch + u * 32) * 8);
                                 #[unroll]
-                                for c in 0..wc {
-                                    let i = u * wc + c;
-                                    let s = dot2(acc[r * wc + c], av.x, w0[i]);
+                                for c in 0..cols {
+                                    let i = u * cols + c;
+                                    let s = dot2(acc[r * cols + c], av.x, w0[i]);
                                     let s = dot2(s, av.y, w1[i]);
                                     let s = dot2(s, av.z, w2[i]);
-                                    acc[r * wc + c] = dot2(s, av.w, w3[i]);
+                                    acc[r * cols + c] = dot2(s, av.w, w3[i]);
                                 }
                             }
                         }
                     }
+                    ch += 32 * un;
                 }
-                ch += stride * un;
-            }
-            #[unroll]
-            for i in 0..p.m * wc {
-                let s = warp_sum(acc[i]);
-                if lane_id() == 0 {
-                    red[warp * p.m * wc + i] = s;
-                }
-            }
-            sync_threads();
-            // One thread per output of the block: the group's warps summed in order.
-            for i in (tid..groups * p.m * cols).step_by(threads) {
-                let gr = i / (p.m * cols);
-                let r = (i / cols) % p.m;
-                let c = i % cols;
-                let j = (block_idx_x() * groups + gr) * cols + c;
-                if r < rows && j < n {
-                    let base = gr * p.split * p.m * wc + r * wc + c;
-                    let mut s = 0.0f32;
+                // Tail: fewer than `un` chunks left for this lane.
+                while ch < chunks {
                     #[unroll]
-                    for wi in 0..p.split {
-                        s += red[base + wi * p.m * wc];
+                    for c in 0..cols {
+                        let v = w.vload(wrow[c] + ch * 8);
+                        w0[c] = v.x;
+                        w1[c] = v.y;
+                        w2[c] = v.z;
+                        w3[c] = v.w;
                     }
-                    if $gated {
-                        let mut up = 0.0f32;
-                        #[unroll]
-                        for wi in 0..p.split {
-                            up += red[base + cols + wi * p.m * wc];
+                    #[unroll]
+                    for r in 0..p.m {
+                        if r < rows {
+                            let av = a.vload(r * k + ch * 8);
+                            #[unroll]
+                            for c in 0..cols {
+                                let s = dot2(acc[r * cols + c], av.x, w0[c]);
+                                let s = dot2(s, av.y, w1[c]);
+                                let s = dot2(s, av.z, w2[c]);
+                                acc[r * cols + c] = dot2(s, av.w, w3[c]);
+                            }
                         }
-                        out[r * n + j] = (silu(s) * up) as $out;
-                    } else {
-                        out[r * n + j] = s as $out;
+                    }
+                    ch += 32;
+                }
+                #[unroll]
+                for i in 0..p.m * cols {
+                    acc[i] = warp_sum(acc[i]);
+                }
+                if lane == 0 {
+                    #[unroll]
+                    for r in 0..p.m {
+                        #[unroll]
+                        for c in 0..cols {
+                            if r < rows && j0 + c < n {
+                                out[r * n + j0 + c] = acc[r * cols + c] as $out;
+                            }
+                        }
                     }
                 }
             }
@@ -249,60 +197,215 @@ gemv_kernel!(
     /// f32 accumulation, rounded to nearest even. Needs `k % 8 == 0` (128-bit loads; `a` and `w`
     /// 16-byte aligned), `1 <= rows <= p.m` and `n * k < 2^32`. Grid: [`grid`] blocks in x.
     gemv_bf16,
-    bf16,
-    false
+    bf16
 );
 
 gemv_kernel!(
     /// [`GemvBf16`] with an f32 output (no rounding): `out[r * n + j] = sum_i f32(a[r * k + i]) *
     /// f32(w[j * k + i])`, for router logits and the LM head. Same constraints and grid.
     gemv_bf16_f32,
-    f32,
-    false
+    f32
 );
 
-gemv_kernel!(
-    /// A SwiGLU block's gate and up projections and its SiLU-and-mul in one launch: `out[r * n
-    /// + j] = bf16(silu(g) * u)` with `g = sum_i a[r, i] w[j, i]` and `u = sum_i a[r, i] w_up[j,
-    /// i]` in f32 (neither rounded to bf16 first). `w` (gate) and `w_up` are both `[n, k]`; same
-    /// constraints and grid as [`GemvBf16`].
-    gemv_silu_mul,
-    bf16,
-    true,
-    w_up
+/// Compile-time parameters of [`GemvSplitBf16`] and [`GemvSplitF32`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct GemvSplitParams {
+    /// Warps per block; all of them split the reduction of the block's columns.
+    pub warps: u32,
+    /// Most activation rows (1, 2, 4 or 8).
+    pub m: u32,
+    /// Output columns per block.
+    pub cols: u32,
+    /// 128-bit weight loads per column a thread issues per main-loop iteration (before using
+    /// any).
+    pub unroll: u32,
+}
+
+/// The launch grid of the split-K GEMVs for `n` output columns: `ceil(n / cols)` blocks.
+pub fn split_grid(p: &GemvSplitParams, n: u32) -> u32 {
+    n.div_ceil(p.cols).max(1)
+}
+
+/// The two split-K kernels differ only in the output element type.
+macro_rules! gemv_split_kernel {
+    ($(#[$attr:meta])* $name:ident, $out:ident) => {
+        $(#[$attr])*
+        #[kernel(block = p.warps * 32, space = [
+            GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 8, m: 8, cols: 2, unroll: 2 },
+            GemvSplitParams { warps: 4, m: 1, cols: 1, unroll: 4 },
+            GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 4 },
+            GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
+            GemvSplitParams { warps: 4, m: 8, cols: 1, unroll: 2 },
+        ])]
+        pub fn $name(
+            #[comptime] p: &GemvSplitParams,
+            a: &[bf16],
+            w: &[bf16],
+            out: &mut [$out],
+            rows: u32,
+            n: u32,
+            k: u32,
+        ) {
+            comptime_assert!(
+                p.m == 1 || p.m == 2 || p.m == 4 || p.m == 8,
+                "m must be 1, 2, 4 or 8"
+            );
+            comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
+            comptime_assert!(p.cols >= 1 && p.unroll >= 1, "cols and unroll must be positive");
+            let cols = p.cols;
+            let un = p.unroll;
+            let threads = comptime!(p.warps * 32);
+            let red = shared::<f32>(p.warps * p.m * p.cols);
+            let tid = thread_idx_x();
+            let j0 = block_idx_x() * cols;
+            let chunks = k / 8;
+            // Weight row offsets; a column past `n` re-reads the last row and is not written.
+            let mut wrow = [0u32; cols];
+            #[unroll]
+            for c in 0..cols {
+                wrow[c] = (j0 + c).min(n - 1) * k;
+            }
+            let mut acc = [0.0f32; p.m * cols];
+            let mut w0 = [0u32; un * cols];
+            let mut w1 = [0u32; un * cols];
+            let mut w2 = [0u32; un * cols];
+            let mut w3 = [0u32; un * cols];
+            let mut ch = tid;
+            // Main loop: `un` chunks per column, all loads issued before any is used.
+            while ch + threads * (un - 1) < chunks {
+                #[unroll]
+                for u in 0..un {
+                    #[unroll]
+                    for c in 0..cols {
+                        let v = w.vload(wrow[c] + (ch + u * threads) * 8);
+                        w0[u * cols + c] = v.x;
+                        w1[u * cols + c] = v.y;
+                        w2[u * cols + c] = v.z;
+                        w3[u * cols + c] = v.w;
+                    }
+                }
+                #[unroll]
+                for u in 0..un {
+                    #[unroll]
+                    for r in 0..p.m {
+                        if r < rows {
+                            let av = a.vload(r * k + (ch + u * threads) * 8);
+                            #[unroll]
+                            for c in 0..cols {
+                                let i = u * cols + c;
+                                let s = dot2(acc[r * cols + c], av.x, w0[i]);
+                                let s = dot2(s, av.y, w1[i]);
+                                let s = dot2(s, av.z, w2[i]);
+                                acc[r * cols + c] = dot2(s, av.w, w3[i]);
+                            }
+                        }
+                    }
+                }
+                ch += threads * un;
+            }
+            // Tail: fewer than `un` chunks left for this thread.
+            while ch < chunks {
+                #[unroll]
+                for c in 0..cols {
+                    let v = w.vload(wrow[c] + ch * 8);
+                    w0[c] = v.x;
+                    w1[c] = v.y;
+                    w2[c] = v.z;
+                    w3[c] = v.w;
+                }
+                #[unroll]
+                for r in 0..p.m {
+                    if r < rows {
+                        let av = a.vload(r * k + ch * 8);
+                        #[unroll]
+                        for c in 0..cols {
+                            let s = dot2(acc[r * cols + c], av.x, w0[c]);
+                            let s = dot2(s, av.y, w1[c]);
+                            let s = dot2(s, av.z, w2[c]);
+                            acc[r * cols + c] = dot2(s, av.w, w3[c]);
+                        }
+                    }
+                }
+                ch += threads;
+            }
+            let lane = lane_id();
+            let warp = warp_id();
+            #[unroll]
+            for i in 0..p.m * cols {
+                let s = warp_sum(acc[i]);
+                if lane == 0 {
+                    red[warp * p.m * cols + i] = s;
+                }
+            }
+            sync_threads();
+            for i in (tid..p.m * cols).step_by(threads) {
+                let r = i / cols;
+                let c = i % cols;
+                if r < rows && j0 + c < n {
+                    let mut s = 0.0f32;
+                    #[unroll]
+                    for wi in 0..p.warps {
+                        s += red[wi * p.m * cols + i];
+                    }
+                    out[r * n + j0 + c] = s as $out;
+                }
+            }
+        }
+    };
+}
+
+gemv_split_kernel!(
+    /// [`GemvBf16`] for few output columns and long rows: every warp of a block splits the
+    /// reduction of the block's `p.cols` columns (thread `i` takes the 8-element chunks `i, i +
+    /// 32 * warps, ...`, `p.unroll` of them loaded before use), and the warps are summed through
+    /// shared memory, so `n` columns spread over `n / cols` blocks of `warps` warps. Same
+    /// arguments and constraints as [`GemvBf16`]; grid: [`split_grid`].
+    gemv_split_bf16,
+    bf16
 );
 
-/// Weight rows per SM from which the warp-per-column layout has enough warps (with 4 to 8 loads
-/// of 16 bytes in flight per lane) to cover DRAM latency on an H100/H200-class GPU.
+gemv_split_kernel!(
+    /// [`GemvSplitBf16`] with an f32 output (router logits: `n = 48` or `384`, `k = 7168`).
+    gemv_split_f32,
+    f32
+);
+
+/// Which GEMV kernel suits a shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvChoice {
+    /// One warp per column (or several columns): [`GemvBf16`] / [`GemvBf16F32`].
+    Warp(GemvParams),
+    /// A block per column with the reduction split over its warps: [`GemvSplitBf16`] /
+    /// [`GemvSplitF32`].
+    Split(GemvSplitParams),
+}
+
+/// Warps per SM the per-column kernel should have (with 4 to 8 loads of 16 bytes in flight per
+/// lane) to keep enough bytes in flight to cover DRAM latency on an H100/H200-class GPU.
 pub const WARPS_PER_SM: usize = 32;
 
-/// Most activation rows a GEMV takes (the largest `m` of [`GEMV_SPACE`]).
-pub const MAX_ROWS: usize = 16;
-
-/// The GEMV variant for `rows` activation rows (1..=[`MAX_ROWS`]) and `n` output columns of
-/// length `k` on a GPU of `sms` SMs (`gated`: [`GemvSiluMul`], whose groups read two weight
-/// rows per column). A warp per column group when the weight rows are at least [`WARPS_PER_SM`]
-/// per SM (the LM head, `o_proj`, `q_b`, the shared expert's down), unrolled 8 deep for rows that
-/// one pass of 8 covers (`k <= 2048`) and for 1-2 rows; else split-K inside a block of 8 warps
-/// (`q_a`, `kv_a`, the fused gate/up), or 16 when the columns are fewer than the SMs (the
-/// router). `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=16).
-pub fn choose(rows: usize, n: usize, k: usize, sms: usize, gated: bool) -> Option<GemvParams> {
-    if rows == 0 || rows > MAX_ROWS || k % 8 != 0 || n == 0 {
+/// The GEMV for `rows` activation rows (1..=8), `n` output columns of length `k` on a GPU of
+/// `sms` SMs: the per-column kernel when it has at least [`WARPS_PER_SM`] warps per SM
+/// (`n` large: the LM head, `o_proj`, `q_b`), else the split-K kernel, whose blocks each put
+/// 8 warps on one or two columns (the router's 48 or 384 columns, `kv_a` 576, `q_a` 1536).
+/// `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=8).
+pub fn choose(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
+    if rows == 0 || rows > 8 || k % 8 != 0 || n == 0 {
         return None;
     }
     let m = rows.next_power_of_two() as u32;
-    let per_m = || GEMV_SPACE.iter().copied().filter(move |p| p.m == m);
-    let weight_rows = if gated { 2 * n } else { n };
-    let pick = if weight_rows >= WARPS_PER_SM * sms.max(1) {
-        let deep = m <= 2 || k <= 2048;
-        per_m()
-            .filter(|p| p.split == 1)
-            .find(|p| !deep || p.unroll * p.cols >= 8)
-    } else {
-        let warps = if n < sms { 16 } else { 8 };
-        per_m().find(|p| p.split == p.warps && p.warps == warps && p.cols == 1)
-    };
-    pick.or_else(|| per_m().next())
+    let warp = GemvBf16::space().into_iter().find(|p| p.m == m)?;
+    let warps = n.div_ceil(cols_per_warp(&warp) as usize);
+    if warps >= WARPS_PER_SM * sms.max(1) {
+        return Some(GemvChoice::Warp(warp));
+    }
+    GemvSplitBf16::space()
+        .into_iter()
+        .find(|p| p.m == m)
+        .map(GemvChoice::Split)
 }
 
 /// CPU reference (f64 accumulation): `a` is `[rows, k]`, `w` is `[n, k]`; returns `[rows, n]`
@@ -317,39 +420,4 @@ pub fn reference(a: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Vec<f
         }
     }
     out
-}
-
-/// CPU reference of [`GemvSiluMul`]: `silu(a w_gate^T) * (a w_up^T)` from the f64 sums of
-/// [`reference`], in f32.
-pub fn silu_mul_reference(a: &[f32], w_gate: &[f32], w_up: &[f32], rows: usize, n: usize, k: usize) -> Vec<f32> {
-    crate::silu_mul::reference_split(&reference(a, w_gate, rows, n, k), &reference(a, w_up, rows, n, k))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The layouts [`choose`] gives the Kimi K2.6 decode products on an H200 (132 SMs).
-    #[test]
-    fn choose_on_kimi_shapes() {
-        let pick = |rows, n, k, gated| {
-            let p = choose(rows, n, k, 132, gated).expect("a variant");
-            assert!(GEMV_SPACE.contains(&p) && p.m as usize >= rows);
-            (p.warps, p.split, p.cols, p.unroll)
-        };
-        for rows in 1..=2 {
-            assert_eq!(pick(rows, 7168, 8192, false), (4, 1, 1, 8), "o_proj");
-            assert_eq!(pick(rows, 12288, 1536, false), (4, 1, 1, 8), "q_b");
-            assert_eq!(pick(rows, 163840, 7168, false), (4, 1, 1, 8), "lm_head");
-            assert_eq!(pick(rows, 1536, 7168, false), (8, 8, 1, 4), "q_a");
-            assert_eq!(pick(rows, 2048, 7168, true), (8, 8, 1, 4), "gate+up");
-            assert_eq!(pick(rows, 48, 7168, false), (16, 16, 1, 2), "router");
-        }
-        assert_eq!(pick(4, 7168, 8192, false), (4, 1, 2, 2), "o_proj");
-        assert_eq!(pick(4, 7168, 2048, false), (4, 1, 2, 2), "down");
-        assert_eq!(pick(8, 7168, 2048, false), (4, 1, 4, 2), "down");
-        assert_eq!(pick(4, 576, 7168, false), (8, 8, 1, 4), "kv_a");
-        assert_eq!(choose(17, 7168, 8192, 132, false), None);
-        assert_eq!(choose(1, 7168, 8191, 132, false), None);
-    }
 }

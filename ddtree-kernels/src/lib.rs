@@ -35,7 +35,7 @@ pub use copy_rows::{CopyParams, CopyRows};
 pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32, FillRandomU32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
-pub use gemv::{GemvBf16, GemvBf16F32, GemvParams, GemvSiluMul};
+pub use gemv::{GemvBf16, GemvBf16F32, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitParams};
 pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use residual::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 pub use rms_norm::{RmsNorm, RmsNormParams};
@@ -109,7 +109,8 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<CopyRowsF32>()?);
     all.extend(variants::<GemvBf16>()?);
     all.extend(variants::<GemvBf16F32>()?);
-    all.extend(variants::<GemvSiluMul>()?);
+    all.extend(variants::<GemvSplitBf16>()?);
+    all.extend(variants::<GemvSplitF32>()?);
     all.extend(variants::<MlaAbsorbQuery>()?);
     all.extend(variants::<MlaAbsorbOutput>()?);
     Ok(all)

@@ -9,8 +9,9 @@ use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
     AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
-    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvSiluMul, GqaAttention, MlaAbsorbOutput, MlaAbsorbQuery,
-    MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
+    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvSplitBf16, GemvSplitF32, GqaAttention, MlaAbsorbOutput,
+    MlaAbsorbQuery, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved, RowTopk, RowTopkSplit, SiluMul,
+    SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -135,14 +136,13 @@ fn copy_rows_f32() {
     every_candidate::<CopyRowsF32>(check::copy_rows_f32_suite);
 }
 
-/// The GEMV suite covers both output types and the fused gate/up.
+/// The GEMV suite covers both output types.
 #[test]
 fn gemv() {
     check::on_each_target(|t, rng| {
         let results = check::gemv_suite(t, Sizes::Small, rng)?;
         assert_covers::<GemvBf16>(&results);
         assert_covers::<GemvBf16F32>(&results);
-        assert_covers::<GemvSiluMul>(&results);
         Ok(results)
     });
 }
@@ -205,4 +205,14 @@ fn mla_absorb_query() {
 #[test]
 fn mla_absorb_output() {
     every_candidate::<MlaAbsorbOutput>(ddtree_kernels::attention::check::mla_absorb_output_suite);
+}
+
+#[test]
+fn gemv_split() {
+    check::on_each_target(|t, rng| {
+        let results = check::gemv_split_suite(t, Sizes::Small, rng)?;
+        assert_covers::<GemvSplitBf16>(&results);
+        assert_covers::<GemvSplitF32>(&results);
+        Ok(results)
+    });
 }

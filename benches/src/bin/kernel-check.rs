@@ -219,6 +219,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             ddtree_kernels::attention::check::mla_absorb_output_suite,
             ddtree_kernels::attention::check::kv_append_suite,
             check::gemv_suite,
+            check::gemv_split_suite,
             check::rms_norm_suite,
             check::add_rms_norm_suite,
         ] {

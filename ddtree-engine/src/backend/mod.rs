@@ -305,11 +305,6 @@ pub trait Backend {
     }
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
-    /// `silu(x gate^T) * (x up^T)`: a SwiGLU block's gate and up projections with its
-    /// SiLU-and-mul ([`gated_linear_unfused`] unless a backend fuses them).
-    fn gated_linear(&self, x: &Self::Tensor, gate: &Self::Weight, up: &Self::Weight) -> Result<Self::Tensor> {
-        gated_linear_unfused(self, x, gate, up)
-    }
     /// Concatenates matrices with equal row counts along the feature dimension.
     fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
     /// Per-head RMS norm: every consecutive run of `weight.len()` columns of each row is
@@ -387,14 +382,4 @@ pub trait Backend {
     /// Keeps rows `base + keep[i]` (ascending) moved to `base + i`, and drops every other row at
     /// index `base` and beyond: the compaction after a tree's accepted path is known.
     fn kv_compact(&self, cache: &mut Self::KvCache, base: usize, keep: &[usize]) -> Result<()>;
-}
-
-/// [`Backend::gated_linear`] as two [`Backend::linear`]s and a [`Backend::silu_mul`].
-pub fn gated_linear_unfused<B: Backend + ?Sized>(
-    b: &B,
-    x: &B::Tensor,
-    gate: &B::Weight,
-    up: &B::Weight,
-) -> Result<B::Tensor> {
-    b.silu_mul(&b.linear(x, gate)?, &b.linear(x, up)?)
 }

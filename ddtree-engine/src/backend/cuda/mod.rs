@@ -10,7 +10,7 @@ mod types;
 
 use std::sync::{Arc, Mutex};
 
-use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvParams, GemvSiluMul};
+use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvChoice, GemvSplitBf16, GemvSplitF32};
 use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
@@ -31,7 +31,7 @@ use half::bf16;
 
 pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, CudaWeight, DeviceData};
 
-use crate::backend::{gated_linear_unfused, AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims, StepInputs};
+use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims, StepInputs};
 use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
@@ -276,10 +276,6 @@ fn dense_int4_gemv(rows: usize, n: usize, k: usize) -> bool {
 }
 /// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
 const MOE_BUFFER_SETS: usize = 16;
-
-/// Most activation rows the engine runs through the bf16 GEMVs ([`gemv::choose`] takes up to
-/// [`gemv::MAX_ROWS`]; from 16 rows on its f32 FMAs, not the weight bytes, bound it).
-const GEMV_ROWS: usize = 8;
 
 /// The output of [`CudaBackend::dense_product`]: bf16 activations or f32 (router, LM head).
 enum DenseOut<'a> {
@@ -1346,38 +1342,6 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn gated_linear(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> Result<CudaTensor> {
-        if let (CudaWeight::Dense { out: n, inp: k, w: wg }, CudaWeight::Dense { w: wu, .. }) = (gate, up) {
-            let (n, k) = (*n, *k);
-            if up.shape() == (n, k) && x.cols == k {
-                if let Some(p) = self.gemv_params(x.rows, n, k, true) {
-                    let _span = self.profile.span("gated_linear");
-                    let kern = self.variant::<GemvSiluMul>(&p)?;
-                    let mut out = self.tensor_bf16(x.rows, n)?;
-                    let (r, n32, k32) = (x.rows as u32, n as u32, k as u32);
-                    // SAFETY: x [rows <= p.m, k], both weights [n, k], out [rows, n]; k % 8 == 0
-                    // (`choose` takes no other k).
-                    unsafe {
-                        GemvSiluMul::launch(
-                            &kern,
-                            &self.stream,
-                            gemv::grid(&p, n32),
-                            x.bf16("gated_linear")?,
-                            wg,
-                            wu,
-                            out.bf16_mut("gated_linear")?,
-                            r,
-                            n32,
-                            k32,
-                        )?
-                    };
-                    return Ok(out);
-                }
-            }
-        }
-        gated_linear_unfused(self, x, gate, up)
-    }
-
     fn concat_cols(&self, parts: &[&CudaTensor]) -> Result<CudaTensor> {
         let _span = self.profile.span("concat_cols");
         let rows = parts.first().map_or(0, |p| p.rows);
@@ -1957,19 +1921,16 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// The GEMV for `rows` rows, `n` outputs of width `k` (`gated`: the fused gate/up), when
-    /// one applies: up to [`GEMV_ROWS`] rows (decode and small trees), `k % 8 == 0`; the
-    /// layout [`gemv::choose`] names. Above that cuBLAS is faster (the GEMV's CUDA-core FMAs
-    /// become the limit); below it its ~30 µs of host time per call (algorithm heuristics) is
-    /// more than the GPU work.
-    fn gemv_params(&self, rows: usize, n: usize, k: usize, gated: bool) -> Option<GemvParams> {
-        (rows <= GEMV_ROWS)
-            .then(|| gemv::choose(rows, n, k, self.gpu().fingerprint().sm_count as usize, gated))
-            .flatten()
+    /// The GEMV for `rows` rows, `n` outputs of width `k`, when one applies: up to 8 rows (decode
+    /// and small trees), `k % 8 == 0`; the per-column kernel for wide outputs, the split-K one
+    /// for narrow ones ([`gemv::choose`]). Above 8 rows cuBLAS is faster; below it its ~30 µs of
+    /// host time per call (algorithm heuristics) is more than the GPU work.
+    fn gemv_params(&self, rows: usize, n: usize, k: usize) -> Option<GemvChoice> {
+        gemv::choose(rows, n, k, self.gpu().fingerprint().sm_count as usize)
     }
 
-    /// `out = a w^T` for `a` `[rows, k]` and a dense bf16 `w` `[n, k]`: the GEMV
-    /// [`gemv::choose`] picks for the shape, cuBLAS when none fits.
+    /// `out = a w^T` for `a` `[rows, k]` and a dense bf16 `w` `[n, k]`: the GEMV [`gemv::choose`]
+    /// picks for the shape (one warp per column or split-K), cuBLAS when none fits.
     fn dense_product(
         &self,
         a: &CudaSlice<bf16>,
@@ -1984,15 +1945,51 @@ impl CudaBackend {
         // SAFETY (every launch): a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0 (the
         // GEMVs are only chosen then); cuBLAS: a [m, k], w [n, k], out [m, n].
         unsafe {
-            match (self.gemv_params(rows, n, k, false), out) {
-                (Some(p), DenseOut::Bf16(o)) => {
-                    let kern = self.variant::<GemvBf16>(&p)?;
-                    GemvBf16::launch(&kern, s, gemv::grid(&p, n32), a, w, o, r, n32, k32)?
-                }
-                (Some(p), DenseOut::F32(o)) => {
-                    let kern = self.variant::<GemvBf16F32>(&p)?;
-                    GemvBf16F32::launch(&kern, s, gemv::grid(&p, n32), a, w, o, r, n32, k32)?
-                }
+            match (self.gemv_params(rows, n, k), out) {
+                (Some(GemvChoice::Warp(p)), DenseOut::Bf16(o)) => GemvBf16::launch(
+                    &*self.variant::<GemvBf16>(&p)?,
+                    s,
+                    gemv::grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (Some(GemvChoice::Warp(p)), DenseOut::F32(o)) => GemvBf16F32::launch(
+                    &*self.variant::<GemvBf16F32>(&p)?,
+                    s,
+                    gemv::grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (Some(GemvChoice::Split(p)), DenseOut::Bf16(o)) => GemvSplitBf16::launch(
+                    &*self.variant::<GemvSplitBf16>(&p)?,
+                    s,
+                    gemv::split_grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                (Some(GemvChoice::Split(p)), DenseOut::F32(o)) => GemvSplitF32::launch(
+                    &*self.variant::<GemvSplitF32>(&p)?,
+                    s,
+                    gemv::split_grid(&p, n32),
+                    a,
+                    w,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
                 (None, DenseOut::Bf16(o)) => self.blas.linear(a, w, o, rows, n, k)?,
                 (None, DenseOut::F32(o)) => self.blas.linear(a, w, o, rows, n, k)?,
             }
