@@ -125,6 +125,10 @@ fn builder_kernels_match_the_reference() {
         (3, 1000, 100, true, 128),
         (5, 40, 12, true, 8),
         (3, 64, 300, true, 16),
+        (3, 512, 1, false, 64),
+        (3, 512, 2, true, 64),
+        (3, 512, 3, false, 64),
+        (7, 512, 8, true, 64),
     ] {
         let logits: Vec<f32> = (0..l * v)
             .map(|_| {
