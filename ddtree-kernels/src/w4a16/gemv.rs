@@ -81,7 +81,9 @@ const G: GemvMode = GemvMode::GateUp;
 const W: GemvMode = GemvMode::Down;
 
 /// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
-/// with `chunks == 2` the one for up to 16 ([`default_params`]). The `xr` ones (x in the ring)
+/// with `chunks == 2` the one for up to 16 ([`default_params`]); `Down`'s first is 8 warps x 4
+/// stages, the fastest pair with `GateUp`'s first at one token on the H200 (101.9 vs 107.6 µs
+/// for the Kimi EP8 slice, `w4a16-bench --gemv`). The `xr` ones (x in the ring)
 /// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: 8-16
 /// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
 /// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
@@ -105,9 +107,9 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(G, 4, 1, 4, 1, true),
     gv(G, 8, 1, 2, 1, true),
     gv(G, 4, 1, 3, 2, true),
-    gv(W, 4, 1, 8, 1, false),
-    gv(W, 4, 1, 8, 2, false),
     gv(W, 8, 1, 4, 1, false),
+    gv(W, 4, 1, 8, 2, false),
+    gv(W, 4, 1, 8, 1, false),
     gv(W, 8, 1, 4, 2, false),
     gv(W, 4, 1, 6, 1, true),
     gv(W, 4, 1, 4, 1, true),

@@ -307,12 +307,13 @@ const MLA_ABSORB_QUERY_MAX_ROWS: usize = 4;
 const MLA_ABSORB_OUTPUT_MAX_ROWS: usize = 2;
 
 /// The verify attention variant for `rows` (node, head) query rows: the full-width split pass
-/// (`mla_verify_wide`), 32 rows per block up to 32 rows, else 64 (all 64 heads of a node) with
-/// a 2-deep ring of 64-key tiles. To be confirmed per row count with `tree-bench`'s candidate
-/// table (BENCHMARKS.md).
+/// (`mla_verify_wide`) with a 2-deep ring of 64-key tiles, 32 rows per block up to one node of
+/// 64 heads (the decode step), else 64. From `tree-bench` on the H200 (BENCHMARKS.md): one
+/// node x 64 heads 18.0 / 36.9 / 53.4 µs at 1K / 16K / 32K with 32 rows per block vs 21.9 /
+/// 41.7 / 53.1 with 64; from 2 nodes on 64 rows per block wins from 4K.
 fn verify_variant(rows: usize) -> tree::VerifyVariant {
     tree::VerifyVariant::Wide(tree::WideParams {
-        rg: if rows <= 32 { 2 } else { 4 },
+        rg: if rows <= 64 { 2 } else { 4 },
         bn: 64,
         stages: 2,
         qk: 16,
