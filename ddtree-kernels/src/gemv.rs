@@ -387,13 +387,18 @@ pub enum GemvChoice {
 /// lane) to keep enough bytes in flight to cover DRAM latency on an H100/H200-class GPU.
 pub const WARPS_PER_SM: usize = 32;
 
-/// The GEMV for `rows` activation rows (1..=8), `n` output columns of length `k` on a GPU of
+/// Most activation rows the GEMVs take in the engine: from 5 rows on (the `m = 8` variants)
+/// cuBLAS is faster; on the H200 a DDTree verify of 8 tree tokens took 26.5 ms with the
+/// GEMVs against 18.1 ms for 9 tokens with cuBLAS (Kimi K2.6 EP8, `ddtree bench`).
+pub const MAX_ROWS: usize = 4;
+
+/// The GEMV for `rows` activation rows (1..=[`MAX_ROWS`]), `n` output columns of length `k` on a GPU of
 /// `sms` SMs: the per-column kernel when it has at least [`WARPS_PER_SM`] warps per SM
 /// (`n` large: the LM head, `o_proj`, `q_b`), else the split-K kernel, whose blocks each put
 /// 8 warps on one or two columns (the router's 48 or 384 columns, `kv_a` 576, `q_a` 1536).
-/// `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=8).
+/// `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=[`MAX_ROWS`]).
 pub fn choose(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
-    if rows == 0 || rows > 8 || k % 8 != 0 || n == 0 {
+    if rows == 0 || rows > MAX_ROWS || k % 8 != 0 || n == 0 {
         return None;
     }
     let m = rows.next_power_of_two() as u32;

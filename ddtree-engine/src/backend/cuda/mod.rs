@@ -1922,10 +1922,10 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// The GEMV for `rows` rows, `n` outputs of width `k`, when one applies: up to 8 rows (decode
-    /// and small trees), `k % 8 == 0`; the per-column kernel for wide outputs, the split-K one
-    /// for narrow ones ([`gemv::choose`]). Above 8 rows cuBLAS is faster; below it its ~30 µs of
-    /// host time per call (algorithm heuristics) is more than the GPU work.
+    /// The GEMV for `rows` rows, `n` outputs of width `k`, when one applies: up to
+    /// [`gemv::MAX_ROWS`] rows (decode and small trees), `k % 8 == 0`; the per-column kernel for
+    /// wide outputs, the split-K one for narrow ones ([`gemv::choose`]). Above that cuBLAS is
+    /// faster.
     fn gemv_params(&self, rows: usize, n: usize, k: usize) -> Option<GemvChoice> {
         gemv::choose(rows, n, k, self.gpu().fingerprint().sm_count as usize)
     }
