@@ -503,10 +503,11 @@ pub fn run<B: Backend>(
     ));
     let continuation: Vec<u32> = prompt.iter().chain(&plain.tokens).copied().collect();
     let mut spec = Vec::new();
-    // The verify latency t(B) measured by the fixed-budget runs (first drafter) feeds `auto`,
-    // with the plain decode step as the one-token point.
+    // The verify latency t(B) measured by the fixed-budget runs (first drafter) feeds `auto`.
+    // (The plain decode step is no stand-in for a small tree: from 2 tokens on the verify takes
+    // the multi-token kernels, so a one-token point made `auto` pick trees of 7 that cost as much
+    // as 8 and lose the runner-up.)
     let mut cost: Option<CostModel> = None;
-    let plain_step_us = 1e6 / plain_tps;
     let mut points: Vec<(usize, f64)> = Vec::new();
     let mut fixed_us = [0.0f64; 3];
     for &accept in &opts.accept {
@@ -519,9 +520,6 @@ pub fn run<B: Backend>(
                     if cost.is_none() && !points.is_empty() {
                         let n = points.len() as f64;
                         let [d, b_, a] = fixed_us.map(|x| x / n);
-                        if points.iter().all(|&(t, _)| t > 1) {
-                            points.insert(0, (1, plain_step_us));
-                        }
                         cost = Some(CostModel::new(
                             format!("bench {} fixed-budget rounds", preset.name()),
                             d,
