@@ -433,6 +433,27 @@ impl Scripted {
     }
 }
 
+/// The verify curve `auto` gets from the fixed-budget runs' `(tokens, µs)` points: a staircase
+/// that steps up right after each measured size, so a size between two measured ones costs
+/// what the larger one does. The verify kernels tile the tokens (cuBLAS and the grouped MoE
+/// GEMM by 8-16 rows, the attention by node), so on the H200 a tree of 10-16 tokens costs about
+/// as much as one of 17; a straight line between the points made `auto` pick such trees and lose
+/// 20% on the `switching` profile (BENCHMARKS.md).
+pub fn staircase(points: &[(usize, f64)]) -> Vec<(usize, f64)> {
+    let mut sorted = points.to_vec();
+    sorted.sort_by_key(|&(t, _)| t);
+    let mut out = Vec::with_capacity(2 * sorted.len());
+    for (i, &(t, us)) in sorted.iter().enumerate() {
+        if let Some(&(prev, _)) = i.checked_sub(1).map(|j| &sorted[j]) {
+            if t > prev + 1 {
+                out.push((prev + 1, us));
+            }
+        }
+        out.push((t, us));
+    }
+    out
+}
+
 /// Runs the benchmark on `model` (made with [`Model::random`]). `copy_gb_per_s` is the
 /// measured bandwidth floor of the device, when known; `progress` gets one line per run.
 pub fn run<B: Backend>(
@@ -525,7 +546,7 @@ pub fn run<B: Backend>(
                             d,
                             b_,
                             a,
-                            &points,
+                            &staircase(&points),
                         )?);
                     }
                     SpecOptions {
@@ -676,4 +697,30 @@ pub fn render(r: &BenchReport) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staircase_steps_up_after_each_measured_size() {
+        let pts = [(17, 25.0), (9, 18.0), (18, 26.0), (33, 29.0)];
+        assert_eq!(
+            staircase(&pts),
+            vec![(9, 18.0), (10, 25.0), (17, 25.0), (18, 26.0), (19, 29.0), (33, 29.0)]
+        );
+        let c = CostModel::new("s", 0.0, 0.0, 0.0, &staircase(&pts)).unwrap();
+        assert_eq!((c.verify_us(9), c.verify_us(12), c.verify_us(30)), (18.0, 25.0, 29.0));
+    }
+
+    #[test]
+    fn drafter_profiles_parse_and_print() {
+        for s in ["1", "0.5", "switching"] {
+            assert_eq!(s.parse::<DraftProfile>().unwrap().to_string(), s);
+        }
+        for bad in ["1.5", "-0.1", "sometimes"] {
+            assert!(bad.parse::<DraftProfile>().unwrap_err().contains(bad));
+        }
+    }
 }
