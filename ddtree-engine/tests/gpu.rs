@@ -13,7 +13,7 @@ use ddtree_engine::{
 };
 
 /// The agreement this test holds the backend to. The goal is 99%; on the H200 the bf16 backend
-/// measures 97.0% (tiny-kimi) and 93.3% (tiny-dsv3, group-limited routing): the rows that differ
+/// measures 97.0% (tiny-kimi) and 92.7% (tiny-dsv3, group-limited routing): the rows that differ
 /// are near ties of the CPU's own top two or follow a routed-expert choice that flipped on a
 /// near tie of the router scores (the largest logit errors). BENCHMARKS.md has the numbers.
 const AGREEMENT_FLOOR: f64 = 0.90;
