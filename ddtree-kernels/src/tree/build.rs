@@ -63,6 +63,18 @@ fn order_key(x: f32) -> u32 {
     }
 }
 
+/// The sum of exponentials of two online-softmax partials `(m, s)` and `(mo, so)` (each `s`
+/// relative to its max `m`), relative to `max(m, mo)`; `s` when both are empty.
+#[device_fn]
+fn sum_exp_merge(m: f32, s: f32, mo: f32, so: f32) -> f32 {
+    let mn = m.max(mo);
+    if mn == f32::NEG_INFINITY {
+        s
+    } else {
+        s * (m - mn).exp() + so * (mo - mn).exp()
+    }
+}
+
 /// The f32 whose order key is `key` (the inverse of [`order_key`]).
 #[device_fn]
 fn key_value(key: u32) -> f32 {
@@ -190,21 +202,15 @@ pub fn tree_build(
                 for j in (lane..nb).step_by(32) {
                     let mo = part_ms[(row * nb + j) * 2];
                     let so = part_ms[(row * nb + j) * 2 + 1];
-                    let mn = m.max(mo);
-                    if mn != f32::NEG_INFINITY {
-                        s = s * (m - mn).exp() + so * (mo - mn).exp();
-                    }
-                    m = mn;
+                    s = sum_exp_merge(m, s, mo, so);
+                    m = m.max(mo);
                 }
                 #[unroll]
                 for o in 0..5u32 {
                     let mo = shfl_xor(m, 16u32 >> o);
                     let so = shfl_xor(s, 16u32 >> o);
-                    let mn = m.max(mo);
-                    if mn != f32::NEG_INFINITY {
-                        s = s * (m - mn).exp() + so * (mo - mn).exp();
-                    }
-                    m = mn;
+                    s = sum_exp_merge(m, s, mo, so);
+                    m = m.max(mo);
                 }
                 if lane == 0 {
                     let l = m + s.ln();
@@ -229,11 +235,8 @@ pub fn tree_build(
             for o in 0..5u32 {
                 let mo = shfl_xor(m, 16u32 >> o);
                 let so = shfl_xor(s, 16u32 >> o);
-                let mn = m.max(mo);
-                if mn != f32::NEG_INFINITY {
-                    s = s * (m - mn).exp() + so * (mo - mn).exp();
-                }
-                m = mn;
+                s = sum_exp_merge(m, s, mo, so);
+                m = m.max(mo);
             }
             if lane == 0 {
                 red_m[warp] = m;
