@@ -714,6 +714,27 @@ mod tests {
         assert_eq!((c.verify_us(9), c.verify_us(12), c.verify_us(30)), (18.0, 25.0, 29.0));
     }
 
+    /// The switching drafter's hard regime is calibrated: its top token holds 35% of the softmax
+    /// mass and is the right token in about 35% of the rows.
+    #[test]
+    fn calibrated_rows_are_calibrated() {
+        let vocab = 1000;
+        let mut d = Scripted::new(8, DraftProfile::Switching, vec![0; 8], vocab, 3);
+        let (rows, mut hits, mut top_mass) = (4000, 0, 0.0);
+        for i in 0..rows {
+            let right = i % vocab;
+            let mut row = vec![0.0f32; vocab];
+            d.calibrated_row(&mut row, right, &SWITCH_TOP[1]);
+            let best = (0..vocab).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap();
+            hits += usize::from(best == right);
+            let z: f64 = row.iter().map(|&x| (x as f64).exp()).sum();
+            top_mass += (row[best] as f64).exp() / z;
+        }
+        let (hit_rate, mass) = (hits as f64 / rows as f64, top_mass / rows as f64);
+        assert!((mass - 0.35).abs() < 1e-3, "top-token mass {mass}");
+        assert!((hit_rate - 0.35).abs() < 0.03, "right-token rate {hit_rate}");
+    }
+
     #[test]
     fn drafter_profiles_parse_and_print() {
         for s in ["1", "0.5", "switching"] {
