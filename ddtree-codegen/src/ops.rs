@@ -443,7 +443,8 @@ pub fn check_writable(place: &Expr, is_mut_var: bool) -> R<()> {
     }
 }
 
-/// Math on f32 (and `min`/`max`/`abs` on integers): `x.exp()`, `x.max(y)`, `a.mul_add(b, c)`.
+/// Math on f32 (and `min`/`max`/`abs` on integers, `count_ones` on u32): `x.exp()`, `x.max(y)`,
+/// `a.mul_add(b, c)`.
 pub fn math(name: &str, mut args: Vec<Expr>) -> R<Expr> {
     let (c_f32, c_int, arity) = match name {
         "exp" => ("expf", None, 1),
@@ -463,6 +464,7 @@ pub fn math(name: &str, mut args: Vec<Expr>) -> R<Expr> {
         "min" => ("fminf", Some("min"), 2),
         "mul_add" => ("fmaf", None, 3),
         "powf" => ("powf", None, 2),
+        "count_ones" => ("", Some("__popc"), 1),
         _ => op_bail!("unknown method `{name}`"),
     };
     if args.len() != arity {
@@ -488,9 +490,11 @@ pub fn math(name: &str, mut args: Vec<Expr>) -> R<Expr> {
         fix_untyped(a, s);
     }
     let c = match s {
-        Scalar::F32 => c_f32,
+        Scalar::F32 if !c_f32.is_empty() => c_f32,
+        Scalar::F32 => op_bail!("`{name}` is defined on integers only"),
         t if t.is_int() => match (c_int, t) {
             (Some("abs"), Scalar::U32 | Scalar::U64) => op_bail!("`abs` on an unsigned integer"),
+            (Some("__popc"), t) if t != Scalar::U32 => op_bail!("`count_ones` is defined on u32 only"),
             (Some(c), _) => c,
             (None, _) => op_bail!("`{name}` is defined on f32 only, found {}", t.rust_name()),
         },

@@ -41,7 +41,7 @@ fn gpu_build(
 ) -> (DraftTree, Vec<f32>) {
     let k = budget.min(v);
     let cap = budget + 1;
-    let span = span.min(p.span as usize);
+    let span = span.min(p.tile() as usize);
     let nb = v.div_ceil(span);
     let lg = buf(logits);
     let rootb = buf(&[root]);

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{CheckResult, Sizes, Target};
-use ddtree_kernels::tree::check::{self, random_logits, random_mask};
+use ddtree_kernels::tree::check::{self, confident_logits, random_logits, random_mask};
 use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
@@ -40,9 +40,12 @@ struct Args {
     /// Skip the timings.
     #[arg(long)]
     skip_bench: bool,
+    /// Only the builder and accept (checks and timings), not the verify attention.
+    #[arg(long)]
+    build_only: bool,
 }
 
-fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
+fn checks(gpu: &Gpu, rng: &mut StdRng, build_only: bool) -> Vec<CheckResult> {
     let mut all = Vec::new();
     let mut push = |what: String, r: Result<Vec<CheckResult>, RuntimeError>| match r {
         Ok(v) => all.extend(v),
@@ -77,10 +80,12 @@ fn checks(gpu: &Gpu, rng: &mut StdRng) -> Vec<CheckResult> {
     ] {
         push(format!("builder {l} {v} {b}"), check::builder(gpu, l, v, b, rng));
     }
-    push(
-        "verify".into(),
-        check::verify_suite(&Target::Gpu(gpu), Sizes::Full, rng).map_err(RuntimeError::from),
-    );
+    if !build_only {
+        push(
+            "verify".into(),
+            check::verify_suite(&Target::Gpu(gpu), Sizes::Full, rng).map_err(RuntimeError::from),
+        );
+    }
     for &(l, v, b) in &[(7, 163840, 64), (15, 163840, 256), (7, 1000, 1024)] {
         push(format!("accept {l} {v} {b}"), check::accept(gpu, l, v, b, rng));
     }
@@ -108,12 +113,12 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
     let v = 163840usize;
     let mut phases = Vec::new();
     println!("\nDevice time per call, {PER_GRAPH} calls back to back in a CUDA graph (as a captured engine step); eager = one launch timed alone, host launch overhead included.");
-    println!("\n| L | B | build µs (default) | best variant µs | accept µs | compact 61 layers µs | build+accept µs | build eager µs |");
-    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
-    for l in [7usize, 15] {
-        let copies: Vec<_> = (0..8)
-            .map(|_| upload(s, &random_logits(rng, l, v)))
-            .collect::<Result<_, _>>()?;
+    println!("\n| logits | L | B | build µs (default) | best variant µs | accept µs | compact 61 layers µs | build+accept µs | build eager µs |");
+    println!("|---|---:|---:|---:|---|---:|---:|---:|---:|");
+    let profiles: [(&str, fn(&mut StdRng, usize, usize) -> Vec<f32>); 2] =
+        [("random", random_logits), ("confident", confident_logits)];
+    for ((name, make), l) in profiles.into_iter().flat_map(|m| [7usize, 15].map(|l| (m, l))) {
+        let copies: Vec<_> = (0..8).map(|_| upload(s, &make(rng, l, v))).collect::<Result<_, _>>()?;
         for b in [16usize, 64, 256, 1024] {
             let mut acc = GpuAccept::new(gpu, l)?;
             let mut root = upload(s, &[5u32])?;
@@ -152,7 +157,7 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
                     bld.build_until(s, &copies[i % copies.len()], &root, stage)
                 })?;
             }
-            phases.push((l, b, cum));
+            phases.push((name, l, b, cum));
             bld.build(s, &copies[0], &root)?;
             let accept = graph_us(s, PER_GRAPH, 3, 20, |_| acc.accept(s, &bld, &target, &mut root))?;
             let mut cache = zeros::<bf16>(s, 61 * 4096 * ROW)?;
@@ -162,17 +167,17 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
                 acc.accept(s, &bld, &target, &mut root)
             })?;
             println!(
-                "| {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {accept:.1} | {compact:.1} | {both:.1} | {eager:.1} |"
+                "| {name} | {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {accept:.1} | {compact:.1} | {both:.1} | {eager:.1} |"
             );
-            rows.push(format!("build L={l:<2} B={b:<5} build {default_us:>8.1} µs (best {best_us:.1} {best_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs  (eager build {eager:.1} µs)"));
+            rows.push(format!("build {name:<9} L={l:<2} B={b:<5} build {default_us:>8.1} µs (best {best_us:.1} {best_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs  (eager build {eager:.1} µs)"));
         }
     }
     println!("\nBuilder stages (default variant, graph-timed; a stage = the launch stopped after it minus the launch stopped before it):");
-    println!("\n| L | B | slice µs | merge µs | expand loop µs | tree+mask µs | total µs |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
-    for (l, b, c) in phases {
+    println!("\n| logits | L | B | slice µs | merge µs | expand loop µs | tree+mask µs | total µs |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, l, b, c) in phases {
         println!(
-            "| {l} | {b} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {name} | {l} | {b} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             c[0],
             c[1] - c[0],
             c[2] - c[1],
@@ -180,7 +185,7 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
             c[3]
         );
         rows.push(format!(
-            "stages L={l:<2} B={b:<5} slice {:>6.1}  merge {:>6.1}  expand {:>7.1}  tree+mask {:>6.1}  total {:>7.1} µs",
+            "stages {name:<9} L={l:<2} B={b:<5} slice {:>6.1}  merge {:>6.1}  expand {:>7.1}  tree+mask {:>6.1}  total {:>7.1} µs",
             c[0],
             c[1] - c[0],
             c[2] - c[1],
@@ -316,7 +321,7 @@ fn main() -> ExitCode {
     let mut failed = 0;
     let mut total = 0;
     if !args.skip_checks {
-        let results = checks(&gpu, &mut rng);
+        let results = checks(&gpu, &mut rng, args.build_only);
         total = results.len();
         for r in &results {
             if !r.passed {
@@ -341,8 +346,10 @@ fn main() -> ExitCode {
         if let Err(e) = bench_build(&gpu, &mut rng, &mut summary) {
             println!("build bench failed: {e}");
         }
-        if let Err(e) = bench_verify(&gpu, &mut rng, bw, tf, &mut summary) {
-            println!("verify bench failed: {e}");
+        if !args.build_only {
+            if let Err(e) = bench_verify(&gpu, &mut rng, bw, tf, &mut summary) {
+                println!("verify bench failed: {e}");
+            }
         }
     }
     println!("\n=== summary (seed {seed}) ===");

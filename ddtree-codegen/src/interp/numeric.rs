@@ -276,6 +276,7 @@ pub(super) fn math(name: &str, ty: Scalar, a: &[Val]) -> Val {
         let (x, y) = (a[0], a.get(1).copied().unwrap_or(Val::Void));
         return match (name, ty) {
             ("abs", _) => Val::I(x.i32().wrapping_abs()),
+            ("__popc", _) => Val::U(x.u32().count_ones()),
             ("max", Scalar::U32) => Val::U(x.u32().max(y.u32())),
             ("min", Scalar::U32) => Val::U(x.u32().min(y.u32())),
             ("max", Scalar::U64) => Val::U64(x.u64().max(y.u64())),

@@ -5,13 +5,17 @@
 //! brings a counter to its end carries on, and resets the counter for the next launch):
 //!
 //! 1. **Slice** (every block): block `b` of depth `row` reads logits `[b * span, (b + 1) *
-//!    span)` of its row once for the slice's max and sum of exponentials, and selects the
-//!    slice's top `min(k, slice)` by radix select over order keys (8-bit digits from the top,
-//!    stopping as soon as the digit bucket of the k-th key is taken whole; equal keys by smaller
-//!    token id). The selected keys and tokens go to the candidate buffers in token order.
+//!    span)` of its row once into registers (`vpt` per thread, coalesced), takes the slice's
+//!    max and sum of exponentials, and selects the slice's top `min(k, slice)` by radix select
+//!    over order keys (8-bit digits from the top, stopping as soon as the digit bucket of the
+//!    k-th key is taken whole; equal keys by smaller token id). When `k <= 2 * warps`, keys
+//!    below the lowest of the warps' second-largest keys (a floor under the k-th) are never
+//!    counted, which keeps the histogram atomics few and spread. The selected keys and tokens
+//!    go to the candidate buffers in token order (places from ballots and warp totals).
 //! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
-//!    warp), the same radix select over the `nb * k` candidates, and the `k` winners ranked
-//!    (larger key, then smaller token) into the depth's log-probs `min(x - lse, 0)` and tokens.
+//!    warp), the same select over the `nb * k` candidates (at most `block * vpt`, one per
+//!    register slot), and the `k` winners ranked (larger key, then smaller token) into the
+//!    depth's log-probs `min(x - lse, 0)` and tokens.
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -22,6 +26,8 @@
 //!    so only children with (j + 1) (r + 1) <= budget (and, when G is full, better than its
 //!    worst member) are candidates: at most [`expansion_candidates`] per round. Equal scores
 //!    compare pre-order indices in G (a child of member p with rank r sits right after p).
+//!    A round that adds no member of its depth ends the loop (later rounds could only expand
+//!    members of that depth). Each round's log-probs are read one round ahead into registers.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
 
@@ -32,8 +38,16 @@ use ddtree_macros::{device_fn, kernel, KernelParams};
 pub struct TreeBuildParams {
     /// Threads per block.
     pub block: u32,
-    /// The most logits per slice block.
-    pub span: u32,
+    /// Items (a slice's logits, a depth's candidates) each thread holds in registers.
+    pub vpt: u32,
+}
+
+impl TreeBuildParams {
+    /// The most items one block holds, `block * vpt`: the longest slice, and the most
+    /// candidates (`slices * k`) a depth's merge takes.
+    pub const fn tile(&self) -> u32 {
+        self.block * self.vpt
+    }
 }
 
 /// The largest `k` (= min(budget, vocab)) and budget of the builder.
@@ -125,7 +139,7 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 }
 
 /// The whole builder in one launch (see the module docs). Grid `(nb, depth)`; block `b`
-/// covers logits `[b * span, min((b + 1) * span, vocab))` of its row (`span <= p.span`).
+/// covers logits `[b * span, min((b + 1) * span, vocab))` of its row (`span <= p.tile()`).
 ///
 /// Inputs: `logits` `[depth, vocab]`, `root[0]` (the root token). Scratch: `cand_key` /
 /// `cand_tok` (`[depth, nb, k]`, and at least [`expansion_candidates`] (the expansion's
@@ -135,11 +149,11 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// mask rows (`[n, ceil(n / 32)]`). `stop` ends the launch early, for timing the stages:
 /// 0 after the slices, 1 after the merges, 2 after the expansion loop (before the tree arrays
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
-/// `budget <= MAX_K`, `depth <= 16`, `nb * k < 65536`.
+/// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
-    TreeBuildParams { block: 512, span: 4096 },
-    TreeBuildParams { block: 1024, span: 8192 },
-    TreeBuildParams { block: 256, span: 2048 },
+    TreeBuildParams { block: 1024, vpt: 9 },
+    TreeBuildParams { block: 512, vpt: 32 },
+    TreeBuildParams { block: 512, vpt: 16 },
 ])]
 pub fn tree_build(
     #[comptime] p: &TreeBuildParams,
@@ -171,7 +185,8 @@ pub fn tree_build(
         p.block % 32 == 0 && p.block >= 256 && p.block <= 1024,
         "block must be a multiple of 32 in 256..=1024"
     );
-    comptime_assert!(p.span < 65536, "span must be below 65536");
+    comptime_assert!(p.vpt >= 1 && p.vpt <= 32, "vpt must be in 1..=32");
+    let nw = p.block / 32;
     let tid = thread_idx_x();
     let lane = lane_id();
     let warp = warp_id();
@@ -182,11 +197,17 @@ pub fn tree_build(
     let red_s = shared::<f32>(32);
     let hist = shared::<u32>(256);
     let st = shared::<u32>(4);
+    let wcount = shared::<u32>(96);
     let flag = shared::<u32>(1);
     let lse_s = shared::<f32>(1);
     let ckey = shared::<u32>(1024);
     let ctok = shared::<u32>(1024);
     let lo = blk * span;
+    // This thread's items (a slice's logits, or a depth's candidates): item
+    // `warp * 32 vpt + 32 j + lane` in `keys[j]`, so each j is one coalesced row of the warp and
+    // (warp, j, lane) is item order.
+    let first = warp * 32u32 * p.vpt + lane;
+    let below = (1u32 << lane) - 1u32;
 
     // Stage 0: the block's slice; stage 1 (the row's last block): the row's candidates.
     for stage in 0..2u32 {
@@ -194,6 +215,18 @@ pub fn tree_build(
         let n = if merging { nb * k } else { span.min(vocab - lo) };
         let base = if merging { row * nb * k } else { row * vocab + lo };
         let kk = k.min(n);
+        let mut keys = [0u32; p.vpt];
+        #[unroll]
+        for j in 0..p.vpt {
+            let i = first + 32u32 * j;
+            if i < n {
+                keys[j] = if merging {
+                    cand_key[base + i]
+                } else {
+                    order_key(logits[base + i])
+                };
+            }
+        }
         if merging {
             // The row's log-sum-exp from the slices' (max, sum of exp(x - max)), one warp.
             if warp == 0 {
@@ -219,16 +252,21 @@ pub fn tree_build(
                 }
             }
         } else {
-            // One read of the slice: online max / sum.
+            // The slice's max and sum of exponentials.
             let mut m = f32::NEG_INFINITY;
+            #[unroll]
+            for j in 0..p.vpt {
+                if first + 32u32 * j < n {
+                    m = m.max(key_value(keys[j]));
+                }
+            }
             let mut s = 0.0f32;
-            for i in (tid..n).step_by(p.block) {
-                let x = logits[base + i];
-                if x > m {
-                    s = s * (m - x).exp() + 1.0f32;
-                    m = x;
-                } else if x != f32::NEG_INFINITY {
-                    s += (x - m).exp();
+            if m != f32::NEG_INFINITY {
+                #[unroll]
+                for j in 0..p.vpt {
+                    if first + 32u32 * j < n {
+                        s += (key_value(keys[j]) - m).exp();
+                    }
                 }
             }
             #[unroll]
@@ -245,17 +283,53 @@ pub fn tree_build(
             sync_threads();
             if tid == 0 {
                 let mut bm = f32::NEG_INFINITY;
-                for w in 0..p.block / 32 {
+                for w in 0..nw {
                     bm = bm.max(red_m[w]);
                 }
                 let mut bs = 0.0f32;
-                for w in 0..p.block / 32 {
+                for w in 0..nw {
                     if red_m[w] != f32::NEG_INFINITY {
                         bs += red_s[w] * (red_m[w] - bm).exp();
                     }
                 }
                 part_ms[(row * nb + blk) * 2] = bm;
                 part_ms[(row * nb + blk) * 2 + 1] = bs;
+            }
+        }
+
+        // A floor under the kk-th largest key: each warp's second largest, the lowest over the
+        // warps (2 nw items are at or above it), when kk <= 2 nw; else 0. Keys below it are
+        // never counted, so the histograms below see few items and few same-bin atomics.
+        let mut b1 = 0u32;
+        let mut b2 = 0u32;
+        #[unroll]
+        for j in 0..p.vpt {
+            if first + 32u32 * j < n {
+                let x = keys[j];
+                if x > b1 {
+                    b2 = b1;
+                    b1 = x;
+                } else if x > b2 {
+                    b2 = x;
+                }
+            }
+        }
+        #[unroll]
+        for o in 0..5u32 {
+            let o1 = shfl_xor(b1, 16u32 >> o);
+            let o2 = shfl_xor(b2, 16u32 >> o);
+            b2 = b1.min(o1).max(b2.max(o2));
+            b1 = b1.max(o1);
+        }
+        if lane == 0 {
+            wcount[warp] = b2;
+        }
+        sync_threads();
+        let mut floor = 0u32;
+        if kk <= 2u32 * nw {
+            floor = wcount[0];
+            for w in 1..nw {
+                floor = floor.min(wcount[w]);
             }
         }
 
@@ -272,13 +346,10 @@ pub fn tree_build(
                 hist[tid] = 0u32;
             }
             sync_threads();
-            for i in (tid..n).step_by(p.block) {
-                let key = if merging {
-                    cand_key[base + i]
-                } else {
-                    order_key(logits[base + i])
-                };
-                if (key & pmask) == prefix {
+            #[unroll]
+            for j in 0..p.vpt {
+                let key = keys[j];
+                if first + 32u32 * j < n && key >= floor && (key & pmask) == prefix {
                     hist.atomic_add((key >> shift) & 255u32, 1u32);
                 }
             }
@@ -323,43 +394,47 @@ pub fn tree_build(
             eq_count = st[2];
             pass += 1;
         }
-        // Take every key above the prefix, the prefix's bucket when it is taken whole, else the
-        // first `remaining` keys equal to the kk-th (smallest token ids); in item order (each
-        // thread a contiguous run, positions from a block scan).
+        // Take every key above the prefix (the prefix's bucket too when it is taken whole), else
+        // the first `remaining` keys equal to the kk-th (smallest token ids), in item order: an
+        // item's place counts the taken items of earlier warps (block totals), earlier rows of
+        // its warp and earlier lanes of its row (ballots).
         let all_eq = eq_count == remaining;
-        let c = (n + p.block - 1) / p.block;
-        let i0 = (tid * c).min(n);
-        let i1 = (i0 + c).min(n);
-        let mut cnt = 0u32;
-        let mut eqc = 0u32;
-        for i in i0..i1 {
-            let key = if merging {
-                cand_key[base + i]
-            } else {
-                order_key(logits[base + i])
-            };
+        let mut sc = 0u32;
+        let mut tc = 0u32;
+        #[unroll]
+        for j in 0..p.vpt {
+            let key = keys[j];
             let m = key & pmask;
-            if m > prefix || (m == prefix && all_eq) {
-                cnt += 1;
-            } else if m == prefix {
-                eqc += 1;
-            }
+            let ok = first + 32u32 * j < n && key >= floor;
+            sc += ballot(ok && (m > prefix || (m == prefix && all_eq))).count_ones();
+            tc += ballot(ok && m == prefix && !all_eq).count_ones();
         }
-        let pre = block_excl_scan(cnt | (eqc << 16));
-        let mut sp = pre & 65535u32;
-        let mut ep = pre >> 16;
+        if lane == 0 {
+            wcount[32 + warp] = sc;
+            wcount[64 + warp] = tc;
+        }
+        sync_threads();
+        let mut sp = 0u32;
+        let mut tp = 0u32;
+        for w in 0..warp {
+            sp += wcount[32 + w];
+            tp += wcount[64 + w];
+        }
         let out = (row * nb + blk) * k;
-        for i in i0..i1 {
-            let key = if merging {
-                cand_key[base + i]
-            } else {
-                order_key(logits[base + i])
-            };
+        #[unroll]
+        for j in 0..p.vpt {
+            let key = keys[j];
+            let i = first + 32u32 * j;
             let m = key & pmask;
-            let strict = m > prefix || (m == prefix && all_eq);
-            let tie = !strict && m == prefix;
-            if strict || (tie && ep < remaining) {
-                let pos = sp + ep.min(remaining);
+            let ok = i < n && key >= floor;
+            let strict = ok && (m > prefix || (m == prefix && all_eq));
+            let tie = ok && m == prefix && !all_eq;
+            let bs = ballot(strict);
+            let bt = ballot(tie);
+            let s_at = sp + (bs & below).count_ones();
+            let t_at = tp + (bt & below).count_ones();
+            if strict || (tie && t_at < remaining) {
+                let pos = s_at + t_at.min(remaining);
                 if merging {
                     ckey[pos] = key;
                     ctok[pos] = cand_tok[base + i];
@@ -368,11 +443,8 @@ pub fn tree_build(
                     cand_tok[out + pos] = lo + i;
                 }
             }
-            if strict {
-                sp += 1;
-            } else if tie {
-                ep += 1;
-            }
+            sp += bs.count_ones();
+            tp += bt.count_ones();
         }
         if merging {
             // Rank the k winners (larger key, then earlier item = smaller token), best first.
@@ -426,6 +498,17 @@ pub fn tree_build(
     let remap = shared::<u32>(CAP);
     let tmp = shared::<u32>(CAP);
     let nc_s = shared::<u32>(1);
+    let grew = shared::<u32>(1);
+    // The next round's log-probs (ranks tid + q block), loaded a round ahead.
+    let pf = comptime!(MAX_K as u32 / p.block);
+    let mut next = [0u32; pf];
+    #[unroll]
+    for q in 0..pf {
+        let r = tid + q * p.block;
+        if r < k && depth > 1 {
+            next[q] = lp[k + r].to_bits();
+        }
+    }
     for x in (tid..k).step_by(p.block) {
         gk[1][x + 1] = order_key(lp[x]);
         gx[1][x + 1] = x << 11;
@@ -437,14 +520,31 @@ pub fn tree_build(
         remap[0] = 0u32;
     }
     let mut g = k;
+    // The buffer holding G after the last round run.
+    let mut f = 1u32;
     for d in 2..depth + 1 {
+        // No member of depth d - 1 joined G last round: no later round adds any.
+        if d > 2 && grew[0] == 0u32 {
+            break;
+        }
         let o = (d - 1) % 2;
         let w = d % 2;
-        // This depth's log-probs, as bits in ckey (free after the merge).
-        for r in (tid..k).step_by(p.block) {
-            ckey[r] = lp[(d - 1) * k + r].to_bits();
+        // This depth's log-probs, as bits in ckey (free after the merge); the next depth's
+        // loads go out now.
+        #[unroll]
+        for q in 0..pf {
+            let r = tid + q * p.block;
+            if r < k {
+                ckey[r] = next[q];
+                if d < depth {
+                    next[q] = lp[d * k + r].to_bits();
+                }
+            }
         }
         sync_threads();
+        if tid == 0 {
+            grew[0] = 0u32;
+        }
         // Children of the depth d - 1 members: member j (0-based) keeps ranks r < k with
         // (j + 1) * (r + 1) <= budget (that many better tuples otherwise) and, when G is full,
         // better than its worst member; a prefix of the ranks.
@@ -552,6 +652,9 @@ pub fn tree_build(
                 gk[w][rank + 1] = key;
                 gm[w][rank + 1] = mw;
                 tmp[rank + 1] = lx;
+                if e >= g {
+                    grew.atomic_or(0u32, 1u32);
+                }
             }
         }
         sync_threads();
@@ -569,6 +672,7 @@ pub fn tree_build(
             gx[w][x] = before << 11;
         }
         g = ng;
+        f = w;
     }
     sync_threads();
     if stop == 2u32 {
@@ -576,7 +680,6 @@ pub fn tree_build(
     }
     // The tree: node i is G's member i (root 0). Children per node (a prefix of the ranks),
     // their offsets, and each child in its parent's slot (in gx, free now).
-    let f = depth % 2;
     let n = g + 1;
     let words = (n + 31) / 32;
     for i in (tid..n).step_by(p.block) {

@@ -65,7 +65,21 @@ pub fn random_logits(rng: &mut StdRng, depth: usize, vocab: usize) -> Vec<f32> {
     l
 }
 
-/// Checks the builder, every variant of [`TreeBuild`], on fresh logits (with ties) and
+/// Random logits `[depth, vocab]` of a confident drafter: the noise of [`random_logits`] under
+/// a head of 8 random tokens holding about 80% of each row's mass (the top one about 40%), so
+/// the best trees run deep and every expansion round adds nodes.
+pub fn confident_logits(rng: &mut StdRng, depth: usize, vocab: usize) -> Vec<f32> {
+    let mut l: Vec<f32> = (0..depth * vocab).map(|_| rng.random_range(-12.0f32..12.0)).collect();
+    for d in 0..depth {
+        for r in 0..8 {
+            l[d * vocab + rng.random_range(0..vocab)] = 21.5 - 0.5 * r as f32 - rng.random_range(0.0f32..0.4);
+        }
+    }
+    l
+}
+
+/// Checks the builder, every variant of [`TreeBuild`], on fresh logits (random with ties, and
+/// confident) and
 /// poisoned outputs: the tree must equal the CPU builder's fed with the GPU's per-depth
 /// log-sum-exp (identical arithmetic), and that log-sum-exp must match the CPU's (1e-5).
 pub fn builder(
@@ -77,11 +91,14 @@ pub fn builder(
 ) -> Result<Vec<CheckResult>, RuntimeError> {
     let s = gpu.stream();
     let mut out = Vec::new();
-    for p in TreeBuild::space()
+    let profiles: [(&str, fn(&mut StdRng, usize, usize) -> Vec<f32>); 2] =
+        [("random", random_logits), ("confident", confident_logits)];
+    for (p, (profile, make)) in TreeBuild::space()
         .into_iter()
         .filter(|p| builder_fits(p, vocab, budget))
+        .flat_map(|p| profiles.map(|m| (p, m)))
     {
-        let logits = random_logits(rng, depth, vocab);
+        let logits = make(rng, depth, vocab);
         let root = rng.random_range(0..vocab as u32);
         let mut b = GpuBuilder::with_params(gpu, &p, depth, vocab, budget)?;
         // Poison the outputs.
@@ -98,7 +115,7 @@ pub fn builder(
         b.build(s, &dl, &dr)?;
         let (tree, lse) = b.download(s)?;
         let want = build_with_lse(&logits, vocab, budget, root, &lse);
-        let case = format!("depth={depth} vocab={vocab} budget={budget}");
+        let case = format!("{profile} depth={depth} vocab={vocab} budget={budget}");
         let sym = TreeBuild::symbol(&p);
         let cpu_lse = logsumexp_rows(&logits, vocab);
         let tol = Tolerance {

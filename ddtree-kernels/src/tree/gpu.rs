@@ -88,17 +88,28 @@ pub struct GpuBuilder {
     pub mask: CudaSlice<u32>,
 }
 
-/// Whether builder variant `p` takes `vocab` at `budget`: its merge ranks fewer than 65536
-/// slice candidates per depth (`ceil(vocab / span) * min(budget, vocab)`).
+/// Whether builder variant `p` takes `vocab` at `budget`: each depth's merge holds its
+/// `ceil(vocab / tile) * min(budget, vocab)` slice candidates in one tile (`p.tile()`).
 pub fn builder_fits(p: &TreeBuildParams, vocab: usize, budget: usize) -> bool {
-    vocab.div_ceil(p.span as usize) * budget.min(vocab) < 65536
+    let tile = p.tile() as usize;
+    vocab.div_ceil(tile) * budget.min(vocab) <= tile
+}
+
+/// The first builder variant (the default when it fits) that takes `vocab` at `budget`.
+pub fn builder_params(vocab: usize, budget: usize) -> Option<TreeBuildParams> {
+    TreeBuild::space().into_iter().find(|p| builder_fits(p, vocab, budget))
 }
 
 impl GpuBuilder {
-    /// Compiles the default variant and allocates the buffers. Needs `budget <= 1024`,
-    /// `depth <= 16`.
+    /// Compiles the first variant that [fits](builder_params) and allocates the buffers.
+    /// Needs `budget <= 1024`, `depth <= 16`, and a fitting variant (every vocabulary up to
+    /// 163840 at every budget has one).
     pub fn new(gpu: &Gpu, depth: usize, vocab: usize, budget: usize) -> Result<GpuBuilder, RuntimeError> {
-        GpuBuilder::with_params(gpu, &TreeBuild::default_params(), depth, vocab, budget)
+        let p = builder_params(vocab, budget).ok_or_else(|| RuntimeError::Launch {
+            kernel: TreeBuild::symbol(&TreeBuild::default_params()),
+            reason: format!("no tree builder variant takes vocab {vocab} at budget {budget}"),
+        })?;
+        GpuBuilder::with_params(gpu, &p, depth, vocab, budget)
     }
 
     /// [`GpuBuilder::new`] with variant `p`, which must [fit](builder_fits) the shape.
@@ -119,8 +130,8 @@ impl GpuBuilder {
         );
         let s = gpu.stream();
         let k = budget.min(vocab);
-        // Slice blocks per depth: as few as the variant's span allows.
-        let nb = vocab.div_ceil(p.span as usize);
+        // Slice blocks per depth: as few as the variant's tile allows.
+        let nb = vocab.div_ceil(p.tile() as usize);
         let span = vocab.div_ceil(nb);
         let cap = budget + 1;
         let cands = (depth * nb * k).max(expansion_candidates(budget, k));
@@ -175,7 +186,7 @@ impl GpuBuilder {
         // SAFETY: logits hold depth * vocab values; candidates depth * nb * k and
         // expansion_candidates(budget, k), partials
         // depth * nb * 2, counters depth + 1 (zero between launches); span <= the variant's
-        // span, k <= min(MAX_K, vocab), nb * k < 65536; the tree outputs hold budget + 1
+        // tile, k <= min(MAX_K, vocab), nb * k <= the tile; the tree outputs hold budget + 1
         // nodes (mask rows included), budget <= 1024, depth <= 16.
         unsafe {
             TreeBuild::launch(
