@@ -443,7 +443,7 @@ pub fn check_writable(place: &Expr, is_mut_var: bool) -> R<()> {
     }
 }
 
-/// Math on f32 (and `min`/`max`/`abs` on integers, `count_ones` on u32): `x.exp()`, `x.max(y)`,
+/// Math on f32 (and `min`/`max`/`abs` on integers, `count_ones`/`leading_zeros` on u32): `x.exp()`, `x.max(y)`,
 /// `a.mul_add(b, c)`.
 pub fn math(name: &str, mut args: Vec<Expr>) -> R<Expr> {
     let (c_f32, c_int, arity) = match name {
@@ -465,6 +465,7 @@ pub fn math(name: &str, mut args: Vec<Expr>) -> R<Expr> {
         "mul_add" => ("fmaf", None, 3),
         "powf" => ("powf", None, 2),
         "count_ones" => ("", Some("__popc"), 1),
+        "leading_zeros" => ("", Some("__clz"), 1),
         _ => op_bail!("unknown method `{name}`"),
     };
     if args.len() != arity {
@@ -494,7 +495,7 @@ pub fn math(name: &str, mut args: Vec<Expr>) -> R<Expr> {
         Scalar::F32 => op_bail!("`{name}` is defined on integers only"),
         t if t.is_int() => match (c_int, t) {
             (Some("abs"), Scalar::U32 | Scalar::U64) => op_bail!("`abs` on an unsigned integer"),
-            (Some("__popc"), t) if t != Scalar::U32 => op_bail!("`count_ones` is defined on u32 only"),
+            (Some("__popc" | "__clz"), t) if t != Scalar::U32 => op_bail!("`{name}` is defined on u32 only"),
             (Some(c), _) => c,
             (None, _) => op_bail!("`{name}` is defined on f32 only, found {}", t.rust_name()),
         },

@@ -1,4 +1,4 @@
-//! Device functions shared by several kernels: warp and block reductions.
+//! Device functions shared by several kernels: warp and block reductions, order keys.
 
 use ddtree_macros::device_fn;
 
@@ -48,4 +48,53 @@ pub fn block_sum(v: f32) -> f32 {
     }
     sync_threads();
     partial[32]
+}
+
+/// Minimum of `v` over the 32 lanes of a warp.
+#[device_fn]
+pub fn warp_min_u32(v: u32) -> u32 {
+    let mut m = v;
+    #[unroll]
+    for k in 0..5u32 {
+        m = m.min(shfl_xor(m, 16u32 >> k));
+    }
+    m
+}
+
+/// Maximum of `v` over the 32 lanes of a warp.
+#[device_fn]
+pub fn warp_max_u32(v: u32) -> u32 {
+    let mut m = v;
+    #[unroll]
+    for k in 0..5u32 {
+        m = m.max(shfl_xor(m, 16u32 >> k));
+    }
+    m
+}
+
+/// Sum of `v` over the lanes below `at` (every lane gets it).
+#[device_fn]
+pub fn lanes_below_sum(v: u32, at: u32) -> u32 {
+    let lane = lane_id();
+    let mut inc = v;
+    #[unroll]
+    for o in 0..5u32 {
+        let t = shfl_up(inc, 1u32 << o);
+        if lane >= (1u32 << o) {
+            inc += t;
+        }
+    }
+    shfl_idx(inc - v, at)
+}
+
+/// `f32` bits mapped to a `u32` whose unsigned order is `f32::total_cmp`'s (0 only for a
+/// negative NaN with every payload bit set).
+#[device_fn]
+pub fn order_key(v: f32) -> u32 {
+    let b = v.to_bits();
+    if (b >> 31) == 1 {
+        b ^ u32::MAX
+    } else {
+        b | 0x8000_0000u32
+    }
 }

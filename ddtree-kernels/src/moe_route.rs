@@ -13,7 +13,9 @@
 //! bits to `u32`). The selection is `topk` rounds of a block argmax: each thread holds its
 //! experts' keys in registers, a warp shuffle argmax and one barrier per round pick the winner.
 
-use ddtree_macros::{device_fn, kernel, KernelParams};
+use ddtree_macros::{kernel, KernelParams};
+
+use crate::common::order_key;
 
 /// Most experts [`MoeRoute`] handles (Kimi K2: 384).
 pub const MAX_EXPERTS: u32 = 1024;
@@ -28,18 +30,6 @@ pub struct MoeRouteParams {
     /// Threads per block (one block per token); a power of two from 32 to 1024 (each thread
     /// holds `1024 / block` experts in registers).
     pub block: u32,
-}
-
-/// `f32` bits mapped to a `u32` whose unsigned order is `f32::total_cmp`'s (0 only for a
-/// negative NaN with every payload bit set).
-#[device_fn]
-fn order_key(v: f32) -> u32 {
-    let b = v.to_bits();
-    if (b >> 31) == 1 {
-        b ^ u32::MAX
-    } else {
-        b | 0x8000_0000u32
-    }
 }
 
 /// Routes each token (grid = tokens): `logits` `[tokens, experts]` f32, `bias` `[experts]`;

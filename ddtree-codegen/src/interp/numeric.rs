@@ -277,6 +277,7 @@ pub(super) fn math(name: &str, ty: Scalar, a: &[Val]) -> Val {
         return match (name, ty) {
             ("abs", _) => Val::I(x.i32().wrapping_abs()),
             ("__popc", _) => Val::U(x.u32().count_ones()),
+            ("__clz", _) => Val::U(x.u32().leading_zeros()),
             ("max", Scalar::U32) => Val::U(x.u32().max(y.u32())),
             ("min", Scalar::U32) => Val::U(x.u32().min(y.u32())),
             ("max", Scalar::U64) => Val::U64(x.u64().max(y.u64())),

@@ -33,6 +33,8 @@
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
+use crate::common::{lanes_below_sum, order_key, warp_max, warp_max_u32, warp_min_u32, warp_sum};
+
 /// Compile-time parameters of [`TreeBuild`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct TreeBuildParams {
@@ -66,17 +68,6 @@ pub fn expansion_candidates(budget: usize, k: usize) -> usize {
     (1..=budget).map(|j| k.min(budget / j)).sum()
 }
 
-/// The order key of an f32 (as [`super::reference::order_key`]).
-#[device_fn]
-fn order_key(x: f32) -> u32 {
-    let b = x.to_bits();
-    if (b >> 31) == 1 {
-        !b
-    } else {
-        b | 0x80000000u32
-    }
-}
-
 /// The sum of exponentials of two online-softmax partials `(m, s)` and `(mo, so)` (each `s`
 /// relative to its max `m`), relative to `max(m, mo)`; `s` when both are empty.
 #[device_fn]
@@ -87,6 +78,13 @@ fn sum_exp_merge(m: f32, s: f32, mo: f32, so: f32) -> f32 {
     } else {
         s * (m - mn).exp() + so * (mo - mn).exp()
     }
+}
+
+/// The sum over the warp of each lane's sum of exponentials `s` (relative to its max `m`),
+/// relative to the warp's max `wm`; 0 when every lane is empty.
+#[device_fn]
+fn warp_sum_exp(m: f32, s: f32, wm: f32) -> f32 {
+    warp_sum(if m == f32::NEG_INFINITY { 0.0f32 } else { s * (m - wm).exp() })
 }
 
 /// The f32 whose order key is `key` (the inverse of [`order_key`]).
@@ -118,11 +116,8 @@ fn block_excl_scan(v: u32) -> u32 {
         ws[warp] = inc;
     }
     sync_threads();
-    let mut before = 0u32;
-    for w in 0..warp {
-        before += ws[w];
-    }
-    inc - v + before
+    let total = if lane < block_dim_x() / 32 { ws[lane] } else { 0u32 };
+    inc - v + lanes_below_sum(total, warp)
 }
 
 /// Node metadata word: parent (11 bits), rank among its siblings (11 bits), depth (from bit 22).
@@ -195,9 +190,11 @@ pub fn tree_build(
     let nb = grid_dim_x();
     let red_m = shared::<f32>(32);
     let red_s = shared::<f32>(32);
-    let hist = shared::<u32>(256);
+    let hist = shared::<u32>(512);
     let st = shared::<u32>(4);
-    let wcount = shared::<u32>(96);
+    let wcount = shared::<u32>(64);
+    let wfloor = shared::<u32>(32);
+    let wtop = shared::<u32>(32);
     let flag = shared::<u32>(1);
     let lse_s = shared::<f32>(1);
     let ckey = shared::<u32>(1024);
@@ -238,15 +235,10 @@ pub fn tree_build(
                     s = sum_exp_merge(m, s, mo, so);
                     m = m.max(mo);
                 }
-                #[unroll]
-                for o in 0..5u32 {
-                    let mo = shfl_xor(m, 16u32 >> o);
-                    let so = shfl_xor(s, 16u32 >> o);
-                    s = sum_exp_merge(m, s, mo, so);
-                    m = m.max(mo);
-                }
+                let wm = warp_max(m);
+                let ws = warp_sum_exp(m, s, wm);
                 if lane == 0 {
-                    let l = m + s.ln();
+                    let l = wm + ws.ln();
                     lse_s[0] = l;
                     lse[row] = l;
                 }
@@ -265,35 +257,26 @@ pub fn tree_build(
                 #[unroll]
                 for j in 0..p.vpt {
                     if first + 32u32 * j < n {
-                        s += (key_value(keys[j]) - m).exp();
+                        s += ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
                     }
                 }
             }
-            #[unroll]
-            for o in 0..5u32 {
-                let mo = shfl_xor(m, 16u32 >> o);
-                let so = shfl_xor(s, 16u32 >> o);
-                s = sum_exp_merge(m, s, mo, so);
-                m = m.max(mo);
-            }
+            let wm = warp_max(m);
+            let ws = warp_sum_exp(m, s, wm);
             if lane == 0 {
-                red_m[warp] = m;
-                red_s[warp] = s;
+                red_m[warp] = wm;
+                red_s[warp] = ws;
             }
             sync_threads();
-            if tid == 0 {
-                let mut bm = f32::NEG_INFINITY;
-                for w in 0..nw {
-                    bm = bm.max(red_m[w]);
+            if warp == 0 {
+                let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
+                let so = if lane < nw { red_s[lane] } else { 0.0f32 };
+                let bm = warp_max(mo);
+                let bs = warp_sum_exp(mo, so, bm);
+                if lane == 0 {
+                    part_ms[(row * nb + blk) * 2] = bm;
+                    part_ms[(row * nb + blk) * 2 + 1] = bs;
                 }
-                let mut bs = 0.0f32;
-                for w in 0..nw {
-                    if red_m[w] != f32::NEG_INFINITY {
-                        bs += red_s[w] * (red_m[w] - bm).exp();
-                    }
-                }
-                part_ms[(row * nb + blk) * 2] = bm;
-                part_ms[(row * nb + blk) * 2 + 1] = bs;
             }
         }
 
@@ -322,43 +305,64 @@ pub fn tree_build(
             b1 = b1.max(o1);
         }
         if lane == 0 {
-            wcount[warp] = b2;
+            wfloor[warp] = b2;
+            wtop[warp] = b1;
+        }
+        if tid < 256 {
+            hist[tid] = 0u32;
         }
         sync_threads();
-        let mut floor = 0u32;
-        if kk <= 2u32 * nw {
-            floor = wcount[0];
-            for w in 1..nw {
-                floor = floor.min(wcount[w]);
-            }
-        }
+        let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
+        let floor = if kk <= 2u32 * nw {
+            warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX })
+        } else {
+            0u32
+        };
 
-        // Radix select of the kk-th largest key, 8 bits at a time from the top, until the
-        // bucket holding it is taken whole.
-        let mut prefix = 0u32;
-        let mut pmask = 0u32;
+        // Radix select of the kk-th largest key among those at or above the floor, 8 bits at a
+        // time from below the prefix they all share (that of the floor and the top key), until
+        // the bucket holding it is taken whole. Histograms alternate between two buffers, so
+        // the next one is cleared while warp 0 scans this one.
+        let common = (top ^ floor).leading_zeros();
+        let mut pmask = if common == 0u32 {
+            0u32
+        } else {
+            u32::MAX << (32u32 - common)
+        };
+        let mut prefix = top & pmask;
+        let mut left = 32u32 - common;
         let mut remaining = kk;
         let mut eq_count = 0u32;
         let mut pass = 0u32;
-        while pass < 4u32 && eq_count != remaining {
-            let shift = 24u32 - 8u32 * pass;
-            if tid < 256 {
-                hist[tid] = 0u32;
-            }
-            sync_threads();
+        while pass == 0u32 || (left > 0u32 && eq_count != remaining) {
+            let width = left.min(8u32);
+            let shift = left - width;
+            let dmask = (1u32 << width) - 1u32;
+            let hb = (pass % 2u32) * 256u32;
             #[unroll]
             for j in 0..p.vpt {
                 let key = keys[j];
                 if first + 32u32 * j < n && key >= floor && (key & pmask) == prefix {
-                    hist.atomic_add((key >> shift) & 255u32, 1u32);
+                    hist.atomic_add(hb + ((key >> shift) & dmask), 1u32);
                 }
             }
             sync_threads();
             if warp == 0 {
+                let lo4 = hist.vload(hb + lane * 8);
+                let hi4 = hist.vload(hb + lane * 8 + 4);
+                let mut h = [0u32; 8];
+                h[0] = lo4.x;
+                h[1] = lo4.y;
+                h[2] = lo4.z;
+                h[3] = lo4.w;
+                h[4] = hi4.x;
+                h[5] = hi4.y;
+                h[6] = hi4.z;
+                h[7] = hi4.w;
                 let mut tot = 0u32;
                 #[unroll]
                 for bb in 0..8u32 {
-                    tot += hist[lane * 8 + bb];
+                    tot += h[bb];
                 }
                 // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
                 let mut sfx = tot;
@@ -372,26 +376,33 @@ pub fn tree_build(
                 let above = sfx - tot;
                 if above < remaining && remaining <= sfx {
                     let mut c = above;
-                    let mut bb = 8u32;
-                    while bb > 0 {
-                        bb -= 1;
-                        let h = hist[lane * 8 + bb];
-                        if c + h >= remaining {
-                            st[0] = lane * 8 + bb;
-                            st[1] = c;
-                            st[2] = h;
-                            bb = 0;
-                        } else {
-                            c += h;
+                    let mut found = false;
+                    #[unroll]
+                    for i in 0..8u32 {
+                        let bb = 7u32 - i;
+                        if !found {
+                            if c + h[bb] >= remaining {
+                                st[0] = lane * 8 + bb;
+                                st[1] = c;
+                                st[2] = h[bb];
+                                found = true;
+                            } else {
+                                c += h[bb];
+                            }
                         }
                     }
+                }
+            } else {
+                for t in (tid - 32..256u32).step_by(p.block - 32) {
+                    hist[256 - hb + t] = 0u32;
                 }
             }
             sync_threads();
             prefix = prefix | (st[0] << shift);
-            pmask = pmask | (255u32 << shift);
+            pmask = pmask | (dmask << shift);
             remaining -= st[1];
             eq_count = st[2];
+            left = shift;
             pass += 1;
         }
         // Take every key above the prefix (the prefix's bucket too when it is taken whole), else
@@ -410,16 +421,12 @@ pub fn tree_build(
             tc += ballot(ok && m == prefix && !all_eq).count_ones();
         }
         if lane == 0 {
-            wcount[32 + warp] = sc;
-            wcount[64 + warp] = tc;
+            wcount[warp] = sc;
+            wcount[32 + warp] = tc;
         }
         sync_threads();
-        let mut sp = 0u32;
-        let mut tp = 0u32;
-        for w in 0..warp {
-            sp += wcount[32 + w];
-            tp += wcount[64 + w];
-        }
+        let mut sp = lanes_below_sum(if lane < nw { wcount[lane] } else { 0u32 }, warp);
+        let mut tp = lanes_below_sum(if lane < nw { wcount[32 + lane] } else { 0u32 }, warp);
         let out = (row * nb + blk) * k;
         #[unroll]
         for j in 0..p.vpt {

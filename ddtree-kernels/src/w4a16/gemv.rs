@@ -387,12 +387,24 @@ pub fn w4a16_gemv(
     // Router weights of the current expert for this lane's output tokens (Down).
     let mut rwt = [0.0f32; 2 * nc];
 
+    // (expert index, k step) of the next item to compute and of the next to copy, stepped
+    // without divisions (the item index is `ei * kbs + kb`).
+    let mut cei = lo / kbs;
+    let mut ckb = lo % kbs;
+    let mut fei = cei;
+    let mut fkb = ckb;
+
     // Prologue: items lo .. lo + stages into slots 0 .. stages, one cp.async group each.
     #[unroll]
     for u in 0..ns {
         let it = lo + u;
-        let ei = if it < hi { it / kbs } else { 0u32 };
-        let kb = if it < hi { it % kbs } else { 0u32 };
+        let ei = fei;
+        let kb = fkb;
+        fkb += 1;
+        if fkb == kbs {
+            fkb = 0u32;
+            fei += 1;
+        }
         let e = if down && it < hi { list[ei] } else { expert };
         #[unroll]
         for t in 0..tt {
@@ -455,8 +467,13 @@ pub fn w4a16_gemv(
                 sync_warp();
             }
             if it < hi {
-                let ei = it / kbs;
-                let kb = it % kbs;
+                let ei = cei;
+                let kb = ckb;
+                ckb += 1;
+                if ckb == kbs {
+                    ckb = 0u32;
+                    cei += 1;
+                }
                 let e = if down { list[ei] } else { expert };
                 if down && ei != cur {
                     // Flush the finished expert with its router weights (tokens 2q, 2q + 1 + 8c).
@@ -561,8 +578,13 @@ pub fn w4a16_gemv(
             }
             // Refill slot u with the item `stages` later.
             let it2 = it + ns;
-            let ei = if it2 < hi { it2 / kbs } else { 0u32 };
-            let kb = if it2 < hi { it2 % kbs } else { 0u32 };
+            let ei = fei;
+            let kb = fkb;
+            fkb += 1;
+            if fkb == kbs {
+                fkb = 0u32;
+                fei += 1;
+            }
             let e = if down && it2 < hi { list[ei] } else { expert };
             #[unroll]
             for t in 0..tt {
