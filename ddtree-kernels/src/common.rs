@@ -50,6 +50,17 @@ pub fn block_sum(v: f32) -> f32 {
     partial[32]
 }
 
+/// Sum of `v` over the 32 lanes of a warp (every lane gets the sum).
+#[device_fn]
+pub fn warp_sum_u32(v: u32) -> u32 {
+    let mut s = v;
+    #[unroll]
+    for k in 0..5u32 {
+        s += shfl_xor(s, 16u32 >> k);
+    }
+    s
+}
+
 /// Minimum of `v` over the 32 lanes of a warp.
 #[device_fn]
 pub fn warp_min_u32(v: u32) -> u32 {

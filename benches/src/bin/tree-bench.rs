@@ -43,6 +43,39 @@ struct Args {
     /// Only the builder and accept (checks and timings), not the verify attention.
     #[arg(long)]
     build_only: bool,
+    /// For a profiler: two builds (L = 7, B = 64, V = 163840, `random` or `confident` logits)
+    /// stopped after stage 0-3 (slice, merge, expansion, all), nothing else.
+    #[arg(long, value_names = ["STAGE", "LOGITS"], num_args = 2)]
+    profile_build: Option<Vec<String>>,
+}
+
+/// `--profile-build STAGE LOGITS`: two launches of the default builder (profile the second).
+fn profile_build(gpu: &Gpu, rng: &mut StdRng, stage: &str, logits: &str) -> Result<(), String> {
+    let stage = match stage {
+        "0" => BuildStage::Slice,
+        "1" => BuildStage::Merge,
+        "2" => BuildStage::Expand,
+        "3" => BuildStage::All,
+        _ => return Err(format!("--profile-build: stage must be 0..3, got {stage}")),
+    };
+    let make = match logits {
+        "random" => random_logits,
+        "confident" => confident_logits,
+        _ => return Err(format!("--profile-build: logits must be random or confident, got {logits}")),
+    };
+    let s = gpu.stream();
+    let (l, v, b) = (7, 163840, 64);
+    let host = make(rng, l, v);
+    let run = || -> Result<(), RuntimeError> {
+        let lg = upload(s, &host)?;
+        let root = upload(s, &[5u32])?;
+        let mut bld = GpuBuilder::new(gpu, l, v, b)?;
+        for _ in 0..2 {
+            bld.build_until(s, &lg, &root, stage)?;
+        }
+        s.synchronize().map_err(RuntimeError::driver("synchronizing"))
+    };
+    run().map_err(|e| e.to_string())
 }
 
 fn checks(gpu: &Gpu, rng: &mut StdRng, build_only: bool) -> Vec<CheckResult> {
@@ -318,6 +351,15 @@ fn main() -> ExitCode {
     unsafe { gpu.context().disable_event_tracking() };
     println!("tree-bench on {} (seed {seed})", gpu.arch());
     let mut rng = StdRng::seed_from_u64(seed);
+    if let Some(v) = &args.profile_build {
+        return match profile_build(&gpu, &mut rng, &v[0], &v[1]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                println!("{e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let mut failed = 0;
     let mut total = 0;
     if !args.skip_checks {

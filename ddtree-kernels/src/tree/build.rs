@@ -33,7 +33,7 @@
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-use crate::common::{lanes_below_sum, order_key, warp_max, warp_max_u32, warp_min_u32, warp_sum};
+use crate::common::{lanes_below_sum, order_key, warp_max, warp_max_u32, warp_min_u32, warp_sum, warp_sum_u32};
 
 /// Compile-time parameters of [`TreeBuild`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
@@ -213,15 +213,20 @@ pub fn tree_build(
         let base = if merging { row * nb * k } else { row * vocab + lo };
         let kk = k.min(n);
         let mut keys = [0u32; p.vpt];
-        #[unroll]
-        for j in 0..p.vpt {
-            let i = first + 32u32 * j;
-            if i < n {
-                keys[j] = if merging {
-                    cand_key[base + i]
-                } else {
-                    order_key(logits[base + i])
-                };
+        // Whether this warp holds any item (warp-uniform: warps past the items skip the
+        // per-item code).
+        let wact = warp * 32u32 * p.vpt < n;
+        if wact {
+            #[unroll]
+            for j in 0..p.vpt {
+                let i = first + 32u32 * j;
+                if i < n {
+                    keys[j] = if merging {
+                        cand_key[base + i]
+                    } else {
+                        order_key(logits[base + i])
+                    };
+                }
             }
         }
         if merging {
@@ -246,10 +251,12 @@ pub fn tree_build(
         } else {
             // The slice's max and sum of exponentials.
             let mut m = f32::NEG_INFINITY;
-            #[unroll]
-            for j in 0..p.vpt {
-                if first + 32u32 * j < n {
-                    m = m.max(key_value(keys[j]));
+            if wact {
+                #[unroll]
+                for j in 0..p.vpt {
+                    if first + 32u32 * j < n {
+                        m = m.max(key_value(keys[j]));
+                    }
                 }
             }
             let mut s = 0.0f32;
@@ -285,15 +292,17 @@ pub fn tree_build(
         // never counted, so the histograms below see few items and few same-bin atomics.
         let mut b1 = 0u32;
         let mut b2 = 0u32;
-        #[unroll]
-        for j in 0..p.vpt {
-            if first + 32u32 * j < n {
-                let x = keys[j];
-                if x > b1 {
-                    b2 = b1;
-                    b1 = x;
-                } else if x > b2 {
-                    b2 = x;
+        if wact {
+            #[unroll]
+            for j in 0..p.vpt {
+                if first + 32u32 * j < n {
+                    let x = keys[j];
+                    if x > b1 {
+                        b2 = b1;
+                        b1 = x;
+                    } else if x > b2 {
+                        b2 = x;
+                    }
                 }
             }
         }
@@ -319,6 +328,18 @@ pub fn tree_build(
             0u32
         };
 
+        // This thread's items at or above the floor (bit j: item j); a row j of the warp with
+        // none is skipped below (one ballot instead of its code).
+        let mut sv = 0u32;
+        if wact {
+            #[unroll]
+            for j in 0..p.vpt {
+                if first + 32u32 * j < n && keys[j] >= floor {
+                    sv = sv | (1u32 << j);
+                }
+            }
+        }
+
         // Radix select of the kk-th largest key among those at or above the floor, 8 bits at a
         // time from below the prefix they all share (that of the floor and the top key), until
         // the bucket holding it is taken whole. Histograms alternate between two buffers, so
@@ -341,9 +362,9 @@ pub fn tree_build(
             let hb = (pass % 2u32) * 256u32;
             #[unroll]
             for j in 0..p.vpt {
-                let key = keys[j];
-                if first + 32u32 * j < n && key >= floor && (key & pmask) == prefix {
-                    hist.atomic_add(hb + ((key >> shift) & dmask), 1u32);
+                let mine = ((sv >> j) & 1u32) == 1u32 && (keys[j] & pmask) == prefix;
+                if ballot(mine) != 0u32 && mine {
+                    hist.atomic_add(hb + ((keys[j] >> shift) & dmask), 1u32);
                 }
             }
             sync_threads();
@@ -410,16 +431,22 @@ pub fn tree_build(
         // item's place counts the taken items of earlier warps (block totals), earlier rows of
         // its warp and earlier lanes of its row (ballots).
         let all_eq = eq_count == remaining;
-        let mut sc = 0u32;
-        let mut tc = 0u32;
+        // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
+        let mut sb = 0u32;
+        let mut tb = 0u32;
         #[unroll]
         for j in 0..p.vpt {
-            let key = keys[j];
-            let m = key & pmask;
-            let ok = first + 32u32 * j < n && key >= floor;
-            sc += ballot(ok && (m > prefix || (m == prefix && all_eq))).count_ones();
-            tc += ballot(ok && m == prefix && !all_eq).count_ones();
+            let m = keys[j] & pmask;
+            if ((sv >> j) & 1u32) == 1u32 {
+                if m > prefix || (m == prefix && all_eq) {
+                    sb = sb | (1u32 << j);
+                } else if m == prefix {
+                    tb = tb | (1u32 << j);
+                }
+            }
         }
+        let sc = warp_sum_u32(sb.count_ones());
+        let tc = warp_sum_u32(tb.count_ones());
         if lane == 0 {
             wcount[warp] = sc;
             wcount[32 + warp] = tc;
@@ -430,28 +457,27 @@ pub fn tree_build(
         let out = (row * nb + blk) * k;
         #[unroll]
         for j in 0..p.vpt {
-            let key = keys[j];
-            let i = first + 32u32 * j;
-            let m = key & pmask;
-            let ok = i < n && key >= floor;
-            let strict = ok && (m > prefix || (m == prefix && all_eq));
-            let tie = ok && m == prefix && !all_eq;
+            let strict = ((sb >> j) & 1u32) == 1u32;
+            let tie = ((tb >> j) & 1u32) == 1u32;
             let bs = ballot(strict);
             let bt = ballot(tie);
-            let s_at = sp + (bs & below).count_ones();
-            let t_at = tp + (bt & below).count_ones();
-            if strict || (tie && t_at < remaining) {
-                let pos = s_at + t_at.min(remaining);
-                if merging {
-                    ckey[pos] = key;
-                    ctok[pos] = cand_tok[base + i];
-                } else {
-                    cand_key[out + pos] = key;
-                    cand_tok[out + pos] = lo + i;
+            if (bs | bt) != 0u32 {
+                let s_at = sp + (bs & below).count_ones();
+                let t_at = tp + (bt & below).count_ones();
+                if strict || (tie && t_at < remaining) {
+                    let i = first + 32u32 * j;
+                    let pos = s_at + t_at.min(remaining);
+                    if merging {
+                        ckey[pos] = keys[j];
+                        ctok[pos] = cand_tok[base + i];
+                    } else {
+                        cand_key[out + pos] = keys[j];
+                        cand_tok[out + pos] = lo + i;
+                    }
                 }
+                sp += bs.count_ones();
+                tp += bt.count_ones();
             }
-            sp += bs.count_ones();
-            tp += bt.count_ones();
         }
         if merging {
             // Rank the k winners (larger key, then earlier item = smaller token), best first.
