@@ -81,7 +81,7 @@ fn gpu_agrees_with_cpu_teacher_forced() {
     let Some(_) = gpu() else { return };
     let mut rates = Vec::new();
     for name in ["tiny-kimi", "tiny-dsv3"] {
-        let cpu = load(CpuBackend, name);
+        let cpu = load(CpuBackend::default(), name);
         let cuda = load(gpu().unwrap(), name);
         // A sequence the model itself finds likely (its greedy continuation) plus a scrambled one.
         let opts = GenerateOptions {
@@ -142,7 +142,7 @@ fn gpu_agrees_with_cpu_teacher_forced() {
 fn ddtree_equals_plain_greedy_on_the_gpu() {
     let Some(b) = gpu() else { return };
     let model = load(b, "tiny-kimi");
-    let cpu = load(CpuBackend, "tiny-kimi");
+    let cpu = load(CpuBackend::default(), "tiny-kimi");
     let opts = GenerateOptions {
         max_new_tokens: 24,
         ..GenerateOptions::default()
