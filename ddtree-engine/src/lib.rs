@@ -3,7 +3,8 @@
 //! - [`config`]: HF `config.json` (`deepseek_v3`, `kimi_k2`, `kimi_k25`) with YaRN, routing and
 //!   compressed-tensors INT4 settings;
 //! - [`weights`]: sharded, memory-mapped safetensors checkpoints;
-//! - [`backend`]: the op-level [`Backend`] trait, the f32 [`CpuBackend`] and the [`CudaBackend`];
+//! - [`backend`]: the op-level [`Backend`] trait, the CPU reference [`CpuBackend`] (f32, or
+//!   mirroring the GPU's bf16 rounding) and the [`CudaBackend`];
 //! - [`bench`]: `ddtree bench` on synthetic models of real shapes;
 //! - [`model`]: the forward (MLA with absorbed attention over the latent cache, tree masks, MoE),
 //!   written once against [`Backend`];
@@ -30,7 +31,7 @@ pub mod tokenizer;
 pub mod tuning;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend, CudaBackend, CudaOptions};
+pub use backend::{ActivationPrecision, Backend, CpuBackend, CudaBackend, CudaOptions};
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use generate::{generate_plain, GenerateOptions, Generation, StopReason};

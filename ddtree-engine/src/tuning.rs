@@ -824,7 +824,13 @@ mod tests {
 
     #[test]
     fn verify_cost_measured_on_the_cpu_is_valid() {
-        let model = Model::random(crate::CpuBackend, crate::tiny::config().unwrap(), 3, &mut |_, _| {}).unwrap();
+        let model = Model::random(
+            crate::CpuBackend::default(),
+            crate::tiny::config().unwrap(),
+            3,
+            &mut |_, _| {},
+        )
+        .unwrap();
         let cost = measure_verify_cost(&model, &[4, 1, 2, 2, 0]).unwrap();
         cost.validate().unwrap();
         let tokens: Vec<usize> = cost.verify.iter().map(|p| p.tokens).collect();

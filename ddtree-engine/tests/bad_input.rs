@@ -81,7 +81,7 @@ impl Scratch {
     }
 
     fn load_with(&self, options: LoadOptions) -> Result<Model<CpuBackend>, EngineError> {
-        Model::load_dir(CpuBackend, &self.0, options, &mut |_, _| {})
+        Model::load_dir(CpuBackend::default(), &self.0, options, &mut |_, _| {})
     }
 
     fn load_err(&self) -> String {
@@ -108,9 +108,12 @@ fn assert_mentions(msg: &str, parts: &[&str]) {
 fn pristine_copy_loads_with_monotonic_progress() {
     let s = Scratch::new();
     let mut calls: Vec<(u64, u64)> = Vec::new();
-    Model::load_dir(CpuBackend, &s.0, LoadOptions::default(), &mut |done, total| {
-        calls.push((done, total))
-    })
+    Model::load_dir(
+        CpuBackend::default(),
+        &s.0,
+        LoadOptions::default(),
+        &mut |done, total| calls.push((done, total)),
+    )
     .unwrap();
     assert!(calls.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 == w[1].1));
     let &(done, total) = calls.last().unwrap();

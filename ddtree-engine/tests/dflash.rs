@@ -26,7 +26,7 @@ fn fixture() -> &'static Path {
 }
 
 fn setup() -> (Model<CpuBackend>, DFlashDrafter<CpuBackend>, Golden) {
-    let model = tiny::load(CpuBackend, LoadOptions::default()).unwrap();
+    let model = tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap();
     let drafter = DFlashDrafter::load(&model, fixture(), None).unwrap();
     let golden = serde_json::from_str(&std::fs::read_to_string(fixture().join("golden.json")).unwrap()).unwrap();
     (model, drafter, golden)
@@ -75,7 +75,7 @@ fn config_follows_the_z_lab_layout() {
 #[test]
 fn drafter_logits_match_the_reference_across_rounds() {
     let (model, mut drafter, g) = setup();
-    let b = CpuBackend;
+    let b = CpuBackend::default();
     let layers = drafter.target_layers().to_vec();
     let mut cache = model.new_cache(64).unwrap();
     drafter.begin(&model, 64).unwrap();

@@ -41,7 +41,7 @@ fn fixture(name: &str) -> PathBuf {
 
 fn load(name: &str) -> (Model<CpuBackend>, Golden) {
     let dir = fixture(name);
-    let model = Model::load_dir(CpuBackend, &dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let model = Model::load_dir(CpuBackend::default(), &dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
     let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     (model, golden)
 }
@@ -184,7 +184,7 @@ fn stop_token_ends_generation() {
 
 #[test]
 fn embedded_tiny_model_is_the_kimi_fixture() {
-    let model = ddtree_engine::tiny::load(CpuBackend, LoadOptions::default()).unwrap();
+    let model = ddtree_engine::tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap();
     let (_, golden) = load("tiny-kimi");
     let p = &golden.prompts[0];
     let options = GenerateOptions {

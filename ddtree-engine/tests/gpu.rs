@@ -1,22 +1,30 @@
-//! The CUDA backend against the CPU reference on the tiny fixtures: teacher-forced top-1
-//! agreement (at least [`AGREEMENT_FLOOR`]) with the largest logit error reported, and DDTree == plain greedy on the
-//! GPU, token for token, for the test drafters (every budget, `auto` included) and the DFlash
-//! drafter. Each test says SKIP and returns where no GPU is present (`DDTREE_REQUIRE_GPU=1`
-//! turns that into a failure, for GPU machines).
+//! The CUDA backend against the CPU references on the tiny fixtures: teacher-forced top-1
+//! agreement with the f32 CPU (at least [`AGREEMENT_FLOOR`]) and with the CPU in bf16 mode that
+//! mirrors the GPU's rounding (at least [`AGREEMENT_GOAL`]), each with the largest logit error
+//! reported; and DDTree == plain greedy on the GPU, token for token, for the test drafters (every
+//! budget, `auto` included) and the DFlash drafter. Each test says SKIP and returns where no GPU
+//! is present (`DDTREE_REQUIRE_GPU=1` turns that into a failure, for GPU machines).
 
-use std::path::Path;
+mod common;
 
+use common::{fixture, load, sequences, teacher_forced, Agreement};
 use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
-    generate_plain, generate_speculative, Backend, CpuBackend, CudaBackend, CudaOptions, Drafter, ForwardInput,
-    GenerateOptions, LoadOptions, LogitRows, Model, SpecOptions,
+    generate_plain, generate_speculative, ActivationPrecision, CpuBackend, CudaBackend, CudaOptions, Drafter,
+    GenerateOptions, SpecOptions,
 };
 
-/// The agreement this test holds the backend to. The goal is 99%; on the H200 the bf16 backend
-/// measures 97.0% (tiny-kimi) and 92.7% (tiny-dsv3, group-limited routing): the rows that differ
-/// are near ties of the CPU's own top two or follow a routed-expert choice that flipped on a
-/// near tie of the router scores (the largest logit errors). BENCHMARKS.md has the numbers.
+/// The agreement the GPU is held to against the f32 CPU. On the H200 the bf16 backend measures
+/// 97.0% (tiny-kimi) and 92.7% (tiny-dsv3, group-limited routing): the rows that differ are near
+/// ties of the CPU's own top two or follow a routed-expert choice that flipped on a near tie of
+/// the router scores (the largest logit errors). BENCHMARKS.md has the numbers.
 const AGREEMENT_FLOOR: f64 = 0.90;
+
+/// The agreement the GPU is held to against the CPU in bf16 mode, which rounds where the GPU
+/// stores bf16 and so differs from it only in summation order: the goal. Not yet
+/// measured on a GPU; the bf16-mode CPU itself agrees with the f32 CPU at the GPU's rates
+/// (tests/bf16_mirror.rs).
+const AGREEMENT_GOAL: f64 = 0.99;
 
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::open(CudaOptions::default()) {
@@ -32,108 +40,33 @@ fn gpu() -> Option<CudaBackend> {
     }
 }
 
-fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn load<B: Backend>(b: B, name: &str) -> Model<B> {
-    Model::load_dir(b, &fixture(name), LoadOptions::default(), &mut |_, _| {}).unwrap()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best
-}
-
-/// Teacher-forced logits of `tokens`: one prefill over the first half, then one token at a
-/// time (both the chain-masked many-row path and the decode path).
-fn teacher_forced<B: Backend>(m: &Model<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut cache = m.new_cache(tokens.len() + 1).unwrap();
-    let half = tokens.len() / 2;
-    let mut rows = Vec::new();
-    let mut run = |from: usize, to: usize, cache: &mut B::KvCache| {
-        let positions: Vec<u32> = (from as u32..to as u32).collect();
-        let input = ForwardInput {
-            tokens: &tokens[from..to],
-            positions: &positions,
-            mask: None,
-            logits: LogitRows::All,
-        };
-        let logits = m.backend().to_host(&m.forward(cache, input).unwrap()).unwrap();
-        for r in 0..logits.rows {
-            rows.push(logits.row(r).to_vec());
-        }
-    };
-    run(0, half, &mut cache);
-    for t in half..tokens.len() {
-        run(t, t + 1, &mut cache);
-    }
-    rows
-}
-
 #[test]
 fn gpu_agrees_with_cpu_teacher_forced() {
     let Some(_) = gpu() else { return };
-    let mut rates = Vec::new();
+    let mut results = Vec::new();
     for name in ["tiny-kimi", "tiny-dsv3"] {
-        let cpu = load(CpuBackend, name);
+        let f32_cpu = load(CpuBackend::default(), name);
+        let bf16_cpu = load(CpuBackend::new(ActivationPrecision::Bf16), name);
         let cuda = load(gpu().unwrap(), name);
-        // A sequence the model itself finds likely (its greedy continuation) plus a scrambled one.
-        let opts = GenerateOptions {
-            max_new_tokens: 40,
-            ..GenerateOptions::default()
-        };
-        let prompt = [5u32, 17, 300, 2];
-        let greedy = generate_plain(&cpu, &prompt, &opts).unwrap().tokens;
-        let mut seqs = vec![prompt.iter().chain(&greedy).copied().collect::<Vec<u32>>()];
-        for (mul, add) in [(193u32, 11u32), (71, 5), (389, 200)] {
-            seqs.push((0..40u32).map(|i| (i * mul + add) % 512).collect());
-        }
-        let (mut agree, mut total, mut max_err, mut max_abs) = (0, 0, 0f32, 0f32);
-        for seq in seqs {
-            let want = teacher_forced(&cpu, &seq);
+        let (mut vs_f32, mut vs_bf16) = (Agreement::default(), Agreement::default());
+        let f32_label = format!("{name}: GPU vs f32 CPU");
+        let bf16_label = format!("{name}: GPU vs bf16-mirror CPU");
+        for seq in sequences(&f32_cpu) {
             let got = teacher_forced(&cuda, &seq);
-            assert_eq!(want.len(), got.len());
-            for (r, (w, g)) in want.iter().zip(&got).enumerate() {
-                assert!(g.iter().all(|v| v.is_finite()), "{name}: non-finite GPU logits");
-                total += 1;
-                let same = argmax(w) == argmax(g);
-                agree += usize::from(same);
-                if !same {
-                    // How close the CPU's own top two are: a flip on a near tie is precision.
-                    let mut sorted = w.clone();
-                    sorted.sort_by(|a, b| b.total_cmp(a));
-                    let path = if r < seq.len() / 2 { "prefill" } else { "decode" };
-                    eprintln!(
-                        "{name}: row {r} ({path}) differs: cpu top-2 margin {:.4}, gpu picks cpu rank {}",
-                        sorted[0] - sorted[1],
-                        sorted.iter().position(|&v| v == w[argmax(g)]).unwrap_or(usize::MAX)
-                    );
-                }
-                for (a, b) in w.iter().zip(g) {
-                    max_err = max_err.max((a - b).abs());
-                    max_abs = max_abs.max(a.abs());
-                }
-            }
+            vs_f32.add(&f32_label, seq.len(), &teacher_forced(&f32_cpu, &seq), &got);
+            vs_bf16.add(&bf16_label, seq.len(), &teacher_forced(&bf16_cpu, &seq), &got);
         }
-        let rate = agree as f64 / total as f64;
-        eprintln!(
-            "{name}: GPU vs CPU teacher-forced top-1 agreement {agree}/{total} = {:.1}%, max |logit error| {max_err:.4} (max |logit| {max_abs:.2})",
-            100.0 * rate
-        );
-        rates.push((name, rate));
+        eprintln!("{}", vs_f32.line(&f32_label));
+        eprintln!("{}", vs_bf16.line(&bf16_label));
+        results.push((f32_label, vs_f32.rate(), AGREEMENT_FLOOR));
+        results.push((bf16_label, vs_bf16.rate(), AGREEMENT_GOAL));
     }
-    for (name, rate) in rates {
+    for (label, rate, floor) in results {
         assert!(
-            rate >= AGREEMENT_FLOOR,
-            "{name}: top-1 agreement {:.1}% < {:.0}%",
+            rate >= floor,
+            "{label}: top-1 agreement {:.1}% < {:.0}%",
             100.0 * rate,
-            100.0 * AGREEMENT_FLOOR
+            100.0 * floor
         );
     }
 }
@@ -142,7 +75,7 @@ fn gpu_agrees_with_cpu_teacher_forced() {
 fn ddtree_equals_plain_greedy_on_the_gpu() {
     let Some(b) = gpu() else { return };
     let model = load(b, "tiny-kimi");
-    let cpu = load(CpuBackend, "tiny-kimi");
+    let cpu = load(CpuBackend::default(), "tiny-kimi");
     let opts = GenerateOptions {
         max_new_tokens: 24,
         ..GenerateOptions::default()

@@ -4,12 +4,12 @@
 
 use ddtree_engine::spec::{CostModel, Noisy, Oracle, SpecStats};
 use ddtree_engine::{
-    generate_plain, generate_speculative, tiny, CpuBackend, Drafter, GenerateOptions, LoadOptions, Model, SpecOptions,
-    StopReason,
+    generate_plain, generate_speculative, tiny, ActivationPrecision, CpuBackend, Drafter, GenerateOptions, LoadOptions,
+    Model, SpecOptions, StopReason,
 };
 
 fn model() -> Model<CpuBackend> {
-    tiny::load(CpuBackend, LoadOptions::default()).unwrap()
+    tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap()
 }
 
 /// Prompts of assorted lengths and token ranges (vocab 512).
@@ -122,6 +122,27 @@ fn greedy_equals_plain_for_every_drafter_budget_and_block_size() {
     }
 }
 
+/// The same with the CPU in bf16 mode (the GPU's rounding). Only up to near ties: the verify
+/// forward's rows take the rounding of the GPU's many-token MoE kernels, the decode step's single
+/// row that of its small-token ones (as on the GPU), and for the tiny model the prompt
+/// `(1..14) * 37 % 512` does flip (with every test drafter, block size and budget tried).
+#[test]
+fn greedy_equals_plain_in_bf16_mode() {
+    let model = tiny::load(CpuBackend::new(ActivationPrecision::Bf16), LoadOptions::default()).unwrap();
+    let options = GenerateOptions {
+        max_new_tokens: 16,
+        ..Default::default()
+    };
+    for prompt in [vec![5, 17], vec![42; 9]] {
+        let expected = plain(&model, &prompt, &options);
+        for (kind, budget) in [(0, 8), (1, 3), (2, 16), (3, 40)] {
+            let mut d = drafter(kind, 8);
+            let got = speculative(&model, d.as_mut(), &prompt, &options, budget);
+            assert_eq!(got, expected, "prompt {prompt:?}, {}, budget {budget}", d.name());
+        }
+    }
+}
+
 #[test]
 fn every_budget_from_1_to_256_matches() {
     let model = model();
@@ -199,7 +220,7 @@ fn context_end_caps_the_tree_depth() {
     let mut cfg = tiny::config().unwrap();
     cfg.max_position_embeddings = 11;
     let model = Model::load(
-        CpuBackend,
+        CpuBackend::default(),
         cfg,
         &tiny::checkpoint().unwrap(),
         LoadOptions::default(),

@@ -11,7 +11,7 @@ use ddtree_engine::{
 };
 
 fn model() -> Model<CpuBackend> {
-    tiny::load(CpuBackend, LoadOptions::default()).unwrap()
+    tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap()
 }
 
 fn spec(budget: usize) -> SpecOptions {
@@ -69,7 +69,7 @@ fn next_probs(model: &Model<CpuBackend>, ids: &[u32], t: f64) -> Vec<f64> {
         logits: LogitRows::Last,
     };
     probs(
-        &CpuBackend
+        &CpuBackend::default()
             .to_host(&model.forward(&mut cache, input).unwrap())
             .unwrap()
             .data,

@@ -1,13 +1,15 @@
 //! The op-level backend interface the model forward is written against, and its CPU reference.
 //!
 //! The forward in [`crate::model`] is written once in terms of these ops. [`CpuBackend`] is the f32
-//! reference: simple, obviously correct, used in CI and as the oracle for GPU checks. A CUDA backend
-//! implements the same trait with device buffers and generated kernels.
+//! reference: simple, obviously correct, used in CI and as the oracle for GPU checks; with
+//! [`ActivationPrecision::Bf16`] it rounds where the CUDA backend stores bf16, so it reproduces
+//! the GPU's numerics. A CUDA backend implements the same trait with device buffers and generated
+//! kernels.
 
 mod cpu;
 pub mod cuda;
 
-pub use cpu::{CpuBackend, CpuKvCache, CpuRouting};
+pub use cpu::{ActivationPrecision, CpuBackend, CpuKvCache, CpuRouting};
 pub use cuda::{CudaBackend, CudaOptions};
 
 use ddtree_kernels::tree::{build_reference, DraftTree};

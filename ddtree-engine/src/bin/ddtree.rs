@@ -8,9 +8,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::tuning;
 use ddtree_engine::{
-    bench, generate_plain, generate_speculative, tiny, Backend, Budget, Checkpoint, CpuBackend, CudaBackend,
-    CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions, Model, ModelConfig, Sampling,
-    SpecOptions, SpecStats, StopReason, Tokenizer,
+    bench, generate_plain, generate_speculative, tiny, ActivationPrecision, Backend, Budget, Checkpoint, CpuBackend,
+    CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions, Model, ModelConfig,
+    Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
 use ddtree_runtime::Gpu;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -88,6 +88,10 @@ struct DeviceArgs {
     /// Run every forward eagerly instead of recording and replaying CUDA graphs (CUDA).
     #[arg(long)]
     no_cuda_graphs: bool,
+    /// Activation precision of the CPU backend: `bf16` mirrors the CUDA backend's rounding to
+    /// bf16, so CPU runs reproduce GPU tokens; `f32` is the reference.
+    #[arg(long, value_enum, default_value_t = ActivationPrecision::F32)]
+    cpu_activations: ActivationPrecision,
 }
 
 /// Arguments of `ddtree bench`.
@@ -119,7 +123,7 @@ struct BenchArgs {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Device {
-    /// The f32 CPU reference backend.
+    /// The CPU reference backend (f32 unless --cpu-activations bf16).
     Cpu,
     /// The CUDA backend on GPU 0.
     Cuda,
@@ -227,8 +231,9 @@ fn on_device(
             .inspect_err(|e| tracing::info!("no usable GPU ({e}); running on the CPU"))
             .ok(),
     };
+    let cpu = CpuBackend::new(dev.cpu_activations);
     let backend = match gpu {
-        None => AnyBackend::Cpu(CpuBackend),
+        None => AnyBackend::Cpu(cpu),
         Some(gpu) => {
             if !dev.no_autotune {
                 tune_kernels(&gpu, &config()?);
@@ -237,7 +242,7 @@ fn on_device(
                 Ok(b) => AnyBackend::Cuda(Box::new(b)),
                 Err(e) if dev.device == Device::Auto => {
                     tracing::info!("no usable GPU ({e}); running on the CPU");
-                    AnyBackend::Cpu(CpuBackend)
+                    AnyBackend::Cpu(cpu)
                 }
                 Err(e) => return Err(e),
             }
@@ -631,6 +636,20 @@ mod tests {
     }
 
     #[test]
+    fn cli_parses_cpu_activations() {
+        let Command::Generate(args) = Cli::try_parse_from(["ddtree", "generate"]).unwrap().command else {
+            panic!("generate")
+        };
+        assert_eq!(args.dev.cpu_activations, ActivationPrecision::F32);
+        let cli = Cli::try_parse_from(["ddtree", "bench", "--device", "cpu", "--cpu-activations", "bf16"]).unwrap();
+        let Command::Bench(args) = cli.command else {
+            panic!("bench")
+        };
+        assert_eq!(args.dev.cpu_activations, ActivationPrecision::Bf16);
+        assert!(Cli::try_parse_from(["ddtree", "generate", "--cpu-activations", "f16"]).is_err());
+    }
+
+    #[test]
     fn cli_parses_drafters_and_budgets() {
         let parse = |extra: &[&str]| {
             let Command::Generate(args) = Cli::try_parse_from([&["ddtree", "generate"], extra].concat())?.command
@@ -672,7 +691,7 @@ mod tests {
             else {
                 panic!("generate")
             };
-            let r = run(CpuBackend, &args, None).unwrap();
+            let r = run(CpuBackend::default(), &args, None).unwrap();
             assert_eq!(r.stats.is_some(), args.drafter.is_some() && !args.no_spec);
             if let Some(stats) = &r.stats {
                 let report = spec_json(stats);
@@ -700,22 +719,24 @@ mod tests {
             device,
             no_autotune: false,
             no_cuda_graphs: false,
+            cpu_activations: ActivationPrecision::Bf16,
         };
         let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))
             .unwrap_err()
             .to_string();
         assert!(err.contains("no CUDA driver"), "{err}");
-        // `auto` falls back to the CPU.
+        // `auto` falls back to the CPU, at the asked activation precision.
         let mut picked = "";
         on_device(&dev(Device::Auto), tiny::config, |b| {
             picked = match b {
-                AnyBackend::Cpu(_) => "cpu",
+                AnyBackend::Cpu(cpu) if cpu.activations() == ActivationPrecision::Bf16 => "cpu bf16",
+                AnyBackend::Cpu(_) => "cpu f32",
                 AnyBackend::Cuda(_) => "cuda",
             };
             Ok(())
         })
         .unwrap();
-        assert_eq!(picked, "cpu");
+        assert_eq!(picked, "cpu bf16");
     }
 
     #[test]
@@ -724,12 +745,12 @@ mod tests {
         let Command::Bench(args) = cli.command else {
             panic!("bench")
         };
-        bench_on(CpuBackend, &args, None).unwrap();
+        bench_on(CpuBackend::default(), &args, None).unwrap();
         let cli = Cli::try_parse_from(["ddtree", "bench", "--preset", "kimi"]).unwrap();
         let Command::Bench(args) = cli.command else {
             panic!("bench")
         };
-        let err = bench_on(CpuBackend, &args, None).unwrap_err().to_string();
+        let err = bench_on(CpuBackend::default(), &args, None).unwrap_err().to_string();
         assert!(err.contains("unknown bench preset"), "{err}");
     }
 
@@ -741,7 +762,9 @@ mod tests {
         let Command::Generate(args) = cli.command else {
             panic!("generate")
         };
-        let err = generate(AnyBackend::Cpu(CpuBackend), &args).unwrap_err().to_string();
+        let err = generate(AnyBackend::Cpu(CpuBackend::default()), &args)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("tiny-dsv3") && err.contains("--prompt-ids"), "{err}");
     }
 }

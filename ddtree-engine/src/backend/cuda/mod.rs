@@ -274,6 +274,9 @@ const FILL: FillParams = FillParams { block: 256 };
 fn dense_int4_gemv(rows: usize, n: usize, k: usize) -> bool {
     rows <= 16 && n * k <= 1 << 26
 }
+/// Scale group of dense routed experts, which [`CudaBackend::load_experts`] quantizes to INT4 for
+/// the grouped kernels (the CPU backend's bf16 mode does the same).
+pub(crate) const DENSE_EXPERT_GROUP: usize = 32;
 /// MoE buffer sets kept for reuse (one per token count and expert shape in flight).
 const MOE_BUFFER_SETS: usize = 16;
 
@@ -830,7 +833,7 @@ impl Backend for CudaBackend {
                 "routed experts are dense in the checkpoint: quantizing them to INT4 g32 for the grouped kernels"
             );
         }
-        let (up, down) = stack_experts(&experts, 32)?;
+        let (up, down) = stack_experts(&experts, DENSE_EXPERT_GROUP)?;
         Ok(CudaExperts {
             count: experts.len(),
             inter: up.n / 2,
