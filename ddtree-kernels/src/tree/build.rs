@@ -580,7 +580,8 @@ pub fn tree_build(
         }
         // Children of the depth d - 1 members: member j (0-based) keeps ranks r < k with
         // (j + 1) * (r + 1) <= budget (that many better tuples otherwise) and, when G is full,
-        // better than its worst member; a prefix of the ranks.
+        // better than its worst member; a prefix of the ranks (the scores fall and the codes
+        // rise with r), found by binary search.
         let full = g == budget;
         let tk = gk[o][g];
         let tx = gx[o][g];
@@ -592,117 +593,172 @@ pub fn tree_build(
             let x = j + 1;
             let mut m = 0u32;
             if (gm[o][x] >> 22) == d - 1 {
-                let ps = key_value(gk[o][x]);
-                let mut going = true;
-                while going && m < k && (j + 1) * (m + 1) <= budget {
-                    let key = order_key(ps + f32::from_bits(ckey[m]));
-                    if full && !better(key, gx[o][x] | (m + 1), tk, tx) {
-                        going = false;
-                    } else {
-                        m += 1;
+                m = k.min(budget / (j + 1));
+                if full {
+                    let ps = key_value(gk[o][x]);
+                    let mut lo = 0u32;
+                    while lo < m {
+                        let mid = (lo + m) / 2;
+                        if better(order_key(ps + f32::from_bits(ckey[mid])), gx[o][x] | (mid + 1), tk, tx) {
+                            lo = mid + 1;
+                        } else {
+                            m = mid;
+                        }
                     }
                 }
             }
             tmp[x] = m;
             own += m;
         }
+        // Each member's first candidate slot (in remap, rewritten by the ranking below); then
+        // every thread writes candidate slots, finding the slot's member by binary search.
         let mut at = block_excl_scan(own);
         if tid == p.block - 1 {
             nc_s[0] = at + own;
         }
         for j in j0..j1 {
-            let x = j + 1;
-            let ps = key_value(gk[o][x]);
-            for r in 0..tmp[x] {
-                let key = order_key(ps + f32::from_bits(ckey[r]));
-                if at < SHARED_CANDS {
-                    ctok[at] = key;
-                    ctok[SHARED_CANDS + at] = x | (r << 11);
+            remap[j + 1] = at;
+            at += tmp[j + 1];
+        }
+        sync_threads();
+        for idx in (tid..nc_s[0]).step_by(p.block) {
+            let mut lo = 1u32;
+            let mut hi = g;
+            while lo < hi {
+                let mid = (lo + hi + 1) / 2;
+                if remap[mid] <= idx {
+                    lo = mid;
                 } else {
-                    cand_key[at] = key;
-                    cand_tok[at] = x | (r << 11);
+                    hi = mid - 1;
                 }
-                at += 1;
+            }
+            let r = idx - remap[lo];
+            let key = order_key(key_value(gk[o][lo]) + f32::from_bits(ckey[r]));
+            if idx < SHARED_CANDS {
+                ctok[idx] = key;
+                ctok[SHARED_CANDS + idx] = lo | (r << 11);
+            } else {
+                cand_key[idx] = key;
+                cand_tok[idx] = lo | (r << 11);
             }
         }
         sync_threads();
         // Rank every member and candidate (members: binary search; candidates: all compared);
-        // the best `budget` go to buffer w at their rank, parents still numbered as in G.
+        // the best `budget` go to buffer w at their rank, parents still numbered as in G. When
+        // the block has threads to spare, `parts` adjacent lanes (a power of two) split each
+        // element's comparisons and add their counts with shuffles.
         let nc = nc_s[0];
         let total = g + nc;
         let ng = total.min(budget);
-        for e in (tid..total).step_by(p.block) {
+        let sh = 31u32 - (p.block / total.max(1u32)).min(32u32).max(1u32).leading_zeros();
+        let parts = 1u32 << sh;
+        let span = total << sh;
+        for t0 in (0..span).step_by(p.block) {
+            let t = t0 + tid;
+            let e = t >> sh;
+            let part = t & (parts - 1u32);
+            let act = t < span;
             let mut key = 0u32;
             let mut lx = 0u32;
             let mut mw = 0u32;
             let mut rank = 0u32;
-            if e < g {
-                key = gk[o][e + 1];
-                lx = gx[o][e + 1];
-                mw = gm[o][e + 1];
-                rank = e;
-            } else {
-                let ci = e - g;
-                let c = if ci < SHARED_CANDS {
-                    ctok[SHARED_CANDS + ci]
+            let mut cnt = 0u32;
+            if act {
+                if e < g {
+                    key = gk[o][e + 1];
+                    lx = gx[o][e + 1];
+                    mw = gm[o][e + 1];
+                    rank = e;
                 } else {
-                    cand_tok[ci]
-                };
-                key = if ci < SHARED_CANDS { ctok[ci] } else { cand_key[ci] };
-                lx = gx[o][c & 2047u32] | ((c >> 11) + 1);
-                mw = meta_word(c & 2047u32, c >> 11, d);
-                let mut lo = 0u32;
-                let mut hi = g;
-                while lo < hi {
-                    let mid = (lo + hi) / 2;
-                    if better(gk[o][mid + 1], gx[o][mid + 1], key, lx) {
-                        lo = mid + 1;
+                    let ci = e - g;
+                    let c = if ci < SHARED_CANDS {
+                        ctok[SHARED_CANDS + ci]
                     } else {
-                        hi = mid;
-                    }
-                }
-                rank = lo;
-            }
-            for c2 in 0..nc {
-                let k2 = if c2 < SHARED_CANDS { ctok[c2] } else { cand_key[c2] };
-                if k2 > key {
-                    rank += 1;
-                } else if k2 == key {
-                    let c = if c2 < SHARED_CANDS {
-                        ctok[SHARED_CANDS + c2]
-                    } else {
-                        cand_tok[c2]
+                        cand_tok[ci]
                     };
-                    if (gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx {
-                        rank += 1;
+                    key = if ci < SHARED_CANDS { ctok[ci] } else { cand_key[ci] };
+                    lx = gx[o][c & 2047u32] | ((c >> 11) + 1);
+                    mw = meta_word(c & 2047u32, c >> 11, d);
+                    let mut lo = 0u32;
+                    let mut hi = g;
+                    while lo < hi {
+                        let mid = (lo + hi) / 2;
+                        if better(gk[o][mid + 1], gx[o][mid + 1], key, lx) {
+                            lo = mid + 1;
+                        } else {
+                            hi = mid;
+                        }
+                    }
+                    rank = lo;
+                }
+                for c2 in (part..nc).step_by(parts) {
+                    let k2 = if c2 < SHARED_CANDS { ctok[c2] } else { cand_key[c2] };
+                    if k2 > key {
+                        cnt += 1;
+                    } else if k2 == key {
+                        let c = if c2 < SHARED_CANDS {
+                            ctok[SHARED_CANDS + c2]
+                        } else {
+                            cand_tok[c2]
+                        };
+                        if (gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx {
+                            cnt += 1;
+                        }
                     }
                 }
             }
-            if e < g {
-                remap[e + 1] = if rank < budget { rank + 1 } else { 0u32 };
+            #[unroll]
+            for b in 0..5u32 {
+                if (1u32 << b) < parts {
+                    cnt += shfl_xor(cnt, 1u32 << b);
+                }
             }
-            if rank < budget {
-                gk[w][rank + 1] = key;
-                gm[w][rank + 1] = mw;
-                tmp[rank + 1] = lx;
-                if e >= g {
-                    grew.atomic_or(0u32, 1u32);
+            rank += cnt;
+            if act && part == 0u32 {
+                if e < g {
+                    remap[e + 1] = if rank < budget { rank + 1 } else { 0u32 };
+                }
+                if rank < budget {
+                    gk[w][rank + 1] = key;
+                    gm[w][rank + 1] = mw;
+                    tmp[rank + 1] = lx;
+                    if e >= g {
+                        grew.atomic_or(0u32, 1u32);
+                    }
                 }
             }
         }
         sync_threads();
-        // Renumber the parents; the lexicographic codes become pre-order indices again.
-        for x in (tid + 1..ng + 1).step_by(p.block) {
-            let mw = gm[w][x];
-            gm[w][x] = (mw & 0xfffff800u32) | remap[mw & 2047u32];
-            let lx = tmp[x];
+        // Renumber the parents; the lexicographic codes become pre-order indices again (the
+        // comparisons split over lanes as above).
+        let sh2 = 31u32 - (p.block / ng.max(1u32)).min(32u32).max(1u32).leading_zeros();
+        let parts2 = 1u32 << sh2;
+        let span2 = ng << sh2;
+        for t0 in (0..span2).step_by(p.block) {
+            let t = t0 + tid;
+            let x = (t >> sh2) + 1;
+            let part = t & (parts2 - 1u32);
+            let act = t < span2;
             let mut before = 0u32;
-            for y in 1..ng + 1 {
-                if tmp[y] < lx {
-                    before += 1;
+            if act {
+                let lx = tmp[x];
+                for y in (part + 1..ng + 1).step_by(parts2) {
+                    if tmp[y] < lx {
+                        before += 1;
+                    }
                 }
             }
-            gx[w][x] = before << 11;
+            #[unroll]
+            for b in 0..5u32 {
+                if (1u32 << b) < parts2 {
+                    before += shfl_xor(before, 1u32 << b);
+                }
+            }
+            if act && part == 0u32 {
+                let mw = gm[w][x];
+                gm[w][x] = (mw & 0xfffff800u32) | remap[mw & 2047u32];
+                gx[w][x] = before << 11;
+            }
         }
         g = ng;
         f = w;
