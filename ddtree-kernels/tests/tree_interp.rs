@@ -121,6 +121,8 @@ fn builder_kernels_match_the_reference() {
         (3usize, 300usize, 20usize, false, 64usize),
         (2, 50, 40, true, 16),
         (4, 9, 30, true, 4),
+        (4, 9, 30, false, 9),
+        (4, 9, 30, true, 9),
         (1, 700, 64, false, 8192),
         (3, 1000, 100, true, 128),
         (5, 40, 12, true, 8),
@@ -228,6 +230,22 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
                 got[off + (base + i) * width..][..width],
                 data[off + (base + src as usize) * width..][..width]
             );
+        }
+    }
+}
+
+/// Heavy exact ties at a tiny vocabulary (every path score equal across many prefixes): the
+/// expansion's candidate bound must count only the members of the expanded depth (a regression
+/// found by the GPU check at vocab 9, budget 30).
+#[test]
+fn builder_matches_the_reference_under_heavy_ties() {
+    for seed in 0..40u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let logits = ddtree_kernels::tree::check::random_logits(&mut rng, 4, 9);
+        for p in TreeBuild::space() {
+            let (t, lse) = gpu_build(&p, &logits, 4, 9, 30, 17, 9);
+            let want = build_with_lse(&logits, 9, 30, 17, &lse);
+            assert_eq!(t, want, "seed {seed} {}", TreeBuild::symbol(&p));
         }
     }
 }

@@ -22,9 +22,10 @@
 //!    block finds them one depth per round: G (the best `budget` tuples of depth below d,
 //!    sorted) and the children of its depth d - 1 members are ranked together, and the best
 //!    `budget` are G for depth d. The best of depth <= d have their parents in G, and a child
-//!    of rank r of G's j-th member (0-based) has at least (j + 1) (r + 1) - 1 better tuples,
-//!    so only children with (j + 1) (r + 1) <= budget (and, when G is full, better than its
-//!    worst member) are candidates: at most [`expansion_candidates`] per round. Equal scores
+//!    of rank r of the j-th depth d - 1 member of G (0-based) has at least (j + 1) (r + 1) - 1
+//!    better tuples (the children of rank <= r of the depth d - 1 members before it, ranked by
+//!    the same row of log-probs), so only children with (j + 1) (r + 1) <= budget (and, when
+//!    G is full, better than its worst member) are candidates: at most [`expansion_candidates`] per round. Equal scores
 //!    compare pre-order indices in G (a child of member p with rank r sits right after p).
 //!    A round that adds no member of its depth ends the loop (later rounds could only expand
 //!    members of that depth). Each round's log-probs are read one round ahead into registers.
@@ -578,8 +579,9 @@ pub fn tree_build(
         if tid == 0 {
             grew[0] = 0u32;
         }
-        // Children of the depth d - 1 members: member j (0-based) keeps ranks r < k with
-        // (j + 1) * (r + 1) <= budget (that many better tuples otherwise) and, when G is full,
+        // Children of the depth d - 1 members: the j-th of them in G (0-based) keeps ranks
+        // r < k with (j + 1) * (r + 1) <= budget (that many better tuples otherwise: the
+        // children of rank <= r of the depth d - 1 members before it) and, when G is full,
         // better than its worst member; a prefix of the ranks (the scores fall and the codes
         // rise with r), found by binary search.
         let full = g == budget;
@@ -588,12 +590,20 @@ pub fn tree_build(
         let ch = (g + p.block - 1) / p.block;
         let j0 = (tid * ch).min(g);
         let j1 = (j0 + ch).min(g);
+        let mut deep = 0u32;
+        for j in j0..j1 {
+            if (gm[o][j + 1] >> 22) == d - 1 {
+                deep += 1;
+            }
+        }
+        let mut jd = block_excl_scan(deep);
         let mut own = 0u32;
         for j in j0..j1 {
             let x = j + 1;
             let mut m = 0u32;
             if (gm[o][x] >> 22) == d - 1 {
-                m = k.min(budget / (j + 1));
+                m = k.min(budget / (jd + 1));
+                jd += 1;
                 if full {
                     let ps = key_value(gk[o][x]);
                     let mut lo = 0u32;
