@@ -201,10 +201,6 @@ pub fn tree_build(
     let ckey = shared::<u32>(1024);
     let ctok = shared::<u32>(1024);
     let lo = blk * span;
-    // This thread's items (a slice's logits, or a depth's candidates): item
-    // `warp * 32 vpt + 32 j + lane` in `keys[j]`, so each j is one coalesced row of the warp and
-    // (warp, j, lane) is item order.
-    let first = warp * 32u32 * p.vpt + lane;
     let below = (1u32 << lane) - 1u32;
 
     // Stage 0: the block's slice; stage 1 (the row's last block): the row's candidates.
@@ -213,15 +209,20 @@ pub fn tree_build(
         let n = if merging { nb * k } else { span.min(vocab - lo) };
         let base = if merging { row * nb * k } else { row * vocab + lo };
         let kk = k.min(n);
+        // This thread's items (a slice's logits, or a depth's candidates), spread over every
+        // warp: item `warp * 32 per + 32 j + lane` (j < per) in `keys[j]`, so each j is one
+        // coalesced row of the warp and (warp, j, lane) is item order.
+        let per = (n + p.block - 1) / p.block;
+        let first = warp * 32u32 * per + lane;
         let mut keys = [0u32; p.vpt];
         // Whether this warp holds any item (warp-uniform: warps past the items skip the
         // per-item code).
-        let wact = warp * 32u32 * p.vpt < n;
+        let wact = warp * 32u32 * per < n;
         if wact {
             #[unroll]
             for j in 0..p.vpt {
                 let i = first + 32u32 * j;
-                if i < n {
+                if j < per && i < n {
                     keys[j] = if merging {
                         cand_key[base + i]
                     } else {
@@ -255,7 +256,7 @@ pub fn tree_build(
             if wact {
                 #[unroll]
                 for j in 0..p.vpt {
-                    if first + 32u32 * j < n {
+                    if j < per && first + 32u32 * j < n {
                         m = m.max(key_value(keys[j]));
                     }
                 }
@@ -264,7 +265,7 @@ pub fn tree_build(
             if m != f32::NEG_INFINITY {
                 #[unroll]
                 for j in 0..p.vpt {
-                    if first + 32u32 * j < n {
+                    if j < per && first + 32u32 * j < n {
                         s += ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
                     }
                 }
@@ -296,7 +297,7 @@ pub fn tree_build(
         if wact {
             #[unroll]
             for j in 0..p.vpt {
-                if first + 32u32 * j < n {
+                if j < per && first + 32u32 * j < n {
                     let x = keys[j];
                     if x > b1 {
                         b2 = b1;
@@ -335,7 +336,7 @@ pub fn tree_build(
         if wact {
             #[unroll]
             for j in 0..p.vpt {
-                if first + 32u32 * j < n && keys[j] >= floor {
+                if j < per && first + 32u32 * j < n && keys[j] >= floor {
                     sv = sv | (1u32 << j);
                 }
             }
