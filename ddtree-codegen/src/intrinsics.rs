@@ -71,6 +71,16 @@ pub enum Intrinsic {
     /// `cp_async_16_zfill(&mut shared[i], &global[j], pred)`: copies 16 bytes when `pred`, else
     /// writes 16 zero bytes without reading.
     CpAsync16Zfill,
+    /// `cp_async_8(&mut shared[i], &global[j])`: 8-byte asynchronous copy (`cp.async.ca`).
+    CpAsync8,
+    /// `cp_async_8_zfill(&mut shared[i], &global[j], pred)`: copies 8 bytes when `pred`, else
+    /// writes 8 zero bytes without reading.
+    CpAsync8Zfill,
+    /// `cp_async_4(&mut shared[i], &global[j])`: 4-byte asynchronous copy (`cp.async.ca`).
+    CpAsync4,
+    /// `cp_async_4_zfill(&mut shared[i], &global[j], pred)`: copies 4 bytes when `pred`, else
+    /// writes 4 zero bytes without reading.
+    CpAsync4Zfill,
     /// `cp_async_commit()`.
     CpAsyncCommit,
     /// `cp_async_wait(n)` with a compile-time `n`: wait until at most `n` groups are pending.
@@ -118,6 +128,10 @@ pub const ALL: &[Intrinsic] = &[
     LdmatrixX4Trans,
     CpAsync16,
     CpAsync16Zfill,
+    CpAsync8,
+    CpAsync8Zfill,
+    CpAsync4,
+    CpAsync4Zfill,
     CpAsyncCommit,
     CpAsyncWait,
     Lop3,
@@ -160,6 +174,10 @@ impl Intrinsic {
             LdmatrixX4Trans => "ldmatrix_x4_trans",
             CpAsync16 => "cp_async_16",
             CpAsync16Zfill => "cp_async_16_zfill",
+            CpAsync8 => "cp_async_8",
+            CpAsync8Zfill => "cp_async_8_zfill",
+            CpAsync4 => "cp_async_4",
+            CpAsync4Zfill => "cp_async_4_zfill",
             CpAsyncCommit => "cp_async_commit",
             CpAsyncWait => "cp_async_wait",
             Lop3 => "lop3",
@@ -179,9 +197,9 @@ impl Intrinsic {
             SyncWarp | ThreadFence | CpAsyncCommit => 0,
             Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
-            | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 => 2,
+            | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
-            AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | Prmt | FmaBf16x2 => 3,
+            AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | CpAsync8Zfill | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
             Lop3 => 4,
         }
     }
@@ -191,6 +209,19 @@ impl Intrinsic {
         match self {
             CpAsyncWait => Some(0),
             Lop3 => Some(3),
+            _ => None,
+        }
+    }
+
+    /// For the `cp.async` copies: the bytes copied and whether a predicate zero-fills instead.
+    pub fn cp_async_bytes(self) -> Option<(u32, bool)> {
+        match self {
+            CpAsync16 => Some((16, false)),
+            CpAsync16Zfill => Some((16, true)),
+            CpAsync8 => Some((8, false)),
+            CpAsync8Zfill => Some((8, true)),
+            CpAsync4 => Some((4, false)),
+            CpAsync4Zfill => Some((4, true)),
             _ => None,
         }
     }
@@ -241,7 +272,9 @@ impl Intrinsic {
             MmaBf16 => Helper::MmaBf16,
             MmaF16 => Helper::MmaF16,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => Helper::Ldmatrix,
-            CpAsync16 | CpAsync16Zfill | CpAsyncCommit | CpAsyncWait => Helper::CpAsync,
+            CpAsync16 | CpAsync16Zfill => Helper::CpAsync,
+            CpAsync8 | CpAsync8Zfill | CpAsync4 | CpAsync4Zfill => Helper::CpAsyncSmall,
+            CpAsyncCommit | CpAsyncWait => Helper::CpAsyncGroup,
             Lop3 => Helper::Lop3,
             Prmt => Helper::Prmt,
             FmaBf16x2 => Helper::FmaBf16x2,
@@ -336,10 +369,10 @@ impl Intrinsic {
                 expect_elem_ref(&args[1], Space::Shared, false, name, 2)?;
                 Ty::Void
             }
-            CpAsync16 | CpAsync16Zfill => {
+            CpAsync16 | CpAsync16Zfill | CpAsync8 | CpAsync8Zfill | CpAsync4 | CpAsync4Zfill => {
                 expect_elem_ref(&args[0], Space::Shared, true, name, 1)?;
                 expect_elem_ref(&args[1], Space::Global, false, name, 2)?;
-                if self == CpAsync16Zfill {
+                if self.cp_async_bytes().is_some_and(|(_, zfill)| zfill) {
                     expect(&mut args[2], Scalar::Bool, name, 3)?;
                 }
                 Ty::Void
@@ -452,8 +485,12 @@ pub enum Helper {
     MmaF16,
     /// ldmatrix variants.
     Ldmatrix,
-    /// cp.async family.
+    /// cp.async of 16 bytes.
     CpAsync,
+    /// cp.async of 8 and 4 bytes (`.ca`: `.cg` takes only 16).
+    CpAsyncSmall,
+    /// cp.async commit and wait.
+    CpAsyncGroup,
     /// lop3.
     Lop3,
     /// prmt.
@@ -468,7 +505,7 @@ impl Helper {
         match self {
             Helper::Bf16Convert => &[Helper::Bf16Type],
             Helper::F16Convert => &[Helper::F16Type],
-            Helper::Ldmatrix | Helper::CpAsync => &[Helper::SmemAddr],
+            Helper::Ldmatrix | Helper::CpAsync | Helper::CpAsyncSmall => &[Helper::SmemAddr],
             _ => &[],
         }
     }
@@ -586,7 +623,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* p
 __device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool pred) {
     asm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\" :: \"r\"(smem_addr(dst)), \"l\"(src), \"r\"(pred ? 16 : 0) : \"memory\");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile(\"cp.async.commit_group;\" ::: \"memory\"); }
+"
+            }
+            Helper::CpAsyncSmall => {
+                "__device__ __forceinline__ void cp_async_8(void* dst, const void* src) {
+    asm volatile(\"cp.async.ca.shared.global [%0], [%1], 8;\" :: \"r\"(smem_addr(dst)), \"l\"(src) : \"memory\");
+}
+__device__ __forceinline__ void cp_async_8_zfill(void* dst, const void* src, bool pred) {
+    asm volatile(\"cp.async.ca.shared.global [%0], [%1], 8, %2;\" :: \"r\"(smem_addr(dst)), \"l\"(src), \"r\"(pred ? 8 : 0) : \"memory\");
+}
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
+    asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4;\" :: \"r\"(smem_addr(dst)), \"l\"(src) : \"memory\");
+}
+__device__ __forceinline__ void cp_async_4_zfill(void* dst, const void* src, bool pred) {
+    asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, %2;\" :: \"r\"(smem_addr(dst)), \"l\"(src), \"r\"(pred ? 4 : 0) : \"memory\");
+}
+"
+            }
+            Helper::CpAsyncGroup => {
+                "__device__ __forceinline__ void cp_async_commit() { asm volatile(\"cp.async.commit_group;\" ::: \"memory\"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(\"cp.async.wait_group %0;\" :: \"n\"(N) : \"memory\"); }
 "
             }

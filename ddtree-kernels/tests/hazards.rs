@@ -118,6 +118,34 @@ pub fn misaligned_vload(x: &[bf16], out: &mut [u32]) {
     out[t] = v.x;
 }
 
+/// An 8-byte `cp.async` from an odd u32 index.
+#[kernel(block = 32)]
+pub fn misaligned_cp_async_8(x: &[u32], out: &mut [u32]) {
+    let s = shared::<u32>(64);
+    let t = thread_idx_x();
+    cp_async_8(&mut s[2 * t], &x[2 * t + 1]); // HAZARD misaligned_cp_async_8
+    cp_async_commit();
+    cp_async_wait(0);
+    out[t] = s[2 * t];
+}
+
+/// 8-byte copies of words `2t, 2t + 1`, then 4-byte zero-filling copies of word `32 + t`
+/// (zeros from odd lanes); the data is read after the wait and a barrier.
+#[kernel(block = 32)]
+pub fn small_cp_async(x: &[u32], out: &mut [u32]) {
+    let s = shared::<u32>(64);
+    let t = thread_idx_x();
+    if t < 16 {
+        cp_async_8(&mut s[2 * t], &x[2 * t]);
+    }
+    cp_async_4_zfill(&mut s[32 + t], &x[32 + t], t % 2 == 0);
+    cp_async_commit();
+    cp_async_wait(0);
+    sync_threads();
+    out[t] = s[t];
+    out[32 + t] = s[32 + t];
+}
+
 /// The same pipeline with the wait and barrier in place: no hazard, right values.
 #[kernel(block = 32)]
 pub fn cp_async_ok(x: &[bf16], out: &mut [f32]) {
@@ -284,9 +312,41 @@ fn misaligned_vector_load() {
         e.hazard,
         Hazard::Misaligned {
             buffer: "x".into(),
-            index: 1
+            index: 1,
+            bytes: 16
         }
     );
+}
+
+#[test]
+fn misaligned_small_cp_async() {
+    let x = Buffer::from_slice(&[1u32; 64]);
+    let mut out = Buffer::from_slice(&[0u32; 64]);
+    let e = hazard_of::<MisalignedCpAsync8>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
+    assert_eq!(
+        e.hazard,
+        Hazard::Misaligned {
+            buffer: "x".into(),
+            index: 1,
+            bytes: 8
+        }
+    );
+}
+
+#[test]
+fn small_cp_async_lands_at_the_wait() {
+    let xs: Vec<u32> = (0..64).collect();
+    let x = Buffer::from_slice(&xs);
+    let mut out = Buffer::from_slice(&[u32::MAX; 64]);
+    Program::of::<SmallCpAsync>(&())
+        .expect("lowers")
+        .launch([1, 1, 1], &mut [HostArg::In(&x), HostArg::Out(&mut out)])
+        .expect("no hazard");
+    // Words 2t, 2t + 1 by cp_async_8; odd lanes' zfill copies write zeros over word 32 + t.
+    let want: Vec<u32> = (0..64)
+        .map(|i| if i < 32 || (i - 32) % 2 == 0 { i } else { 0 })
+        .collect();
+    assert_eq!(out.to_vec::<u32>(), want);
 }
 
 #[test]

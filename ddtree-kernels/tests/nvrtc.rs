@@ -68,6 +68,10 @@ fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [
     let tile2 = shared_2d::<u32>(4, 32);
     cp_async_16(&mut tile[t * 8], &g[t * 8]);
     cp_async_16_zfill(&mut tile[512 + t * 8], &g[t * 8], t < 64);
+    cp_async_8(&mut tile[t * 4], &g[t * 4]);
+    cp_async_8_zfill(&mut tile[t * 4], &g[t * 4], t < 64);
+    cp_async_4(&mut tile[t * 2], &g[t * 2]);
+    cp_async_4_zfill(&mut tile[t * 2], &g[t * 2], t < 64);
     cp_async_commit();
     cp_async_wait(0);
     sync_threads();

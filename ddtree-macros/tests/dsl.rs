@@ -183,3 +183,34 @@ fn dynamic_shared_memory_is_extern_sized_by_the_launch_and_interpreted() {
     let e = DynWithoutSize::ir(&()).unwrap_err();
     assert!(e.message.contains("needs `dyn_smem"), "{e}");
 }
+
+#[kernel(block = 32)]
+pub fn small_copies(x: &[u32], out: &mut [u32]) {
+    let s = shared::<u32>(128);
+    let t = thread_idx_x();
+    cp_async_8(&mut s[2 * t], &x[2 * t]);
+    cp_async_4_zfill(&mut s[64 + t], &x[64 + t], t < 16);
+    cp_async_commit();
+    cp_async_wait(0);
+    out[t] = s[2 * t] + s[64 + t];
+}
+
+#[test]
+fn small_cp_async_copies_render_as_ca_with_their_size() {
+    let src = SmallCopies::source(&()).unwrap();
+    assert!(
+        src.contains("cp.async.ca.shared.global [%0], [%1], 8;")
+            && src.contains("cp.async.ca.shared.global [%0], [%1], 4, %2;"),
+        "{src}"
+    );
+    assert!(src.contains("cp_async_8(&s[2u * t], &x[2u * t]);"), "{src}");
+    assert!(
+        src.contains("cp_async_4_zfill(&s[64u + t], &x[64u + t], t < 16u);"),
+        "{src}"
+    );
+    // Only the helpers used: no 16-byte copies, commit and wait.
+    assert!(
+        !src.contains("cp_async_16") && src.contains("cp.async.commit_group"),
+        "{src}"
+    );
+}

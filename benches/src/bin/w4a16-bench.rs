@@ -349,7 +349,15 @@ fn pairs_default() -> (W4a16Params, W4a16Params) {
 
 /// A compact GEMV variant label.
 fn short_gemv(p: &GemvW4Params) -> String {
-    format!("w{} mt{} st{} c{}", p.warps, p.mt, p.stages, p.chunks)
+    format!(
+        "w{} mt{} st{} c{}{}{}",
+        p.warps,
+        p.mt,
+        p.stages,
+        p.chunks,
+        if p.xr { " xr" } else { "" },
+        if p.sr { " sr" } else { "" }
+    )
 }
 
 /// A compact variant label.

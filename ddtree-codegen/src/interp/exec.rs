@@ -71,10 +71,11 @@ enum Status {
     Exited,
 }
 
-/// A 16-byte `cp.async` in flight.
-struct Copy16 {
+/// A `cp.async` in flight: its first `len` (4, 8 or 16) bytes land at `byte`.
+struct CopyAsync {
     arr: u32,
     byte: usize,
+    len: usize,
     data: [u8; 16],
 }
 
@@ -84,8 +85,8 @@ struct Thread {
     frames: Vec<Frame>,
     status: Status,
     /// Committed cp.async groups, oldest first, and the group being built.
-    groups: Vec<Vec<Copy16>>,
-    open: Vec<Copy16>,
+    groups: Vec<Vec<CopyAsync>>,
+    open: Vec<CopyAsync>,
 }
 
 impl Thread {
@@ -431,7 +432,7 @@ impl<'k> Exec<'k, '_> {
                             }
                             None => {
                                 // The kernel is done: its copies in flight land.
-                                let pending: Vec<Copy16> =
+                                let pending: Vec<CopyAsync> =
                                     th.groups.drain(..).flatten().chain(th.open.drain(..)).collect();
                                 self.land(pending);
                                 th.frames.push(f);
@@ -536,6 +537,20 @@ impl<'k> Exec<'k, '_> {
         idx: u64,
         data: Option<[u8; 16]>,
     ) -> Result<[u8; 16], Hazard> {
+        self.aligned_access(th, p, arr, idx, 16, data)
+    }
+
+    /// Like [`Self::vec_access`] for an aligned access of `n` (4, 8 or 16; local arrays: 16)
+    /// bytes: the first `n` bytes of the result (or of `data`) are the ones accessed.
+    fn aligned_access(
+        &mut self,
+        th: &mut Thread,
+        p: &Place,
+        arr: u32,
+        idx: u64,
+        n: u64,
+        data: Option<[u8; 16]>,
+    ) -> Result<[u8; 16], Hazard> {
         let es = p.elem.size() as u64;
         let byte = idx * es;
         let len = match p.space {
@@ -548,13 +563,14 @@ impl<'k> Exec<'k, '_> {
                 th.top().arrays[arr as usize].len() as u64
             }
         };
-        if byte % 16 != 0 {
+        if byte % n != 0 {
             return Err(Hazard::Misaligned {
                 buffer: p.name.clone(),
                 index: idx,
+                bytes: n as u32,
             });
         }
-        let last = idx + 16 / es - 1;
+        let last = (byte + n).div_ceil(es) - 1;
         if last >= len {
             let write = data.is_some();
             return Err(Hazard::OutOfBounds {
@@ -565,18 +581,22 @@ impl<'k> Exec<'k, '_> {
                 write,
             });
         }
+        let (b0, n) = (byte as usize, n as usize);
         match p.space {
             Space::Global => match (&mut self.globals[arr as usize], data) {
                 (GBuf::Rw(b), Some(d)) => {
-                    b.bytes[byte as usize..byte as usize + 16].copy_from_slice(&d);
+                    b.bytes[b0..b0 + n].copy_from_slice(&d[..n]);
                     Ok(d)
                 }
-                (g, _) => Ok(g.buffer().bytes[byte as usize..byte as usize + 16]
-                    .try_into()
-                    .expect("16 bytes")),
+                (g, _) => {
+                    let mut out = [0u8; 16];
+                    out[..n].copy_from_slice(&g.buffer().bytes[b0..b0 + n]);
+                    Ok(out)
+                }
             },
-            Space::Shared => self.shared_access(th.linear, arr, byte as usize, 16, data.as_ref().map(|d| &d[..])),
+            Space::Shared => self.shared_access(th.linear, arr, b0, n, data.as_ref().map(|d| &d[..n])),
             Space::Local => {
+                debug_assert_eq!(n, 16, "only 128-bit accesses to register arrays");
                 let a = &mut th.top_mut().arrays[arr as usize][idx as usize..idx as usize + 4];
                 match data {
                     Some(d) => {
@@ -682,11 +702,11 @@ impl<'k> Exec<'k, '_> {
     }
 
     /// Delivers `cp.async` copies to shared memory.
-    fn land(&mut self, copies: Vec<Copy16>) {
+    fn land(&mut self, copies: Vec<CopyAsync>) {
         for c in copies {
             let m = &mut self.shared[c.arr as usize];
-            m.bytes[c.byte..c.byte + 16].copy_from_slice(&c.data);
-            for e in c.byte / m.esize..(c.byte + 16) / m.esize {
+            m.bytes[c.byte..c.byte + c.len].copy_from_slice(&c.data[..c.len]);
+            for e in c.byte / m.esize..(c.byte + c.len).div_ceil(m.esize) {
                 m.shadow[e].pending = false;
                 m.shadow[e].init = true;
             }
@@ -826,27 +846,29 @@ impl<'k> Exec<'k, '_> {
                 self.atomic_store(p, dst, new);
                 old
             }
-            CpAsync16 | CpAsync16Zfill => {
+            CpAsync16 | CpAsync16Zfill | CpAsync8 | CpAsync8Zfill | CpAsync4 | CpAsync4Zfill => {
                 let (dp, sp) = (place(0), place(1));
                 let (dst, src) = (r(0), r(1));
-                let pred = i == CpAsync16 || a[2].bool();
+                let (n, zfill) = i.cp_async_bytes().expect("a cp.async copy");
+                let n = n as u64;
+                let pred = !zfill || a[2].bool();
                 let data = if pred {
-                    let mut sth = [0u8; 16];
-                    sth.copy_from_slice(&self.vec_access(th, sp, src.arr, src.idx, None)?);
-                    sth
+                    self.aligned_access(th, sp, src.arr, src.idx, n, None)?
                 } else {
                     [0u8; 16]
                 };
                 let es = dp.elem.size() as u64;
                 let len = self.shared[dst.arr as usize].shadow.len() as u64;
-                if dst.idx * es % 16 != 0 {
+                if dst.idx * es % n != 0 {
                     return Err(Hazard::Misaligned {
                         buffer: dp.name.clone(),
                         index: dst.idx,
+                        bytes: n as u32,
                     });
                 }
-                if dst.idx + 16 / es > len {
-                    let index = (dst.idx + 16 / es - 1) as i64;
+                let end = (dst.idx * es + n).div_ceil(es);
+                if end > len {
+                    let index = (end - 1) as i64;
                     return Err(Hazard::OutOfBounds {
                         buffer: dp.name.clone(),
                         space: Space::Shared,
@@ -855,18 +877,19 @@ impl<'k> Exec<'k, '_> {
                         write: true,
                     });
                 }
-                let byte = (dst.idx * es) as usize;
+                let (byte, n) = ((dst.idx * es) as usize, n as usize);
                 // Check and record the write now (it may land any time until the wait)...
-                let old = self.shared[dst.arr as usize].bytes[byte..byte + 16].to_vec();
-                self.shared_access(th.linear, dst.arr, byte, 16, Some(&old))?;
+                let old = self.shared[dst.arr as usize].bytes[byte..byte + n].to_vec();
+                self.shared_access(th.linear, dst.arr, byte, n, Some(&old))?;
                 // ...but deliver the data only at the wait.
                 let m = &mut self.shared[dst.arr as usize];
-                for e in byte / m.esize..(byte + 16) / m.esize {
+                for e in byte / m.esize..(byte + n).div_ceil(m.esize) {
                     m.shadow[e].pending = true;
                 }
-                th.open.push(Copy16 {
+                th.open.push(CopyAsync {
                     arr: dst.arr,
                     byte,
+                    len: n,
                     data,
                 });
                 Val::Void
@@ -1059,6 +1082,7 @@ impl<'k> Exec<'k, '_> {
             return Err(Hazard::Misaligned {
                 buffer: p.name.clone(),
                 index: r.idx,
+                bytes: 16,
             });
         }
         if r.idx + 16 / es > len {

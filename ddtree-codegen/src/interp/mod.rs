@@ -230,12 +230,15 @@ pub enum Hazard {
         /// Whether the access was a write.
         write: bool,
     },
-    /// A 16-byte access (vector load/store, `cp.async`, an `ldmatrix` row) not 16-byte aligned.
+    /// A vector access (16-byte load/store, a `cp.async` of 4, 8 or 16 bytes, an `ldmatrix`
+    /// row) not aligned to its size.
     Misaligned {
         /// Buffer or shared array name.
         buffer: String,
         /// The element index.
         index: u64,
+        /// The access size in bytes.
+        bytes: u32,
     },
     /// A read of shared memory no thread has written.
     UninitializedRead {
@@ -297,10 +300,10 @@ impl fmt::Display for Hazard {
                 if *write { "write" } else { "read" },
                 space(s)
             ),
-            Hazard::Misaligned { buffer, index } => {
+            Hazard::Misaligned { buffer, index, bytes } => {
                 write!(
                     f,
-                    "16-byte access to `{buffer}` at index {index} is not 16-byte aligned"
+                    "{bytes}-byte access to `{buffer}` at index {index} is not {bytes}-byte aligned"
                 )
             }
             Hazard::UninitializedRead { buffer, index } => {

@@ -605,19 +605,19 @@ pub fn gemv_moe(
 /// one with the first down one of the same `chunks` and `xr`, and each down one likewise.
 pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
     let of = |mode| GEMV_SPACE.iter().filter(move |p| p.mode == mode);
-    let like = |a: &GemvW4Params, b: &GemvW4Params| a.chunks == b.chunks && a.xr == b.xr;
+    let like = |a: &GemvW4Params, b: &GemvW4Params| a.chunks == b.chunks && a.xr == b.xr && a.sr == b.sr;
     let mut out = Vec::new();
     for up in of(GemvMode::GateUp) {
         let d = of(GemvMode::Down)
             .find(|d| like(d, up))
-            .expect("a down variant per chunks and xr");
+            .expect("a down variant per chunks, xr and sr");
         out.push((*up, *d));
     }
     for d in of(GemvMode::Down) {
         if !out.iter().any(|(_, x)| x == d) {
             let up = of(GemvMode::GateUp)
                 .find(|u| like(u, d))
-                .expect("a gate_up variant per chunks and xr");
+                .expect("a gate_up variant per chunks, xr and sr");
             out.push((*up, *d));
         }
     }

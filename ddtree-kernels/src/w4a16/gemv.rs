@@ -17,8 +17,10 @@
 //! every tile into a per-warp shared-memory ring of `stages` k128 steps and later reads back only
 //! what it copied itself: no block barrier in the main loop, and the bytes in flight cost shared
 //! memory, not registers (a ring of 32 KB per block keeps ~4-6 blocks x 32 KB in flight per SM).
-//! The scale words ride a small register ring. The warps of a block split the k steps (and, for
-//! `Down`, the experts) and their f32 accumulators are summed through the ring's shared memory
+//! The scale words ride a small register ring (plain loads `stages` steps ahead), or with `sr`
+//! the shared-memory ring too (a 4-byte `cp.async` per lane and 8-row tile, read back at use:
+//! no registers held and no exposed load latency). The warps of a block split the k steps (and,
+//! for `Down`, the experts) and their f32 accumulators are summed through the ring's shared memory
 //! once at the end.
 //!
 //! Numerics as the gemm: weights `bf16(q * scale)` (`fma.rn.bf16x2`), f32 products and sums in
@@ -63,6 +65,10 @@ pub struct GemvW4Params {
     /// with its weights, `stages` steps ahead, instead of loaded from global memory right before
     /// its mma (an exposed L2 round trip per k step).
     pub xr: bool,
+    /// The scales ride the ring: each lane `cp.async`s its scale word of every 8-row tile with
+    /// the weights (4 bytes, `stages` steps ahead) and reads it back from shared memory at use,
+    /// instead of holding `stages` steps of scale words in registers.
+    pub sr: bool,
 }
 
 const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: bool) -> GemvW4Params {
@@ -73,6 +79,15 @@ const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: b
         stages,
         chunks,
         xr,
+        sr: false,
+    }
+}
+
+/// [`gv`] with the scales in the ring (`sr`).
+const fn gvs(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: bool) -> GemvW4Params {
+    GemvW4Params {
+        sr: true,
+        ..gv(mode, warps, mt, stages, chunks, xr)
     }
 }
 
@@ -88,7 +103,9 @@ const W: GemvMode = GemvMode::Down;
 /// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
 /// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
 /// ~96 KB of weights in flight per SM), and `Down` rings of at most 60 KB so the 448 row slabs
-/// of hidden 7168 fit in one wave of 3-4 blocks per SM.
+/// of hidden 7168 fit in one wave of 3-4 blocks per SM. The `sr` ones (scales in the ring:
+/// 128 bytes more shared memory per 8-row tile and stage, no scale registers) mirror the best
+/// of each mode, with and without `xr`.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(D, 4, 1, 8, 1, false),
     gv(D, 4, 1, 8, 2, false),
@@ -100,6 +117,10 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(D, 4, 2, 4, 1, true),
     gv(D, 16, 1, 2, 2, true),
     gv(D, 4, 2, 4, 2, true),
+    gvs(D, 8, 1, 4, 1, false),
+    gvs(D, 4, 2, 4, 1, false),
+    gvs(D, 8, 1, 4, 1, true),
+    gvs(D, 4, 2, 4, 1, true),
     gv(G, 4, 1, 4, 1, false),
     gv(G, 4, 1, 4, 2, false),
     gv(G, 8, 1, 2, 1, false),
@@ -107,6 +128,10 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(G, 4, 1, 4, 1, true),
     gv(G, 8, 1, 2, 1, true),
     gv(G, 4, 1, 3, 2, true),
+    gvs(G, 4, 1, 4, 1, false),
+    gvs(G, 8, 1, 2, 1, false),
+    gvs(G, 4, 1, 4, 1, true),
+    gvs(G, 8, 1, 2, 1, true),
     gv(W, 8, 1, 4, 1, false),
     gv(W, 4, 1, 8, 2, false),
     gv(W, 4, 1, 8, 1, false),
@@ -114,6 +139,8 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(W, 4, 1, 6, 1, true),
     gv(W, 4, 1, 4, 1, true),
     gv(W, 4, 1, 3, 2, true),
+    gvs(W, 8, 1, 4, 1, false),
+    gvs(W, 4, 1, 6, 1, true),
 ];
 
 /// Tokens one variant takes: `8 chunks`.
@@ -144,15 +171,25 @@ pub fn grid(p: &GemvW4Params, n: u32, pairs: u32) -> (u32, u32, u32) {
 }
 
 impl GemvW4Params {
-    /// Words of one k step in a warp's ring: the 8-row weight tiles (512 bytes each), then
-    /// with `xr` the `[8 chunks, 128]` bf16 x slice.
-    pub const fn stage_words(&self) -> u32 {
-        let tiles = if matches!(self.mode, GemvMode::GateUp) {
+    /// 8-row weight tiles of one k step (`GateUp`: gate and up).
+    pub const fn tiles(&self) -> u32 {
+        if matches!(self.mode, GemvMode::GateUp) {
             4 * self.mt
         } else {
             2 * self.mt
-        };
-        tiles * 128 + if self.xr { 512 * self.chunks } else { 0 }
+        }
+    }
+
+    /// Offset of the scale words (`sr`) in a k step of the ring: after the tiles and x.
+    pub const fn scale_offset(&self) -> u32 {
+        self.tiles() * 128 + if self.xr { 512 * self.chunks } else { 0 }
+    }
+
+    /// Words of one k step in a warp's ring: the 8-row weight tiles (512 bytes each), then
+    /// with `xr` the `[8 chunks, 128]` bf16 x slice, then with `sr` the scale words
+    /// `[tiles][32 lanes]`.
+    pub const fn stage_words(&self) -> u32 {
+        self.scale_offset() + if self.sr { 32 * self.tiles() } else { 0 }
     }
 
     /// Dynamic shared-memory bytes of the ring (every warp's `stages` k steps).
@@ -200,7 +237,7 @@ pub fn w4a16_gemv(
     let gu = p.mode == GemvMode::GateUp;
     // m16 tiles and 8-row tiles per k step.
     let mtt = comptime!(if p.mode == GemvMode::GateUp { 2 * p.mt } else { p.mt });
-    let tt = 2 * mtt;
+    let tt = comptime!(p.tiles());
     let nc = p.chunks;
     let nw = p.warps;
     let ns = p.stages;
@@ -218,6 +255,7 @@ pub fn w4a16_gemv(
     let wstride = (n + 7u32) / 8u32 * kbs * 128u32;
     // Per warp `stages` steps of `sw` words: tiles at `t * 128`, then (xr) x at `tt * 128`.
     let sw = comptime!(p.stage_words());
+    let so = comptime!(p.scale_offset());
     let ring = dyn_shared::<u32>();
     let dn = comptime!(if p.mode == GemvMode::Down { MAX_PAIRS } else { 1 });
     let ln = comptime!(if p.mode == GemvMode::Down {
@@ -378,7 +416,9 @@ pub fn w4a16_gemv(
 
     let mut acc = [[0.0f32; 4]; mtt * nc];
     let mut oacc = [[0.0f32; 4]; on];
-    let mut sc = [0u32; ns * tt];
+    // Register ring of scale words (without `sr`).
+    let scn = comptime!(if p.sr { 1 } else { p.stages * p.tiles() });
+    let mut sc = [0u32; scn];
     let mut wv = [[0u32; 4]; tt];
     let mut xv = [[0u32; 4]; nc];
     let mut af = [[0u32; 4]; 1];
@@ -420,11 +460,17 @@ pub fn w4a16_gemv(
             cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
             let row = grow + g;
             let grp = kb * 4 + q;
-            sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
-                scales[(e * n * gpr + row * gpr + grp) / 2]
+            if p.sr {
+                let sok = ok && lr + g < rows && grp < gpr;
+                let src = if sok { (e * n * gpr + row * gpr + grp) / 2 } else { 0u32 };
+                cp_async_4_zfill(&mut ring[wbase + u * sw + so + t * 32 + lane], &scales[src], sok);
             } else {
-                0u32
-            };
+                sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
+                    scales[(e * n * gpr + row * gpr + grp) / 2]
+                } else {
+                    0u32
+                };
+            }
         }
         if p.xr {
             #[unroll]
@@ -558,8 +604,25 @@ pub fn w4a16_gemv(
                         };
                         let sidx = e * n * gpr + (grow + g) * gpr + kb * 4 + q;
                         let sel = if sidx % 2 == 1 { 0x3232u32 } else { 0x1010u32 };
-                        let sa = prmt(sc[u * tt + 2 * i], 0u32, sel);
-                        let sb = prmt(sc[u * tt + 2 * i + 1], 0u32, sel);
+                        // (sr: the words of tiles 2i and 2i + 1 this lane copied into the ring.)
+                        let sa = prmt(
+                            if p.sr {
+                                ring[wbase + u * sw + so + 64 * i + lane]
+                            } else {
+                                sc[u * tt + 2 * i]
+                            },
+                            0u32,
+                            sel,
+                        );
+                        let sb = prmt(
+                            if p.sr {
+                                ring[wbase + u * sw + so + 64 * i + 32 + lane]
+                            } else {
+                                sc[u * tt + 2 * i + 1]
+                            },
+                            0u32,
+                            sel,
+                        );
                         #[unroll]
                         for h in 0..2 {
                             af[0][0] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h)), sa);
@@ -604,11 +667,17 @@ pub fn w4a16_gemv(
                 cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
                 let row = grow + g;
                 let grp = kb * 4 + q;
-                sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
-                    scales[(e * n * gpr + row * gpr + grp) / 2]
+                if p.sr {
+                    let sok = ok && lr + g < rows && grp < gpr;
+                    let src = if sok { (e * n * gpr + row * gpr + grp) / 2 } else { 0u32 };
+                    cp_async_4_zfill(&mut ring[wbase + u * sw + so + t * 32 + lane], &scales[src], sok);
                 } else {
-                    0u32
-                };
+                    sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
+                        scales[(e * n * gpr + row * gpr + grp) / 2]
+                    } else {
+                        0u32
+                    };
+                }
             }
             if p.xr {
                 #[unroll]
