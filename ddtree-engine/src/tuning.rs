@@ -773,8 +773,14 @@ mod tests {
         // to M = 16 the INT4 GEMV of the shared expert's gate/up (7168->2048) and down
         // (2048->7168): the dense MLP (18432 x 7168) runs the INT4 GEMM.
         assert_eq!(k.len(), 9 * 20 + 5 * 2);
-        assert!(k.contains(&"w4a16_gemv dense tokens=16 n=2048 k=7168".to_string()), "{k:?}");
-        assert!(k.contains(&"w4a16_gemv dense tokens=1 n=7168 k=2048".to_string()), "{k:?}");
+        assert!(
+            k.contains(&"w4a16_gemv dense tokens=16 n=2048 k=7168".to_string()),
+            "{k:?}"
+        );
+        assert!(
+            k.contains(&"w4a16_gemv dense tokens=1 n=7168 k=2048".to_string()),
+            "{k:?}"
+        );
         assert_eq!(k[0], "rms_norm rows=1 n=7168");
         assert!(k.contains(&"gemm_bf16 m=256 n=163840 k=7168".to_string()), "{k:?}");
         // max_m rounds down to the powers of two it covers.

@@ -1047,7 +1047,11 @@ mod tests {
 
     #[test]
     fn w4_gemv_keys_bucket_tokens_up_to_the_gemv_limit() {
-        let key = |tokens| W4GemvKey { tokens, n: 2048, k: 7168 };
+        let key = |tokens| W4GemvKey {
+            tokens,
+            n: 2048,
+            k: 7168,
+        };
         let buckets: Vec<usize> = [0, 1, 3, 5, 8, 9, 16]
             .iter()
             .map(|&t| W4a16Gemv::bucket(&key(t)).tokens)
@@ -1068,19 +1072,51 @@ mod tests {
                 .collect()
         };
         for tokens in [1, 2, 4, 8, 16] {
-            let c = W4a16Gemv::candidates(&W4GemvKey { tokens, n: 2048, k: 7168 });
+            let c = W4a16Gemv::candidates(&W4GemvKey {
+                tokens,
+                n: 2048,
+                k: 7168,
+            });
             assert_eq!(Some(c[0]), w4gemv::default_params(GemvMode::Dense, tokens as u32));
             let mut sorted = c.clone();
             sorted.sort_by_key(|p| dense(tokens as u32).iter().position(|q| q == p));
-            assert_eq!(sorted, dense(tokens as u32), "every dense variant that takes {tokens} tokens, once");
+            assert_eq!(
+                sorted,
+                dense(tokens as u32),
+                "every dense variant that takes {tokens} tokens, once"
+            );
         }
-        assert!(W4a16Gemv::candidates(&W4GemvKey { tokens: 16, n: 2048, k: 7168 })
-            .iter()
-            .all(|p| p.chunks >= 2));
-        assert!(W4a16Gemv::candidates(&W4GemvKey { tokens: 1, n: 64, k: 100 }).is_empty());
-        let c = W4a16Gemv::check_key(&W4GemvKey { tokens: 16, n: 36864, k: 7168 });
-        assert_eq!(c, W4GemvKey { tokens: 16, n: 136, k: 7168 });
-        let cost = W4a16Gemv::cost(&W4GemvKey { tokens: 1, n: 64, k: 64 });
+        assert!(W4a16Gemv::candidates(&W4GemvKey {
+            tokens: 16,
+            n: 2048,
+            k: 7168
+        })
+        .iter()
+        .all(|p| p.chunks >= 2));
+        assert!(W4a16Gemv::candidates(&W4GemvKey {
+            tokens: 1,
+            n: 64,
+            k: 100
+        })
+        .is_empty());
+        let c = W4a16Gemv::check_key(&W4GemvKey {
+            tokens: 16,
+            n: 36864,
+            k: 7168,
+        });
+        assert_eq!(
+            c,
+            W4GemvKey {
+                tokens: 16,
+                n: 136,
+                k: 7168
+            }
+        );
+        let cost = W4a16Gemv::cost(&W4GemvKey {
+            tokens: 1,
+            n: 64,
+            k: 64,
+        });
         assert_eq!((cost.bytes, cost.flops), ((2048 + 256 + 128 + 128) as f64, 8192.0));
     }
 
