@@ -21,7 +21,8 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey};
+use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey, W4GemvKey};
+use ddtree_kernels::w4a16::gemv::W4a16Gemv;
 use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
 use ddtree_runtime::{
     Fingerprint, Gpu, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache, TuneOptions, Tuned,
@@ -29,6 +30,7 @@ use ddtree_runtime::{
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::backend::cuda::{dense_int4_gemv, DENSE_INT4_GEMV_MAX_ROWS};
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -67,6 +69,9 @@ pub struct ModelDims {
     pub rope_interleave: bool,
     /// `v_head_dim`.
     pub v_head: usize,
+    /// The INT4 scale group of a quantized checkpoint (`quantization_config`), `None` for a
+    /// dense one.
+    pub int4_group: Option<usize>,
 }
 
 impl ModelDims {
@@ -87,6 +92,7 @@ impl ModelDims {
             qk_rope: 64,
             rope_interleave: true,
             v_head: 128,
+            int4_group: Some(32),
         }
     }
 
@@ -107,6 +113,7 @@ impl ModelDims {
             qk_rope: c.qk_rope_head_dim,
             rope_interleave: c.rope.interleave,
             v_head: c.v_head_dim,
+            int4_group: c.quantization.as_ref().map(|q| q.group_size),
         }
     }
 
@@ -115,6 +122,34 @@ impl ModelDims {
         let mut norms = vec![self.hidden, self.kv_lora_rank];
         norms.extend(self.q_lora_rank);
         norms
+    }
+
+    /// The dense W4A16 GEMV keys of a quantized checkpoint, M = 1, 2, 4, ... up to `max_m`:
+    /// the `[n, k]` shapes of the linears that may be INT4 outside the routed experts (the
+    /// shared experts' gate, up and down, the dense MLP's) at every M where the CUDA backend's
+    /// `linear` runs them on the GEMV ([`dense_int4_gemv`]). None for a dense checkpoint.
+    /// Which linears are INT4 is decided at load time from the tensors present, so some of these
+    /// keys may go unused (Kimi's `ignore` list keeps the shared experts and the dense MLP bf16).
+    fn int4_gemv_keys(&self, max_m: usize) -> Vec<W4GemvKey> {
+        let Some(group) = self.int4_group else {
+            return Vec::new();
+        };
+        let shared = self.moe_intermediate * self.shared_experts;
+        let shapes = [
+            (shared, self.hidden),            // shared experts' gate and up
+            (self.hidden, shared),            // shared experts' down
+            (self.intermediate, self.hidden), // dense MLP gate and up
+            (self.hidden, self.intermediate), // dense MLP down
+        ];
+        let mut keys = Vec::new();
+        for tokens in token_counts(max_m.min(DENSE_INT4_GEMV_MAX_ROWS)) {
+            for &(n, k) in &shapes {
+                if n > 0 && k > 0 && dense_int4_gemv(tokens, n, k, group) {
+                    keys.push(W4GemvKey { tokens, n, k });
+                }
+            }
+        }
+        keys
     }
 }
 
@@ -239,6 +274,7 @@ pub fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
             jobs.push(job::<GemmBf16>(GemmKey { m, n, k }));
         }
     }
+    jobs.extend(d.int4_gemv_keys(max_m).into_iter().map(job::<W4a16Gemv>));
     dedup(jobs)
 }
 
@@ -248,8 +284,10 @@ pub const STARTUP_MAX_M: usize = 512;
 
 /// The keys the CUDA backend looks up in the tune cache for `d` (`rms_norm` at the hidden and
 /// latent widths, `embedding`, and `row_topk` with k = 1 for the argmax), M = 1, 2, 4, ...,
-/// [`STARTUP_MAX_M`]. Every other kernel the backend launches runs a fixed variant or cuBLAS,
-/// so tuning it at startup would only cost time. Deduplicated, in a stable order.
+/// [`STARTUP_MAX_M`], and for a quantized checkpoint the dense `w4a16_gemv` of the INT4
+/// linears outside the routed experts up to its 16 rows. Every other kernel the backend
+/// launches runs a fixed variant or cuBLAS, so tuning it at startup would only cost time.
+/// Deduplicated, in a stable order.
 pub fn startup_plan(d: &ModelDims) -> Vec<Box<dyn Job>> {
     let mut jobs: Vec<Box<dyn Job>> = Vec::new();
     for m in token_counts(STARTUP_MAX_M) {
@@ -267,6 +305,7 @@ pub fn startup_plan(d: &ModelDims) -> Vec<Box<dyn Job>> {
             k: 1,
         }));
     }
+    jobs.extend(d.int4_gemv_keys(STARTUP_MAX_M).into_iter().map(job::<W4a16Gemv>));
     dedup(jobs)
 }
 
@@ -730,18 +769,45 @@ mod tests {
         let k = keys(&plan(&d, 256));
         assert_unique(&k);
         assert_eq!(k, keys(&plan(&d, 256)));
-        // 9 token counts; per M: 3 norms, 2 silu_mul, 2 rope, embedding, 2 top-k, 10 GEMMs.
-        assert_eq!(k.len(), 9 * 20);
+        // 9 token counts; per M: 3 norms, 2 silu_mul, 2 rope, embedding, 2 top-k, 10 GEMMs; up
+        // to M = 16 the INT4 GEMV of the shared expert's gate/up (7168->2048) and down
+        // (2048->7168): the dense MLP (18432 x 7168) runs the INT4 GEMM.
+        assert_eq!(k.len(), 9 * 20 + 5 * 2);
+        assert!(
+            k.contains(&"w4a16_gemv dense tokens=16 n=2048 k=7168".to_string()),
+            "{k:?}"
+        );
+        assert!(
+            k.contains(&"w4a16_gemv dense tokens=1 n=7168 k=2048".to_string()),
+            "{k:?}"
+        );
         assert_eq!(k[0], "rms_norm rows=1 n=7168");
         assert!(k.contains(&"gemm_bf16 m=256 n=163840 k=7168".to_string()), "{k:?}");
         // max_m rounds down to the powers of two it covers.
         assert_eq!(plan(&d, 300).len(), plan(&d, 256).len());
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
-        assert_eq!(s.len(), 10 * 5);
-        assert!(s
+        assert_eq!(s.len(), 10 * 5 + 5 * 2);
+        assert!(s.iter().all(|k| ["rms_norm", "embedding", "row_topk", "w4a16_gemv"]
             .iter()
-            .all(|k| k.starts_with("rms_norm") || k.starts_with("embedding") || k.starts_with("row_topk")));
+            .any(|p| k.starts_with(p))));
+        let gemv: Vec<String> = s.iter().filter(|k| k.starts_with("w4a16_gemv")).cloned().collect();
+        let want: Vec<String> = [1, 2, 4, 8, 16]
+            .iter()
+            .flat_map(|t| {
+                [
+                    format!("w4a16_gemv dense tokens={t} n=2048 k=7168"),
+                    format!("w4a16_gemv dense tokens={t} n=7168 k=2048"),
+                ]
+            })
+            .collect();
+        assert_eq!(gemv, want);
+        // A dense checkpoint has no INT4 linears.
+        let dense = ModelDims {
+            int4_group: None,
+            ..d.clone()
+        };
+        assert_eq!(startup_plan(&dense).len(), 10 * 5);
         assert!(s.contains(&"row_topk rows=512 n=163840 k=1".to_string()), "{s:?}");
         // Every startup key is also one autotune tunes (up to its M).
         let full = keys(&plan(&d, STARTUP_MAX_M));
@@ -759,9 +825,21 @@ mod tests {
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
         assert_eq!(s, keys(&startup_plan(&d)));
-        // hidden, kv latent and q latent norms, embedding and argmax per M; M = 1 .. 512.
-        assert_eq!(s.len(), 10 * (d.norms().len() + 2));
+        // hidden, kv latent and q latent norms, embedding and argmax per M; M = 1 .. 512; the
+        // INT4 GEMV of the shared experts' and the dense MLP's 4 shapes, M = 1 .. 16.
+        assert_eq!(s.len(), 10 * (d.norms().len() + 2) + 5 * 4);
         assert_eq!(s[0], format!("rms_norm rows=1 n={}", c.hidden_size));
+        let (h, i, sh) = (c.hidden_size, c.intermediate_size, c.moe.moe_intermediate_size);
+        for key in [
+            format!("w4a16_gemv dense tokens=1 n={sh} k={h}"),
+            format!("w4a16_gemv dense tokens=16 n={h} k={sh}"),
+            format!("w4a16_gemv dense tokens=8 n={i} k={h}"),
+            format!("w4a16_gemv dense tokens=2 n={h} k={i}"),
+        ] {
+            assert!(s.contains(&key), "{key}: {s:?}");
+            // plan(.., 8) stops at M = 8.
+            assert_eq!(k.contains(&key), !key.contains("tokens=16"), "{key}: {k:?}");
+        }
     }
 
     #[test]

@@ -22,9 +22,11 @@ use rand::{Rng, SeedableRng};
 
 use crate::check::{self, CheckResult};
 use crate::fill::{self, FillParams, FILL_MAX};
+use crate::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv};
+use crate::w4a16::layout::interleaved_words;
 use crate::{
-    gemm_bf16, rope, silu_mul, Embedding, FillRandomBf16, FillRandomF32, GemmBf16, RmsNorm, RopeInterleaved, RowTopk,
-    SiluMul, TopkParams,
+    gemm_bf16, rope, silu_mul, Embedding, FillRandomBf16, FillRandomF32, FillRandomU32, GemmBf16, RmsNorm,
+    RopeInterleaved, RowTopk, SiluMul, TopkParams,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -64,6 +66,7 @@ where
 struct Fills {
     bf16: Arc<CompiledKernel<FillRandomBf16>>,
     f32: Arc<CompiledKernel<FillRandomF32>>,
+    u32: Arc<CompiledKernel<FillRandomU32>>,
 }
 
 impl Fills {
@@ -74,6 +77,9 @@ impl Fills {
             })?,
             f32: pool.get_or_try_insert(FillRandomF32::NAME, 0, || {
                 gpu.compile::<FillRandomF32>(&FillRandomF32::default_params())
+            })?,
+            u32: pool.get_or_try_insert(FillRandomU32::NAME, 0, || {
+                gpu.compile::<FillRandomU32>(&FillRandomU32::default_params())
             })?,
         })
     }
@@ -93,6 +99,15 @@ impl Fills {
         random(gpu, k, n, |out, grid, n| {
             // SAFETY: out holds n elements.
             unsafe { FillRandomF32::launch(k, gpu.stream(), grid, out, n, seed as u32, lo, hi) }
+        })
+    }
+
+    /// `n` random 32-bit words from `seed` (INT4 weight words: every word is 8 valid codes).
+    fn u32(&self, gpu: &Gpu, n: usize, seed: u64) -> Result<CudaSlice<u32>, RuntimeError> {
+        let k = &*self.u32;
+        random(gpu, k, n, |out, grid, n| {
+            // SAFETY: out holds n elements.
+            unsafe { FillRandomU32::launch(k, gpu.stream(), grid, out, n, seed as u32) }
         })
     }
 
@@ -792,6 +807,160 @@ impl Tunable for GemmBf16 {
     }
 }
 
+/// A dense W4A16 linear at a few tokens ([`W4a16Gemv`] in [`GemvMode::Dense`]): `out[tokens, n]
+/// = x[tokens, k] . dequant(W)[n, k]^T`, INT4 group 32. Tokens are bucketed to powers of two (the
+/// GEMV takes at most `8 chunks` = 16; larger buckets have no candidates).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct W4GemvKey {
+    /// Tokens (rows of x and out).
+    pub tokens: usize,
+    /// Output features (weight rows).
+    pub n: usize,
+    /// Input features (the reduction length, a multiple of 32).
+    pub k: usize,
+}
+
+impl fmt::Display for W4GemvKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "dense tokens={} n={} k={}", self.tokens, self.n, self.k)
+    }
+}
+
+/// The interleaved INT4 weight words and bf16 scale words of one `[n, k]` g32 weight.
+type W4Weights = (CudaSlice<u32>, CudaSlice<u32>);
+
+/// Dense W4A16 GEMV timing buffers: rotated activations and outputs, the weights (random words
+/// in as many copies as rotate past the L2) shared by every token bucket, and the unused
+/// routing buffers.
+pub struct W4GemvWorkload {
+    key: W4GemvKey,
+    x: Vec<CudaSlice<bf16>>,
+    w: Arc<Vec<W4Weights>>,
+    out: Vec<CudaSlice<bf16>>,
+    ids: CudaSlice<u32>,
+    route_w: CudaSlice<f32>,
+}
+
+impl Tunable for W4a16Gemv {
+    type Key = W4GemvKey;
+    type Workload = W4GemvWorkload;
+
+    fn bucket(key: &W4GemvKey) -> W4GemvKey {
+        W4GemvKey {
+            tokens: bucket_pow2(key.tokens),
+            ..*key
+        }
+    }
+
+    /// The dense variants that take `key.tokens` tokens, the mode's default for that many
+    /// ([`w4gemv::default_params`]) first; none where `k` is not a multiple of the group (32).
+    fn candidates(key: &W4GemvKey) -> Vec<GemvW4Params> {
+        let tokens = key.tokens as u32;
+        if key.k % 32 != 0 {
+            return Vec::new();
+        }
+        let mut all: Vec<GemvW4Params> = Self::space()
+            .into_iter()
+            .filter(|p| p.mode == GemvMode::Dense && w4gemv::max_tokens(p) >= tokens)
+            .collect();
+        if let Some(d) = w4gemv::default_params(GemvMode::Dense, tokens) {
+            all.retain(|p| *p != d);
+            all.insert(0, d);
+        }
+        all
+    }
+
+    fn cost(key: &W4GemvKey) -> Cost {
+        let W4GemvKey { tokens, n, k } = *key;
+        Cost {
+            bytes: (n * k / 2 + 2 * (n * k / 32) + 2 * tokens * k + 2 * tokens * n) as f64,
+            flops: 2.0 * (tokens * n * k) as f64,
+        }
+    }
+
+    fn workload(
+        gpu: &Gpu,
+        pool: &mut DevicePool,
+        key: &W4GemvKey,
+        copies: usize,
+        seed: u64,
+    ) -> Result<W4GemvWorkload, RuntimeError> {
+        let fills = Fills::get(gpu, pool)?;
+        let W4GemvKey { tokens, n, k } = *key;
+        // Random words: any word is 8 valid INT4 codes, any scale word two bf16 (the speed does
+        // not depend on the values).
+        let (words, scale_words) = (interleaved_words(n, k), (n * k / 32).div_ceil(2));
+        let bytes = 4 * (words + scale_words);
+        let sets = rotation_copies(l2_bytes(gpu), bytes as f64);
+        let name = format!("w4a16_gemv.w n={n} k={k}");
+        let w = pool.get_or_try_insert(&name, bytes * sets, || {
+            (0..sets as u64)
+                .map(|c| {
+                    let s = seed.wrapping_sub(1).wrapping_add(2 * c);
+                    Ok((fills.u32(gpu, words, s)?, fills.u32(gpu, scale_words, s + 1)?))
+                })
+                .collect::<Result<Vec<_>, RuntimeError>>()
+        })?;
+        Ok(W4GemvWorkload {
+            key: *key,
+            x: fills.bf16_sets(gpu, copies, tokens * k, seed, (-1.0, 1.0))?,
+            w,
+            out: zeros(gpu, copies, tokens * n)?,
+            ids: upload(gpu, &[0u32])?,
+            route_w: upload(gpu, &[0f32])?,
+        })
+    }
+
+    fn run(gpu: &Gpu, kern: &CompiledKernel<Self>, w: &mut W4GemvWorkload, i: usize) -> Result<(), RuntimeError> {
+        let W4GemvKey { tokens, n, k } = w.key;
+        let (x, (wq, sc)) = (&w.x[i % w.x.len()], &w.w[i % w.w.len()]);
+        let c = i % w.out.len();
+        let grid = w4gemv::grid(kern.params(), n as u32, 1);
+        // SAFETY: x is [tokens, k] with tokens <= 8 chunks (the candidate filter), the weights
+        // are interleaved [n, k] words with the g32 scale words, out is [tokens, n]; the routing
+        // buffers are unused by dense variants.
+        unsafe {
+            W4a16Gemv::launch(
+                kern,
+                gpu.stream(),
+                grid,
+                x,
+                wq,
+                sc,
+                &w.ids,
+                &w.route_w,
+                &mut w.out[c],
+                tokens as u32,
+                n as u32,
+                k as u32,
+                1,
+                1,
+            )
+        }
+    }
+
+    fn check_key(key: &W4GemvKey) -> W4GemvKey {
+        // Ragged against 16- and 32-row blocks (128 rows plus 8), full reduction length.
+        W4GemvKey {
+            n: key.n.min(136),
+            ..*key
+        }
+    }
+
+    fn check(gpu: &Gpu, p: &GemvW4Params, key: &W4GemvKey, seed: u64) -> Result<Verdict, RuntimeError> {
+        crate::w4a16::check::gemv_dense(
+            &check::Target::Gpu(gpu),
+            p,
+            key.tokens,
+            key.n,
+            key.k,
+            &mut StdRng::seed_from_u64(seed),
+        )
+        .map(verdict)
+        .map_err(Into::into)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -874,6 +1043,81 @@ mod tests {
         let q_a = RmsNorm::candidates(&RowsKey { rows: 1, n: 1536 })[0];
         assert_eq!((q_a.block, q_a.hold), (256, 1));
         assert!(GemmBf16::candidates(&GemmKey { m: 1, n: 8, k: 12 }).is_empty());
+    }
+
+    #[test]
+    fn w4_gemv_keys_bucket_tokens_up_to_the_gemv_limit() {
+        let key = |tokens| W4GemvKey {
+            tokens,
+            n: 2048,
+            k: 7168,
+        };
+        let buckets: Vec<usize> = [0, 1, 3, 5, 8, 9, 16]
+            .iter()
+            .map(|&t| W4a16Gemv::bucket(&key(t)).tokens)
+            .collect();
+        assert_eq!(buckets, [1, 1, 4, 8, 8, 16, 16]);
+        assert_eq!(W4a16Gemv::bucket(&key(3)).to_string(), "dense tokens=4 n=2048 k=7168");
+        // Above 16 tokens the engine runs the tensor-core GEMM: no GEMV candidate.
+        assert!(W4a16Gemv::candidates(&W4a16Gemv::bucket(&key(17))).is_empty());
+    }
+
+    #[test]
+    fn w4_gemv_candidates_are_the_dense_space_with_the_default_first() {
+        let dense = |t: u32| -> Vec<GemvW4Params> {
+            w4gemv::GEMV_SPACE
+                .iter()
+                .filter(|p| p.mode == GemvMode::Dense && w4gemv::max_tokens(p) >= t)
+                .copied()
+                .collect()
+        };
+        for tokens in [1, 2, 4, 8, 16] {
+            let c = W4a16Gemv::candidates(&W4GemvKey {
+                tokens,
+                n: 2048,
+                k: 7168,
+            });
+            assert_eq!(Some(c[0]), w4gemv::default_params(GemvMode::Dense, tokens as u32));
+            let mut sorted = c.clone();
+            sorted.sort_by_key(|p| dense(tokens as u32).iter().position(|q| q == p));
+            assert_eq!(
+                sorted,
+                dense(tokens as u32),
+                "every dense variant that takes {tokens} tokens, once"
+            );
+        }
+        assert!(W4a16Gemv::candidates(&W4GemvKey {
+            tokens: 16,
+            n: 2048,
+            k: 7168
+        })
+        .iter()
+        .all(|p| p.chunks >= 2));
+        assert!(W4a16Gemv::candidates(&W4GemvKey {
+            tokens: 1,
+            n: 64,
+            k: 100
+        })
+        .is_empty());
+        let c = W4a16Gemv::check_key(&W4GemvKey {
+            tokens: 16,
+            n: 36864,
+            k: 7168,
+        });
+        assert_eq!(
+            c,
+            W4GemvKey {
+                tokens: 16,
+                n: 136,
+                k: 7168
+            }
+        );
+        let cost = W4a16Gemv::cost(&W4GemvKey {
+            tokens: 1,
+            n: 64,
+            k: 64,
+        });
+        assert_eq!((cost.bytes, cost.flops), ((2048 + 256 + 128 + 128) as f64, 8192.0));
     }
 
     #[test]

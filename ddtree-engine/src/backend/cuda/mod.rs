@@ -271,9 +271,13 @@ const FILL: FillParams = FillParams { block: 256 };
 /// (`w4a16-bench`) the GEMV wins at every M <= 16 on weights of up to 2^26 elements (7168->2048
 /// 10.7 vs 18.6 µs at M = 1, 13.5 vs 17.6 at M = 16; 1536->12288 15.0 vs 19.4 at M = 16) and
 /// loses on the 7168->36864 dense MLP (64.6 vs 62.1 µs at M = 1, 114.8 vs 77.3 at M = 16).
-fn dense_int4_gemv(rows: usize, n: usize, k: usize) -> bool {
-    rows <= 16 && n * k <= 1 << 26
+/// Needs scale group 32 and `k % 32 == 0`. The variant is the tuned one of the shape and token
+/// bucket ([`tune::W4GemvKey`]), the mode's default where nothing is tuned.
+pub(crate) fn dense_int4_gemv(rows: usize, n: usize, k: usize, group: usize) -> bool {
+    rows <= DENSE_INT4_GEMV_MAX_ROWS && n * k <= 1 << 26 && group == 32 && k % 32 == 0
 }
+/// Most rows of an INT4 `linear` on the [`W4a16Gemv`] ([`dense_int4_gemv`]).
+pub(crate) const DENSE_INT4_GEMV_MAX_ROWS: usize = 16;
 /// Scale group of dense routed experts, which [`CudaBackend::load_experts`] quantizes to INT4 for
 /// the grouped kernels (the CPU backend's bf16 mode does the same).
 pub(crate) const DENSE_EXPERT_GROUP: usize = 32;
@@ -1141,9 +1145,13 @@ impl Backend for CudaBackend {
             CudaWeight::Int4 {
                 group, packed, scales, ..
             } => {
-                let small = dense_int4_gemv(x.rows, n, k) && *group == 32 && k % 32 == 0;
-                if let Some(p) = w4gemv::default_params(GemvMode::Dense, x.rows as u32).filter(|_| small) {
-                    let kern = self.variant::<W4a16Gemv>(&p)?;
+                if dense_int4_gemv(x.rows, n, k, *group) {
+                    let key = tune::W4GemvKey { tokens: x.rows, n, k };
+                    let kern = self.kernels.get::<W4a16Gemv>(&key)?;
+                    let p = *kern.params();
+                    if p.mode != GemvMode::Dense || (w4gemv::max_tokens(&p) as usize) < x.rows {
+                        return Err(fail(format!("linear: the W4A16 GEMV variant for {key} is {p:?}")));
+                    }
                     let none_u32 = self.identity(1)?;
                     let st = self.state();
                     // SAFETY: a [rows <= 8 chunks, k], weights interleaved [n, k] with g32 scale
