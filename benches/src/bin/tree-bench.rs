@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{CheckResult, Sizes, Target};
-use ddtree_kernels::tree::check::{self, confident_logits, random_logits, random_mask};
+use ddtree_kernels::tree::check::{self, random_mask, LOGITS_PROFILES};
 use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
@@ -58,10 +58,10 @@ fn profile_build(gpu: &Gpu, rng: &mut StdRng, stage: &str, logits: &str) -> Resu
         "3" => BuildStage::All,
         _ => return Err(format!("--profile-build: stage must be 0..3, got {stage}")),
     };
-    let make = match logits {
-        "random" => random_logits,
-        "confident" => confident_logits,
-        _ => return Err(format!("--profile-build: logits must be random or confident, got {logits}")),
+    let Some((_, make)) = LOGITS_PROFILES.into_iter().find(|(name, _)| *name == logits) else {
+        return Err(format!(
+            "--profile-build: logits must be random or confident, got {logits}"
+        ));
     };
     let s = gpu.stream();
     let (l, v, b) = (7, 163840, 64);
@@ -148,9 +148,7 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
     println!("\nDevice time per call, {PER_GRAPH} calls back to back in a CUDA graph (as a captured engine step); eager = one launch timed alone, host launch overhead included.");
     println!("\n| logits | L | B | build µs (default) | best variant µs | accept µs | compact 61 layers µs | build+accept µs | build eager µs |");
     println!("|---|---:|---:|---:|---|---:|---:|---:|---:|");
-    let profiles: [(&str, fn(&mut StdRng, usize, usize) -> Vec<f32>); 2] =
-        [("random", random_logits), ("confident", confident_logits)];
-    for ((name, make), l) in profiles.into_iter().flat_map(|m| [7usize, 15].map(|l| (m, l))) {
+    for ((name, make), l) in LOGITS_PROFILES.into_iter().flat_map(|m| [7usize, 15].map(|l| (m, l))) {
         let copies: Vec<_> = (0..8).map(|_| upload(s, &make(rng, l, v))).collect::<Result<_, _>>()?;
         for b in [16usize, 64, 256, 1024] {
             let mut acc = GpuAccept::new(gpu, l)?;

@@ -85,7 +85,11 @@ fn sum_exp_merge(m: f32, s: f32, mo: f32, so: f32) -> f32 {
 /// relative to the warp's max `wm`; 0 when every lane is empty.
 #[device_fn]
 fn warp_sum_exp(m: f32, s: f32, wm: f32) -> f32 {
-    warp_sum(if m == f32::NEG_INFINITY { 0.0f32 } else { s * (m - wm).exp() })
+    warp_sum(if m == f32::NEG_INFINITY {
+        0.0f32
+    } else {
+        s * (m - wm).exp()
+    })
 }
 
 /// The f32 whose order key is `key` (the inverse of [`order_key`]).

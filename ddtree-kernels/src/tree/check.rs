@@ -78,6 +78,12 @@ pub fn confident_logits(rng: &mut StdRng, depth: usize, vocab: usize) -> Vec<f32
     l
 }
 
+/// A named generator of drafter logits `[depth, vocab]` ([`random_logits`], [`confident_logits`]).
+pub type LogitsProfile = (&'static str, fn(&mut StdRng, usize, usize) -> Vec<f32>);
+
+/// The logits profiles the builder is checked and timed on.
+pub const LOGITS_PROFILES: [LogitsProfile; 2] = [("random", random_logits), ("confident", confident_logits)];
+
 /// Checks the builder, every variant of [`TreeBuild`], on fresh logits (random with ties, and
 /// confident) and
 /// poisoned outputs: the tree must equal the CPU builder's fed with the GPU's per-depth
@@ -91,12 +97,10 @@ pub fn builder(
 ) -> Result<Vec<CheckResult>, RuntimeError> {
     let s = gpu.stream();
     let mut out = Vec::new();
-    let profiles: [(&str, fn(&mut StdRng, usize, usize) -> Vec<f32>); 2] =
-        [("random", random_logits), ("confident", confident_logits)];
     for (p, (profile, make)) in TreeBuild::space()
         .into_iter()
         .filter(|p| builder_fits(p, vocab, budget))
-        .flat_map(|p| profiles.map(|m| (p, m)))
+        .flat_map(|p| LOGITS_PROFILES.map(|m| (p, m)))
     {
         let logits = make(rng, depth, vocab);
         let root = rng.random_range(0..vocab as u32);
