@@ -96,9 +96,11 @@ const G: GemvMode = GemvMode::GateUp;
 const W: GemvMode = GemvMode::Down;
 
 /// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
-/// with `chunks == 2` the one for up to 16 ([`default_params`]); `Down`'s first is 8 warps x 4
-/// stages, the fastest pair with `GateUp`'s first at one token on the H200 (101.9 vs 107.6 µs
-/// for the Kimi EP8 slice, `w4a16-bench --gemv`). The `xr` ones (x in the ring)
+/// with `chunks == 2` the one for up to 16 ([`default_params`]). The defaults are the fastest
+/// on the H200 (`w4a16-bench --gemv`, BENCHMARKS.md): `Dense` 8 warps x 4 stages (57.6 µs at
+/// 7168->36864, M = 1, vs 70.2 for 4 warps x 8 stages, and no slower on the narrow shapes);
+/// `GateUp` 4 warps x 4 stages and `Down` 8 warps x 4 stages, both with the scales in the ring
+/// (91.5 µs for the Kimi EP8 slice at one token vs 95.3 without). The `xr` ones (x in the ring)
 /// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: 8-16
 /// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
 /// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
@@ -107,9 +109,9 @@ const W: GemvMode = GemvMode::Down;
 /// 128 bytes more shared memory per 8-row tile and stage, no scale registers) mirror the best
 /// of each mode, with and without `xr`.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
-    gv(D, 4, 1, 8, 1, false),
-    gv(D, 4, 1, 8, 2, false),
     gv(D, 8, 1, 4, 1, false),
+    gv(D, 4, 1, 8, 2, false),
+    gv(D, 4, 1, 8, 1, false),
     gv(D, 4, 2, 4, 1, false),
     gv(D, 8, 1, 4, 2, false),
     gv(D, 8, 1, 4, 1, true),
@@ -121,25 +123,25 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 4, 2, 4, 1, false),
     gvs(D, 8, 1, 4, 1, true),
     gvs(D, 4, 2, 4, 1, true),
-    gv(G, 4, 1, 4, 1, false),
+    gvs(G, 4, 1, 4, 1, false),
     gv(G, 4, 1, 4, 2, false),
     gv(G, 8, 1, 2, 1, false),
     gv(G, 2, 1, 8, 1, false),
+    gv(G, 4, 1, 4, 1, false),
     gv(G, 4, 1, 4, 1, true),
     gv(G, 8, 1, 2, 1, true),
     gv(G, 4, 1, 3, 2, true),
-    gvs(G, 4, 1, 4, 1, false),
     gvs(G, 8, 1, 2, 1, false),
     gvs(G, 4, 1, 4, 1, true),
     gvs(G, 8, 1, 2, 1, true),
-    gv(W, 8, 1, 4, 1, false),
+    gvs(W, 8, 1, 4, 1, false),
     gv(W, 4, 1, 8, 2, false),
     gv(W, 4, 1, 8, 1, false),
+    gv(W, 8, 1, 4, 1, false),
     gv(W, 8, 1, 4, 2, false),
     gv(W, 4, 1, 6, 1, true),
     gv(W, 4, 1, 4, 1, true),
     gv(W, 4, 1, 3, 2, true),
-    gvs(W, 8, 1, 4, 1, false),
     gvs(W, 4, 1, 6, 1, true),
 ];
 
