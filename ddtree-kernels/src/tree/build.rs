@@ -611,6 +611,10 @@ pub fn tree_build(
                 jd += 1;
                 if full {
                     let ps = key_value(gk[o][x]);
+                    // Most members of a full G have no child better than its worst: rank 0 first.
+                    if !better(order_key(ps + f32::from_bits(ckey[0])), gx[o][x] | 1u32, tk, tx) {
+                        m = 0u32;
+                    }
                     let mut lo = 0u32;
                     while lo < m {
                         let mid = (lo + m) / 2;
