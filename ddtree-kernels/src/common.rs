@@ -83,9 +83,9 @@ pub fn warp_max_u32(v: u32) -> u32 {
     m
 }
 
-/// Sum of `v` over the lanes below `at` (every lane gets it).
+/// Inclusive prefix sum of `v` over the lanes of a warp (lane i gets lanes 0..=i).
 #[device_fn]
-pub fn lanes_below_sum(v: u32, at: u32) -> u32 {
+pub fn warp_incl_scan(v: u32) -> u32 {
     let lane = lane_id();
     let mut inc = v;
     #[unroll]
@@ -95,7 +95,13 @@ pub fn lanes_below_sum(v: u32, at: u32) -> u32 {
             inc += t;
         }
     }
-    shfl_idx(inc - v, at)
+    inc
+}
+
+/// Sum of `v` over the lanes below `at` (every lane gets it).
+#[device_fn]
+pub fn lanes_below_sum(v: u32, at: u32) -> u32 {
+    shfl_idx(warp_incl_scan(v) - v, at)
 }
 
 /// `f32` bits mapped to a `u32` whose unsigned order is `f32::total_cmp`'s (0 only for a

@@ -34,7 +34,9 @@
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-use crate::common::{lanes_below_sum, order_key, warp_max, warp_max_u32, warp_min_u32, warp_sum, warp_sum_u32};
+use crate::common::{
+    lanes_below_sum, order_key, warp_incl_scan, warp_max, warp_max_u32, warp_min_u32, warp_sum, warp_sum_u32,
+};
 
 /// Compile-time parameters of [`TreeBuild`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
@@ -108,14 +110,7 @@ fn block_excl_scan(v: u32) -> u32 {
     let ws = shared::<u32>(32);
     let lane = lane_id();
     let warp = warp_id();
-    let mut inc = v;
-    #[unroll]
-    for o in 0..5u32 {
-        let t = shfl_up(inc, 1u32 << o);
-        if lane >= (1u32 << o) {
-            inc += t;
-        }
-    }
+    let inc = warp_incl_scan(v);
     sync_threads();
     if lane == 31 {
         ws[warp] = inc;
