@@ -116,6 +116,10 @@ struct BenchArgs {
     /// Tokens generated per DDTree run; default: the preset's.
     #[arg(long)]
     tokens: Option<usize>,
+    /// Drafter block size of the DDTree runs (bonus slot included; the deepest tree is one
+    /// less); default: the preset's.
+    #[arg(long)]
+    block_size: Option<usize>,
     /// Write the report as JSON to this file too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -477,6 +481,14 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
     }
     if let Some(a) = &args.accept {
         opts.accept = a.clone();
+    }
+    if let Some(b) = args.block_size {
+        if b < 2 {
+            return Err(EngineError::Forward(format!(
+                "--block-size must be at least 2 (the bonus slot and one drafted position), got {b}"
+            )));
+        }
+        opts.block_size = b;
     }
     if let Some(t) = args.tokens {
         opts.spec_tokens = t;
