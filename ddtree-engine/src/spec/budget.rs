@@ -22,9 +22,14 @@
 //! which is exactly the tree the builder gives at that budget; acceptance is unchanged, so the
 //! output is the same as for any fixed budget.
 //!
-//! The drafter's probabilities are taken at face value: a miscalibrated drafter makes `auto`
-//! optimize the wrong gain (the choice is still lossless, only the speed suffers).
+//! * **Calibration.** The drafter's probabilities are not taken at face value: a drafter that
+//!   says 85% and is always right would make `auto` undervalue deep chains (and one that is
+//!   overconfident, wide trees). [`Calibration`] learns, from every round's verify, how often a
+//!   drafted edge of each probability is the target's token (histogram binning on the log-odds,
+//!   starting from the identity), and the gain uses the calibrated path probabilities. It only
+//!   moves the budget choice; the output is unchanged.
 
+use ddtree_kernels::tree::DraftTree;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
@@ -221,6 +226,86 @@ pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize)
     best.0
 }
 
+/// Log-odds bins of [`Calibration`]: `BINS` of width 1 centred on -9.5 .. 9.5.
+const BINS: usize = 20;
+
+/// Pseudo-observations each bin starts with, at its centre's probability (the identity map).
+const PRIOR: f64 = 2.0;
+
+/// Online calibration of the drafter's edge probabilities: for a drafted edge of probability
+/// `q` (a node's path probability over its parent's), the observed rate at which the target
+/// took that token, per log-odds bin of `q`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibration {
+    hits: [f64; BINS],
+    seen: [f64; BINS],
+}
+
+impl Default for Calibration {
+    /// The identity map: every bin holds [`PRIOR`] observations at its centre.
+    fn default() -> Self {
+        let mut c = Calibration {
+            hits: [0.0; BINS],
+            seen: [PRIOR; BINS],
+        };
+        for (b, h) in c.hits.iter_mut().enumerate() {
+            let centre = b as f64 - BINS as f64 / 2.0 + 0.5;
+            *h = PRIOR / (1.0 + (-centre).exp());
+        }
+        c
+    }
+}
+
+impl Calibration {
+    fn bin(q: f64) -> usize {
+        let q = q.clamp(1e-12, 1.0 - 1e-12);
+        let logit = (q / (1.0 - q)).ln() + BINS as f64 / 2.0;
+        (logit.max(0.0) as usize).min(BINS - 1)
+    }
+
+    /// The calibrated probability of a drafted edge of probability `q`.
+    pub fn map(&self, q: f64) -> f64 {
+        let b = Self::bin(q);
+        self.hits[b] / self.seen[b]
+    }
+
+    /// Records one observation: an edge of probability `q` was (`hit`) or was not the target's
+    /// token.
+    pub fn observe(&mut self, q: f64, hit: bool) {
+        let b = Self::bin(q);
+        self.seen[b] += 1.0;
+        if hit {
+            self.hits[b] += 1.0;
+        }
+    }
+
+    /// Records a verified round: every child of an accepted node of `tree` (`accepted`: node
+    /// indices, root first) was drafted with its edge probability and is a hit when it is the
+    /// next accepted node.
+    pub fn observe_round(&mut self, tree: &DraftTree, accepted: &[u32]) {
+        for (i, &a) in accepted.iter().enumerate() {
+            let next = accepted.get(i + 1).map(|&n| n as i32);
+            let mut c = tree.first_child[a as usize];
+            while c >= 0 {
+                let q = f64::from(tree.path_logprob[c as usize] - tree.path_logprob[a as usize]).exp();
+                self.observe(q, Some(c) == next);
+                c = tree.next_sibling[c as usize];
+            }
+        }
+    }
+
+    /// The calibrated path log-probability of every node of `tree` (root 0), in node order.
+    pub fn path_logprobs(&self, tree: &DraftTree) -> Vec<f32> {
+        let mut out = vec![0.0f32; tree.len()];
+        for i in 1..tree.len() {
+            let p = tree.parent[i] as usize;
+            let q = f64::from(tree.path_logprob[i] - tree.path_logprob[p]).exp();
+            out[i] = out[p] + self.map(q).max(1e-30).ln() as f32;
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -323,5 +408,51 @@ mod tests {
                 assert_eq!(choose_budget(&lp, cost, 100), brute(&lp, cost, 100), "seed {seed}");
             }
         }
+    }
+
+    /// A chain of `n` drafted nodes, each with edge probability `q`.
+    fn chain(n: usize, q: f32) -> DraftTree {
+        let words = (n + 1).div_ceil(32);
+        DraftTree {
+            token: (0..=n as u32).collect(),
+            parent: (0..=n as i32).map(|i| i - 1).collect(),
+            depth: (0..=n as u32).collect(),
+            first_child: (0..=n as i32)
+                .map(|i| if (i as usize) < n { i + 1 } else { -1 })
+                .collect(),
+            next_sibling: vec![-1; n + 1],
+            mask: vec![0; (n + 1) * words],
+            words,
+            path_logprob: (0..=n).map(|i| i as f32 * q.ln()).collect(),
+        }
+    }
+
+    #[test]
+    fn calibration_starts_near_the_identity_and_learns_the_hit_rate() {
+        let mut c = Calibration::default();
+        for q in [0.01, 0.3, 0.85, 0.99] {
+            let m = c.map(q);
+            assert!((m.ln() - q.ln()).abs() < 0.6, "q {q}: {m}");
+        }
+        // An underconfident drafter: 85% edges that are always taken.
+        let t = chain(15, 0.85);
+        let all: Vec<u32> = (0..=15).collect();
+        for _ in 0..20 {
+            c.observe_round(&t, &all);
+        }
+        assert!(c.map(0.85) > 0.95, "{}", c.map(0.85));
+        let lp = c.path_logprobs(&t);
+        assert!(lp[15] > (0.5f32).ln(), "{lp:?}");
+        // Then `auto` keeps the whole chain where the raw probabilities stop early.
+        let cost = CostModel::new("t", 0.0, 0.0, 0.0, &[(1, 1000.0), (9, 1000.0), (17, 1400.0)]).unwrap();
+        assert_eq!(choose_budget(&t.path_logprob[1..], &cost, 16), 8);
+        assert_eq!(choose_budget(&lp[1..], &cost, 16), 15);
+        // An overconfident one: 85% edges taken a third of the time.
+        let mut c = Calibration::default();
+        for r in 0..30 {
+            let upto = if r % 3 == 0 { 1 } else { 0 };
+            c.observe_round(&t, &all[..=upto]);
+        }
+        assert!(c.map(0.85) < 0.6, "{}", c.map(0.85));
     }
 }

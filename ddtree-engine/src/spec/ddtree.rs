@@ -5,7 +5,8 @@
 //! last emitted one, chosen by the target at the previous verify). Each round the drafter
 //! proposes distributions for the next positions, the CPU reference builder of
 //! [`ddtree_kernels::tree`] picks the best `B` prefixes (for `auto`, the tree is built at the
-//! maximum budget and cut to the size [`choose_budget`] finds most profitable), and the target
+//! maximum budget and cut to the size [`choose_budget`] finds most profitable under the
+//! drafter's probabilities as calibrated by the earlier rounds, [`Calibration`]), and the target
 //! runs `[bonus, nodes..]` at positions `start + depth` under the ancestor mask. The target's token at every node
 //! ([`crate::spec::Sampling::choose`]) drives the accept walk; the accepted rows are compacted in the latent
 //! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
@@ -20,7 +21,7 @@ use crate::error::{EngineError, Result};
 use crate::generate::{check_prompt, choose_rows, GenerateOptions, Generation};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows, Model};
-use crate::spec::budget::{choose_budget, CostModel};
+use crate::spec::budget::{choose_budget, Calibration, CostModel};
 use crate::spec::drafter::{DraftRequest, Drafter};
 use crate::spec::stats::SpecStats;
 
@@ -181,6 +182,8 @@ pub fn generate_speculative<B: Backend>(
     let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
 
     let mut last_choice: Option<usize> = None;
+    // What the verify rounds say of the drafter's probabilities (`auto` only).
+    let mut calibration = Calibration::default();
     while going {
         let start = tokens.len() - 1;
         let bonus = tokens[start];
@@ -211,8 +214,8 @@ pub fn generate_speculative<B: Backend>(
         let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
         if let Some(cost) = auto_cost {
             // Best-first order: the first B nodes are the top-B tree, the one the builder gives
-            // at budget B.
-            let chosen = choose_budget(&tree.path_logprob[1..], cost, build);
+            // at budget B; each is scored by its calibrated path probability.
+            let chosen = choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build);
             tree.truncate(chosen + 1);
             last_choice = Some(chosen);
         }
@@ -242,6 +245,9 @@ pub fn generate_speculative<B: Backend>(
 
         let t = Instant::now();
         let accepted = accept_reference(&tree, &target);
+        if auto_cost.is_some() {
+            calibration.observe_round(&tree, &accepted.indices);
+        }
         let keep: Vec<usize> = accepted.indices.iter().map(|&i| i as usize).collect();
         b.kv_compact(&mut cache, start, &keep)?;
         features = match &verified_features {
