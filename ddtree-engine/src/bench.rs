@@ -133,6 +133,8 @@ pub struct BenchOptions {
     pub spec_tokens: usize,
     /// Drafter block size (bonus slot included).
     pub block_size: usize,
+    /// `auto` with calibrated drafter probabilities ([`SpecOptions::calibrate`]).
+    pub calibrate_auto: bool,
     /// Seed of the weights, prompts and drafters.
     pub seed: u64,
 }
@@ -156,6 +158,7 @@ impl BenchOptions {
                 prompt_len: 128,
                 spec_tokens: 48,
                 block_size: 8,
+                calibrate_auto: false,
                 seed: 1,
             },
             Preset::Tiny => BenchOptions {
@@ -170,6 +173,7 @@ impl BenchOptions {
                 prompt_len: 8,
                 spec_tokens: 12,
                 block_size: 4,
+                calibrate_auto: false,
                 seed: 1,
             },
         }
@@ -551,6 +555,7 @@ pub fn run<B: Backend>(
                     }
                     SpecOptions {
                         max_auto_budget: opts.budgets.iter().copied().max().unwrap_or(AUTO_MAX_BUDGET),
+                        calibrate: opts.calibrate_auto,
                         ..SpecOptions::auto(cost.clone())
                     }
                 }

@@ -256,13 +256,16 @@ fn auto_budget_equals_plain_for_every_drafter_and_cost_model() {
             // Every cost model meets every drafter, both block sizes and most caps.
             let (kind, block_size, max) = ((p + c) % 4, [8, 16][p % 2], [256, 40, 7, 1][(p / 2 + c) % 4]);
             let mut d = drafter(kind, block_size);
+            // Half the runs with the calibrated gain: it moves the choice, never the tokens.
+            let calibrate = (p + c) % 2 == 1;
             let spec = SpecOptions {
                 max_auto_budget: max,
+                calibrate,
                 ..SpecOptions::auto(cost.clone())
             };
             let (tokens, stop, stats) = speculative_with(&model, d.as_mut(), &prompt, &options, &spec);
             let what = format!(
-                "prompt {prompt:?}, {}, block {block_size}, cost {name}, max {max}",
+                "prompt {prompt:?}, {}, block {block_size}, cost {name}, max {max}, calibrate {calibrate}",
                 d.name()
             );
             assert_eq!((tokens, stop), expected, "{what}");

@@ -120,6 +120,9 @@ struct BenchArgs {
     /// less); default: the preset's.
     #[arg(long)]
     block_size: Option<usize>,
+    /// `auto` scores trees with the drafter's probabilities as calibrated by the earlier rounds.
+    #[arg(long)]
+    calibrate_auto: bool,
     /// Write the report as JSON to this file too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -169,6 +172,10 @@ struct GenerateArgs {
     /// most expected tokens per µs under the cost model (a default one when nothing is measured).
     #[arg(long, value_parser = parse_budget, default_value = "auto")]
     budget: Budget,
+    /// With `--budget auto`: score trees with the drafter's probabilities as calibrated by the
+    /// earlier rounds (how often drafted tokens of each probability were accepted).
+    #[arg(long)]
+    calibrate_auto: bool,
     /// Drafter block size (bonus slot included); default: the DFlash config's, 8 for test drafters.
     #[arg(long)]
     block_size: Option<usize>,
@@ -431,6 +438,7 @@ fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostM
             let mut drafter = make_drafter(&loaded.model, which, args)?;
             let spec = SpecOptions {
                 budget: args.budget,
+                calibrate: args.calibrate_auto,
                 ..SpecOptions::auto(cost)
             };
             let out = generate_speculative(&loaded.model, drafter.as_mut(), &prompt, &options, &spec)?;
@@ -490,6 +498,7 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
         }
         opts.block_size = b;
     }
+    opts.calibrate_auto = args.calibrate_auto;
     if let Some(t) = args.tokens {
         opts.spec_tokens = t;
     }

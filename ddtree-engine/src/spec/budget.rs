@@ -22,12 +22,12 @@
 //! which is exactly the tree the builder gives at that budget; acceptance is unchanged, so the
 //! output is the same as for any fixed budget.
 //!
-//! * **Calibration.** The drafter's probabilities are not taken at face value: a drafter that
-//!   says 85% and is always right would make `auto` undervalue deep chains (and one that is
+//! * **Calibration** (opt-in, `SpecOptions::calibrate`). Taken at face value, a drafter that
+//!   says 85% and is always right makes `auto` undervalue deep chains (and one that is
 //!   overconfident, wide trees). [`Calibration`] learns, from every round's verify, how often a
 //!   drafted edge of each probability is the target's token (histogram binning on the log-odds,
-//!   starting from the identity), and the gain uses the calibrated path probabilities. It only
-//!   moves the budget choice; the output is unchanged.
+//!   starting from the identity), and the gain then uses the calibrated path probabilities. It
+//!   only moves the budget choice; the output is unchanged.
 
 use ddtree_kernels::tree::DraftTree;
 use serde::{Deserialize, Serialize};

@@ -5,8 +5,8 @@
 //! last emitted one, chosen by the target at the previous verify). Each round the drafter
 //! proposes distributions for the next positions, the CPU reference builder of
 //! [`ddtree_kernels::tree`] picks the best `B` prefixes (for `auto`, the tree is built at the
-//! maximum budget and cut to the size [`choose_budget`] finds most profitable under the
-//! drafter's probabilities as calibrated by the earlier rounds, [`Calibration`]), and the target
+//! maximum budget and cut to the size [`choose_budget`] finds most profitable, optionally under
+//! the drafter's probabilities as calibrated by the earlier rounds, [`Calibration`]), and the target
 //! runs `[bonus, nodes..]` at positions `start + depth` under the ancestor mask. The target's token at every node
 //! ([`crate::spec::Sampling::choose`]) drives the accept walk; the accepted rows are compacted in the latent
 //! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
@@ -61,6 +61,11 @@ pub struct SpecOptions {
     /// [`AUTO_BUILD_GROWTH`] times the last choice (the first at this size), then cut to the
     /// chosen one.
     pub max_auto_budget: usize,
+    /// Whether `auto` scores trees with the drafter's probabilities as calibrated by the
+    /// earlier rounds ([`Calibration`]) instead of at face value. Off by default: on the H200
+    /// it made `auto` beat every fixed budget on two profiles at block size 16 but lose 5-30%
+    /// on others (BENCHMARKS.md).
+    pub calibrate: bool,
 }
 
 impl Default for SpecOptions {
@@ -86,6 +91,7 @@ impl SpecOptions {
             budget: Budget::Auto,
             cost,
             max_auto_budget: AUTO_MAX_BUDGET,
+            calibrate: false,
         }
     }
 }
@@ -182,7 +188,7 @@ pub fn generate_speculative<B: Backend>(
     let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
 
     let mut last_choice: Option<usize> = None;
-    // What the verify rounds say of the drafter's probabilities (`auto` only).
+    // What the verify rounds say of the drafter's probabilities (`auto` with `calibrate`).
     let mut calibration = Calibration::default();
     while going {
         let start = tokens.len() - 1;
@@ -215,7 +221,11 @@ pub fn generate_speculative<B: Backend>(
         if let Some(cost) = auto_cost {
             // Best-first order: the first B nodes are the top-B tree, the one the builder gives
             // at budget B; each is scored by its calibrated path probability.
-            let chosen = choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build);
+            let chosen = if spec.calibrate {
+                choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build)
+            } else {
+                choose_budget(&tree.path_logprob[1..], cost, build)
+            };
             tree.truncate(chosen + 1);
             last_choice = Some(chosen);
         }
@@ -245,7 +255,7 @@ pub fn generate_speculative<B: Backend>(
 
         let t = Instant::now();
         let accepted = accept_reference(&tree, &target);
-        if auto_cost.is_some() {
+        if auto_cost.is_some() && spec.calibrate {
             calibration.observe_round(&tree, &accepted.indices);
         }
         let keep: Vec<usize> = accepted.indices.iter().map(|&i| i as usize).collect();
