@@ -28,9 +28,10 @@
 //! the token's sum once.
 
 use ddtree_codegen::dsl::*;
-use ddtree_macros::{kernel, KernelParams};
+use ddtree_macros::{device_fn, kernel, KernelParams};
 
 use super::gemm::{dequant_pair, magic_pair_interleaved};
+use crate::common::warp_incl_scan;
 use crate::silu_mul::silu;
 
 /// What a [`W4a16Gemv`] variant computes.
@@ -200,13 +201,24 @@ impl GemvW4Params {
     }
 }
 
+/// The item after `item` (`expert index << 16 | k step`) of a walk over `kbs` k steps per
+/// expert.
+#[device_fn]
+fn next_item(item: u32, kbs: u32) -> u32 {
+    if (item & 0xffffu32) + 1 == kbs {
+        ((item >> 16) + 1) << 16
+    } else {
+        item + 1
+    }
+}
+
 /// `x` bf16 activations (`Dense`: `[m, k]`; `GateUp`: tokens `[T, k]`; `Down`: `act`
 /// `[pairs, k]`), `w` interleaved INT4 weights (experts stacked; `[n, k]` each), `scales` the
 /// bf16 `[n, k / 32]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
 /// routing's expert per pair `[T, topk]` (ids `>= experts` belong to other ranks and are
 /// skipped), `route_w` its router weights, `out` (`Dense`: `[m, n]`; `GateUp`: `act`
 /// `[pairs, n / 2]`, rows of non-local pairs not written; `Down`: `[T, n]`). `m` is the dense
-/// rows, `GateUp`'s pairs, or `Down`'s tokens. Needs `k % 32 == 0`, group 32, `GateUp`
+/// rows, `GateUp`'s pairs, or `Down`'s tokens. Needs `k % 32 == 0`, `k < 2^23`, group 32, `GateUp`
 /// `(n / 2) % 8 == 0`, at most `8 chunks` tokens (`Dense`, `Down`) or pairs per expert
 /// (`GateUp`), and `Down` at most [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty
 /// buffer. Grid: [`grid`].
@@ -322,14 +334,7 @@ pub fn w4a16_gemv(
                 } else {
                     0u32
                 };
-                let mut s = f;
-                #[unroll]
-                for b in 0..5u32 {
-                    let y = shfl_up(s, 1u32 << b);
-                    if lane >= (1u32 << b) {
-                        s += y;
-                    }
-                }
+                let s = warp_incl_scan(f);
                 if f == 1 && base + s - 1 < cap {
                     list[base + s - 1] = pp;
                 }
@@ -365,14 +370,7 @@ pub fn w4a16_gemv(
             for c0 in (0..pairs).step_by(32) {
                 let pp = c0 + lane;
                 let f = if pp < pairs { flag_s[pp] } else { 0u32 };
-                let mut s = f;
-                #[unroll]
-                for b in 0..5u32 {
-                    let y = shfl_up(s, 1u32 << b);
-                    if lane >= (1u32 << b) {
-                        s += y;
-                    }
-                }
+                let s = warp_incl_scan(f);
                 if f == 1 {
                     list[base + s - 1] = ids_s[pp];
                 }
@@ -429,24 +427,18 @@ pub fn w4a16_gemv(
     // Router weights of the current expert for this lane's output tokens (Down).
     let mut rwt = [0.0f32; 2 * nc];
 
-    // (expert index, k step) of the next item to compute and of the next to copy, stepped
-    // without divisions (the item index is `ei * kbs + kb`).
-    let mut cei = lo / kbs;
-    let mut ckb = lo % kbs;
-    let mut fei = cei;
-    let mut fkb = ckb;
+    // (expert index, k step) of the next item to compute and of the next to copy, packed as
+    // `ei << 16 | kb` and stepped without divisions (the item index is `ei * kbs + kb`).
+    let mut citem = ((lo / kbs) << 16) | (lo % kbs);
+    let mut fitem = citem;
 
     // Prologue: items lo .. lo + stages into slots 0 .. stages, one cp.async group each.
     #[unroll]
     for u in 0..ns {
         let it = lo + u;
-        let ei = fei;
-        let kb = fkb;
-        fkb += 1;
-        if fkb == kbs {
-            fkb = 0u32;
-            fei += 1;
-        }
+        let ei = fitem >> 16;
+        let kb = fitem & 0xffffu32;
+        fitem = next_item(fitem, kbs);
         let e = if down && it < hi { list[ei] } else { expert };
         #[unroll]
         for t in 0..tt {
@@ -515,13 +507,9 @@ pub fn w4a16_gemv(
                 sync_warp();
             }
             if it < hi {
-                let ei = cei;
-                let kb = ckb;
-                ckb += 1;
-                if ckb == kbs {
-                    ckb = 0u32;
-                    cei += 1;
-                }
+                let ei = citem >> 16;
+                let kb = citem & 0xffffu32;
+                citem = next_item(citem, kbs);
                 let e = if down { list[ei] } else { expert };
                 if down && ei != cur {
                     // Flush the finished expert with its router weights (tokens 2q, 2q + 1 + 8c).
@@ -643,13 +631,9 @@ pub fn w4a16_gemv(
             }
             // Refill slot u with the item `stages` later.
             let it2 = it + ns;
-            let ei = fei;
-            let kb = fkb;
-            fkb += 1;
-            if fkb == kbs {
-                fkb = 0u32;
-                fei += 1;
-            }
+            let ei = fitem >> 16;
+            let kb = fitem & 0xffffu32;
+            fitem = next_item(fitem, kbs);
             let e = if down && it2 < hi { list[ei] } else { expert };
             #[unroll]
             for t in 0..tt {
