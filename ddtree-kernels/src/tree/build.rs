@@ -147,7 +147,7 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
     TreeBuildParams { block: 1024, vpt: 9 },
-    TreeBuildParams { block: 512, vpt: 32 },
+    TreeBuildParams { block: 512, vpt: 28 },
     TreeBuildParams { block: 512, vpt: 16 },
 ])]
 pub fn tree_build(

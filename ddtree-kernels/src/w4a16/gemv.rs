@@ -28,7 +28,7 @@
 //! the token's sum once.
 
 use ddtree_codegen::dsl::*;
-use ddtree_macros::{device_fn, kernel, KernelParams};
+use ddtree_macros::{kernel, KernelParams};
 
 use super::gemm::{dequant_pair, magic_pair_interleaved};
 use crate::common::warp_incl_scan;
@@ -201,24 +201,13 @@ impl GemvW4Params {
     }
 }
 
-/// The item after `item` (`expert index << 16 | k step`) of a walk over `kbs` k steps per
-/// expert.
-#[device_fn]
-fn next_item(item: u32, kbs: u32) -> u32 {
-    if (item & 0xffffu32) + 1 == kbs {
-        ((item >> 16) + 1) << 16
-    } else {
-        item + 1
-    }
-}
-
 /// `x` bf16 activations (`Dense`: `[m, k]`; `GateUp`: tokens `[T, k]`; `Down`: `act`
 /// `[pairs, k]`), `w` interleaved INT4 weights (experts stacked; `[n, k]` each), `scales` the
 /// bf16 `[n, k / 32]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
 /// routing's expert per pair `[T, topk]` (ids `>= experts` belong to other ranks and are
 /// skipped), `route_w` its router weights, `out` (`Dense`: `[m, n]`; `GateUp`: `act`
 /// `[pairs, n / 2]`, rows of non-local pairs not written; `Down`: `[T, n]`). `m` is the dense
-/// rows, `GateUp`'s pairs, or `Down`'s tokens. Needs `k % 32 == 0`, `k < 2^23`, group 32, `GateUp`
+/// rows, `GateUp`'s pairs, or `Down`'s tokens. Needs `k % 32 == 0`, group 32, `GateUp`
 /// `(n / 2) % 8 == 0`, at most `8 chunks` tokens (`Dense`, `Down`) or pairs per expert
 /// (`GateUp`), and `Down` at most [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty
 /// buffer. Grid: [`grid`].
@@ -427,18 +416,24 @@ pub fn w4a16_gemv(
     // Router weights of the current expert for this lane's output tokens (Down).
     let mut rwt = [0.0f32; 2 * nc];
 
-    // (expert index, k step) of the next item to compute and of the next to copy, packed as
-    // `ei << 16 | kb` and stepped without divisions (the item index is `ei * kbs + kb`).
-    let mut citem = ((lo / kbs) << 16) | (lo % kbs);
-    let mut fitem = citem;
+    // (expert index, k step) of the next item to compute and of the next to copy, stepped
+    // without divisions (the item index is `ei * kbs + kb`).
+    let mut cei = lo / kbs;
+    let mut ckb = lo % kbs;
+    let mut fei = cei;
+    let mut fkb = ckb;
 
     // Prologue: items lo .. lo + stages into slots 0 .. stages, one cp.async group each.
     #[unroll]
     for u in 0..ns {
         let it = lo + u;
-        let ei = fitem >> 16;
-        let kb = fitem & 0xffffu32;
-        fitem = next_item(fitem, kbs);
+        let ei = fei;
+        let kb = fkb;
+        fkb += 1;
+        if fkb == kbs {
+            fkb = 0u32;
+            fei += 1;
+        }
         let e = if down && it < hi { list[ei] } else { expert };
         #[unroll]
         for t in 0..tt {
@@ -507,9 +502,13 @@ pub fn w4a16_gemv(
                 sync_warp();
             }
             if it < hi {
-                let ei = citem >> 16;
-                let kb = citem & 0xffffu32;
-                citem = next_item(citem, kbs);
+                let ei = cei;
+                let kb = ckb;
+                ckb += 1;
+                if ckb == kbs {
+                    ckb = 0u32;
+                    cei += 1;
+                }
                 let e = if down { list[ei] } else { expert };
                 if down && ei != cur {
                     // Flush the finished expert with its router weights (tokens 2q, 2q + 1 + 8c).
@@ -631,9 +630,13 @@ pub fn w4a16_gemv(
             }
             // Refill slot u with the item `stages` later.
             let it2 = it + ns;
-            let ei = fitem >> 16;
-            let kb = fitem & 0xffffu32;
-            fitem = next_item(fitem, kbs);
+            let ei = fei;
+            let kb = fkb;
+            fkb += 1;
+            if fkb == kbs {
+                fkb = 0u32;
+                fei += 1;
+            }
             let e = if down && it2 < hi { list[ei] } else { expert };
             #[unroll]
             for t in 0..tt {
