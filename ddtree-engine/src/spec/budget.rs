@@ -210,20 +210,36 @@ impl CostModel {
 /// best-first order (`DraftTree::path_logprob[1..]`); the top-`B` tree is their first `B`, and
 /// its expected accepted length is `E(B) = sum of exp(path_logprobs[..B])`. Returns the `B` in
 /// `1..=min(max_budget, path_logprobs.len())` maximizing `(E(B) + 1) / cost.round_us(B)` (the
-/// smallest on ties), or 0 when that range is empty (a tree of the root alone). O(max_budget).
+/// smallest on ties), or 0 when that range is empty (a tree of the root alone). Only sizes at
+/// the end of a flat stretch of the verify curve compete (one more token would cost more, or
+/// the size is at or past the last measured point):
+/// inside a flat stretch a larger tree costs the same, and a few repeated sizes let the verify
+/// step replay its CUDA graphs instead of recording a new size every round. When the range
+/// holds no such size, every size competes. O(max_budget).
 pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize) -> usize {
     let fixed = cost.fixed_us();
     let mut expected = 1.0f64;
     let mut best = (0usize, f64::NEG_INFINITY);
+    let mut best_any = (0usize, f64::NEG_INFINITY);
+    // Past the last measured point the curve is extrapolated: every size there counts as a top.
+    let last = cost.verify.last().map_or(1, |p| p.tokens);
     for (i, &lp) in path_logprobs.iter().take(max_budget).enumerate() {
         let b = i + 1;
         expected += (lp as f64).exp();
-        let rate = expected / (fixed + cost.verify_us(b + 1));
-        if rate > best.1 {
+        let us = cost.verify_us(b + 1);
+        let rate = expected / (fixed + us);
+        if rate > best_any.1 {
+            best_any = (b, rate);
+        }
+        if (cost.verify_us(b + 2) > us || b + 1 >= last) && rate > best.1 {
             best = (b, rate);
         }
     }
-    best.0
+    if best.0 == 0 {
+        best_any.0
+    } else {
+        best.0
+    }
 }
 
 /// Log-odds bins of [`Calibration`]: `BINS` of width 1 centred on -9.5 .. 9.5.
@@ -363,15 +379,53 @@ mod tests {
 
     /// Brute force: the argmax over every B of the ratio, recomputing the sum each time.
     fn brute(lp: &[f32], cost: &CostModel, max: usize) -> usize {
-        let mut best = (0, f64::NEG_INFINITY);
-        for b in 1..=max.min(lp.len()) {
-            let e: f64 = 1.0 + lp[..b].iter().map(|&x| (x as f64).exp()).sum::<f64>();
-            let r = e / cost.round_us(b);
-            if r > best.1 {
-                best = (b, r);
+        let best = |tops_only: bool| {
+            let mut best = (0, f64::NEG_INFINITY);
+            for b in 1..=max.min(lp.len()) {
+                let last = cost.verify.last().map_or(1, |p| p.tokens);
+                if tops_only && cost.verify_us(b + 2) <= cost.verify_us(b + 1) && b + 1 < last {
+                    continue;
+                }
+                let e: f64 = 1.0 + lp[..b].iter().map(|&x| (x as f64).exp()).sum::<f64>();
+                let r = e / cost.round_us(b);
+                if r > best.1 {
+                    best = (b, r);
+                }
             }
+            best.0
+        };
+        match best(true) {
+            0 => best(false),
+            b => b,
         }
-        best.0
+    }
+
+    #[test]
+    fn sizes_inside_a_flat_stretch_do_not_compete() {
+        // A staircase: 9 tokens 18 ms, 10..17 tokens 25 ms, then 29 ms to 33.
+        let stairs = CostModel::new(
+            "stairs",
+            0.0,
+            0.0,
+            0.0,
+            &[
+                (9, 18_000.0),
+                (10, 25_000.0),
+                (17, 25_000.0),
+                (18, 29_000.0),
+                (33, 29_000.0),
+            ],
+        )
+        .unwrap();
+        let lp = vec![-0.05f32; 40];
+        // A tree of 12 nodes: 16 would pay, 12 costs as much; the step below is taken.
+        assert_eq!(choose_budget(&lp[..12], &stairs, 256), 8);
+        assert_eq!(choose_budget(&lp, &stairs, 32), 32);
+        // Past the last point (flat extrapolation) every size is a top.
+        assert_eq!(choose_budget(&lp, &stairs, 256), 40);
+        assert_eq!(choose_budget(&lp, &stairs, 20), 16);
+        // No step top in range: every size competes.
+        assert_eq!(choose_budget(&lp[..5], &stairs, 256), 5);
     }
 
     #[test]
