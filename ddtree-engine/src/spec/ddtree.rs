@@ -63,8 +63,8 @@ pub struct SpecOptions {
     pub max_auto_budget: usize,
     /// Whether `auto` scores trees with the drafter's probabilities as calibrated by the
     /// earlier rounds ([`Calibration`]) instead of at face value. Off by default: on the H200
-    /// it made `auto` beat every fixed budget on two profiles at block size 16 but lose 5-30%
-    /// on others (BENCHMARKS.md).
+    /// at block size 16 it beat every fixed budget on the oracle drafter but lost 8% on a
+    /// calibrated one (BENCHMARKS.md).
     pub calibrate: bool,
 }
 
@@ -220,7 +220,7 @@ pub fn generate_speculative<B: Backend>(
         let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
         if let Some(cost) = auto_cost {
             // Best-first order: the first B nodes are the top-B tree, the one the builder gives
-            // at budget B; each is scored by its calibrated path probability.
+            // at budget B; with `calibrate` each is scored by its calibrated path probability.
             let chosen = if spec.calibrate {
                 choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build)
             } else {
