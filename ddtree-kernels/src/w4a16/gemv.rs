@@ -98,18 +98,21 @@ const W: GemvMode = GemvMode::Down;
 
 /// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
 /// with `chunks == 2` the one for up to 16 ([`default_params`]). The defaults are the fastest
-/// on the H200 (`w4a16-bench --gemv`, BENCHMARKS.md): `Dense` 8 warps x 4 stages (57.6 µs at
-/// 7168->36864, M = 1, vs 70.2 for 4 warps x 8 stages, and no slower on the narrow shapes);
-/// `GateUp` 4 warps x 4 stages and `Down` 8 warps x 4 stages, both with the scales in the ring
-/// (91.5 µs for the Kimi EP8 slice at one token vs 95.3 without). The `xr` ones (x in the ring)
+/// on the H200 (`w4a16-bench --gemv`, BENCHMARKS.md): two m16 tiles per warp step with the
+/// scales in the ring and a short ring (`Dense` 4 warps x 2 stages: 48.6 µs at 7168->36864,
+/// M = 1, 73% of copy bandwidth, vs 59.4 for 8 warps x 4 stages with one tile; `GateUp`
+/// 4 warps x 2 stages, `Down` 8 warps x 2 stages: each half 4-6% faster than the one-tile pair,
+/// 88.8 µs for the Kimi EP8 slice at one token): more independent mma chains and dequant work
+/// per warp beat more warps. The `xr` ones (x in the ring)
 /// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: 8-16
 /// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
 /// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
 /// ~96 KB of weights in flight per SM), and `Down` rings of at most 60 KB so the 448 row slabs
 /// of hidden 7168 fit in one wave of 3-4 blocks per SM. The `sr` ones (scales in the ring:
 /// 128 bytes more shared memory per 8-row tile and stage, no scale registers) mirror the best
-/// of each mode, with and without `xr`.
+/// of each mode, with and without `xr`, at one and two m16 tiles.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
+    gvs(D, 4, 2, 2, 1, false),
     gv(D, 8, 1, 4, 1, false),
     gv(D, 4, 1, 8, 2, false),
     gv(D, 4, 1, 8, 1, false),
@@ -122,9 +125,13 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(D, 4, 2, 4, 2, true),
     gvs(D, 8, 1, 4, 1, false),
     gvs(D, 4, 2, 4, 1, false),
+    gvs(D, 8, 2, 2, 1, false),
+    gvs(D, 4, 4, 2, 1, false),
+    gvs(D, 2, 2, 4, 1, false),
+    gvs(D, 2, 2, 2, 1, false),
     gvs(D, 8, 1, 4, 1, true),
     gvs(D, 4, 2, 4, 1, true),
-    gvs(G, 4, 1, 4, 1, false),
+    gvs(G, 4, 2, 2, 1, false),
     gv(G, 4, 1, 4, 2, false),
     gv(G, 8, 1, 2, 1, false),
     gv(G, 2, 1, 8, 1, false),
@@ -135,7 +142,11 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(G, 8, 1, 2, 1, false),
     gvs(G, 4, 1, 4, 1, true),
     gvs(G, 8, 1, 2, 1, true),
-    gvs(W, 8, 1, 4, 1, false),
+    gvs(G, 4, 1, 4, 1, false),
+    gvs(G, 2, 2, 4, 1, false),
+    gvs(G, 2, 2, 2, 1, false),
+    gvs(G, 8, 2, 2, 1, false),
+    gvs(W, 8, 2, 2, 1, false),
     gv(W, 4, 1, 8, 2, false),
     gv(W, 4, 1, 8, 1, false),
     gv(W, 8, 1, 4, 1, false),
@@ -144,6 +155,10 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gv(W, 4, 1, 4, 1, true),
     gv(W, 4, 1, 3, 2, true),
     gvs(W, 4, 1, 6, 1, true),
+    gvs(W, 8, 1, 4, 1, false),
+    gvs(W, 4, 2, 4, 1, false),
+    gvs(W, 8, 2, 4, 1, false),
+    gvs(W, 16, 2, 2, 1, false),
 ];
 
 /// Tokens one variant takes: `8 chunks`.
@@ -402,6 +417,41 @@ pub fn w4a16_gemv(
     // one conflict-free 512-byte row of the ring.
     let xs = lane % 16;
     let xdst = ((xs % 4) * 32 + lane / 16 * 4 + xs / 4) * 4;
+    // Per 8-row tile: this lane's word offset of k step 0 in an expert's weights (row tile 0,
+    // a valid address for the zero-filled copy, when the tile is past the output rows), and
+    // its scale element of k step 0 (`u32::MAX` when its row is not an output row).
+    let mut woff = [0u32; tt];
+    let mut soff = [0u32; tt];
+    #[unroll]
+    for t in 0..tt {
+        let mi = t / 2;
+        let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
+        let grow = if gu && mi >= p.mt { rows + lr } else { lr };
+        woff[t] = if lr < rows { (grow / 8 * kbs * 32 + lane) * 4 } else { lane * 4 };
+        soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { u32::MAX };
+    }
+    // Dense and GateUp without `xr`, one chunk: x is loaded one k step ahead into registers
+    // from a clamped address (row 0 for unused token columns, the last 32 k for the K tail): an
+    // unused column only feeds its own discarded outputs, and the tail's weights are zero
+    // (scale 0). (Two chunks would hold 32 more registers.)
+    let xpre = !p.xr && !down && p.chunks == 1;
+    let mut xbase = [0u32; nc];
+    #[unroll]
+    for c in 0..nc {
+        xbase[c] = if xrow[c] == u32::MAX { 0u32 } else { xrow[c] * k };
+    }
+    // Two register slots of a k step's x, `[slot][chunk][j]`, alternating with the step slot's
+    // parity (an even number of stages keeps the pattern across the unrolled ring).
+    let xpn = comptime!(if !p.xr && p.mode != GemvMode::Down && p.chunks == 1 {
+        8
+    } else {
+        1
+    });
+    comptime_assert!(
+        xpn == 1 || p.stages % 2 == 0,
+        "x loaded a step ahead needs an even number of stages"
+    );
+    let mut xn = [[0u32; 4]; xpn];
 
     let mut acc = [[0.0f32; 4]; mtt * nc];
     let mut oacc = [[0.0f32; 4]; on];
@@ -439,26 +489,17 @@ pub fn w4a16_gemv(
         for t in 0..tt {
             let mi = t / 2;
             let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
-            let grow = if gu && mi >= p.mt { rows + lr } else { lr };
             let ok = it < hi && lr < rows;
-            let src = if ok {
-                e * wstride + ((grow / 8 * kbs + kb) * 32 + lane) * 4
-            } else {
-                0u32
-            };
+            let src = e * wstride + woff[t] + kb * 128;
             cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
-            let row = grow + g;
-            let grp = kb * 4 + q;
+            // The scale element of k step kb is `soff + 4 kb` (the word's half: `soff`'s parity).
+            let sok = ok && soff[t] != u32::MAX && kb * 4 + q < gpr;
+            let sidx = (e * n * gpr + soff[t] + 4 * kb) / 2;
             if p.sr {
-                let sok = ok && lr + g < rows && grp < gpr;
-                let src = if sok { (e * n * gpr + row * gpr + grp) / 2 } else { 0u32 };
+                let src = if sok { sidx } else { 0u32 };
                 cp_async_4_zfill(&mut ring[wbase + u * sw + so + t * 32 + lane], &scales[src], sok);
             } else {
-                sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
-                    scales[(e * n * gpr + row * gpr + grp) / 2]
-                } else {
-                    0u32
-                };
+                sc[u * tt + t] = if sok { scales[sidx] } else { 0u32 };
             }
         }
         if p.xr {
@@ -491,6 +532,20 @@ pub fn w4a16_gemv(
             }
         }
         cp_async_commit();
+    }
+    if xpre {
+        let kx = (ckb * 128 + 32 * q).min(k - 32);
+        #[unroll]
+        for c in 0..nc {
+            #[unroll]
+            for j in 0..4 {
+                let v = x.vload(xbase[c] + kx + 8 * j);
+                xn[c * 4 + j][0] = v.x;
+                xn[c * 4 + j][1] = v.y;
+                xn[c * 4 + j][2] = v.z;
+                xn[c * 4 + j][3] = v.w;
+            }
+        }
     }
     for rr in 0..(cnt + ns - 1) / ns {
         #[unroll]
@@ -558,12 +613,33 @@ pub fn w4a16_gemv(
                     wv[t][3] = v.w;
                 }
                 let kq = kb * 128 + 32 * q;
+                if xpre {
+                    // The next step's x into the other slot.
+                    let xs1 = (u + 1) % 2 * 4 * nc;
+                    let kx = (kq + 128).min(k - 32);
+                    #[unroll]
+                    for c in 0..nc {
+                        #[unroll]
+                        for j in 0..4 {
+                            let v = x.vload(xbase[c] + kx + 8 * j);
+                            xn[xs1 + c * 4 + j][0] = v.x;
+                            xn[xs1 + c * 4 + j][1] = v.y;
+                            xn[xs1 + c * 4 + j][2] = v.z;
+                            xn[xs1 + c * 4 + j][3] = v.w;
+                        }
+                    }
+                }
                 #[unroll]
                 for j in 0..4 {
                     #[unroll]
                     for c in 0..nc {
                         let ok = kq < k && xrow[c] != u32::MAX;
-                        if p.xr {
+                        if xpre {
+                            #[unroll]
+                            for r in 0..4 {
+                                xv[c][r] = xn[u % 2 * 4 * nc + c * 4 + j][r];
+                            }
+                        } else if p.xr {
                             #[unroll]
                             for r in 0..4 {
                                 xv[c][r] = 0u32;
@@ -586,13 +662,11 @@ pub fn w4a16_gemv(
                     #[unroll]
                     for i in 0..mtt {
                         // Scales of rows g (tile 2i) and g + 8 (tile 2i + 1), in both halves.
-                        let grow = if gu && i >= p.mt {
-                            rows + r0 + 16 * (i - p.mt)
+                        let sel = if (e * n * gpr + soff[2 * i]) % 2 == 1 {
+                            0x3232u32
                         } else {
-                            r0 + 16 * i
+                            0x1010u32
                         };
-                        let sidx = e * n * gpr + (grow + g) * gpr + kb * 4 + q;
-                        let sel = if sidx % 2 == 1 { 0x3232u32 } else { 0x1010u32 };
                         // (sr: the words of tiles 2i and 2i + 1 this lane copied into the ring.)
                         let sa = prmt(
                             if p.sr {
@@ -642,30 +716,21 @@ pub fn w4a16_gemv(
             for t in 0..tt {
                 let mi = t / 2;
                 let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
-                let grow = if gu && mi >= p.mt { rows + lr } else { lr };
                 let ok = it2 < hi && lr < rows;
-                let src = if ok {
-                    e * wstride + ((grow / 8 * kbs + kb) * 32 + lane) * 4
-                } else {
-                    0u32
-                };
+                let src = e * wstride + woff[t] + kb * 128;
                 if p.xr {
                     // Every lane has read this slot's x before any lane overwrites it.
                     sync_warp();
                 }
                 cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
-                let row = grow + g;
-                let grp = kb * 4 + q;
+                // The scale element of k step kb is `soff + 4 kb` (the word's half: `soff`'s parity).
+                let sok = ok && soff[t] != u32::MAX && kb * 4 + q < gpr;
+                let sidx = (e * n * gpr + soff[t] + 4 * kb) / 2;
                 if p.sr {
-                    let sok = ok && lr + g < rows && grp < gpr;
-                    let src = if sok { (e * n * gpr + row * gpr + grp) / 2 } else { 0u32 };
+                    let src = if sok { sidx } else { 0u32 };
                     cp_async_4_zfill(&mut ring[wbase + u * sw + so + t * 32 + lane], &scales[src], sok);
                 } else {
-                    sc[u * tt + t] = if ok && lr + g < rows && grp < gpr {
-                        scales[(e * n * gpr + row * gpr + grp) / 2]
-                    } else {
-                        0u32
-                    };
+                    sc[u * tt + t] = if sok { scales[sidx] } else { 0u32 };
                 }
             }
             if p.xr {
