@@ -36,7 +36,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows, Model};
-use crate::spec::CostModel;
+use crate::spec::{CostModel, VerifyPoint};
 
 /// The dimensions that decide the problem keys.
 #[derive(Clone, Debug, PartialEq)]
@@ -344,6 +344,7 @@ impl Progress {
         }
     }
 
+    /// Shows the bar at 0 of `len` steps (again, when an earlier run finished it).
     fn start(&self, len: usize) {
         if self.visible {
             self.bar.set_length(len as u64);
@@ -352,7 +353,18 @@ impl Progress {
                 ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} {msg}")
                     .expect("a valid template"),
             );
+            self.bar.reset();
         }
+    }
+
+    /// One step finished: its log line (made only when lines are printed) and the bar.
+    fn step_done(&self, line: impl FnOnce() -> String) {
+        if self.lines {
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "{}", line());
+            let _ = err.flush();
+        }
+        self.bar.inc(1);
     }
 }
 
@@ -373,16 +385,11 @@ pub fn tune_jobs(tuner: &mut Tuner<'_>, jobs: &[Box<dyn Job>], progress: &Progre
     for (i, j) in jobs.iter().enumerate() {
         bar.set_message(format!("{} {}", j.kernel(), j.key()));
         let tuned = j.tune(tuner);
-        if progress.lines {
-            let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "{}", progress_line(i + 1, jobs.len(), j.as_ref(), &tuned));
-            let _ = err.flush();
-        }
+        progress.step_done(|| progress_line(i + 1, jobs.len(), j.as_ref(), &tuned));
         match tuned {
             Ok(t) => run.rows.push(t),
             Err(e) => run.errors.push(format!("{} {}: {e}", j.kernel(), j.key())),
         }
-        bar.inc(1);
     }
     bar.finish_and_clear();
     run
@@ -549,8 +556,35 @@ fn tune_error_no_gpu(e: &RuntimeError) -> EngineError {
     }
 }
 
-/// The verify sizes [`measure_verify_cost`] times by default: 1, 2, 4, ..., 256 tokens.
-pub const VERIFY_SIZES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+/// Every verify length up to this one is timed by `autotune --verify-cost` ([`VERIFY_SIZES`]).
+pub const VERIFY_DENSE_UP_TO: usize = 64;
+
+/// The verify sizes `autotune --verify-cost` times ([`measure_verify_cost`]): every length
+/// 1..=[`VERIFY_DENSE_UP_TO`], then every 8th to 128 and every 16th to 256 (80 sizes). The
+/// verify latency is a staircase (on the H200, Kimi K2.6 EP8 verifies 16 tokens in 22.7 ms and
+/// 17 in 25.5 ms: a new 16-row tile), and [`CostModel::verify_us`] interpolates linearly between
+/// points, so only points at every length show where the steps are; `auto`'s trees mostly stay
+/// below 64 tokens, and above it the points sit on the 8- and 16-row tile edges. At 20-110 ms a
+/// forward and 6 forwards a size (one untimed, the median of 5), the curve takes about a minute
+/// on Kimi K2.6 EP8, each size's eager first forward and CUDA-graph recording included.
+pub const VERIFY_SIZES: [usize; 80] = verify_sizes();
+
+const fn verify_sizes() -> [usize; 80] {
+    let mut sizes = [0; 80];
+    let (mut i, mut n) = (0, 1);
+    while i < sizes.len() {
+        sizes[i] = n;
+        n += if n < VERIFY_DENSE_UP_TO {
+            1
+        } else if n < 128 {
+            8
+        } else {
+            16
+        };
+        i += 1;
+    }
+    sizes
+}
 /// Rows of random latent cache the verify forwards of [`measure_verify_cost`] attend to.
 pub const VERIFY_CONTEXT: usize = 1024;
 /// Untimed verify forwards per size before the timed ones.
@@ -579,8 +613,20 @@ fn random_tree(n: usize, rng: &mut impl rand::Rng) -> Vec<i32> {
         .collect()
 }
 
+/// What [`measure_verify_cost`] measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyMeasurement {
+    /// The cost model: the medians' non-decreasing envelope
+    /// ([`crate::spec::budget::monotone_envelope`]) and the per-round costs.
+    pub cost: CostModel,
+    /// The median latency at each size, as timed.
+    pub medians: Vec<VerifyPoint>,
+}
+
 /// Times the target's verify forward on `model` at each of `sizes` tokens (sorted and
-/// deduplicated; zero is skipped) and returns a [`CostModel`] with those points.
+/// deduplicated; zero is skipped), reporting each size to `progress`, and returns a
+/// [`CostModel`] with those points (made non-decreasing by [`CostModel::new`]) and the medians
+/// as timed.
 ///
 /// Each forward is a tree-masked verify ([`LogitRows::All`]) of random tokens in a random tree
 /// ([`AncestorMask::from_parents`]) over a cache pre-filled with [`VERIFY_CONTEXT`] random rows
@@ -589,7 +635,11 @@ fn random_tree(n: usize, rng: &mut impl rand::Rng) -> Vec<i32> {
 /// back. After [`VERIFY_WARMUP`] untimed runs the median of [`VERIFY_REPS`] is kept. The
 /// per-round draft, build and accept costs are not measured: they are [`DRAFT_FRACTION`],
 /// [`BUILD_FRACTION`] and [`ACCEPT_FRACTION`] of the one-token verify.
-pub fn measure_verify_cost<B: Backend>(model: &Model<B>, sizes: &[usize]) -> Result<CostModel> {
+pub fn measure_verify_cost<B: Backend>(
+    model: &Model<B>,
+    sizes: &[usize],
+    progress: &Progress,
+) -> Result<VerifyMeasurement> {
     use rand::{Rng, SeedableRng};
     let mut sizes: Vec<usize> = sizes.iter().copied().filter(|&n| n > 0).collect();
     sizes.sort_unstable();
@@ -611,7 +661,9 @@ pub fn measure_verify_cost<B: Backend>(model: &Model<B>, sizes: &[usize]) -> Res
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x7e21f1);
     let vocab = config.vocab_size as u32;
     let mut points = Vec::with_capacity(sizes.len());
-    for &n in &sizes {
+    progress.start(sizes.len());
+    for (i, &n) in sizes.iter().enumerate() {
+        progress.bar.set_message(format!("verify forward of {n} tokens"));
         let parents = random_tree(n, &mut rng);
         let mut depth = vec![0u32; n];
         for i in 1..n {
@@ -639,13 +691,23 @@ pub fn measure_verify_cost<B: Backend>(model: &Model<B>, sizes: &[usize]) -> Res
             }
         }
         times.sort_by(f64::total_cmp);
-        points.push((n, times[times.len() / 2]));
+        let median = times[times.len() / 2];
+        points.push((n, median));
+        progress.step_done(|| {
+            format!(
+                "[{}/{}] verify {n} tokens: {:.3} ms (median of {VERIFY_REPS})",
+                i + 1,
+                sizes.len(),
+                median / 1e3
+            )
+        });
     }
+    progress.bar.finish_and_clear();
     let one = points[0].1;
-    CostModel::new(
+    let cost = CostModel::new(
         format!(
-            "measured verify on {} ({} layers, hidden {}, {} routed experts), {context}-row cache; \
-             draft/build/accept {}/{}/{}% of one verify",
+            "measured verify on {} ({} layers, hidden {}, {} routed experts), {context}-row cache, \
+             non-decreasing envelope of the medians; draft/build/accept {}/{}/{}% of one verify",
             backend.name(),
             config.num_hidden_layers,
             config.hidden_size,
@@ -658,7 +720,14 @@ pub fn measure_verify_cost<B: Backend>(model: &Model<B>, sizes: &[usize]) -> Res
         one * BUILD_FRACTION,
         one * ACCEPT_FRACTION,
         &points,
-    )
+    )?;
+    Ok(VerifyMeasurement {
+        cost,
+        medians: points
+            .into_iter()
+            .map(|(tokens, us)| VerifyPoint { tokens, us })
+            .collect(),
+    })
 }
 
 /// A stable 16-hex-digit hash of what in `config` decides the verify latency (the layer
@@ -908,13 +977,37 @@ mod tests {
             &mut |_, _| {},
         )
         .unwrap();
-        let cost = measure_verify_cost(&model, &[4, 1, 2, 2, 0]).unwrap();
+        let m = measure_verify_cost(&model, &[4, 1, 2, 2, 0], &Progress::silent()).unwrap();
+        let cost = &m.cost;
         cost.validate().unwrap();
         let tokens: Vec<usize> = cost.verify.iter().map(|p| p.tokens).collect();
         assert_eq!(tokens, [1, 2, 4]);
+        assert_eq!(m.medians.iter().map(|p| p.tokens).collect::<Vec<_>>(), tokens);
         assert!(cost.verify.iter().all(|p| p.us > 0.0));
+        assert!(cost.verify.windows(2).all(|w| w[0].us <= w[1].us), "{cost:?}");
+        // The model is the medians' envelope: each point the least median at its size or above.
+        for (i, p) in cost.verify.iter().enumerate() {
+            let least = m.medians[i..].iter().map(|q| q.us).fold(f64::INFINITY, f64::min);
+            assert_eq!(p.us, least);
+        }
         assert!(cost.draft_us > 0.0 && cost.source.contains("cpu"), "{cost:?}");
-        assert!(measure_verify_cost(&model, &[]).is_err());
+        assert!(measure_verify_cost(&model, &[], &Progress::silent()).is_err());
+    }
+
+    #[test]
+    fn verify_sizes_are_dense_where_the_steps_matter() {
+        assert!(VERIFY_SIZES.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(
+            VERIFY_SIZES[..VERIFY_DENSE_UP_TO],
+            *(1..=VERIFY_DENSE_UP_TO).collect::<Vec<_>>()
+        );
+        let rest: Vec<usize> = (72..=128).step_by(8).chain((144..=256).step_by(16)).collect();
+        assert_eq!(VERIFY_SIZES[VERIFY_DENSE_UP_TO..], *rest);
+        assert_eq!(
+            *VERIFY_SIZES.last().unwrap(),
+            crate::spec::AUTO_MAX_BUDGET,
+            "the curve reaches the largest auto tree (its root's token is extrapolated)"
+        );
     }
 
     #[test]

@@ -302,9 +302,11 @@ fn auto_budget_follows_the_drafter_and_the_cost() {
     };
     let costs = cost_models();
     let gpu = costs[2].1.clone();
-    // The oracle is near-certain: its chain of 7 nodes is all the tree worth verifying.
+    // The oracle is near-certain: its chain of 7 nodes is all the tree worth verifying, and the
+    // verify costs the same within 1% up to 32 tokens (`FLAT_TOLERANCE`): the end of that flat
+    // stretch is taken.
     let s = run(&mut Oracle::new(8).unwrap(), gpu.clone());
-    assert!(s.budgets.iter().all(|&b| b == 7), "{:?}", s.budgets);
+    assert!(s.budgets.iter().all(|&b| b == 31), "{:?}", s.budgets);
     assert!(s.accept_lengths.iter().all(|&a| a == 8));
     // A noisy drafter spreads its mass: wider trees where they are cheap, narrow where not.
     let flat = run(&mut Noisy::new(8, 0.5, 5).unwrap(), costs[1].1.clone());

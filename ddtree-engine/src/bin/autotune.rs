@@ -61,9 +61,10 @@ struct Args {
     /// the keys (from the compile cache), launch one kernel.
     #[arg(long)]
     startup: bool,
-    /// Measure the target's verify latency at 1, 2, 4, ..., 256 tree tokens on a model of
-    /// random weights (no files needed) on the CUDA backend, and store it next to the tune cache
-    /// as the cost model `ddtree generate --budget auto` uses on this GPU for this model shape.
+    /// Measure the target's verify latency at every tree length 1..=64 tokens, then every 8th
+    /// to 128 and every 16th to 256, on a model of random weights (no files needed) on the CUDA
+    /// backend, and store it next to the tune cache as the cost model `ddtree generate --budget
+    /// auto` uses on this GPU for this model shape.
     /// Needs --model DIR or --preset kimi-k2.6-ep8|tiny (the full kimi-k2.6 does not fit one GPU).
     #[arg(long)]
     verify_cost: bool,
@@ -260,7 +261,8 @@ fn verify_config(args: &Args) -> Result<ModelConfig, String> {
 fn verify_cost(args: &Args, bar: ProgressBar) -> Result<bool, String> {
     let config = verify_config(args)?;
     let gpu = Gpu::discover(0).map_err(|e| format!("{e}; --verify-cost needs a GPU"))?;
-    let summary = tuning::tune_missing(&gpu, &config, &Progress::with_bar(bar)).map_err(|e| e.to_string())?;
+    let progress = Progress::with_bar(bar);
+    let summary = tuning::tune_missing(&gpu, &config, &progress).map_err(|e| e.to_string())?;
     if let Some(line) = summary.line() {
         println!("{line}");
     }
@@ -269,17 +271,23 @@ fn verify_cost(args: &Args, bar: ProgressBar) -> Result<bool, String> {
     let t = Instant::now();
     let model = Model::random(backend, config.clone(), 0, &mut |_, _| {}).map_err(|e| e.to_string())?;
     println!(
-        "{:.1} B random parameters in {:.1} s; timing verify forwards at {:?} tokens",
+        "{:.1} B random parameters in {:.1} s; timing verify forwards at {} sizes: every length 1..={}, \
+         then every 8th to 128 and every 16th to {}",
         model.parameter_count() as f64 / 1e9,
         t.elapsed().as_secs_f64(),
-        tuning::VERIFY_SIZES
+        tuning::VERIFY_SIZES.len(),
+        tuning::VERIFY_DENSE_UP_TO,
+        tuning::VERIFY_SIZES[tuning::VERIFY_SIZES.len() - 1],
     );
-    let cost = tuning::measure_verify_cost(&model, &tuning::VERIFY_SIZES).map_err(|e| e.to_string())?;
-    println!("\n| tokens | verify ms |\n|---:|---:|");
-    for p in &cost.verify {
-        println!("| {} | {:.3} |", p.tokens, p.us / 1e3);
+    let measured = tuning::measure_verify_cost(&model, &tuning::VERIFY_SIZES, &progress).map_err(|e| e.to_string())?;
+    let cost = &measured.cost;
+    // The model column is the medians' non-decreasing envelope: it differs where a larger size
+    // timed faster.
+    println!("\n| tokens | median ms | model ms |\n|---:|---:|---:|");
+    for (m, p) in measured.medians.iter().zip(&cost.verify) {
+        println!("| {} | {:.3} | {:.3} |", m.tokens, m.us / 1e3, p.us / 1e3);
     }
-    let path = tuning::save_verify_cost(&fingerprint, &config, &cost).map_err(|e| e.to_string())?;
+    let path = tuning::save_verify_cost(&fingerprint, &config, cost).map_err(|e| e.to_string())?;
     println!("\n{}\nverify cost stored: {}", cost.source, path.display());
     Ok(true)
 }

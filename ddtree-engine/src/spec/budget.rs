@@ -13,10 +13,11 @@
 //!   `E(B) = sum_{i <= B} exp(path_logprob_i)`. A round emits `E(B) + 1` tokens (the bonus).
 //! * **Cost.** A [`CostModel`]: fixed per-round costs (drafter forward, tree build, accept +
 //!   compaction) plus the target's verify latency `t(n)` for a forward of `n = B + 1` tokens,
-//!   from a table of measured points.
+//!   from a table of measured points made non-decreasing ([`monotone_envelope`]).
 //!
 //! [`choose_budget`] returns the `B` in `1..=max_budget` with the most expected tokens per µs,
-//! `(E(B) + 1) / (draft + build + t(B + 1) + accept)`, by one pass over the prefix sums. The
+//! `(E(B) + 1) / (draft + build + t(B + 1) + accept)`, by one pass over the prefix sums, among
+//! the sizes at the end of a flat stretch of `t` (within [`FLAT_TOLERANCE`]). The
 //! loop ([`crate::spec::generate_speculative`]) builds the tree at the maximum budget, calls it,
 //! and truncates the tree to the chosen size ([`ddtree_kernels::tree::DraftTree::truncate`]),
 //! which is exactly the tree the builder gives at that budget; acceptance is unchanged, so the
@@ -54,10 +55,16 @@ pub struct VerifyPoint {
 ///             {"tokens": 256, "us": 61000.0}]}
 /// ```
 ///
-/// `verify` is sorted by `tokens` (strictly increasing); between points the latency is
-/// interpolated linearly, below the first point it is the first point's, past the last point it
-/// grows with the last segment's slope (never negative). Use [`CostModel::new`] or
-/// [`CostModel::from_json`] (both validate) rather than building the struct by hand.
+/// `verify` is sorted by `tokens` (strictly increasing) and, as [`CostModel::new`] and
+/// [`CostModel::from_json`] leave it, non-decreasing in `us`: both replace each point's latency
+/// by the least of its own and every larger size's ([`monotone_envelope`]; a larger forward does
+/// the work of a smaller one, and timing noise is mostly delay). The stored form is unchanged:
+/// files written before this rule load with the envelope applied. Between points the latency is interpolated
+/// linearly (a step of the real curve between two points is smeared over the segment: measure
+/// densely where the steps matter, as `autotune --verify-cost` does up to 64 tokens), below the
+/// first point it is the first point's, past the last point it grows with the last segment's
+/// slope. Use [`CostModel::new`] or [`CostModel::from_json`] rather than building the struct by
+/// hand.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CostModel {
     /// Where the numbers come from (device, model, date), shown in the statistics.
@@ -88,15 +95,24 @@ impl CostModel {
     ) -> Result<Self> {
         let mut verify: Vec<VerifyPoint> = verify.iter().map(|&(tokens, us)| VerifyPoint { tokens, us }).collect();
         verify.sort_by_key(|p| p.tokens);
-        let model = Self {
+        Self {
             source: source.into(),
             draft_us,
             build_us,
             accept_us,
             verify,
-        };
-        model.validate()?;
-        Ok(model)
+        }
+        .normalized()
+    }
+
+    /// Validates `self` and takes the [`monotone_envelope`] of its verify curve.
+    fn normalized(mut self) -> Result<Self> {
+        // Validate first: the envelope would hide an infinite latency behind a smaller one.
+        self.validate()?;
+        monotone_envelope(&mut self.verify);
+        // Lowered latencies can make a round free.
+        self.validate()?;
+        Ok(self)
     }
 
     /// The model `auto` uses when nothing was measured (the CPU backend, or no tune-cache
@@ -154,12 +170,12 @@ impl CostModel {
         Ok(())
     }
 
-    /// Parses and validates a cost model from JSON (the tune-cache form).
+    /// Parses and validates a cost model from JSON (the tune-cache form) and takes the
+    /// [`monotone_envelope`] of its verify curve.
     pub fn from_json(text: &str) -> Result<Self> {
         let model: Self =
             serde_json::from_str(text).map_err(|e| EngineError::Forward(format!("cost model JSON: {e}")))?;
-        model.validate()?;
-        Ok(model)
+        model.normalized()
     }
 
     /// The JSON form [`CostModel::from_json`] reads.
@@ -168,8 +184,8 @@ impl CostModel {
     }
 
     /// Verify latency of a forward of `tokens` tokens (root included), in µs: piecewise linear
-    /// through the measured points, flat below the first, the last segment's slope (at least 0)
-    /// past the last.
+    /// through the measured points, flat below the first, the last segment's slope (at least 0,
+    /// for a struct built by hand with a falling curve) past the last.
     pub fn verify_us(&self, tokens: usize) -> f64 {
         let pts = self.verify.as_slice();
         let x = tokens as f64;
@@ -204,36 +220,71 @@ impl CostModel {
     }
 }
 
+/// Replaces each point's latency by the least latency at its size or any larger one, making the
+/// curve non-decreasing (points sorted by `tokens`). Idempotent; a NaN stays where it is.
+pub fn monotone_envelope(points: &mut [VerifyPoint]) {
+    let mut floor = f64::INFINITY;
+    for p in points.iter_mut().rev() {
+        if p.us > floor {
+            p.us = floor;
+        } else {
+            floor = p.us;
+        }
+    }
+}
+
+/// How much the verify latency may rise, relative to the start of a stretch of sizes, and the
+/// stretch still count as flat in [`choose_budget`]: 1%. Below it a rise is measurement noise
+/// or not worth a separate tree size (each size the verify step meets costs a CUDA-graph
+/// recording); a tile edge of the verify step is a larger step (BENCHMARKS.md: on the H200 Kimi
+/// K2.6 EP8 verifies 16 tokens in 22.7 ms, 17 in 25.5 ms, 12% more).
+pub const FLAT_TOLERANCE: f64 = 0.01;
+
 /// The budget with the most expected tokens per µs.
 ///
 /// `path_logprobs` are the path log-probs of a tree's non-root nodes in the builder's
 /// best-first order (`DraftTree::path_logprob[1..]`); the top-`B` tree is their first `B`, and
 /// its expected accepted length is `E(B) = sum of exp(path_logprobs[..B])`. Returns the `B` in
 /// `1..=min(max_budget, path_logprobs.len())` maximizing `(E(B) + 1) / cost.round_us(B)` (the
-/// smallest on ties), or 0 when that range is empty (a tree of the root alone). Only sizes at
-/// the end of a flat stretch of the verify curve compete (one more token would cost more, or
-/// the size is at or past the last measured point):
-/// inside a flat stretch a larger tree costs the same, and a few repeated sizes let the verify
-/// step replay its CUDA graphs instead of recording a new size every round. When the range
-/// holds no such size, every size competes. O(max_budget).
+/// smallest on ties), or 0 when that range is empty (a tree of the root alone).
+///
+/// Only sizes at the end of a flat stretch of the verify curve compete. The forward lengths
+/// `n = B + 1` = 1, 2, 3, ... split into stretches: a stretch starts at `n = 1` and at the first
+/// length whose latency exceeds `1 + `[`FLAT_TOLERANCE`] times the latency at the start of the
+/// stretch before; its last length is its top (as is every length at or past the last measured
+/// point, where the curve is extrapolated). Inside a stretch a larger tree costs at most the
+/// tolerance more and gains at least as much, so the best top has at least `1 / (1 + `
+/// [`FLAT_TOLERANCE`]`)` of the best size's rate whenever that size's stretch ends in range; and
+/// a few repeated sizes let the verify step replay its CUDA graphs instead of recording a new
+/// size every round. A step of the curve (a tile edge) above the tolerance always ends a
+/// stretch; a steady slope ends one every 1% of latency. When the range holds no top, every
+/// size competes. O(max_budget).
 pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize) -> usize {
     let fixed = cost.fixed_us();
+    let flat = 1.0 + FLAT_TOLERANCE;
     let mut expected = 1.0f64;
     let mut best = (0usize, f64::NEG_INFINITY);
     let mut best_any = (0usize, f64::NEG_INFINITY);
     // Past the last measured point the curve is extrapolated: every size there counts as a top.
     let last = cost.verify.last().map_or(1, |p| p.tokens);
+    // The latency at the start of the current stretch, and at the current size.
+    let mut start = cost.verify_us(1);
+    let mut us = cost.verify_us(2);
     for (i, &lp) in path_logprobs.iter().take(max_budget).enumerate() {
         let b = i + 1;
         expected += (lp as f64).exp();
-        let us = cost.verify_us(b + 1);
+        if us > start * flat {
+            start = us;
+        }
+        let next = cost.verify_us(b + 2);
         let rate = expected / (fixed + us);
         if rate > best_any.1 {
             best_any = (b, rate);
         }
-        if (cost.verify_us(b + 2) > us || b + 1 >= last) && rate > best.1 {
+        if (next > start * flat || b + 1 >= last) && rate > best.1 {
             best = (b, rate);
         }
+        us = next;
     }
     if best.0 == 0 {
         best_any.0
@@ -377,13 +428,27 @@ mod tests {
         assert_eq!(c.verify_us(32), 21000.0 + 2000.0 * 31.0 / 63.0);
     }
 
+    /// The first forward length of every flat stretch up to `max_tokens`, by the definition:
+    /// 1, then each first length whose latency exceeds the tolerance over the previous start's.
+    fn stretch_starts(cost: &CostModel, max_tokens: usize) -> Vec<usize> {
+        let mut starts = vec![1];
+        for n in 2..=max_tokens {
+            let start = *starts.last().unwrap();
+            if cost.verify_us(n) > cost.verify_us(start) * (1.0 + FLAT_TOLERANCE) {
+                starts.push(n);
+            }
+        }
+        starts
+    }
+
     /// Brute force: the argmax over every B of the ratio, recomputing the sum each time.
     fn brute(lp: &[f32], cost: &CostModel, max: usize) -> usize {
+        let last = cost.verify.last().map_or(1, |p| p.tokens);
+        let starts = stretch_starts(cost, max + 2);
         let best = |tops_only: bool| {
             let mut best = (0, f64::NEG_INFINITY);
             for b in 1..=max.min(lp.len()) {
-                let last = cost.verify.last().map_or(1, |p| p.tokens);
-                if tops_only && cost.verify_us(b + 2) <= cost.verify_us(b + 1) && b + 1 < last {
+                if tops_only && !starts.contains(&(b + 2)) && b + 1 < last {
                     continue;
                 }
                 let e: f64 = 1.0 + lp[..b].iter().map(|&x| (x as f64).exp()).sum::<f64>();
@@ -460,6 +525,193 @@ mod tests {
                 .collect();
             for cost in [&table(), &lin, &CostModel::fallback()] {
                 assert_eq!(choose_budget(&lp, cost, 100), brute(&lp, cost, 100), "seed {seed}");
+            }
+        }
+    }
+
+    /// A deterministic pseudo-random number in [-1, 1) for `i`.
+    fn jitter(i: usize) -> f64 {
+        let x = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let x = (x ^ (x >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        (x >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+    }
+
+    /// A Kimi-shaped staircase measured at every length 1..=128: 20 ms up to 16 tokens, 3 ms
+    /// more for each further 16-row tile, each point off by up to `noise` (relative).
+    fn noisy_stairs(noise: f64) -> CostModel {
+        let pts: Vec<(usize, f64)> = (1..=128)
+            .map(|n: usize| {
+                let tiles = n.div_ceil(16) as f64;
+                (n, (17_000.0 + 3_000.0 * tiles) * (1.0 + noise * jitter(n)))
+            })
+            .collect();
+        CostModel::new("noisy stairs", 2_000.0, 100.0, 100.0, &pts).unwrap()
+    }
+
+    #[test]
+    fn the_verify_curve_is_made_non_decreasing() {
+        let c = CostModel::new(
+            "n",
+            0.0,
+            0.0,
+            0.0,
+            &[(4, 90.0), (1, 100.0), (8, 120.0), (16, 110.0), (32, 130.0)],
+        )
+        .unwrap();
+        let us: Vec<f64> = c.verify.iter().map(|p| p.us).collect();
+        assert_eq!(
+            us,
+            [90.0, 90.0, 110.0, 110.0, 130.0],
+            "each point is the least at its size or above"
+        );
+        let mut again = c.verify.clone();
+        monotone_envelope(&mut again);
+        assert_eq!(again, c.verify, "idempotent");
+        assert_eq!(c.verify_us(12), 110.0);
+        // NaN and infinity are rejected, not hidden behind a smaller latency further on.
+        assert!(CostModel::new("x", 1.0, 1.0, 1.0, &[(1, f64::INFINITY), (2, 5.0)]).is_err());
+        assert!(CostModel::new("x", 1.0, 1.0, 1.0, &[(1, f64::NAN), (2, 5.0)]).is_err());
+        // A round the envelope makes free is rejected.
+        assert!(CostModel::new("x", 0.0, 0.0, 0.0, &[(1, 5.0), (8, 0.0)]).is_err());
+        let mut nan = vec![
+            VerifyPoint { tokens: 1, us: 3.0 },
+            VerifyPoint {
+                tokens: 2,
+                us: f64::NAN,
+            },
+        ];
+        monotone_envelope(&mut nan);
+        assert!(nan[1].us.is_nan() && nan[0].us == 3.0, "{nan:?}");
+    }
+
+    #[test]
+    fn an_old_noisy_cost_file_still_loads() {
+        // The form `autotune --verify-cost` stored before the envelope: powers of two, a noisy
+        // dip at 8 tokens (below 4) and one at 256.
+        let old = r#"{
+  "source": "measured verify on cuda (61 layers, hidden 7168, 48 routed experts), 1024-row cache; draft/build/accept 10/1/1% of one verify",
+  "draft_us": 1820.5, "build_us": 182.05, "accept_us": 182.05,
+  "verify": [
+    {"tokens": 1, "us": 18205.0}, {"tokens": 2, "us": 18600.1}, {"tokens": 4, "us": 18710.9},
+    {"tokens": 8, "us": 18650.3}, {"tokens": 16, "us": 22711.0}, {"tokens": 32, "us": 29010.4},
+    {"tokens": 64, "us": 40200.0}, {"tokens": 128, "us": 61900.2}, {"tokens": 256, "us": 61000.0}
+  ]
+}"#;
+        let c = CostModel::from_json(old).unwrap();
+        assert_eq!(c.verify.len(), 9);
+        assert_eq!((c.verify_us(4), c.verify_us(8)), (18650.3, 18650.3));
+        assert_eq!((c.verify_us(128), c.verify_us(256)), (61000.0, 61000.0));
+        assert!(c.verify.windows(2).all(|w| w[0].us <= w[1].us));
+        assert_eq!(CostModel::from_json(&c.to_json()).unwrap(), c);
+    }
+
+    #[test]
+    fn rises_below_the_tolerance_are_flat() {
+        // 0.5% between 8 and 9 tokens, 12% at 17: 8 is inside the first stretch, 16 ends it.
+        let c = CostModel::new(
+            "c",
+            0.0,
+            0.0,
+            0.0,
+            &[
+                (1, 20_000.0),
+                (8, 20_000.0),
+                (9, 20_100.0),
+                (16, 20_100.0),
+                (17, 22_500.0),
+                (64, 22_500.0),
+            ],
+        )
+        .unwrap();
+        let lp = [-0.02f32; 40];
+        assert_eq!(
+            choose_budget(&lp[..10], &c, 256),
+            10,
+            "no top in range: every size competes"
+        );
+        assert_eq!(choose_budget(&lp[..20], &c, 256), 15);
+        assert_eq!(choose_budget(&lp[..10], &c, 256), brute(&lp[..10], &c, 256));
+        // 2% is a step: 8 ends a stretch.
+        let c = CostModel::new(
+            "c",
+            0.0,
+            0.0,
+            0.0,
+            &[(1, 20_000.0), (8, 20_000.0), (9, 20_400.0), (64, 20_400.0)],
+        )
+        .unwrap();
+        assert_eq!(choose_budget(&lp[..10], &c, 256), 7);
+        // A steady slope of 0.3% a token (of the first latency) ends a stretch every 4 lengths:
+        // tops at 4, 8, 12, ... tokens, not at every length and not nowhere.
+        let ramp = CostModel::new("ramp", 0.0, 0.0, 0.0, &[(1, 10_000.0), (101, 13_000.0)]).unwrap();
+        let starts = stretch_starts(&ramp, 60);
+        assert_eq!(&starts[..5], [1, 5, 9, 13, 17], "{starts:?}");
+        for len in 5..40 {
+            let b = choose_budget(&lp[..len], &ramp, 256);
+            assert_eq!(b, brute(&lp[..len], &ramp, 256));
+            assert!(starts.contains(&(b + 2)), "{len} nodes: {b} is no top ({starts:?})");
+        }
+    }
+
+    #[test]
+    fn on_a_noisy_staircase_only_stair_tops_compete() {
+        let stairs = noisy_stairs(0.004);
+        // Profiles of path probabilities: near-certain chains, geometric decays, a cliff, a
+        // random walk, and nothing worth drafting.
+        let mut profiles: Vec<Vec<f32>> = vec![
+            vec![-0.001; 127],
+            vec![-0.01; 127],
+            (0..127).map(|i| -0.02 * i as f32).collect(),
+            (0..127).map(|i| -0.05 * i as f32).collect(),
+            (0..127).map(|i| -0.15 * i as f32).collect(),
+            (0..127).map(|i| if i < 40 { -0.01 } else { -8.0 }).collect(),
+            (0..127)
+                .map(|i| -0.01 * i as f32 - 0.5 * jitter(i).abs() as f32 * (i as f32).sqrt())
+                .collect(),
+        ];
+        for p in &mut profiles {
+            // Best-first order: path log-probs never increase.
+            for i in 1..p.len() {
+                p[i] = p[i].min(p[i - 1]);
+            }
+        }
+        let mut chosen = std::collections::BTreeSet::new();
+        for (k, lp) in profiles.iter().enumerate() {
+            for max in [20, 47, 64, 100, 127] {
+                let b = choose_budget(lp, &stairs, max);
+                assert_eq!(b, brute(lp, &stairs, max), "profile {k}, max {max}");
+                assert_eq!(
+                    (b + 1) % 16,
+                    0,
+                    "profile {k}, max {max}: {} tokens is no stair top",
+                    b + 1
+                );
+                chosen.insert(b);
+            }
+        }
+        assert!(chosen.len() >= 4, "the profiles reach several stairs: {chosen:?}");
+        // Nothing worth drafting: the smallest stair top, the end of the cheapest stair.
+        let tiny = vec![-20.0f32; 127];
+        assert_eq!(choose_budget(&tiny, &stairs, 127), 15);
+        // Without the tolerance, the noise inside a stair makes tops of lengths inside it.
+        let strict_tops = (2..127)
+            .filter(|&n| stairs.verify_us(n + 1) > stairs.verify_us(n) && n % 16 != 0)
+            .count();
+        assert!(strict_tops > 10, "the noise must matter: {strict_tops}");
+    }
+
+    #[test]
+    fn a_top_is_within_the_tolerance_of_the_best_size() {
+        for noise in [0.0, 0.004] {
+            let stairs = noisy_stairs(noise);
+            for seed in 0..50usize {
+                let decay = 0.002 + 0.2 * (jitter(seed) + 1.0) / 2.0;
+                let lp: Vec<f32> = (0..127).map(|i| -(decay * i as f64) as f32).collect();
+                let rate =
+                    |b: usize| (1.0 + lp[..b].iter().map(|&x| (x as f64).exp()).sum::<f64>()) / stairs.round_us(b);
+                let best = (1..=127).map(rate).fold(0.0, f64::max);
+                let b = choose_budget(&lp, &stairs, 127);
+                assert!(rate(b) * (1.0 + FLAT_TOLERANCE) >= best, "seed {seed}: {b}");
             }
         }
     }
