@@ -8,8 +8,8 @@
 pub mod reference;
 
 pub use reference::{
-    accept_reference, argmax_rows, build_reference, build_with_lse, chain_mask, sample_rows,
-    tree_size, verify_attention_reference, Acceptance, DraftTree, LATENT, ROPE, ROW,
+    accept_reference, argmax_rows, build_reference, build_with_lse, chain_mask, sample_rows, tree_size,
+    verify_attention_reference, Acceptance, DraftTree, LATENT, ROPE, ROW,
 };
 
 pub mod accept;

@@ -212,6 +212,10 @@ struct RopeTables {
     sin: CudaSlice<f32>,
 }
 
+/// A [`Staged`] slot: its device buffer and the values last copied to it (`None`: written on
+/// the device).
+type StagedSlot = (Staged, Option<Vec<u32>>, Arc<CudaSlice<u32>>);
+
 /// Scratch state behind the backend's `&self` ops.
 struct State {
     ropes: Vec<Arc<RopeTables>>,
@@ -219,7 +223,7 @@ struct State {
     /// One device buffer per [`Staged`] slot with the values last copied to it (`None` when a
     /// kernel wrote it: a device round's tree): a forward uploads its inputs once, not once per
     /// layer, and always to the same address (recorded graphs read them there).
-    staged: Vec<(Staged, Option<Vec<u32>>, Arc<CudaSlice<u32>>)>,
+    staged: Vec<StagedSlot>,
     /// CUDA graphs of greedy forwards, and whether one is being recorded.
     graphs: graph::Graphs,
     /// The largest cache capacity asked for: rope tables cover it from the start.

@@ -132,14 +132,7 @@ impl CudaBackend {
 
     /// Builds the tree of builder `at` from `logits` under `root` and writes it to the token,
     /// position and mask staging buffers (positions from `start`); returns its node count.
-    fn stage_tree(
-        &self,
-        st: &mut State,
-        at: usize,
-        logits: &CudaSlice<f32>,
-        root: u32,
-        start: usize,
-    ) -> Result<usize> {
+    fn stage_tree(&self, st: &mut State, at: usize, logits: &CudaSlice<f32>, root: u32, start: usize) -> Result<usize> {
         let nodes = st.builders[at].1.nodes();
         let words = nodes.div_ceil(32);
         for (slot, len) in [
@@ -229,4 +222,3 @@ impl CudaBackend {
         Ok(accept.read(&self.stream)?)
     }
 }
-
