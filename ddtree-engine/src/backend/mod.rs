@@ -188,7 +188,7 @@ impl AttentionSpan<'_> {
 /// One greedy DDTree round as [`Backend::device_tree_round`] takes it: the tree of the best
 /// `budget` prefixes of the first `depth` rows of `drafted` under `root`, verified at positions
 /// `start + depth` after the cache's first `start` rows.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct TreeRound<'a, T> {
     /// The drafter's f32 logits `[rows, vocab]` (rows at least `depth`).
     pub drafted: &'a T,
@@ -339,6 +339,8 @@ pub trait Backend {
     /// [`Backend::argmax_rows`]. A backend may instead replay a recording (a CUDA graph) of an
     /// earlier forward of the same shape: `forward` is then not called, and the backend makes
     /// the one host-side effect of a forward, the cache growing by the step's rows, itself.
+    /// Inside its own [`Backend::device_tree_round`] a backend may leave the tokens on the
+    /// device for the round's accept and return none.
     fn greedy_forward(
         &self,
         cache: &mut Self::KvCache,

@@ -3,14 +3,21 @@
 //!
 //! Round invariant: the target cache holds every committed token except the bonus token (the
 //! last emitted one, chosen by the target at the previous verify). Each round the drafter
-//! proposes distributions for the next positions, the CPU reference builder of
-//! [`ddtree_kernels::tree`] picks the best `B` prefixes (for `auto`, the tree is built at the
+//! proposes distributions for the next positions, the backend's tree builder (the CPU reference
+//! of [`ddtree_kernels::tree`], or the GPU builder that equals it) picks the best `B` prefixes (for `auto`, the tree is built at the
 //! maximum budget and cut to the size [`choose_budget`] finds most profitable, optionally under
 //! the drafter's probabilities as calibrated by the earlier rounds, [`Calibration`]), and the target
 //! runs `[bonus, nodes..]` at positions `start + depth` under the ancestor mask. The target's token at every node
 //! ([`crate::spec::Sampling::choose`]) drives the accept walk; the accepted rows are compacted in the latent
 //! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
 //! are emitted under the same stop rules as plain decoding.
+//!
+//! Greedy rounds on a fixed budget without drafter features or kept logits first offer the
+//! backend the whole round ([`Backend::device_tree_round`]): the CUDA backend then keeps the
+//! tree on the GPU from the build to the compaction and reads back only the accept result (one
+//! host sync per round; [`SpecStats::round_host_reads`]). The other rounds (and the CPU
+//! backend's) run the host path below, which gives the same tokens; on the GPU it reads the tree
+//! back after the build and the argmax rows (or logits) after the verify.
 
 use std::time::Instant;
 

@@ -40,11 +40,15 @@ pub struct SpecStats {
     pub prefill: Duration,
     /// Drafter forwards.
     pub draft: Duration,
-    /// Tree construction (including the drafter logits' copy to the host).
+    /// Tree construction (including the tree's or the drafter logits' copy to the host; for a
+    /// round on the device, [`crate::Backend::device_tree_round`], the build and staging
+    /// launches only).
     pub build: Duration,
-    /// Target tree-verify forwards (including the logits' copy to the host and token choice).
+    /// Target tree-verify forwards (including the argmax rows' or logits' copy to the host and
+    /// token choice; on the device, the forward's launches only).
     pub verify: Duration,
-    /// Acceptance walk, KV compaction and feature selection.
+    /// Acceptance walk, KV compaction and feature selection (on the device, including the wait
+    /// for the whole round's GPU work at the read of the accept result).
     pub accept: Duration,
 }
 
