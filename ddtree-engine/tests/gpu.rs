@@ -2,16 +2,17 @@
 //! agreement with the f32 CPU (at least [`AGREEMENT_FLOOR`]) and with the CPU in bf16 mode that
 //! mirrors the GPU's rounding (at least [`AGREEMENT_GOAL`]), each with the largest logit error
 //! reported; and DDTree == plain greedy on the GPU, token for token, for the test drafters (every
-//! budget, `auto` included) and the DFlash drafter. Each test says SKIP and returns where no GPU
-//! is present (`DDTREE_REQUIRE_GPU=1` turns that into a failure, for GPU machines).
+//! budget, `auto` included) and the DFlash drafter, with every greedy fixed-budget round reading
+//! back only its accept result (the tree stays on the GPU). Each test says SKIP and returns
+//! where no GPU is present (`DDTREE_REQUIRE_GPU=1` turns that into a failure, for GPU machines).
 
 mod common;
 
 use common::{fixture, load, sequences, teacher_forced, Agreement};
 use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
-    generate_plain, generate_speculative, ActivationPrecision, CpuBackend, CudaBackend, CudaOptions, Drafter,
-    GenerateOptions, SpecOptions,
+    generate_plain, generate_speculative, ActivationPrecision, Budget, CpuBackend, CudaBackend, CudaOptions, Drafter,
+    GenerateOptions, SpecOptions, SpecStats,
 };
 
 /// The agreement the GPU is held to against the f32 CPU. On the H200 the bf16 backend measures
@@ -38,6 +39,20 @@ fn gpu() -> Option<CudaBackend> {
             None
         }
     }
+}
+
+/// Every round of `stats` read back exactly `reads` times from the GPU (build to accept).
+fn assert_reads(stats: &SpecStats, reads: u64, case: &str) {
+    assert_eq!(
+        stats.round_host_reads.len(),
+        stats.rounds,
+        "{case}: rounds without a read count"
+    );
+    assert!(
+        stats.round_host_reads.iter().all(|&r| r == reads),
+        "{case}: reads per round {:?}, expected {reads}",
+        stats.round_host_reads
+    );
 }
 
 #[test]
@@ -99,10 +114,12 @@ fn ddtree_equals_plain_greedy_on_the_gpu() {
                         SpecOptions::fixed(budget)
                     };
                     let out = generate_speculative(&model, drafter.as_mut(), prompt, &opts, &spec).unwrap();
-                    assert_eq!(
-                        out.generation.tokens, plain,
-                        "prompt {prompt:?} block {block} budget {budget} drafter {kind}"
-                    );
+                    let case = format!("prompt {prompt:?} block {block} budget {budget} drafter {kind}");
+                    assert_eq!(out.generation.tokens, plain, "{case}");
+                    // A fixed-budget greedy round reads back its accept result only; `auto`'s
+                    // tree comes to the host (one more read).
+                    let reads = if spec.budget == Budget::Auto { 2 } else { 1 };
+                    assert_reads(&out.stats, reads, &case);
                     runs += 1;
                 }
             }
@@ -185,4 +202,63 @@ fn cuda_graph_replays_equal_eager_forwards() {
         "half-split rope must not be replayed"
     );
     eprintln!("CUDA graphs: {replays} replays of {recordings} recordings == eager on tiny-kimi; tiny-dsv3 eager");
+}
+
+/// Greedy fixed-budget DDTree keeps the tree on the GPU: build, staging into the verify step's
+/// inputs, verify, accept and compaction, then one read of the accept result per round. Checked
+/// with CUDA graphs (the verify replayed from the device-written staging buffers) and without
+/// (eager forwards), on tiny-kimi and on tiny-dsv3 (its half-split rope runs eagerly), at
+/// budgets up to a tree that takes every prefix (block 2: one drafted position; budget 600 over
+/// a vocabulary of 512 gives 512 nodes besides the root, a size the host knows without reading
+/// the tree). The tokens equal plain greedy decoding's.
+#[test]
+fn device_tree_rounds_read_back_once_per_round_and_equal_plain_greedy() {
+    let Some(_) = gpu() else { return };
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        ..GenerateOptions::default()
+    };
+    for name in ["tiny-kimi", "tiny-dsv3"] {
+        for no_graphs in [false, true] {
+            let b = CudaBackend::open(CudaOptions {
+                no_graphs,
+                ..CudaOptions::default()
+            })
+            .unwrap();
+            let model = load(b, name);
+            let mut replays = 0;
+            for prompt in [&[5u32, 17][..], &[42; 9]] {
+                let plain = generate_plain(&model, prompt, &opts).unwrap().tokens;
+                let before = model.backend().graph_counts().0;
+                for (block, budget) in [(4, 1), (4, 3), (8, 8), (8, 32), (2, 600)] {
+                    let mut drafter = Noisy::new(block, 0.7, 5).unwrap();
+                    let spec = SpecOptions::fixed(budget);
+                    let out = generate_speculative(&model, &mut drafter, prompt, &opts, &spec).unwrap();
+                    let case = format!(
+                        "{name} graphs {} prompt {prompt:?} block {block} budget {budget}",
+                        !no_graphs
+                    );
+                    assert_eq!(out.generation.tokens, plain, "{case}");
+                    assert!(out.stats.rounds > 0, "{case}: no rounds");
+                    assert_reads(&out.stats, 1, &case);
+                    let nodes = if block == 2 { 512 } else { budget };
+                    assert!(
+                        out.stats.budgets.iter().all(|&n| n == nodes),
+                        "{case}: tree sizes {:?}, expected {nodes}",
+                        out.stats.budgets
+                    );
+                }
+                replays += model.backend().graph_counts().0 - before;
+            }
+            if name == "tiny-kimi" && !no_graphs {
+                assert!(replays > 0, "{name}: no device-staged verify was replayed");
+            } else {
+                assert_eq!(replays, 0, "{name} graphs {}: replays", !no_graphs);
+            }
+            eprintln!(
+                "{name}, graphs {}: device tree rounds == plain greedy, one read per round ({replays} replays)",
+                !no_graphs
+            );
+        }
+    }
 }

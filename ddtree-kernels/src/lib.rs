@@ -97,6 +97,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<tree::MlaVerifyCombine>()?);
     all.extend(variants::<tree::MlaVerifyNaive>()?);
     all.extend(variants::<tree::TreeAccept>()?);
+    all.extend(variants::<tree::TreeStage>()?);
     all.extend(variants::<tree::TreeSample>()?);
     all.extend(variants::<tree::CompactRows>()?);
     all.extend(variants::<MlaKvAppend>()?);

@@ -5,7 +5,7 @@
 
 use ddtree_kernels::tree::reference::{depth_topk, logsumexp_rows, order_key};
 use ddtree_kernels::tree::{
-    accept_reference, build_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, ROW,
+    accept_reference, build_reference, chain_mask, sample_rows, tree_size, verify_attention_reference, DraftTree, ROW,
 };
 use proptest::prelude::*;
 
@@ -98,6 +98,8 @@ proptest! {
         let want = brute_force(&logits, l, v, budget.min(v));
         let n = want.len().min(budget);
         prop_assert_eq!(t.len(), n + 1);
+        // The count a host sizes a GPU-resident tree's verify step by.
+        prop_assert_eq!(t.len(), tree_size(l, v, budget));
         prop_assert_eq!(t.token[0], 7);
         for i in 1..=n {
             prop_assert_eq!(&token_path(&t, i), &want[i - 1].0, "node {}", i);
@@ -133,6 +135,11 @@ proptest! {
         }
         prop_assert_eq!(&a.indices, &idx);
         prop_assert_eq!(a.bonus, target[cur]);
+        let tokens: Vec<u32> = idx.iter().map(|&i| target[i as usize]).collect();
+        prop_assert_eq!(&a.tokens, &tokens);
+        for (k, pair) in a.indices.windows(2).enumerate() {
+            prop_assert_eq!(a.tokens[k], t.token[pair[1] as usize], "an accepted node's token is its parent's target");
+        }
         prop_assert!(a.indices.windows(2).all(|w| w[0] < w[1]));
     }
 

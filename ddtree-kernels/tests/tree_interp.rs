@@ -7,7 +7,8 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::tree::build::expansion_candidates;
 use ddtree_kernels::tree::reference::{build_with_lse, DraftTree};
 use ddtree_kernels::tree::{
-    accept_reference, sample_rows, CompactRows, TreeAccept, TreeBuild, TreeBuildParams, TreeSample,
+    accept_reference, build_reference, sample_rows, tree_size, CompactRows, TreeAccept, TreeBuild, TreeBuildParams,
+    TreeSample, TreeStage,
 };
 use half::bf16;
 use rand::rngs::StdRng;
@@ -186,7 +187,12 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
         buf(&[n as u32]),
         buf(&target),
     );
-    let (mut acc, mut len, mut bonus) = (buf(&vec![u32::MAX; l + 1]), buf(&[0u32]), buf(&[0u32]));
+    let (mut acc, mut path, mut len, mut bonus) = (
+        buf(&vec![u32::MAX; l + 1]),
+        buf(&vec![u32::MAX; l + 1]),
+        buf(&[0u32]),
+        buf(&[0u32]),
+    );
     run::<TreeAccept>(
         &(),
         [1, 1, 1],
@@ -197,12 +203,15 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
             HostArg::In(&nn),
             HostArg::In(&tg),
             HostArg::Out(&mut acc),
+            HostArg::Out(&mut path),
             HostArg::Out(&mut len),
             HostArg::Out(&mut bonus),
         ],
     );
     let len = len.to_vec::<u32>()[0] as usize;
+    assert!(len > 1, "the target follows the tree for a while");
     assert_eq!(acc.to_vec::<u32>()[..len], want.indices[..]);
+    assert_eq!(path.to_vec::<u32>()[..len], want.tokens[..]);
     assert_eq!(bonus.to_vec::<u32>()[0], want.bonus);
     // Compaction of 2 layers of 24-wide rows after a prefix of 3.
     let (layers, width, base, cap) = (2usize, 24usize, 3usize, 3 + n);
@@ -247,5 +256,53 @@ fn builder_matches_the_reference_under_heavy_ties() {
             let want = build_with_lse(&logits, 9, 30, 17, &lse);
             assert_eq!(t, want, "seed {seed} {}", TreeBuild::symbol(&p));
         }
+    }
+}
+
+/// The staging kernel writes a built tree as a verify step's inputs: the tree's tokens, its
+/// positions from `start` and its mask rows, for trees of one to three mask words per row
+/// (at 40 and 70 nodes, some lanes past `n` and past `n * words` do nothing).
+#[test]
+fn staging_kernel_matches_the_tree() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for (l, v, budget) in [(3usize, 6usize, 30usize), (4, 9, 39), (5, 3, 69), (2, 2, 40)] {
+        let logits: Vec<f32> = (0..l * v).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let tree = build_reference(&logits, l, v, budget, 11);
+        let n = tree.len();
+        assert_eq!(n, tree_size(l, v, budget));
+        let start = 77u32;
+        // The builder's buffers hold budget + 1 nodes; stale values past the tree.
+        let cap = budget + 1;
+        let mut token = tree.token.clone();
+        token.resize(cap, u32::MAX);
+        let mut depth = tree.depth.clone();
+        depth.resize(cap, u32::MAX);
+        let mut mask = tree.mask.clone();
+        mask.resize(cap * cap.div_ceil(32), u32::MAX);
+        let (tk, dp, mk) = (buf(&token), buf(&depth), buf(&mask));
+        let (mut tokens, mut positions, mut mask_out) = (
+            buf(&vec![u32::MAX; n]),
+            buf(&vec![u32::MAX; n]),
+            buf(&vec![u32::MAX; n * tree.words]),
+        );
+        let grid = (n * tree.words).div_ceil(256) as u32;
+        run::<TreeStage>(
+            &(),
+            [grid, 1, 1],
+            &mut [
+                HostArg::In(&tk),
+                HostArg::In(&dp),
+                HostArg::In(&mk),
+                HostArg::Out(&mut tokens),
+                HostArg::Out(&mut positions),
+                HostArg::Out(&mut mask_out),
+                u(n as u32),
+                u(tree.words as u32),
+                u(start),
+            ],
+        );
+        assert_eq!(tokens.to_vec::<u32>(), tree.token, "l={l} v={v} budget={budget}");
+        assert_eq!(positions.to_vec::<u32>(), tree.positions(start));
+        assert_eq!(mask_out.to_vec::<u32>(), tree.mask);
     }
 }

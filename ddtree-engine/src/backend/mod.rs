@@ -12,12 +12,14 @@ pub mod cuda;
 pub use cpu::{ActivationPrecision, CpuBackend, CpuKvCache, CpuRouting};
 pub use cuda::{CudaBackend, CudaOptions};
 
-use ddtree_kernels::tree::{build_reference, DraftTree};
+use std::time::Duration;
+
+use ddtree_kernels::tree::{build_reference, Acceptance, DraftTree};
 
 use crate::config::MoeConfig;
 use crate::error::Result;
 use crate::mask::AncestorMask;
-use crate::model::Ffn;
+use crate::model::{Ffn, ForwardInput};
 use crate::rope::Rope;
 
 /// A host row-major `[rows, cols]` f32 matrix: the CPU backend's activation type and the form in
@@ -183,6 +185,42 @@ impl AttentionSpan<'_> {
     }
 }
 
+/// One greedy DDTree round as [`Backend::device_tree_round`] takes it: the tree of the best
+/// `budget` prefixes of the first `depth` rows of `drafted` under `root`, verified at positions
+/// `start + depth` after the cache's first `start` rows.
+#[derive(Debug)]
+pub struct TreeRound<'a, T> {
+    /// The drafter's f32 logits `[rows, vocab]` (rows at least `depth`).
+    pub drafted: &'a T,
+    /// Drafted positions the tree may use.
+    pub depth: usize,
+    /// Tree nodes besides the root.
+    pub budget: usize,
+    /// The root token (the last round's bonus).
+    pub root: u32,
+    /// The root's position and the cache length before the round.
+    pub start: usize,
+}
+
+/// What a [`Backend::device_tree_round`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeRoundOutcome {
+    /// Tree nodes verified, root included.
+    pub nodes: usize,
+    /// The accepted path and the tokens it emits (the cache holds its rows after `start`).
+    pub accepted: Acceptance,
+    /// Host time to build (and stage) the tree.
+    pub build: Duration,
+    /// Host time of the verify forward.
+    pub verify: Duration,
+    /// Host time of accept and compaction, including the wait for the result.
+    pub accept: Duration,
+}
+
+/// The greedy verify forward of a [`TreeRound`] ([`crate::Model::forward_greedy`] on the cache it
+/// is given): the greedy token of every tree node.
+pub type GreedyVerify<'a, C> = dyn FnMut(&mut C, ForwardInput<'_>) -> Result<Vec<u32>> + 'a;
+
 /// The ops a model forward needs. Activations are `[rows, cols]` matrices, one row per token.
 pub trait Backend {
     /// A `[rows, cols]` activation matrix (also holds the embedding table).
@@ -249,7 +287,8 @@ pub trait Backend {
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
     /// The DDTree draft tree of the first `depth` rows of `drafted` (f32 logits `[rows, vocab]`):
     /// the best `budget` prefixes under `root`, as [`ddtree_kernels::tree::build_reference`]
-    /// builds them (the CUDA backend builds on the GPU and copies only the tree back).
+    /// builds them (the CUDA backend builds on the GPU and copies the tree back: the host-tree
+    /// rounds' one extra read, see [`Backend::device_tree_round`]).
     fn draft_tree(&self, drafted: &Self::Tensor, depth: usize, budget: usize, root: u32) -> Result<DraftTree> {
         let host = self.to_host(drafted)?;
         Ok(build_reference(
@@ -259,6 +298,27 @@ pub trait Backend {
             budget,
             root,
         ))
+    }
+    /// Runs a whole greedy DDTree round with the tree kept on the device, where this backend
+    /// can: builds the tree of `round`, runs `verify` over it (whose inputs are then only the
+    /// step's shape: the backend stages the tree's tokens, positions and mask itself), accepts
+    /// against the verify's greedy tokens and compacts the accepted rows in `cache`, reading
+    /// back only the accept result. `None` (the default, and where the backend cannot for this
+    /// round's shape) leaves the cache untouched: the caller runs the host path
+    /// ([`Backend::draft_tree`], the forward over its host inputs, the reference accept and
+    /// [`Backend::kv_compact`]), which gives the same tokens.
+    fn device_tree_round(
+        &self,
+        _cache: &mut Self::KvCache,
+        _round: TreeRound<'_, Self::Tensor>,
+        _verify: &mut GreedyVerify<'_, Self::KvCache>,
+    ) -> Result<Option<TreeRoundOutcome>> {
+        Ok(None)
+    }
+    /// Copies from the device to the host so far (each waits for the device), where the
+    /// backend counts them; `None` by default (the CPU backend has no device).
+    fn host_reads(&self) -> Option<u64> {
+        None
     }
     /// `x / sqrt(mean(x^2) + eps) * weight`, per row.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
@@ -279,6 +339,8 @@ pub trait Backend {
     /// [`Backend::argmax_rows`]. A backend may instead replay a recording (a CUDA graph) of an
     /// earlier forward of the same shape: `forward` is then not called, and the backend makes
     /// the one host-side effect of a forward, the cache growing by the step's rows, itself.
+    /// Inside its own [`Backend::device_tree_round`] a backend may leave the tokens on the
+    /// device for the round's accept and return none.
     fn greedy_forward(
         &self,
         cache: &mut Self::KvCache,

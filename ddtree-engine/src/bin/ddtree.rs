@@ -544,6 +544,7 @@ fn spec_json(s: &SpecStats) -> serde_json::Value {
         "target_forwards": s.target_forwards,
         "tokens_per_target_forward": s.tokens_per_target_forward(),
         "verified_nodes": s.verified_nodes,
+        "round_host_reads": s.round_host_reads,
         "phase_ms": {
             "prefill": millis(s.prefill),
             "draft": millis(s.draft),

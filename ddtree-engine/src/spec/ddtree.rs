@@ -3,20 +3,27 @@
 //!
 //! Round invariant: the target cache holds every committed token except the bonus token (the
 //! last emitted one, chosen by the target at the previous verify). Each round the drafter
-//! proposes distributions for the next positions, the CPU reference builder of
-//! [`ddtree_kernels::tree`] picks the best `B` prefixes (for `auto`, the tree is built at the
+//! proposes distributions for the next positions, the backend's tree builder (the CPU reference
+//! of [`ddtree_kernels::tree`], or the GPU builder that equals it) picks the best `B` prefixes (for `auto`, the tree is built at the
 //! maximum budget and cut to the size [`choose_budget`] finds most profitable, optionally under
 //! the drafter's probabilities as calibrated by the earlier rounds, [`Calibration`]), and the target
 //! runs `[bonus, nodes..]` at positions `start + depth` under the ancestor mask. The target's token at every node
 //! ([`crate::spec::Sampling::choose`]) drives the accept walk; the accepted rows are compacted in the latent
 //! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
 //! are emitted under the same stop rules as plain decoding.
+//!
+//! Greedy rounds on a fixed budget without drafter features or kept logits first offer the
+//! backend the whole round ([`Backend::device_tree_round`]): the CUDA backend then keeps the
+//! tree on the GPU from the build to the compaction and reads back only the accept result (one
+//! host sync per round; [`SpecStats::round_host_reads`]). The other rounds (and the CPU
+//! backend's) run the host path below, which gives the same tokens; on the GPU it reads the tree
+//! back after the build and the argmax rows (or logits) after the verify.
 
 use std::time::Instant;
 
 use ddtree_kernels::tree::accept_reference;
 
-use crate::backend::{Backend, Matrix};
+use crate::backend::{Backend, Matrix, TreeRound};
 use crate::error::{EngineError, Result};
 use crate::generate::{check_prompt, choose_rows, GenerateOptions, Generation};
 use crate::mask::AncestorMask;
@@ -187,6 +194,10 @@ pub fn generate_speculative<B: Backend>(
     tokens.push(first);
     let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
 
+    // Greedy verification without drafter features or kept logits on a fixed budget may run as
+    // one device round (the CUDA backend: the tree stays on the GPU, one read per round).
+    let device_rounds =
+        layers.is_empty() && options.sampling.is_greedy() && !options.record_logits && auto_cost.is_none();
     let mut last_choice: Option<usize> = None;
     // What the verify rounds say of the drafter's probabilities (`auto` with `calibrate`).
     let mut calibration = Calibration::default();
@@ -213,83 +224,96 @@ pub fn generate_speculative<B: Backend>(
         }
         // Positions past the context cannot be verified.
         let depth = (block_size - 1).min(context - 1 - start);
-        let build = match (auto_cost, last_choice) {
-            (Some(_), Some(last)) => (AUTO_BUILD_GROWTH * last).clamp(AUTO_MIN_BUILD.min(budget), budget),
-            _ => budget,
-        };
-        let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
-        if let Some(cost) = auto_cost {
-            // Best-first order: the first B nodes are the top-B tree, the one the builder gives
-            // at budget B; with `calibrate` each is scored by its calibrated path probability.
-            let chosen = if spec.calibrate {
-                choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build)
-            } else {
-                choose_budget(&tree.path_logprob[1..], cost, build)
+        let reads = b.host_reads();
+        let device = if device_rounds {
+            let round = TreeRound {
+                drafted: &drafted,
+                depth,
+                budget,
+                root: bonus,
+                start,
             };
-            tree.truncate(chosen + 1);
-            last_choice = Some(chosen);
-        }
-        stats.budgets.push(tree.len() - 1);
-        stats.build += t.elapsed();
-
-        let t = Instant::now();
-        let mask = AncestorMask::from_words(tree.len(), tree.mask.clone())?;
-        let positions = tree.positions(start as u32);
-        let input = ForwardInput {
-            tokens: &tree.token,
-            positions: &positions,
-            mask: Some(&mask),
-            logits: LogitRows::All,
+            b.device_tree_round(&mut cache, round, &mut |c, input| model.forward_greedy(c, input))?
+        } else {
+            None
         };
-        // Greedy verification without drafter features is one replayable step (a CUDA graph
-        // per tree size on the GPU) that reads back only the argmax rows.
-        let (target, logits, verified_features) =
-            if layers.is_empty() && options.sampling.is_greedy() && !options.record_logits {
-                (model.forward_greedy(&mut cache, input)?, None, None)
-            } else {
-                let verified = model.forward_with_features(&mut cache, input, &layers)?;
-                let (target, logits) = choose_rows(b, &verified.logits, options, &positions)?;
-                (target, logits, verified.features)
+        let (nodes, accepted, logits) = if let Some(round) = device {
+            stats.build += round.build;
+            stats.verify += round.verify;
+            stats.accept += round.accept;
+            (round.nodes, round.accepted, None)
+        } else {
+            let build = match (auto_cost, last_choice) {
+                (Some(_), Some(last)) => (AUTO_BUILD_GROWTH * last).clamp(AUTO_MIN_BUILD.min(budget), budget),
+                _ => budget,
             };
-        stats.verify += t.elapsed();
+            let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
+            if let Some(cost) = auto_cost {
+                // Best-first order: the first B nodes are the top-B tree, the one the builder
+                // gives at budget B; with `calibrate` each is scored by its calibrated path
+                // probability.
+                let chosen = if spec.calibrate {
+                    choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build)
+                } else {
+                    choose_budget(&tree.path_logprob[1..], cost, build)
+                };
+                tree.truncate(chosen + 1);
+                last_choice = Some(chosen);
+            }
+            stats.build += t.elapsed();
 
-        let t = Instant::now();
-        let accepted = accept_reference(&tree, &target);
-        if auto_cost.is_some() && spec.calibrate {
-            calibration.observe_round(&tree, &accepted.indices);
-        }
-        let keep: Vec<usize> = accepted.indices.iter().map(|&i| i as usize).collect();
-        b.kv_compact(&mut cache, start, &keep)?;
-        features = match &verified_features {
-            Some(f) => Some(b.take_rows(f, &keep)?),
-            None => None,
+            let t = Instant::now();
+            let mask = AncestorMask::from_words(tree.len(), tree.mask.clone())?;
+            let positions = tree.positions(start as u32);
+            let input = ForwardInput {
+                tokens: &tree.token,
+                positions: &positions,
+                mask: Some(&mask),
+                logits: LogitRows::All,
+            };
+            // Greedy verification without drafter features is one replayable step (a CUDA
+            // graph per tree size on the GPU) that reads back only the argmax rows.
+            let (target, logits, verified_features) =
+                if layers.is_empty() && options.sampling.is_greedy() && !options.record_logits {
+                    (model.forward_greedy(&mut cache, input)?, None, None)
+                } else {
+                    let verified = model.forward_with_features(&mut cache, input, &layers)?;
+                    let (target, logits) = choose_rows(b, &verified.logits, options, &positions)?;
+                    (target, logits, verified.features)
+                };
+            stats.verify += t.elapsed();
+
+            let t = Instant::now();
+            let accepted = accept_reference(&tree, &target);
+            if auto_cost.is_some() && spec.calibrate {
+                calibration.observe_round(&tree, &accepted.indices);
+            }
+            let keep: Vec<usize> = accepted.indices.iter().map(|&i| i as usize).collect();
+            b.kv_compact(&mut cache, start, &keep)?;
+            features = match &verified_features {
+                Some(f) => Some(b.take_rows(f, &keep)?),
+                None => None,
+            };
+            stats.accept += t.elapsed();
+            (tree.len(), accepted, logits)
         };
-        stats.accept += t.elapsed();
+        if let (Some(before), Some(after)) = (reads, b.host_reads()) {
+            stats.round_host_reads.push(after - before);
+        }
+        stats.budgets.push(nodes - 1);
         stats.rounds += 1;
         stats.target_forwards += 1;
-        stats.verified_nodes += tree.len();
-        stats.accept_lengths.push(keep.len());
+        stats.verified_nodes += nodes;
+        stats.accept_lengths.push(accepted.indices.len());
 
-        // Emit the accepted drafted tokens, then the next bonus: each is the target's token at
-        // the previous accepted node.
-        for (k, pair) in keep.windows(2).enumerate() {
-            let token = tree.token[pair[1]];
+        // Emit the target's token at each accepted node: the accepted drafted tokens (each the
+        // target's token at the node before it), then the next bonus.
+        for (k, (&token, &node)) in accepted.tokens.iter().zip(&accepted.indices).enumerate() {
             tokens.push(token);
-            going = out.emit(options, token, start + k + 1, context, &row(&logits, pair[0]));
+            going = out.emit(options, token, start + k + 1, context, &row(&logits, node as usize));
             if !going {
                 break;
             }
-        }
-        if going {
-            tokens.push(accepted.bonus);
-            let last = *keep.last().expect("the root is always accepted");
-            going = out.emit(
-                options,
-                accepted.bonus,
-                start + keep.len(),
-                context,
-                &row(&logits, last),
-            );
         }
     }
     out.decode = stats.draft + stats.build + stats.verify + stats.accept;

@@ -25,6 +25,11 @@ pub struct SpecStats {
     pub rounds: usize,
     /// Per round, the accepted length: the root (bonus token) plus the accepted drafted tokens.
     pub accept_lengths: Vec<usize>,
+    /// Per round, the backend's device-to-host reads from the tree build to the end of the
+    /// accept ([`crate::Backend::host_reads`]; empty where the backend does not count them): 1
+    /// for the CUDA backend's greedy fixed-budget rounds, more where the tree goes through the
+    /// host.
+    pub round_host_reads: Vec<u64>,
     /// Target forwards: the prefill plus one verify per round.
     pub target_forwards: usize,
     /// Tree nodes verified, roots included.
@@ -35,11 +40,15 @@ pub struct SpecStats {
     pub prefill: Duration,
     /// Drafter forwards.
     pub draft: Duration,
-    /// Tree construction (including the drafter logits' copy to the host).
+    /// Tree construction (including the tree's or the drafter logits' copy to the host; for a
+    /// round on the device, [`crate::Backend::device_tree_round`], the build and staging
+    /// launches only).
     pub build: Duration,
-    /// Target tree-verify forwards (including the logits' copy to the host and token choice).
+    /// Target tree-verify forwards (including the argmax rows' or logits' copy to the host and
+    /// token choice; on the device, the forward's launches only).
     pub verify: Duration,
-    /// Acceptance walk, KV compaction and feature selection.
+    /// Acceptance walk, KV compaction and feature selection (on the device, including the wait
+    /// for the whole round's GPU work at the read of the accept result).
     pub accept: Duration,
 }
 

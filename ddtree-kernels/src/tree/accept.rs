@@ -1,6 +1,7 @@
 //! Accept and compaction kernels: the greedy walk, per-node sampling for temperature > 0
-//! (Gumbel-max with the counter-based noise of [`super::reference::uniform`]), and the copy of
-//! accepted rows (latent cache of every layer, drafter hidden states) to contiguous slots.
+//! (Gumbel-max with the counter-based noise of [`super::reference::uniform`]), the copy of
+//! accepted rows (latent cache of every layer, drafter hidden states) to contiguous slots, and
+//! the staging of a built tree as the verify forward's inputs.
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
@@ -9,10 +10,12 @@ use ddtree_macros::{device_fn, kernel, KernelParams};
 /// target[parent[i]]`, and is accepted when it and all its ancestors match (siblings have
 /// distinct tokens, so the accepted nodes are one path from the root: the walk along the child
 /// whose token equals `target[cur]`). Reads the node count from `n_nodes[0]`; writes the accepted
-/// node indices by depth (root first) to `accepted`, their count to `accept_len[0]` and the next
-/// bonus token (the target's token at the deepest accepted node) to `bonus[0]` (which may be
-/// the next build's root buffer). Needs at most 1025 nodes.
+/// node indices by depth (root first) to `accepted`, the target's token at each of them to
+/// `path_target` (the tokens the round emits: the accepted drafted tokens, then the bonus), their
+/// count to `accept_len[0]` and the next bonus token (the target's token at the deepest accepted
+/// node) to `bonus[0]` (which may be the next build's root buffer). Needs at most 1025 nodes.
 #[kernel(block = 256)]
+#[allow(clippy::too_many_arguments)]
 pub fn tree_accept(
     token: &[u32],
     parent: &[i32],
@@ -20,6 +23,7 @@ pub fn tree_accept(
     n_nodes: &[u32],
     target: &[u32],
     accepted: &mut [u32],
+    path_target: &mut [u32],
     accept_len: &mut [u32],
     bonus: &mut [u32],
 ) {
@@ -52,6 +56,7 @@ pub fn tree_accept(
         if good {
             let d = depth[i];
             accepted[d] = i;
+            path_target[d] = target[i];
             deepest.atomic_max(0, (d << 11) | i);
         }
     }
@@ -166,5 +171,33 @@ pub fn compact_rows(
             }
         }
         sync_threads();
+    }
+}
+
+/// Stages a built tree as the verify forward's inputs (grid `ceil(n * words / 256)`, at least
+/// `ceil(n / 256)`): for node `i < n`, `tokens[i] = token[i]` and `positions[i] = start +
+/// depth[i]`, and the `n * words` mask words are copied (rows of `words = ceil(n / 32)`, as the
+/// builder writes them for `n` nodes). The CPU reference is the tree itself:
+/// [`super::DraftTree::token`], [`super::DraftTree::positions`] and [`super::DraftTree::mask`].
+#[kernel(block = 256)]
+#[allow(clippy::too_many_arguments)]
+pub fn tree_stage(
+    token: &[u32],
+    depth: &[u32],
+    mask: &[u32],
+    tokens: &mut [u32],
+    positions: &mut [u32],
+    mask_out: &mut [u32],
+    n: u32,
+    words: u32,
+    start: u32,
+) {
+    let i = block_idx_x() * 256u32 + thread_idx_x();
+    if i < n {
+        tokens[i] = token[i];
+        positions[i] = start + depth[i];
+    }
+    if i < n * words {
+        mask_out[i] = mask[i];
     }
 }

@@ -6,7 +6,7 @@ use ddtree_runtime::{Gpu, RuntimeError};
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::gpu::{builder_fits, download, upload, verify_splits, GpuAccept, GpuBuilder};
+use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
@@ -366,8 +366,9 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
     Ok(out)
 }
 
-/// Checks sampling (GPU samples == CPU samples), greedy accept on those samples and the
-/// compaction of 61 layers of 576-wide rows, on a tree built on the GPU.
+/// Checks the staging of a tree built on the GPU as a verify step's inputs, sampling (GPU
+/// samples == CPU samples), greedy accept on those samples (its one-copy result and the bonus
+/// token) and the compaction of 61 layers of 576-wide rows.
 pub fn accept(
     gpu: &Gpu,
     depth: usize,
@@ -382,6 +383,30 @@ pub fn accept(
     b.build(s, &upload(s, &logits)?, &root)?;
     let (tree, _) = b.download(s)?;
     let n = tree.len();
+    let case = format!("depth={depth} vocab={vocab} budget={budget} nodes={n}");
+    let f = |v: &[u32]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    // The tree staged as a verify step's inputs: the builder's node count, tokens, positions
+    // and mask rows.
+    let start = 1000u32;
+    let words = b.nodes().div_ceil(32);
+    let (mut tokens, mut positions) = (zeros::<u32>(s, n)?, zeros::<u32>(s, n)?);
+    let mut mask = zeros::<u32>(s, b.nodes() * words)?;
+    b.stage(s, start, &mut tokens, &mut positions, &mut mask)?;
+    let mut got_stage = vec![b.nodes() as u32];
+    got_stage.extend(download(s, &tokens)?);
+    got_stage.extend(download(s, &positions)?);
+    got_stage.extend(download(s, &mask)?);
+    let mut want_stage = vec![n as u32];
+    want_stage.extend(&tree.token);
+    want_stage.extend(tree.positions(start));
+    want_stage.extend(&tree.mask);
+    let mut out = vec![exact(
+        "tree_stage",
+        "tree_stage".into(),
+        case.clone(),
+        &f(&got_stage),
+        &f(&want_stage),
+    )];
     // Target logits that mostly agree with the draft's first children, sampled at T = 0.8.
     let mut tl: Vec<f32> = (0..n * vocab).map(|_| rng.random_range(-4.0f32..4.0)).collect();
     for i in 0..n {
@@ -408,22 +433,24 @@ pub fn accept(
     };
     let got_s = download(s, &samples)?;
     let want_s = sample_rows(&tl, vocab, temp, seed);
-    let case = format!("depth={depth} vocab={vocab} budget={budget} nodes={n}");
-    let f = |v: &[u32]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
-    let mut out = vec![exact(
+    out.push(exact(
         "tree_sample",
         TreeSample::symbol(&sp),
         case.clone(),
         &f(&got_s),
         &f(&want_s),
-    )];
+    ));
     let mut a = GpuAccept::new(gpu, depth)?;
     a.accept(s, &b, &samples, &mut root)?;
     let want = accept_reference(&tree, &got_s);
-    let len = download(s, &a.len)?[0] as usize;
-    let mut got = download(s, &a.accepted)?[..len.min(depth + 1)].to_vec();
+    let read = a.read(s)?;
+    let mut got = read.indices;
+    got.extend(read.tokens);
+    got.push(read.bonus);
     got.push(download(s, &root)?[0]);
     let mut w = want.indices.clone();
+    w.extend(&want.tokens);
+    w.push(want.bonus);
     w.push(want.bonus);
     out.push(exact(
         "tree_accept",

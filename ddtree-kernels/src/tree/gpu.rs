@@ -1,6 +1,8 @@
 //! Host drivers of the tree kernels on a [`Gpu`]: the builder (one launch into device
-//! buffers, no host copy), the verify attention (split + combine, or naive), accept (one
-//! launch) and compaction. Used by the GPU checks and the bench; the engine can hold the same objects.
+//! buffers, no host copy) and the staging of its tree as a verify step's inputs, the verify
+//! attention (split + combine, or naive), accept (one launch, its result read with one copy)
+//! and compaction. Used by the GPU checks, the bench and the CUDA engine backend's greedy
+//! rounds.
 
 use std::sync::Arc;
 
@@ -11,8 +13,8 @@ use half::bf16;
 
 use super::build::expansion_candidates;
 use super::{
-    CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept, TreeBuild,
-    TreeBuildParams, VerifyVariant, LATENT, MAX_K,
+    Acceptance, CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept,
+    TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -56,6 +58,7 @@ pub enum BuildStage {
 /// The GPU tree builder for fixed `depth`, `vocab` and `budget`, with its device buffers.
 pub struct GpuBuilder {
     kernel: CompiledKernel<TreeBuild>,
+    stage: CompiledKernel<TreeStage>,
     depth: usize,
     vocab: usize,
     budget: usize,
@@ -137,6 +140,7 @@ impl GpuBuilder {
         let cands = (depth * nb * k).max(expansion_candidates(budget, k));
         Ok(GpuBuilder {
             kernel: gpu.compile::<TreeBuild>(p)?,
+            stage: gpu.compile::<TreeStage>(&())?,
             depth,
             vocab,
             budget,
@@ -220,6 +224,46 @@ impl GpuBuilder {
         }
     }
 
+    /// The node count (root included) every [`GpuBuilder::build`] of this builder makes:
+    /// [`super::tree_size`], known without reading the tree back.
+    pub fn nodes(&self) -> usize {
+        super::tree_size(self.depth, self.vocab, self.budget)
+    }
+
+    /// Writes the last build's tree as a verify step's inputs (one launch, no host copy): node
+    /// tokens to `tokens`, positions `start + depth` to `positions`, and the mask rows
+    /// (`[n, ceil(n / 32)]`, `n` = [`GpuBuilder::nodes`]) to `mask`; each must hold that many.
+    pub fn stage(
+        &self,
+        s: &Arc<CudaStream>,
+        start: u32,
+        tokens: &mut impl DevicePtrMut<u32>,
+        positions: &mut impl DevicePtrMut<u32>,
+        mask: &mut impl DevicePtrMut<u32>,
+    ) -> Result<(), RuntimeError> {
+        let n = self.nodes();
+        let words = n.div_ceil(32);
+        let grid = (n * words).div_ceil(256) as u32;
+        // SAFETY: the build wrote n nodes with mask rows of `words` words (capacity budget + 1
+        // nodes); the outputs hold n, n and n * words values (the caller's contract).
+        unsafe {
+            TreeStage::launch(
+                &self.stage,
+                s,
+                grid,
+                &self.token,
+                &self.depth_out,
+                &self.mask,
+                tokens,
+                positions,
+                mask,
+                n as u32,
+                words as u32,
+                start,
+            )
+        }
+    }
+
     /// Downloads the tree and the per-depth log-sum-exp (for checks; not part of a step).
     pub fn download(&self, s: &Arc<CudaStream>) -> Result<(DraftTree, Vec<f32>), RuntimeError> {
         let n = download(s, &self.n)?[0] as usize;
@@ -241,13 +285,15 @@ impl GpuBuilder {
 }
 
 /// Greedy accept (and, with sampled targets, the sampling accept) plus compaction.
+///
+/// The accept result sits in one buffer, `[len, accepted[0..=depth], path_target[0..=depth]]`,
+/// so that a host reads it with one copy ([`GpuAccept::read`]).
 pub struct GpuAccept {
     accept: CompiledKernel<TreeAccept>,
     compact: CompiledKernel<CompactRows>,
-    /// Accepted node indices (capacity `depth + 1`).
-    pub accepted: CudaSlice<u32>,
-    /// Accepted length `[1]`.
-    pub len: CudaSlice<u32>,
+    depth: usize,
+    /// The accept result, `1 + 2 (depth + 1)` words as above.
+    pub result: CudaSlice<u32>,
 }
 
 impl GpuAccept {
@@ -257,23 +303,28 @@ impl GpuAccept {
         Ok(GpuAccept {
             accept: gpu.compile::<TreeAccept>(&())?,
             compact: gpu.compile::<CompactRows>(&())?,
-            accepted: zeros(s, depth + 1)?,
-            len: zeros(s, 1)?,
+            depth,
+            result: zeros(s, 1 + 2 * (depth + 1))?,
         })
     }
 
-    /// Walks the tree built by `b` with the target's tokens per node; writes the bonus token
-    /// to `bonus[0]` (pass the next build's root buffer).
+    /// Walks the tree built by `b` with the target's tokens per node (`target`, one per node);
+    /// writes the result and the bonus token to `bonus[0]` (pass the next build's root buffer).
+    /// The builder's depth must be at most this accept's.
     pub fn accept(
         &mut self,
         s: &Arc<CudaStream>,
         b: &GpuBuilder,
-        target: &CudaSlice<u32>,
+        target: &impl DevicePtr<u32>,
         bonus: &mut CudaSlice<u32>,
     ) -> Result<(), RuntimeError> {
-        // SAFETY: the tree arrays and node count come from one build (at most 1025 nodes);
-        // target holds one token per node; accepted holds depth + 1 entries (a path has at
-        // most depth + 1 nodes).
+        assert!(b.depth <= self.depth, "a tree deeper than the accept's path buffers");
+        let d = self.depth + 1;
+        let (mut len, mut rest) = self.result.split_at_mut(1);
+        let (mut accepted, mut path) = rest.split_at_mut(d);
+        // SAFETY: the tree arrays and node count come from one build (at most 1025 nodes, depth
+        // at most self.depth); target holds one token per node; accepted and path hold depth + 1
+        // entries each (a path has at most depth + 1 nodes).
         unsafe {
             TreeAccept::launch(
                 &self.accept,
@@ -284,11 +335,26 @@ impl GpuAccept {
                 &b.depth_out,
                 &b.n,
                 target,
-                &mut self.accepted,
-                &mut self.len,
+                &mut accepted,
+                &mut path,
+                &mut len,
                 bonus,
             )
         }
+    }
+
+    /// Reads the result of the last [`GpuAccept::accept`] with one copy: the accepted node
+    /// indices and the target's token at each (the bonus is the last token).
+    pub fn read(&self, s: &Arc<CudaStream>) -> Result<Acceptance, RuntimeError> {
+        let r = download(s, &self.result)?;
+        let d = self.depth + 1;
+        let len = (r[0] as usize).clamp(1, d);
+        let tokens = r[1 + d..1 + d + len].to_vec();
+        Ok(Acceptance {
+            indices: r[1..1 + len].to_vec(),
+            bonus: tokens[len - 1],
+            tokens,
+        })
     }
 
     /// Copies the accepted rows of `layers` layers (each `layer_stride` bf16) of `buf`, rows of
@@ -303,6 +369,7 @@ impl GpuAccept {
         layer_stride: usize,
     ) -> Result<(), RuntimeError> {
         assert!(row_len % 8 == 0 && layers * layer_stride <= u32::MAX as usize);
+        let d = self.depth + 1;
         // SAFETY: buf holds layers * layer_stride elements and the accepted rows are inside it.
         unsafe {
             CompactRows::launch(
@@ -310,8 +377,8 @@ impl GpuAccept {
                 s,
                 layers as u32,
                 buf,
-                &self.accepted,
-                &self.len,
+                &self.result.slice(1..1 + d),
+                &self.result.slice(..1),
                 base as u32,
                 row_len as u32,
                 layer_stride as u32,

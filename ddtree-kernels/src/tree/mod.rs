@@ -3,12 +3,12 @@
 //!
 //! Public CPU API (used by the engine's CPU backend and as the GPU oracle):
 //! [`build_reference`], [`accept_reference`], [`sample_rows`], [`argmax_rows`],
-//! [`verify_attention_reference`], [`chain_mask`], and the [`DraftTree`] / [`Acceptance`] types.
+//! [`verify_attention_reference`], [`chain_mask`], [`tree_size`], and the [`DraftTree`] / [`Acceptance`] types.
 
 pub mod reference;
 
 pub use reference::{
-    accept_reference, argmax_rows, build_reference, build_with_lse, chain_mask, sample_rows,
+    accept_reference, argmax_rows, build_reference, build_with_lse, chain_mask, sample_rows, tree_size,
     verify_attention_reference, Acceptance, DraftTree, LATENT, ROPE, ROW,
 };
 
@@ -16,7 +16,7 @@ pub mod accept;
 pub mod build;
 pub mod verify_attn;
 
-pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample};
+pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{
     MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, VerifyParams, VerifyVariant, WideParams,

@@ -288,6 +288,24 @@ pub fn fill_mask(t: &mut DraftTree) {
     }
 }
 
+/// The node count (root included) of the tree [`build_reference`] (and the GPU builder, which
+/// equals it) builds for `depth` positions over `vocab` tokens at `budget`: the root plus
+/// `min(budget, K + K^2 + .. + K^depth)` prefixes, `K = min(budget, vocab)` (the expansion stops
+/// only at the budget or when every prefix of the per-depth top-K is taken). Known without
+/// looking at the logits, so a host can size the verify step of a tree that stays on the GPU.
+pub fn tree_size(depth: usize, vocab: usize, budget: usize) -> usize {
+    let k = budget.min(vocab);
+    let (mut prefixes, mut level) = (0usize, 1usize);
+    for _ in 0..depth {
+        if prefixes >= budget {
+            break;
+        }
+        level = level.saturating_mul(k);
+        prefixes = prefixes.saturating_add(level);
+    }
+    1 + prefixes.min(budget)
+}
+
 /// The CPU reference builder: `logits` is the drafter's `[depth, vocab]` logits for the `L`
 /// future positions, `budget` the node budget B (root not counted), `root_token` the bonus
 /// token. Uses [`logsumexp_rows`] for the log-softmax; [`build_with_lse`] takes the per-depth
@@ -303,12 +321,17 @@ pub fn build_with_lse(logits: &[f32], vocab: usize, budget: usize, root_token: u
     expand(&depth_topk(logits, vocab, k, lse), budget, root_token)
 }
 
-/// The result of acceptance (DESIGN.md): accepted node indices (root first) and the next bonus
-/// token. The accepted length (root included) is `indices.len()`.
+/// The result of acceptance (DESIGN.md): accepted node indices (root first), the target's token
+/// at each of them, and the next bonus token. The accepted length (root included) is
+/// `indices.len()`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Acceptance {
     /// Accepted node indices, root first, increasing.
     pub indices: Vec<u32>,
+    /// The target's token at each accepted node, in the same order: the tokens a round emits.
+    /// Entry `k < len - 1` is the token of accepted node `k + 1` (the accept rule); the last is
+    /// the bonus.
+    pub tokens: Vec<u32>,
     /// The target's token at the last accepted node: the next round's root.
     pub bonus: u32,
 }
@@ -331,6 +354,7 @@ pub fn accept_reference(tree: &DraftTree, target: &[u32]) -> Acceptance {
         break;
     }
     Acceptance {
+        tokens: indices.iter().map(|&i| target[i as usize]).collect(),
         indices,
         bonus: target[cur],
     }

@@ -8,7 +8,10 @@
 //! positions, mask and cache length sit in the staging buffers that
 //! [`Backend::begin_forward`] fills before the launch, at fixed addresses, and the kernels read
 //! the cache length from there (the attention's split count is sized for the length bucket).
-//! The only host sync of a step is the read of the argmax rows.
+//! The only host sync of a step is the read of the argmax rows, and a device-staged step (a
+//! greedy tree round, [`super::round`]) has none: its tokens, positions and mask were written
+//! to the staging buffers by a kernel before the replay, on the same stream, and its argmax
+//! rows stay in the persistent outputs for the accept kernel.
 //!
 //! A recording is dropped when a buffer it reads is replaced (a staging buffer outgrown, a
 //! scratch buffer reallocated: the generation counter moves), and a shape whose recording fails
@@ -36,11 +39,11 @@ const MAX_FAILURES: usize = 2;
 
 /// The shape of the step staged by the last `begin_forward`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Step {
-    rows: usize,
-    words: usize,
-    tree: bool,
-    prefix: usize,
+pub(super) struct Step {
+    pub(super) rows: usize,
+    pub(super) words: usize,
+    pub(super) tree: bool,
+    pub(super) prefix: usize,
 }
 
 /// What one recording is valid for.
@@ -75,8 +78,13 @@ pub(super) struct Graphs {
     /// Shapes run eagerly once (recorded on their next forward).
     seen: Vec<GraphKey>,
     failures: Vec<(GraphKey, usize)>,
-    /// Persistent argmax outputs (values, indices) the recordings write.
-    argmax: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
+    /// Persistent argmax outputs (values, indices) the recordings and device-staged steps
+    /// write (the accept of a device round reads the indices).
+    pub(super) argmax: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
+    /// The step whose tokens, positions and mask a device round wrote to the staging buffers
+    /// (set for the duration of its forward): the forward's host inputs only give its shape,
+    /// and its argmax rows are not read back.
+    pub(super) on_device: Option<Step>,
     /// Forwards replayed and recorded (for the bench and tests).
     pub(super) replays: u64,
     pub(super) recordings: u64,
@@ -95,6 +103,7 @@ impl Graphs {
             seen: Vec::new(),
             failures: Vec::new(),
             argmax: None,
+            on_device: None,
             replays: 0,
             recordings: 0,
         }
@@ -141,9 +150,23 @@ impl Graphs {
 }
 
 impl CudaBackend {
-    /// [`Backend::begin_forward`]: stages tokens, positions, mask and cache length.
+    /// [`Backend::begin_forward`]: stages tokens, positions, mask and cache length (only the
+    /// length for a device-staged step, whose shape `step` must have).
     pub(super) fn stage_step(&self, step: &StepInputs<'_>) -> Result<()> {
         let n = step.tokens.len();
+        let on_device = self.state().graphs.on_device;
+        if let Some(staged) = on_device {
+            let words = step.mask.map(AncestorMask::words_per_row);
+            if (n, words, step.prefix_len) != (staged.rows, Some(staged.words), staged.prefix) {
+                return Err(fail(format!(
+                    "a forward of {n} rows (mask words {words:?}) after {} cache rows in place of the device-staged tree step {staged:?}",
+                    step.prefix_len
+                )));
+            }
+            self.staged(Staged::Lens, &[step.prefix_len as u32])?;
+            self.state().graphs.step = Some(staged);
+            return Ok(());
+        }
         let chain;
         let mask = match step.mask {
             Some(m) => m,
@@ -172,8 +195,9 @@ impl CudaBackend {
         cache: &mut CudaKvCache,
         forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
     ) -> Result<Vec<u32>> {
-        let (key, step) = {
+        let (key, step, on_device) = {
             let st = self.state();
+            let on_device = st.graphs.on_device.is_some();
             match st.graphs.step {
                 Some(step) if !st.graphs.off && !self.profile.on() => {
                     let (ptr, _sync) = cache.buf().device_ptr(&self.stream);
@@ -184,11 +208,11 @@ impl CudaBackend {
                         bucket: length_bucket(step.prefix + step.rows),
                         cache: (ptr, cache.capacity),
                     };
-                    (key, step)
+                    (key, step, on_device)
                 }
                 _ => {
                     drop(st);
-                    return self.eager(cache, forward);
+                    return self.eager(cache, forward, on_device);
                 }
             }
         };
@@ -203,22 +227,23 @@ impl CudaBackend {
             let g = &mut st.graphs;
             if g.failures.iter().any(|(k, n)| *k == key && *n >= MAX_FAILURES) {
                 drop(st);
-                return self.eager(cache, forward);
+                return self.eager(cache, forward, on_device);
             }
             if let Some(i) = g.recorded.iter().position(|r| r.key == key) {
                 if g.recorded[i].generation == g.generation {
                     drop(st);
-                    return self.replay(cache, key, step);
+                    return self.replay(cache, key, step, on_device);
                 }
                 g.recorded.remove(i);
             }
             if !g.seen.contains(&key) {
                 g.seen.push(key);
                 drop(st);
-                return self.eager(cache, forward);
+                return self.eager(cache, forward, on_device);
             }
             let need = step.rows;
             if g.argmax.as_ref().is_none_or(|(_, i)| i.len() < need) {
+                // Before the recording: allocated inside it, they would be the recording's own.
                 g.replaced("the argmax outputs");
                 let n = need.next_power_of_two();
                 g.argmax = Some((self.alloc(n)?, self.alloc(n)?));
@@ -232,7 +257,7 @@ impl CudaBackend {
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
         let result = match begun {
-            Ok(()) => forward(cache).and_then(|logits| self.argmax_recorded(&logits)),
+            Ok(()) => forward(cache).and_then(|logits| self.argmax_kept(&logits)),
             Err(e) => Err(fail(format!("starting a CUDA graph capture: {e}"))),
         };
         let graph = match begun {
@@ -261,7 +286,7 @@ impl CudaBackend {
                     logit_rows,
                 });
                 drop(st);
-                return self.replay(cache, key, step);
+                return self.replay(cache, key, step, on_device);
             }
             (Err(e), _) => e.to_string(),
             (_, Err(e)) => format!("ending the capture: {e}"),
@@ -270,20 +295,28 @@ impl CudaBackend {
         };
         g.failed(key, &why);
         drop(st);
-        self.eager(cache, forward)
+        self.eager(cache, forward, on_device)
     }
 
+    /// Runs `forward` and reads its argmax rows back, or with `on_device` leaves them in the
+    /// persistent outputs (and returns no rows).
     fn eager(
         &self,
         cache: &mut CudaKvCache,
         forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
+        on_device: bool,
     ) -> Result<Vec<u32>> {
         let logits = forward(cache)?;
+        if on_device {
+            self.argmax_kept(&logits)?;
+            return Ok(Vec::new());
+        }
         self.argmax_rows(&logits)
     }
 
-    /// Launches the recording of `key` and reads its argmax rows.
-    fn replay(&self, cache: &mut CudaKvCache, key: GraphKey, step: Step) -> Result<Vec<u32>> {
+    /// Launches the recording of `key` and reads its argmax rows (none with `on_device`: they
+    /// stay in the persistent outputs).
+    fn replay(&self, cache: &mut CudaKvCache, key: GraphKey, step: Step, on_device: bool) -> Result<Vec<u32>> {
         let st = self.state();
         let rec = st
             .graphs
@@ -294,10 +327,11 @@ impl CudaBackend {
         rec.graph.launch().map_err(drv("launching a CUDA graph"))?;
         let rows = rec.logit_rows;
         let (_, indices) = st.graphs.argmax.as_ref().expect("recordings write the argmax outputs");
-        let out = self
-            .stream
-            .clone_dtoh(&indices.slice(..rows))
-            .map_err(drv("copying from the GPU"))?;
+        let out = if on_device {
+            Vec::new()
+        } else {
+            self.read_back(&indices.slice(..rows))?
+        };
         drop(st);
         self.state().graphs.replays += 1;
         for len in cache.lens.iter_mut() {
@@ -306,11 +340,17 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The argmax of every row of `logits` into the persistent outputs (recorded); returns the
-    /// row count.
-    fn argmax_recorded(&self, logits: &CudaTensor) -> Result<usize> {
+    /// The argmax of every row of `logits` into the persistent outputs (grown when too small:
+    /// recordings allocate them before they start); returns the row count.
+    fn argmax_kept(&self, logits: &CudaTensor) -> Result<usize> {
         let mut st = self.state();
-        let (values, indices) = st.graphs.argmax.as_mut().expect("allocated before recording");
+        let g = &mut st.graphs;
+        if g.argmax.as_ref().is_none_or(|(_, i)| i.len() < logits.rows) {
+            g.replaced("the argmax outputs");
+            let n = logits.rows.next_power_of_two();
+            g.argmax = Some((self.alloc(n)?, self.alloc(n)?));
+        }
+        let (values, indices) = g.argmax.as_mut().expect("allocated above");
         self.argmax_into(logits, values, indices)?;
         Ok(logits.rows)
     }

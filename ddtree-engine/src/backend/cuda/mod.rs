@@ -3,9 +3,13 @@
 //! routed experts through the grouped W4A16 MoE kernels, and the latent cache in device memory.
 //!
 //! Every op enqueues on the GPU's one stream; nothing synchronises except the copies back to
-//! the host ([`Backend::to_host`], [`Backend::argmax_rows`]).
+//! the host ([`Backend::to_host`], [`Backend::argmax_rows`], a replayed greedy forward's argmax
+//! rows, the host tree of [`Backend::draft_tree`], and a device tree round's accept result),
+//! which [`Backend::host_reads`] counts. A greedy fixed-budget DDTree round
+//! ([`Backend::device_tree_round`], module `round`) reads back only its accept result.
 
 mod graph;
+mod round;
 mod types;
 
 use std::sync::{Arc, Mutex};
@@ -25,13 +29,15 @@ use ddtree_kernels::{
     MoeRouteParams, RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
-use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 
 pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, CudaWeight, DeviceData};
 
-use crate::backend::{AttentionSpan, Backend, GqaDims, HostLinear, Matrix, MlaDims, StepInputs};
+use crate::backend::{
+    AttentionSpan, Backend, GqaDims, GreedyVerify, HostLinear, Matrix, MlaDims, StepInputs, TreeRound, TreeRoundOutcome,
+};
 use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
@@ -206,14 +212,18 @@ struct RopeTables {
     sin: CudaSlice<f32>,
 }
 
+/// A [`Staged`] slot: its device buffer and the values last copied to it (`None`: written on
+/// the device).
+type StagedSlot = (Staged, Option<Vec<u32>>, Arc<CudaSlice<u32>>);
+
 /// Scratch state behind the backend's `&self` ops.
 struct State {
     ropes: Vec<Arc<RopeTables>>,
     identity: Arc<CudaSlice<u32>>,
-    /// One device buffer per [`Staged`] slot with the values last written to it: a forward
-    /// uploads its inputs once, not once per layer, and always to the same address (recorded
-    /// graphs read them there).
-    staged: Vec<(Staged, Vec<u32>, Arc<CudaSlice<u32>>)>,
+    /// One device buffer per [`Staged`] slot with the values last copied to it (`None` when a
+    /// kernel wrote it: a device round's tree): a forward uploads its inputs once, not once per
+    /// layer, and always to the same address (recorded graphs read them there).
+    staged: Vec<StagedSlot>,
     /// CUDA graphs of greedy forwards, and whether one is being recorded.
     graphs: graph::Graphs,
     /// The largest cache capacity asked for: rope tables cover it from the start.
@@ -224,6 +234,8 @@ struct State {
     verify: Vec<tree::gpu::GpuVerify>,
     moe: Vec<((bool, usize), Arc<MoeKernels>)>,
     builders: Vec<((usize, usize, usize), tree::gpu::GpuBuilder)>,
+    /// The device rounds' accept and compaction, and their root token buffer.
+    accept: Option<(tree::gpu::GpuAccept, CudaSlice<u32>)>,
 }
 
 /// The CUDA backend on one GPU.
@@ -237,6 +249,8 @@ pub struct CudaBackend {
     caches: types::CachePool,
     /// A greedy forward is being recorded (readable without the state lock).
     recording: std::sync::atomic::AtomicBool,
+    /// Copies to the host so far ([`Backend::host_reads`]).
+    reads: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) fn fail(reason: String) -> EngineError {
@@ -350,6 +364,7 @@ impl CudaBackend {
             verify: Vec::new(),
             moe: Vec::new(),
             builders: Vec::new(),
+            accept: None,
         };
         Ok(CudaBackend {
             profile: HostProfile::from_env(&stream),
@@ -363,6 +378,7 @@ impl CudaBackend {
             state: Mutex::new(state),
             caches: Default::default(),
             recording: Default::default(),
+            reads: Default::default(),
         })
     }
 
@@ -388,6 +404,29 @@ impl CudaBackend {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("backend state lock")
+    }
+
+    /// Copies `src` to the host (waiting for the GPU), counted in [`Backend::host_reads`].
+    fn read_back<T: DeviceRepr>(&self, src: &impl DevicePtr<T>) -> Result<Vec<T>> {
+        self.count_read();
+        self.stream.clone_dtoh(src).map_err(drv("copying from the GPU"))
+    }
+
+    /// Counts one copy to the host ([`Backend::host_reads`]).
+    fn count_read(&self) {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The index in `st.builders` of the GPU tree builder for `depth`, `vocab` and `budget`,
+    /// made on first use (kernels load once; buffers are small, a few trees).
+    fn builder_index(&self, st: &mut State, depth: usize, vocab: usize, budget: usize) -> Result<usize> {
+        let key = (depth, vocab, budget);
+        if let Some(i) = st.builders.iter().position(|(k, _)| *k == key) {
+            return Ok(i);
+        }
+        st.builders
+            .push((key, tree::gpu::GpuBuilder::new(self.gpu(), depth, vocab, budget)?));
+        Ok(st.builders.len() - 1)
     }
 
     fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
@@ -447,9 +486,19 @@ impl CudaBackend {
     fn staged(&self, slot: Staged, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         let mut st = self.state();
         let st = &mut *st;
+        if st.graphs.on_device.is_some() && slot != Staged::Lens {
+            // A device round's tree, written by a kernel: `v` only stands in for its shape.
+            return match st.staged.iter().find(|(s, ..)| *s == slot) {
+                Some((_, None, d)) if d.len() >= v.len() => Ok(d.clone()),
+                _ => Err(fail(format!(
+                    "{slot:?}: a device-staged step without a device-written buffer of {} values",
+                    v.len()
+                ))),
+            };
+        }
         if let Some(i) = st.staged.iter().position(|(s, ..)| *s == slot) {
             let (_, old, d) = &mut st.staged[i];
-            if old == v {
+            if old.as_deref() == Some(v) {
                 return Ok(d.clone());
             }
             if st.graphs.recording() {
@@ -465,8 +514,7 @@ impl CudaBackend {
                             .memcpy_htod(v, &mut buf.slice_mut(..v.len()))
                             .map_err(drv("copying to the GPU"))?;
                     }
-                    old.clear();
-                    old.extend_from_slice(v);
+                    *old = Some(v.to_vec());
                     return Ok(d.clone());
                 }
             }
@@ -480,7 +528,7 @@ impl CudaBackend {
                 .map_err(drv("copying to the GPU"))?;
         }
         let d = Arc::new(d);
-        st.staged.push((slot, v.to_vec(), d.clone()));
+        st.staged.push((slot, Some(v.to_vec()), d.clone()));
         Ok(d)
     }
 
@@ -991,18 +1039,11 @@ impl Backend for CudaBackend {
         let logits = drafted.f32("draft_tree")?;
         let root = self.upload(&[root])?;
         let mut st = self.state();
-        let key = (depth, vocab, budget);
-        let at = match st.builders.iter().position(|(k, _)| *k == key) {
-            Some(i) => i,
-            None => {
-                // Kernels load once; buffers are small (a few trees).
-                st.builders
-                    .push((key, tree::gpu::GpuBuilder::new(self.gpu(), depth, vocab, budget)?));
-                st.builders.len() - 1
-            }
-        };
+        let at = self.builder_index(&mut st, depth, vocab, budget)?;
         let builder = &mut st.builders[at].1;
         builder.build(&self.stream, logits, &root)?;
+        // One read of the whole tree (its arrays copied back one after another).
+        self.count_read();
         Ok(builder.download(&self.stream)?.0)
     }
 
@@ -1015,16 +1056,10 @@ impl Backend for CudaBackend {
         let n = x.rows * x.cols;
         let data = match &x.data {
             DeviceData::Bf16(d) => {
-                let v: Vec<bf16> = self
-                    .stream
-                    .clone_dtoh(&d.slice(..n))
-                    .map_err(drv("copying from the GPU"))?;
+                let v: Vec<bf16> = self.read_back(&d.slice(..n))?;
                 v.into_iter().map(f32::from).collect()
             }
-            DeviceData::F32(d) => self
-                .stream
-                .clone_dtoh(&d.slice(..n))
-                .map_err(drv("copying from the GPU"))?,
+            DeviceData::F32(d) => self.read_back(&d.slice(..n))?,
         };
         Ok(Matrix {
             rows: x.rows,
@@ -1253,12 +1288,25 @@ impl Backend for CudaBackend {
         self.greedy_graph(cache, forward)
     }
 
+    fn device_tree_round(
+        &self,
+        cache: &mut CudaKvCache,
+        round: TreeRound<'_, CudaTensor>,
+        verify: &mut GreedyVerify<'_, CudaKvCache>,
+    ) -> Result<Option<TreeRoundOutcome>> {
+        self.tree_round(cache, round, verify)
+    }
+
+    fn host_reads(&self) -> Option<u64> {
+        Some(self.reads.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
         let _span = self.profile.span("argmax_rows");
         let mut values = self.alloc::<f32>(logits.rows)?;
         let mut indices = self.alloc::<u32>(logits.rows)?;
         self.argmax_into(logits, &mut values, &mut indices)?;
-        self.stream.clone_dtoh(&indices).map_err(drv("copying from the GPU"))
+        self.read_back(&indices)
     }
 
     fn add_assign(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
