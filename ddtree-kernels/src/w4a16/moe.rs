@@ -7,7 +7,7 @@
 //! 3. grouped down `w4a16_gemm` with the router weight applied into `y[pair, H]`;
 //! 4. `moe_sum` adds the top-k rows of each token.
 //!
-//! For at most [`GEMV_MAX_TOKENS`] tokens (the decode step) [`MoeKernels::run`] takes the
+//! For at most [`GEMV_MAX_TOKENS`] tokens (the decode step, small trees) [`MoeKernels::run`] takes the
 //! small-token path instead: two [`W4a16Gemv`] launches straight from the routing (gate_up into
 //! `act`, then down with the router weights and the top-k sum fused into `out`).
 //!
@@ -186,10 +186,11 @@ pub struct MoeKernels {
 }
 
 /// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path (the
-/// kernels take up to 16). Measured on the H200 (`w4a16-bench --moe-only`, Kimi K2.6 EP8
-/// slice): 99.2 vs 117.4 µs at T = 1, but 171.7 vs 156.0 at T = 2 and 418.7 vs 349.0 at T = 8:
-/// from two tokens on the grouped GEMM is faster.
-pub const GEMV_MAX_TOKENS: u32 = 1;
+/// kernels take up to 16). Measured on the H200 (`w4a16-bench --gemv`, Kimi K2.6 EP8 slice,
+/// the two-tile default pair vs the best grouped GEMM pair): 80.8 vs 117.6 µs at T = 1,
+/// 137.6 vs 158.3 at T = 2, 216.8 vs 249.0 at T = 4, 321.6 vs 355.7 at T = 8; at T = 16 the
+/// two-chunk pair loses (623.1 vs 427.8).
+pub const GEMV_MAX_TOKENS: u32 = 8;
 
 /// Device buffers of one MoE step for up to `max_tokens` tokens.
 #[derive(Debug)]
