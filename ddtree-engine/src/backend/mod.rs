@@ -209,11 +209,12 @@ pub struct TreeRoundOutcome {
     pub nodes: usize,
     /// The accepted path and the tokens it emits (the cache holds its rows after `start`).
     pub accepted: Acceptance,
-    /// Host time to build (and stage) the tree.
+    /// Device time to build (and stage) the tree (a backend without a device: host time).
     pub build: Duration,
-    /// Host time of the verify forward.
+    /// Device time of the verify forward.
     pub verify: Duration,
-    /// Host time of accept and compaction, including the wait for the result.
+    /// The rest of the round's wall time: accept and compaction, the read of the result, and
+    /// drafter work the device was still running when the build was enqueued.
     pub accept: Duration,
 }
 

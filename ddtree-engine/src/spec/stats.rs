@@ -41,14 +41,15 @@ pub struct SpecStats {
     /// Drafter forwards.
     pub draft: Duration,
     /// Tree construction (including the tree's or the drafter logits' copy to the host; for a
-    /// round on the device, [`crate::Backend::device_tree_round`], the build and staging
-    /// launches only).
+    /// round on the device, [`crate::Backend::device_tree_round`], the build and staging's
+    /// device time, from events on the stream).
     pub build: Duration,
     /// Target tree-verify forwards (including the argmax rows' or logits' copy to the host and
-    /// token choice; on the device, the forward's launches only).
+    /// token choice; on the device, the forward's device time).
     pub verify: Duration,
-    /// Acceptance walk, KV compaction and feature selection (on the device, including the wait
-    /// for the whole round's GPU work at the read of the accept result).
+    /// Acceptance walk, KV compaction and feature selection (on the device, the rest of the
+    /// round's wall time: the accept kernels, the read of the result, and drafter work still
+    /// running when the build was enqueued).
     pub accept: Duration,
 }
 

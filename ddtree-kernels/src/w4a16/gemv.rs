@@ -427,7 +427,11 @@ pub fn w4a16_gemv(
         let mi = t / 2;
         let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
         let grow = if gu && mi >= p.mt { rows + lr } else { lr };
-        woff[t] = if lr < rows { (grow / 8 * kbs * 32 + lane) * 4 } else { lane * 4 };
+        woff[t] = if lr < rows {
+            (grow / 8 * kbs * 32 + lane) * 4
+        } else {
+            lane * 4
+        };
         soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { u32::MAX };
     }
     // Dense and GateUp without `xr`, one chunk: x is loaded one k step ahead into registers

@@ -22,13 +22,13 @@
 //! verify.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ddtree_kernels::tree::gpu::{builder_params, GpuAccept, GpuBuilder};
 use ddtree_kernels::tree::{Acceptance, MAX_K};
-use ddtree_runtime::cudarc::driver::CudaSlice;
+use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice};
 
-use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, DeviceData, Staged, State};
+use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, DeviceData, Staged, State, CU_EVENT_DEFAULT};
 use crate::backend::{Backend, GreedyVerify, TreeRound, TreeRoundOutcome};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
@@ -74,15 +74,23 @@ impl CudaBackend {
             )));
         }
 
-        let t = Instant::now();
+        // Phase times come from events on the stream (the host only enqueues until the accept
+        // result's read): build = staged tree, verify = the forward, accept = the rest of the
+        // round's wall time (the accept kernels, the read, and drafter work still running when
+        // the build was enqueued).
+        let round_start = Instant::now();
+        let mark = || {
+            self.stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(drv("recording an event"))
+        };
+        let e_build = mark()?;
         let nodes = {
             let mut st = self.state();
             let at = self.builder_index(&mut st, depth, vocab, budget)?;
             self.stage_tree(&mut st, at, logits, root, start)?
         };
-        let build = t.elapsed();
-
-        let t = Instant::now();
+        let e_verify = mark()?;
         let words = nodes.div_ceil(32);
         // Stand-ins of the right shape: the staging buffers hold the tree. Each stand-in
         // position bounds its node's (a node's depth is at most its index and the tree's
@@ -106,9 +114,8 @@ impl CudaBackend {
         let verified = verify(cache, input);
         self.state().graphs.on_device = None;
         verified?;
-        let verify_time = t.elapsed();
+        let e_accept = mark()?;
 
-        let t = Instant::now();
         let accepted = self.accept_tree(cache, (depth, vocab, budget), start)?;
         let len = accepted.indices.len();
         let valid = accepted.indices[0] == 0
@@ -121,12 +128,20 @@ impl CudaBackend {
             )));
         }
         cache.lens.iter_mut().for_each(|l| *l = start + len);
+        // The read waited for every event.
+        let gpu = |a: &CudaEvent, b: &CudaEvent| {
+            a.elapsed_ms(b)
+                .map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+                .map_err(drv("reading an event"))
+        };
+        let build = gpu(&e_build, &e_verify)?;
+        let verify_time = gpu(&e_verify, &e_accept)?;
         Ok(Some(TreeRoundOutcome {
             nodes,
             accepted,
             build,
             verify: verify_time,
-            accept: t.elapsed(),
+            accept: round_start.elapsed().saturating_sub(build + verify_time),
         }))
     }
 
