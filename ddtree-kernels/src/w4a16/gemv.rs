@@ -102,9 +102,12 @@ const W: GemvMode = GemvMode::Down;
 /// scales in the ring and a short ring (`Dense` 4 warps x 2 stages: 48.6 µs at 7168->36864,
 /// M = 1, 73% of copy bandwidth, vs 59.4 for 8 warps x 4 stages with one tile; `GateUp`
 /// 4 warps x 2 stages, `Down` 8 warps x 2 stages: each half 4-6% faster than the one-tile pair,
-/// 88.8 µs for the Kimi EP8 slice at one token): more independent mma chains and dequant work
-/// per warp beat more warps. The `xr` ones (x in the ring)
-/// trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k step: 8-16
+/// 80.8 µs for the Kimi EP8 slice at one token, vs 88.8): more independent mma chains and
+/// dequant work per warp beat more warps. The two-chunk defaults are their two-chunk twins
+/// (84.5 µs at 7168->36864, M = 16, vs 116.3 for 4 warps x 8 stages with one tile; the pair
+/// 556.5 µs at T = 16, vs 632.8, still behind the grouped GEMM's 418.9). The `xr` ones (x in
+/// the ring) trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k
+/// step: 8-16
 /// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
 /// round trips per block), two m16 tiles per block for the wide ones (x amortized over 32 rows,
 /// ~96 KB of weights in flight per SM), and `Down` rings of at most 60 KB so the 448 row slabs
@@ -113,6 +116,7 @@ const W: GemvMode = GemvMode::Down;
 /// of each mode, with and without `xr`, at one and two m16 tiles.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 4, 2, 2, 1, false),
+    gvs(D, 4, 2, 2, 2, false),
     gv(D, 8, 1, 4, 1, false),
     gv(D, 4, 1, 8, 2, false),
     gv(D, 4, 1, 8, 1, false),
@@ -132,6 +136,7 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 8, 1, 4, 1, true),
     gvs(D, 4, 2, 4, 1, true),
     gvs(G, 4, 2, 2, 1, false),
+    gvs(G, 4, 2, 2, 2, false),
     gv(G, 4, 1, 4, 2, false),
     gv(G, 8, 1, 2, 1, false),
     gv(G, 2, 1, 8, 1, false),
@@ -147,6 +152,7 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(G, 2, 2, 2, 1, false),
     gvs(G, 8, 2, 2, 1, false),
     gvs(W, 8, 2, 2, 1, false),
+    gvs(W, 4, 2, 2, 2, false),
     gv(W, 4, 1, 8, 2, false),
     gv(W, 4, 1, 8, 1, false),
     gv(W, 8, 1, 4, 1, false),
@@ -159,6 +165,7 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(W, 4, 2, 4, 1, false),
     gvs(W, 8, 2, 4, 1, false),
     gvs(W, 16, 2, 2, 1, false),
+    gvs(W, 8, 2, 2, 2, false),
 ];
 
 /// Tokens one variant takes: `8 chunks`.
