@@ -280,29 +280,36 @@ fn staging_kernel_matches_the_tree() {
         let mut mask = tree.mask.clone();
         mask.resize(cap * cap.div_ceil(32), u32::MAX);
         let (tk, dp, mk) = (buf(&token), buf(&depth), buf(&mask));
-        let (mut tokens, mut positions, mut mask_out) = (
-            buf(&vec![u32::MAX; n]),
-            buf(&vec![u32::MAX; n]),
-            buf(&vec![u32::MAX; n * tree.words]),
-        );
-        let grid = (n * tree.words).div_ceil(256) as u32;
-        run::<TreeStage>(
-            &(),
-            [grid, 1, 1],
-            &mut [
-                HostArg::In(&tk),
-                HostArg::In(&dp),
-                HostArg::In(&mk),
-                HostArg::Out(&mut tokens),
-                HostArg::Out(&mut positions),
-                HostArg::Out(&mut mask_out),
-                u(n as u32),
-                u(tree.words as u32),
-                u(start),
-            ],
-        );
-        assert_eq!(tokens.to_vec::<u32>(), tree.token, "l={l} v={v} budget={budget}");
-        assert_eq!(positions.to_vec::<u32>(), tree.positions(start));
-        assert_eq!(mask_out.to_vec::<u32>(), tree.mask);
+        // The whole tree, and its top-(m - 1) trees (`auto`'s cut; fewer mask words per row).
+        for m in [n, n - n / 3, n / 2 + 1, 1] {
+            let mut cut = tree.clone();
+            cut.truncate(m);
+            let (mut tokens, mut positions, mut mask_out) = (
+                buf(&vec![u32::MAX; m]),
+                buf(&vec![u32::MAX; m]),
+                buf(&vec![u32::MAX; m * cut.words]),
+            );
+            let grid = (m * cut.words).div_ceil(256) as u32;
+            run::<TreeStage>(
+                &(),
+                [grid, 1, 1],
+                &mut [
+                    HostArg::In(&tk),
+                    HostArg::In(&dp),
+                    HostArg::In(&mk),
+                    HostArg::Out(&mut tokens),
+                    HostArg::Out(&mut positions),
+                    HostArg::Out(&mut mask_out),
+                    u(m as u32),
+                    u(cut.words as u32),
+                    u(tree.words as u32),
+                    u(start),
+                ],
+            );
+            let case = format!("l={l} v={v} budget={budget} cut={m}");
+            assert_eq!(tokens.to_vec::<u32>(), cut.token, "{case}");
+            assert_eq!(positions.to_vec::<u32>(), cut.positions(start), "{case}");
+            assert_eq!(mask_out.to_vec::<u32>(), cut.mask, "{case}");
+        }
     }
 }

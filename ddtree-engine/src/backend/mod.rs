@@ -188,7 +188,6 @@ impl AttentionSpan<'_> {
 /// One greedy DDTree round as [`Backend::device_tree_round`] takes it: the tree of the best
 /// `budget` prefixes of the first `depth` rows of `drafted` under `root`, verified at positions
 /// `start + depth` after the cache's first `start` rows.
-#[derive(Debug)]
 pub struct TreeRound<'a, T> {
     /// The drafter's f32 logits `[rows, vocab]` (rows at least `depth`).
     pub drafted: &'a T,
@@ -200,7 +199,15 @@ pub struct TreeRound<'a, T> {
     pub root: u32,
     /// The root's position and the cache length before the round.
     pub start: usize,
+    /// `--budget auto`: how many of the built tree's non-root nodes to verify, given their
+    /// path log-probs in best-first order (the top-`B` tree is the first `B`; the backend reads
+    /// them back, one more read per round). `None` verifies the whole tree.
+    pub choose: Option<&'a mut BudgetChoice<'a>>,
 }
+
+/// [`TreeRound::choose`]: the nodes to verify besides the root, from the non-root path
+/// log-probs in best-first order.
+pub type BudgetChoice<'a> = dyn FnMut(&[f32]) -> usize + 'a;
 
 /// What a [`Backend::device_tree_round`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,10 +12,11 @@
 //! cache, their hidden features go to the drafter, and the accepted tokens plus the next bonus
 //! are emitted under the same stop rules as plain decoding.
 //!
-//! Greedy rounds on a fixed budget without drafter features or kept logits first offer the
-//! backend the whole round ([`Backend::device_tree_round`]): the CUDA backend then keeps the
-//! tree on the GPU from the build to the compaction and reads back only the accept result (one
-//! host sync per round; [`SpecStats::round_host_reads`]). The other rounds (and the CPU
+//! Greedy rounds without drafter features or kept logits (and, for `auto`, without calibration)
+//! first offer the backend the whole round ([`Backend::device_tree_round`]): the CUDA backend
+//! then keeps the tree on the GPU from the build to the compaction and reads back only the
+//! accept result (one host sync per round; [`SpecStats::round_host_reads`]), plus for `auto` the
+//! built tree's path log-probs that [`choose_budget`] cuts it by. The other rounds (and the CPU
 //! backend's) run the host path below, which gives the same tokens; on the GPU it reads the tree
 //! back after the build and the argmax rows (or logits) after the verify.
 
@@ -194,10 +195,13 @@ pub fn generate_speculative<B: Backend>(
     tokens.push(first);
     let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
 
-    // Greedy verification without drafter features or kept logits on a fixed budget may run as
-    // one device round (the CUDA backend: the tree stays on the GPU, one read per round).
-    let device_rounds =
-        layers.is_empty() && options.sampling.is_greedy() && !options.record_logits && auto_cost.is_none();
+    // Greedy verification without drafter features or kept logits may run as one device round
+    // (the CUDA backend: the tree stays on the GPU, one read per round; `auto` reads the path
+    // log-probs too). Calibrated `auto` learns from the whole tree on the host.
+    let device_rounds = layers.is_empty()
+        && options.sampling.is_greedy()
+        && !options.record_logits
+        && !(auto_cost.is_some() && spec.calibrate);
     let mut last_choice: Option<usize> = None;
     // What the verify rounds say of the drafter's probabilities (`auto` with `calibrate`).
     let mut calibration = Calibration::default();
@@ -224,16 +228,36 @@ pub fn generate_speculative<B: Backend>(
         }
         // Positions past the context cannot be verified.
         let depth = (block_size - 1).min(context - 1 - start);
+        let build = match (auto_cost, last_choice) {
+            (Some(_), Some(last)) => (AUTO_BUILD_GROWTH * last).clamp(AUTO_MIN_BUILD.min(budget), budget),
+            _ => budget,
+        };
         let reads = b.host_reads();
         let device = if device_rounds {
+            // `auto`: the budget with the best expected rate, from the built tree's path
+            // log-probs (best-first order: the top-B tree is the first B nodes).
+            let mut chosen = None;
+            let mut choose = |lp: &[f32]| {
+                let c = auto_cost.map_or(lp.len(), |cost| choose_budget(lp, cost, build));
+                chosen = Some(c);
+                c
+            };
             let round = TreeRound {
                 drafted: &drafted,
                 depth,
-                budget,
+                budget: build,
                 root: bonus,
                 start,
+                choose: match auto_cost {
+                    Some(_) => Some(&mut choose),
+                    None => None,
+                },
             };
-            b.device_tree_round(&mut cache, round, &mut |c, input| model.forward_greedy(c, input))?
+            let done = b.device_tree_round(&mut cache, round, &mut |c, input| model.forward_greedy(c, input))?;
+            if done.is_some() && chosen.is_some() {
+                last_choice = chosen;
+            }
+            done
         } else {
             None
         };
@@ -243,10 +267,6 @@ pub fn generate_speculative<B: Backend>(
             stats.accept += round.accept;
             (round.nodes, round.accepted, None)
         } else {
-            let build = match (auto_cost, last_choice) {
-                (Some(_), Some(last)) => (AUTO_BUILD_GROWTH * last).clamp(AUTO_MIN_BUILD.min(budget), budget),
-                _ => budget,
-            };
             let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
             if let Some(cost) = auto_cost {
                 // Best-first order: the first B nodes are the top-B tree, the one the builder

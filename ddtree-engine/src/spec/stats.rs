@@ -27,8 +27,8 @@ pub struct SpecStats {
     pub accept_lengths: Vec<usize>,
     /// Per round, the backend's device-to-host reads from the tree build to the end of the
     /// accept ([`crate::Backend::host_reads`]; empty where the backend does not count them): 1
-    /// for the CUDA backend's greedy fixed-budget rounds, more where the tree goes through the
-    /// host.
+    /// for the CUDA backend's greedy fixed-budget rounds, 2 for its `auto` rounds (the path
+    /// log-probs too) and where the tree goes through the host.
     pub round_host_reads: Vec<u64>,
     /// Target forwards: the prefill plus one verify per round.
     pub target_forwards: usize,

@@ -174,11 +174,14 @@ pub fn compact_rows(
     }
 }
 
-/// Stages a built tree as the verify forward's inputs (grid `ceil(n * words / 256)`, at least
-/// `ceil(n / 256)`): for node `i < n`, `tokens[i] = token[i]` and `positions[i] = start +
-/// depth[i]`, and the `n * words` mask words are copied (rows of `words = ceil(n / 32)`, as the
-/// builder writes them for `n` nodes). The CPU reference is the tree itself:
-/// [`super::DraftTree::token`], [`super::DraftTree::positions`] and [`super::DraftTree::mask`].
+/// Stages the first `n` nodes of a built tree as the verify forward's inputs (grid
+/// `ceil(n * words / 256)`, at least `ceil(n / 256)`): for node `i < n`, `tokens[i] = token[i]`
+/// and `positions[i] = start + depth[i]`, and the first `words = ceil(n / 32)` words of each of
+/// the first `n` mask rows, whose stride in `mask` is `in_words` (the builder's rows hold
+/// `ceil(nodes / 32)` words for the `nodes >= n` it built; the first `n` nodes of a best-first
+/// tree are its top-`(n - 1)` tree, with ancestors among them). The CPU reference is the
+/// (truncated) tree itself: [`super::DraftTree::token`], [`super::DraftTree::positions`] and
+/// [`super::DraftTree::mask`].
 #[kernel(block = 256)]
 #[allow(clippy::too_many_arguments)]
 pub fn tree_stage(
@@ -190,6 +193,7 @@ pub fn tree_stage(
     mask_out: &mut [u32],
     n: u32,
     words: u32,
+    in_words: u32,
     start: u32,
 ) {
     let i = block_idx_x() * 256u32 + thread_idx_x();
@@ -198,6 +202,6 @@ pub fn tree_stage(
         positions[i] = start + depth[i];
     }
     if i < n * words {
-        mask_out[i] = mask[i];
+        mask_out[i] = mask[i / words * in_words + i % words];
     }
 }

@@ -391,7 +391,7 @@ pub fn accept(
     let words = b.nodes().div_ceil(32);
     let (mut tokens, mut positions) = (zeros::<u32>(s, n)?, zeros::<u32>(s, n)?);
     let mut mask = zeros::<u32>(s, b.nodes() * words)?;
-    b.stage(s, start, &mut tokens, &mut positions, &mut mask)?;
+    b.stage(s, start, n, &mut tokens, &mut positions, &mut mask)?;
     let mut got_stage = vec![b.nodes() as u32];
     got_stage.extend(download(s, &tokens)?);
     got_stage.extend(download(s, &positions)?);
@@ -407,6 +407,35 @@ pub fn accept(
         &f(&got_stage),
         &f(&want_stage),
     )];
+    // Its top-(m - 1) tree (`auto`'s cut: mask rows re-strided when fewer words) and the
+    // path log-probs that choose it.
+    let m = (n - n / 3).max(1);
+    let mut cut = tree.clone();
+    cut.truncate(m);
+    let cw = m.div_ceil(32);
+    let (mut tokens, mut positions) = (zeros::<u32>(s, m)?, zeros::<u32>(s, m)?);
+    let mut mask = zeros::<u32>(s, m * cw)?;
+    b.stage(s, start, m, &mut tokens, &mut positions, &mut mask)?;
+    let mut got_cut = download(s, &tokens)?;
+    got_cut.extend(download(s, &positions)?);
+    got_cut.extend(download(s, &mask)?);
+    let mut want_cut = cut.token.clone();
+    want_cut.extend(cut.positions(start));
+    want_cut.extend(&cut.mask);
+    out.push(exact(
+        "tree_stage",
+        "tree_stage (top-(m - 1) cut)".into(),
+        format!("{case} cut={m}"),
+        &f(&got_cut),
+        &f(&want_cut),
+    ));
+    out.push(exact(
+        "tree_build",
+        "path log-probs read".into(),
+        case.clone(),
+        &b.path_logprobs(s)?,
+        &tree.path_logprob,
+    ));
     // Target logits that mostly agree with the draft's first children, sampled at T = 0.8.
     let mut tl: Vec<f32> = (0..n * vocab).map(|_| rng.random_range(-4.0f32..4.0)).collect();
     for i in 0..n {

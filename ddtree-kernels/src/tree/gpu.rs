@@ -230,22 +230,30 @@ impl GpuBuilder {
         super::tree_size(self.depth, self.vocab, self.budget)
     }
 
-    /// Writes the last build's tree as a verify step's inputs (one launch, no host copy): node
-    /// tokens to `tokens`, positions `start + depth` to `positions`, and the mask rows
-    /// (`[n, ceil(n / 32)]`, `n` = [`GpuBuilder::nodes`]) to `mask`; each must hold that many.
+    /// Writes the first `n` nodes of the last build's tree (at most [`GpuBuilder::nodes`]; the
+    /// top-`(n - 1)` tree) as a verify step's inputs (one launch, no host copy): node tokens to
+    /// `tokens`, positions `start + depth` to `positions`, and the mask rows (`[n, ceil(n /
+    /// 32)]`) to `mask`; each must hold that many.
     pub fn stage(
         &self,
         s: &Arc<CudaStream>,
         start: u32,
+        n: usize,
         tokens: &mut impl DevicePtrMut<u32>,
         positions: &mut impl DevicePtrMut<u32>,
         mask: &mut impl DevicePtrMut<u32>,
     ) -> Result<(), RuntimeError> {
-        let n = self.nodes();
+        assert!(
+            (1..=self.nodes()).contains(&n),
+            "staging {n} of a {}-node tree",
+            self.nodes()
+        );
         let words = n.div_ceil(32);
+        let in_words = self.nodes().div_ceil(32);
         let grid = (n * words).div_ceil(256) as u32;
-        // SAFETY: the build wrote n nodes with mask rows of `words` words (capacity budget + 1
-        // nodes); the outputs hold n, n and n * words values (the caller's contract).
+        // SAFETY: the build wrote nodes() >= n nodes with mask rows of `in_words` words
+        // (capacity budget + 1 nodes); the outputs hold n, n and n * words values (the caller's
+        // contract).
         unsafe {
             TreeStage::launch(
                 &self.stage,
@@ -259,18 +267,42 @@ impl GpuBuilder {
                 mask,
                 n as u32,
                 words as u32,
+                in_words as u32,
                 start,
             )
         }
     }
 
-    /// Downloads the tree and the per-depth log-sum-exp (for checks; not part of a step).
+    /// The path log-probs of the last build's nodes in best-first order (root first; one read,
+    /// for a budget chosen from them).
+    pub fn path_logprobs(&self, s: &Arc<CudaStream>) -> Result<Vec<f32>, RuntimeError> {
+        s.clone_dtoh(&self.path_lp.slice(..self.nodes()))
+            .map_err(drv("copying from the GPU"))
+    }
+
+    /// Cuts the last build's tree to its first `n` nodes (its top-`(n - 1)` tree, at most
+    /// [`GpuBuilder::nodes`]) for the next [`GpuAccept::accept`], which walks that many: an
+    /// asynchronous copy of the count, no host sync.
+    pub fn truncate(&mut self, s: &Arc<CudaStream>, n: usize) -> Result<(), RuntimeError> {
+        assert!(
+            (1..=self.nodes()).contains(&n),
+            "cutting a {}-node tree to {n}",
+            self.nodes()
+        );
+        s.memcpy_htod(&[n as u32], &mut self.n)
+            .map_err(drv("copying the node count to the GPU"))
+    }
+
+    /// Downloads the tree (cut as by [`GpuBuilder::truncate`], if it was) and the per-depth
+    /// log-sum-exp (for checks and the host path; not part of a device round).
     pub fn download(&self, s: &Arc<CudaStream>) -> Result<(DraftTree, Vec<f32>), RuntimeError> {
-        let n = download(s, &self.n)?[0] as usize;
+        let cut_to = download(s, &self.n)?[0] as usize;
+        // The build wrote `nodes()` nodes with mask rows of that many bits.
+        let n = self.nodes().max(cut_to);
         let words = n.div_ceil(32);
         let cut = |v: Vec<u32>| v[..n].to_vec();
         let cuti = |v: Vec<i32>| v[..n].to_vec();
-        let tree = DraftTree {
+        let mut tree = DraftTree {
             token: cut(download(s, &self.token)?),
             parent: cuti(download(s, &self.parent)?),
             depth: cut(download(s, &self.depth_out)?),
@@ -280,6 +312,9 @@ impl GpuBuilder {
             words,
             path_logprob: download(s, &self.path_lp)?[..n].to_vec(),
         };
+        if cut_to < n {
+            tree.truncate(cut_to.max(1));
+        }
         Ok((tree, download(s, &self.lse)?))
     }
 }

@@ -16,10 +16,12 @@
 //!    ([`GpuAccept`]), which read the accepted indices on the device.
 //!
 //! Then one copy to the host, the accept result (accepted length, indices and the target's
-//! token at each, the last being the bonus), the round's only host sync. Rounds that keep the
-//! tree on the host (`--budget auto`, sampling, drafter features, kept logits) read the whole
-//! tree back after the build ([`Backend::draft_tree`]) and the argmax rows or logits after the
-//! verify.
+//! token at each, the last being the bonus), the round's only host sync. `--budget auto`
+//! (uncalibrated) reads the built tree's path log-probs first, picks the top-B tree from them
+//! and stages and accepts only its nodes (the first B + 1 in best-first order,
+//! [`GpuBuilder::truncate`]). Rounds that keep the tree on the host (calibrated `auto`,
+//! sampling, drafter features, kept logits) read the whole tree back after the build
+//! ([`Backend::draft_tree`]) and the argmax rows or logits after the verify.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,7 +31,7 @@ use ddtree_kernels::tree::{Acceptance, MAX_K};
 use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice};
 
 use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, DeviceData, Staged, State, CU_EVENT_DEFAULT};
-use crate::backend::{Backend, GreedyVerify, TreeRound, TreeRoundOutcome};
+use crate::backend::{Backend, BudgetChoice, GreedyVerify, TreeRound, TreeRoundOutcome};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows};
@@ -52,6 +54,7 @@ impl CudaBackend {
             budget,
             root,
             start,
+            choose,
         } = round;
         let vocab = drafted.cols;
         let (layers, width) = (cache.lens.len(), cache.width);
@@ -88,7 +91,7 @@ impl CudaBackend {
         let nodes = {
             let mut st = self.state();
             let at = self.builder_index(&mut st, depth, vocab, budget)?;
-            self.stage_tree(&mut st, at, logits, root, start)?
+            self.stage_tree(&mut st, at, logits, root, start, choose)?
         };
         let e_verify = mark()?;
         let words = nodes.div_ceil(32);
@@ -145,9 +148,19 @@ impl CudaBackend {
         }))
     }
 
-    /// Builds the tree of builder `at` from `logits` under `root` and writes it to the token,
-    /// position and mask staging buffers (positions from `start`); returns its node count.
-    fn stage_tree(&self, st: &mut State, at: usize, logits: &CudaSlice<f32>, root: u32, start: usize) -> Result<usize> {
+    /// Builds the tree of builder `at` from `logits` under `root`, cuts it to the top-`B` tree
+    /// `choose` picks from the path log-probs (read back), if given, and writes it to the
+    /// token, position and mask staging buffers (positions from `start`); returns its node
+    /// count.
+    fn stage_tree(
+        &self,
+        st: &mut State,
+        at: usize,
+        logits: &CudaSlice<f32>,
+        root: u32,
+        start: usize,
+        choose: Option<&mut BudgetChoice<'_>>,
+    ) -> Result<usize> {
         let nodes = st.builders[at].1.nodes();
         let words = nodes.div_ceil(32);
         for (slot, len) in [
@@ -173,6 +186,16 @@ impl CudaBackend {
             .map_err(drv("copying to the GPU"))?;
         let builder: &mut GpuBuilder = &mut builders[at].1;
         builder.build(&self.stream, logits, root_buf)?;
+        let nodes = match choose {
+            Some(choose) => {
+                self.count_read();
+                let lp = builder.path_logprobs(&self.stream)?;
+                let n = choose(&lp[1..]).min(nodes - 1) + 1;
+                builder.truncate(&self.stream, n)?;
+                n
+            }
+            None => nodes,
+        };
         let (mut tokens, mut positions, mut mask) = (None, None, None);
         for (slot, _, d) in staged.iter_mut() {
             let dst = match slot {
@@ -186,7 +209,7 @@ impl CudaBackend {
         let (Some(tokens), Some(positions), Some(mask)) = (tokens, positions, mask) else {
             return Err(fail("the staging buffers are in use".into()));
         };
-        builder.stage(&self.stream, start as u32, tokens, positions, mask)?;
+        builder.stage(&self.stream, start as u32, nodes, tokens, positions, mask)?;
         Ok(nodes)
     }
 
