@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use ddtree_kernels::tree::accept_reference;
 
-use crate::backend::{Backend, Matrix, TreeRound};
+use crate::backend::{Backend, BudgetChoice, Matrix, TreeRound};
 use crate::error::{EngineError, Result};
 use crate::generate::{check_prompt, choose_rows, GenerateOptions, Generation};
 use crate::mask::AncestorMask;
@@ -236,32 +236,23 @@ pub fn generate_speculative<B: Backend>(
         let device = if device_rounds {
             // `auto`: the budget with the best expected rate, from the built tree's path
             // log-probs (best-first order: the top-B tree is the first B nodes).
-            let mut chosen = None;
-            let mut choose = |lp: &[f32]| {
-                let c = auto_cost.map_or(lp.len(), |cost| choose_budget(lp, cost, build));
-                chosen = Some(c);
-                c
-            };
+            let mut choose = auto_cost.map(|cost| move |lp: &[f32]| choose_budget(lp, cost, build));
             let round = TreeRound {
                 drafted: &drafted,
                 depth,
                 budget: build,
                 root: bonus,
                 start,
-                choose: match auto_cost {
-                    Some(_) => Some(&mut choose),
-                    None => None,
-                },
+                choose: choose.as_mut().map(|c| c as &mut BudgetChoice<'_>),
             };
-            let done = b.device_tree_round(&mut cache, round, &mut |c, input| model.forward_greedy(c, input))?;
-            if done.is_some() && chosen.is_some() {
-                last_choice = chosen;
-            }
-            done
+            b.device_tree_round(&mut cache, round, &mut |c, input| model.forward_greedy(c, input))?
         } else {
             None
         };
         let (nodes, accepted, logits) = if let Some(round) = device {
+            if auto_cost.is_some() {
+                last_choice = Some(round.nodes - 1);
+            }
             stats.build += round.build;
             stats.verify += round.verify;
             stats.accept += round.accept;
