@@ -123,6 +123,10 @@ struct BenchArgs {
     /// `auto` scores trees with the drafter's probabilities as calibrated by the earlier rounds.
     #[arg(long)]
     calibrate_auto: bool,
+    /// Keep only the first N decoder layers of the preset (a quicker run, or a small model
+    /// for a profiler); the report's bytes and floor follow.
+    #[arg(long)]
+    layers: Option<usize>,
     /// Write the report as JSON to this file too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -502,7 +506,17 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
     if let Some(t) = args.tokens {
         opts.spec_tokens = t;
     }
-    let config = preset.config()?;
+    let mut config = preset.config()?;
+    if let Some(n) = args.layers {
+        if n == 0 || n > config.num_hidden_layers {
+            return Err(EngineError::Forward(format!(
+                "--layers must be 1..={} for preset {}, got {n}",
+                config.num_hidden_layers,
+                preset.name()
+            )));
+        }
+        config.num_hidden_layers = n;
+    }
     let start = Instant::now();
     let bar = progress_bar(
         u64::MAX,
