@@ -19,9 +19,10 @@ def main(path):
     ki, ti = h.index("Kernel Name"), h.index("gpu__time_duration.sum")
     gi, bi = h.index("Grid Size"), h.index("Block Size")
     ks = [(r[ki], float(r[ti].replace(",", "")) / 1e3, r[gi], r[bi]) for r in data]
-    # A decode step ends with the row top-1 of the logits (`row_topk`): steps are the
-    # stretches between two of them.
-    ends = [i for i, k in enumerate(ks) if k[0].startswith("row_topk")]
+    # A decode step ends with the row top-1 of the logits (`row_topk*`, one kernel or a split
+    # pass and its merge): steps are the stretches between two such ends.
+    top = [k[0].startswith("row_topk") for k in ks]
+    ends = [i for i in range(len(ks)) if top[i] and (i + 1 == len(ks) or not top[i + 1])]
     steps = [ks[a + 1:b + 1] for a, b in zip(ends, ends[1:])]
     if not steps:
         sys.exit("no complete decode step (two row_topk launches) in the profile")

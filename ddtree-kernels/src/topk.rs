@@ -362,6 +362,28 @@ impl TopkRunner {
         })
     }
 
+    /// Makes sure the split path's candidate buffers hold `rows` rows of `n` columns (no-op for
+    /// the one-block-per-row path); returns whether they were (re)allocated, which moves their
+    /// address (a recorded CUDA graph that used the old ones is stale then).
+    pub fn reserve(&mut self, s: &Arc<CudaStream>, rows: usize, n: usize) -> Result<bool, RuntimeError> {
+        if rows >= SPLIT_MAX_ROWS {
+            return Ok(false);
+        }
+        let need = rows * self.part_p.parts(n) * self.k;
+        if self.cand.as_ref().is_some_and(|c| c.0.len() >= need) {
+            return Ok(false);
+        }
+        let drv = |source| RuntimeError::Driver {
+            context: "allocating top-k candidates".into(),
+            source,
+        };
+        self.cand = Some((
+            s.alloc_zeros::<f32>(need).map_err(drv)?,
+            s.alloc_zeros::<u32>(need).map_err(drv)?,
+        ));
+        Ok(true)
+    }
+
     /// Writes each row's `k` best (value, column) pairs of `logits` (`[rows, n]`) to `values` /
     /// `indices` (`[rows, k]`), best first, by [`reference`]'s order. Checks the sizes; grows
     /// the candidate buffers of the split path on first use of a larger shape.
@@ -389,22 +411,9 @@ impl TopkRunner {
             // SAFETY: logits hold rows * n values with n >= k; the outputs hold rows * k.
             return unsafe { RowTopk::launch(&self.full, s, rows as u32, logits, values, indices, n as u32) };
         }
+        self.reserve(s, rows, n)?;
         let parts = self.part_p.parts(n);
-        let need = rows * parts * k;
-        let (cv, ci) = match &mut self.cand {
-            Some(c) if c.0.len() >= need => c,
-            slot => {
-                let drv = |source| RuntimeError::Driver {
-                    context: "allocating top-k candidates".into(),
-                    source,
-                };
-                let c = (
-                    s.alloc_zeros::<f32>(need).map_err(drv)?,
-                    s.alloc_zeros::<u32>(need).map_err(drv)?,
-                );
-                slot.insert(c)
-            }
-        };
+        let (cv, ci) = self.cand.as_mut().expect("reserved above");
         let grid = (parts as u32, rows as u32);
         // SAFETY: logits hold rows * n values; the candidates rows * parts * k; ids is unused by
         // the part pass; the merge reads rows * parts * k candidates and writes rows * k.

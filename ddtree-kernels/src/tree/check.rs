@@ -9,7 +9,7 @@ use rand::Rng;
 use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
-    accept_reference, chain_mask, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
+    accept_reference, chain_mask, combine_grid, combine_warps, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
     MlaVerifySplit, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::check::{
@@ -235,7 +235,8 @@ pub fn verify(
         let splits = c
             .splits
             .unwrap_or_else(|| verify_splits(v, 132, rows, bound + nodes, usize::MAX));
-        let case = format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits}");
+        let wps = combine_warps(splits as u32);
+        let case = format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} wps={wps}");
         let mut po = t.upload(&vec![0x7fc0_7fc0u32; splits * rows * LATENT / 2])?;
         let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
         let mut o = poisoned_bf16(t, rows * LATENT)?;
@@ -269,9 +270,10 @@ pub fn verify(
             Arg::Out(&mut l),
             Arg::from(rows as u32),
             Arg::from(splits as u32),
+            Arg::from(wps),
         ];
         // SAFETY: the partials of the split pass; out and lse hold rows rows.
-        unsafe { t.launch::<MlaVerifyCombine>(&(), (rows as u32, 8), &mut args)? };
+        unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
         let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
         let got_lse = t.download(&l)?;
         for (case, got, want, tol) in [
@@ -338,6 +340,9 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
         case(70, 70, 1, 64, true, Some(2)),
         case(5, 5, 64, 1, false, Some(2)),
         case(200, 200, 2, 8, false, Some(1)),
+        // Many splits (the combine's multi-warp items; most splits past the keys see none).
+        case(300, 300, 1, 8, true, Some(37)),
+        case(130, 200, 2, 8, false, Some(9)),
     ];
     if sizes == Sizes::Full {
         cases.extend([

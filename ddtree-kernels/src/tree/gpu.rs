@@ -13,7 +13,7 @@ use half::bf16;
 
 use super::build::expansion_candidates;
 use super::{
-    Acceptance, CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept,
+    combine_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept,
     TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
@@ -536,16 +536,18 @@ impl GpuVerify {
                     MlaVerifyWide::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)?
                 }
             }
+            let wps = combine_warps(splits as u32);
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
-                (rows as u32, 8),
+                combine_grid(rows as u32, wps),
                 &self.part_o,
                 &self.part_lse,
                 out,
                 lse,
                 rows as u32,
                 splits as u32,
+                wps,
             )
         }
     }

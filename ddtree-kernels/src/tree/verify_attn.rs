@@ -729,52 +729,126 @@ impl VerifyVariant {
     }
 }
 
-/// Merges the split partials: grid = `(rows, 8)`, 128 threads. Block `(r, y)` owns the 64
-/// output columns `64 y ..` of row `r` (a bf16 pair per lane); its four warps take every fourth
-/// split, so many independent partial loads are in flight, and sum through shared memory.
-/// Writes `out` (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log).
-#[kernel(block = 128)]
-pub fn mla_verify_combine(part_o: &[u32], part_lse: &[f32], out: &mut [bf16], lse: &mut [f32], rows: u32, splits: u32) {
-    let r = block_idx_x();
+/// Warps of [`MlaVerifyCombine`]'s blocks.
+const COMBINE_WARPS: u32 = 8;
+
+/// Partials each warp of [`MlaVerifyCombine`] loads before it uses any.
+const COMBINE_UNROLL: u32 = 4;
+
+/// Warps [`MlaVerifyCombine`] puts on one (row, 64-column slab) for `splits` splits: one warp
+/// per item when each warp's share would be at most one round of [`COMBINE_UNROLL`] loads
+/// (decode trees and prefill chunks of many rows and few splits), up to all eight when the
+/// splits are many (the decode step: one row of 64 heads over up to 132 splits).
+pub fn combine_warps(splits: u32) -> u32 {
+    splits
+        .div_ceil(COMBINE_UNROLL)
+        .next_power_of_two()
+        .clamp(1, COMBINE_WARPS)
+}
+
+/// [`MlaVerifyCombine`]'s grid for `rows` rows and `wps` warps per item
+/// ([`combine_warps`]): `(rows * wps, 1)` blocks, each of 8 warps covering `8 / wps` of the
+/// row's eight 64-column slabs.
+pub fn combine_grid(rows: u32, wps: u32) -> (u32, u32) {
+    (rows * wps, 1)
+}
+
+/// Merges the split partials: grid [`combine_grid`], 256 threads. Each (row `r`, 64-column
+/// slab) item is owned by `wps` consecutive warps ([`combine_warps`], a power of two up to 8;
+/// a bf16 pair of columns per lane). Each warp first takes the row's largest split log-sum-exp
+/// with its lanes loading 32 splits at a time (one L2 round trip per 32 splits, not one per
+/// split); then warp `w` of an item sums the splits `w, w + wps, ...`, loading four of them
+/// before using any, and the item's warps' sums meet in shared memory. Writes `out` (`[rows,
+/// 512]` bf16) and `lse` (`[rows]`, natural log).
+#[kernel(block = 256)]
+pub fn mla_verify_combine(
+    part_o: &[u32],
+    part_lse: &[f32],
+    out: &mut [bf16],
+    lse: &mut [f32],
+    rows: u32,
+    splits: u32,
+    wps: u32,
+) {
     let lane = lane_id();
     let warp = warp_id();
-    let col = block_idx_y() * 64 + lane * 2;
+    let sub = warp % wps;
+    let item = block_idx_x() * (COMBINE_WARPS / wps) + warp / wps;
+    let r = (item / 8).min(rows - 1);
+    let slab = item % 8;
+    let col = slab * 64 + lane * 2;
     let mut m = f32::NEG_INFINITY;
-    for sidx in 0..splits {
-        m = m.max(part_lse[sidx * rows + r]);
+    for s0 in (0..splits).step_by(32) {
+        let sidx = s0 + lane;
+        if sidx < splits {
+            m = m.max(part_lse[sidx * rows + r]);
+        }
     }
-    // A split that saw no key has weight 0 and a zero partial.
+    m = m.max(shfl_xor(m, 16u32));
+    m = m.max(shfl_xor(m, 8u32));
+    m = m.max(shfl_xor(m, 4u32));
+    m = m.max(shfl_xor(m, 2u32));
+    m = m.max(shfl_xor(m, 1u32));
+    // A split that saw no key (-inf; also splits past the device-side length) has weight 0 and
+    // its partial is not read.
     let mut wsum = 0.0f32;
     let mut o0 = 0.0f32;
     let mut o1 = 0.0f32;
-    for sidx in (warp..splits).step_by(4) {
-        let ls = part_lse[sidx * rows + r];
-        // Splits past the device-side length saw no key: skip their partials.
-        if ls != f32::NEG_INFINITY {
-            let w = (ls - m).exp();
-            let pr = part_o[((sidx * rows + r) * 512 + col) / 2];
-            wsum += w;
-            o0 += w * bf16_lo(pr);
-            o1 += w * bf16_hi(pr);
+    let mut ls = [0.0f32; COMBINE_UNROLL];
+    let mut pr = [0u32; COMBINE_UNROLL];
+    for s0 in (sub..splits).step_by(wps * COMBINE_UNROLL) {
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            let sidx = s0 + u * wps;
+            ls[u] = if sidx < splits {
+                part_lse[sidx * rows + r]
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            let sidx = s0 + u * wps;
+            pr[u] = if ls[u] != f32::NEG_INFINITY {
+                part_o[((sidx * rows + r) * 512 + col) / 2]
+            } else {
+                0u32
+            };
+        }
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            if ls[u] != f32::NEG_INFINITY {
+                let w = (ls[u] - m).exp();
+                wsum += w;
+                o0 += w * bf16_lo(pr[u]);
+                o1 += w * bf16_hi(pr[u]);
+            }
         }
     }
-    let so = shared::<f32>(4 * 64);
-    let sw = shared::<f32>(4);
+    let so = shared::<f32>(COMBINE_WARPS * 64);
+    let sw = shared::<f32>(COMBINE_WARPS);
     so[warp * 64 + lane * 2] = o0;
     so[warp * 64 + lane * 2 + 1] = o1;
     if lane == 0 {
         sw[warp] = wsum;
     }
     sync_threads();
-    if warp == 0 {
-        let ws = sw[0] + sw[1] + sw[2] + sw[3];
+    if sub == 0 && item < rows * 8 {
+        let mut ws = 0.0f32;
+        for wi in warp..warp + wps {
+            ws += sw[wi];
+        }
         let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
         #[unroll]
         for e in 0..2 {
             let c = lane * 2 + e;
-            out[r * 512 + block_idx_y() * 64 + c] = ((so[c] + so[64 + c] + so[128 + c] + so[192 + c]) * inv) as bf16;
+            let mut o = 0.0f32;
+            for wi in warp..warp + wps {
+                o += so[wi * 64 + c];
+            }
+            out[r * 512 + slab * 64 + c] = (o * inv) as bf16;
         }
-        if lane == 0 && block_idx_y() == 0 {
+        if lane == 0 && slab == 0 {
             lse[r] = m + ws.ln();
         }
     }

@@ -344,14 +344,17 @@ impl CudaBackend {
     /// recordings allocate them before they start); returns the row count.
     fn argmax_kept(&self, logits: &CudaTensor) -> Result<usize> {
         let mut st = self.state();
+        let st = &mut *st;
         let g = &mut st.graphs;
         if g.argmax.as_ref().is_none_or(|(_, i)| i.len() < logits.rows) {
             g.replaced("the argmax outputs");
             let n = logits.rows.next_power_of_two();
             g.argmax = Some((self.alloc(n)?, self.alloc(n)?));
         }
-        let (values, indices) = g.argmax.as_mut().expect("allocated above");
-        self.argmax_into(logits, values, indices)?;
+        let (mut values, mut indices) = g.argmax.take().expect("allocated above");
+        let done = self.argmax_into(st, logits, &mut values, &mut indices);
+        st.graphs.argmax = Some((values, indices));
+        done?;
         Ok(logits.rows)
     }
 

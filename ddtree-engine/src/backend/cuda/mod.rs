@@ -22,11 +22,11 @@ use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeKernels};
 use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
-use ddtree_kernels::{add, fill, tree, tune};
+use ddtree_kernels::{add, fill, topk, tree, tune};
 use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
     GqaAttention, GqaParams, MlaAbsorbOutput, MlaAbsorbQuery, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute,
-    MoeRouteParams, RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit,
+    MoeRouteParams, RmsNorm, RopeInterleaved, RowTopk, SiluMulParams, SiluMulSplit, TopkRunner,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
@@ -236,6 +236,8 @@ struct State {
     builders: Vec<((usize, usize, usize), tree::gpu::GpuBuilder)>,
     /// The device rounds' accept and compaction, and their root token buffer.
     accept: Option<(tree::gpu::GpuAccept, CudaSlice<u32>)>,
+    /// The split top-1 of few logits rows ([`CudaBackend::argmax_into`]), made on first use.
+    argmax: Option<TopkRunner>,
 }
 
 /// The CUDA backend on one GPU.
@@ -365,6 +367,7 @@ impl CudaBackend {
             moe: Vec::new(),
             builders: Vec::new(),
             accept: None,
+            argmax: None,
         };
         Ok(CudaBackend {
             profile: HostProfile::from_env(&stream),
@@ -1305,7 +1308,7 @@ impl Backend for CudaBackend {
         let _span = self.profile.span("argmax_rows");
         let mut values = self.alloc::<f32>(logits.rows)?;
         let mut indices = self.alloc::<u32>(logits.rows)?;
-        self.argmax_into(logits, &mut values, &mut indices)?;
+        self.argmax_into(&mut self.state(), logits, &mut values, &mut indices)?;
         self.read_back(&indices)
     }
 
@@ -2058,18 +2061,30 @@ impl CudaBackend {
     }
 
     /// The largest value of every row of f32 `logits` and its index (the lowest among equal
-    /// maxima) into `values` and `indices` (at least `logits.rows` each), with the tuned top-1.
+    /// maxima) into `values` and `indices` (at least `logits.rows` each): the split top-1 (many
+    /// blocks per row, then a merge) for fewer than [`topk::SPLIT_MAX_ROWS`] rows (the decode
+    /// step's one row of the vocabulary took 77 µs in one block on the H200), else the tuned
+    /// one-block-per-row top-1.
     fn argmax_into(
         &self,
+        st: &mut State,
         logits: &CudaTensor,
         values: &mut CudaSlice<f32>,
         indices: &mut CudaSlice<u32>,
     ) -> Result<()> {
-        let key = tune::TopkKey {
-            rows: logits.rows,
-            n: logits.cols,
-            k: 1,
-        };
+        let (rows, n) = (logits.rows, logits.cols);
+        if rows < topk::SPLIT_MAX_ROWS {
+            if st.argmax.is_none() {
+                st.argmax = Some(TopkRunner::new(self.gpu(), 1)?);
+            }
+            let runner = st.argmax.as_mut().expect("made above");
+            if runner.reserve(&self.stream, rows, n)? {
+                st.graphs.replaced("the argmax candidates");
+            }
+            runner.run(&self.stream, logits.f32("argmax")?, values, indices, rows, n)?;
+            return Ok(());
+        }
+        let key = tune::TopkKey { rows, n, k: 1 };
         let k = self.kernels.get::<RowTopk>(&key)?;
         if k.params().k != 1 {
             return Err(fail("argmax: the tuned top-k variant is not k = 1".into()));
@@ -2079,11 +2094,11 @@ impl CudaBackend {
             RowTopk::launch(
                 &k,
                 &self.stream,
-                logits.rows as u32,
+                rows as u32,
                 logits.f32("argmax")?,
                 values,
                 indices,
-                logits.cols as u32,
+                n as u32,
             )?
         };
         Ok(())
