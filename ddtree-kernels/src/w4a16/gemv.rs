@@ -293,10 +293,13 @@ pub fn w4a16_gemv(
     let flag_s = shared::<u32>(dn);
     let list = shared::<u32>(ln);
     let count_s = shared::<u32>(1);
-    // Down with xr: act row (pair) of token `t` for the `ei`-th expert at `ei * cap + t`
-    // (u32::MAX = none), for the lanes that copy other tokens' x slices. (The flush below finds
-    // a lane's own rows and router weights in registers: fewer registers in the main loop.)
-    let pn = comptime!(if p.mode == GemvMode::Down && p.xr {
+    // Down with xr or x loaded ahead (`xpre` below): act row (pair) of token `t` for the
+    // `ei`-th expert at `ei * cap + t`, for the lanes that copy other tokens' x slices (xr:
+    // u32::MAX = none) or prefetch their own (a row of the expert where the token has none: its
+    // column is weighted 0 in the flush, and that row was written by the gate_up pass, so it is
+    // finite). (The flush below finds a lane's router weights in registers: fewer registers in
+    // the main loop.)
+    let pn = comptime!(if p.mode == GemvMode::Down && (p.xr || p.chunks == 1) {
         MAX_PAIRS * 8 * p.chunks
     } else {
         1
@@ -394,19 +397,29 @@ pub fn w4a16_gemv(
         sync_threads();
         ne = count_s[0];
     }
-    if down && p.xr {
+    // Dense, GateUp and Down without `xr`, one chunk: x is loaded one k step ahead into
+    // registers from a clamped address (Dense and GateUp: row 0 for unused token columns; Down:
+    // a row of the expert, see `prow`; the last 32 k for the K tail): an unused column only
+    // feeds its own discarded (or zero-weighted) outputs, and the tail's weights are zero
+    // (scale 0). (Two chunks would hold 32 more registers.)
+    let xpre = !p.xr && p.chunks == 1;
+    if down && (p.xr || xpre) {
         for idx in (tid..ne * cap).step_by(nw * 32) {
             let e = list[idx / cap];
             let t = idx % cap;
             let mut r = u32::MAX;
-            if t < m {
-                for j in 0..topk {
-                    if ids_s[t * topk + j] == e {
-                        r = t * topk + j;
+            let mut first = u32::MAX;
+            for pp in 0..pairs {
+                if ids_s[pp] == e {
+                    if first == u32::MAX {
+                        first = pp;
+                    }
+                    if pp / topk == t {
+                        r = pp;
                     }
                 }
             }
-            prow[idx] = r;
+            prow[idx] = if xpre && r == u32::MAX { first } else { r };
         }
         sync_threads();
     }
@@ -441,11 +454,6 @@ pub fn w4a16_gemv(
         };
         soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { u32::MAX };
     }
-    // Dense and GateUp without `xr`, one chunk: x is loaded one k step ahead into registers
-    // from a clamped address (row 0 for unused token columns, the last 32 k for the K tail): an
-    // unused column only feeds its own discarded outputs, and the tail's weights are zero
-    // (scale 0). (Two chunks would hold 32 more registers.)
-    let xpre = !p.xr && !down && p.chunks == 1;
     let mut xbase = [0u32; nc];
     #[unroll]
     for c in 0..nc {
@@ -453,7 +461,7 @@ pub fn w4a16_gemv(
     }
     // Two register slots of a k step's x, `[slot][chunk][j]`, alternating with the step slot's
     // parity (an even number of stages keeps the pattern across the unrolled ring).
-    let xpn = comptime!(if !p.xr && p.mode != GemvMode::Down && p.chunks == 1 {
+    let xpn = comptime!(if !p.xr && p.chunks == 1 {
         8
     } else {
         1
@@ -548,9 +556,17 @@ pub fn w4a16_gemv(
         let kx = (ckb * 128 + 32 * q).min(k - 32);
         #[unroll]
         for c in 0..nc {
+            // (Down: the act row of the item's expert; past the last expert any valid row.)
+            let xb = if !down {
+                xbase[c]
+            } else if cei < ne {
+                prow[cei * cap + g + 8 * c] * k
+            } else {
+                0u32
+            };
             #[unroll]
             for j in 0..4 {
-                let v = x.vload(xbase[c] + kx + 8 * j);
+                let v = x.vload(xb + kx + 8 * j);
                 xn[c * 4 + j][0] = v.x;
                 xn[c * 4 + j][1] = v.y;
                 xn[c * 4 + j][2] = v.z;
@@ -625,14 +641,21 @@ pub fn w4a16_gemv(
                 }
                 let kq = kb * 128 + 32 * q;
                 if xpre {
-                    // The next step's x into the other slot.
+                    // The next item's x (expert `cei`, k step `ckb`) into the other slot.
                     let xs1 = (u + 1) % 2 * 4 * nc;
-                    let kx = (kq + 128).min(k - 32);
+                    let kx = (ckb * 128 + 32 * q).min(k - 32);
                     #[unroll]
                     for c in 0..nc {
+                        let xb = if !down {
+                            xbase[c]
+                        } else if cei < ne {
+                            prow[cei * cap + g + 8 * c] * k
+                        } else {
+                            0u32
+                        };
                         #[unroll]
                         for j in 0..4 {
-                            let v = x.vload(xbase[c] + kx + 8 * j);
+                            let v = x.vload(xb + kx + 8 * j);
                             xn[xs1 + c * 4 + j][0] = v.x;
                             xn[xs1 + c * 4 + j][1] = v.y;
                             xn[xs1 + c * 4 + j][2] = v.z;
