@@ -7,8 +7,9 @@ use ddtree_kernels::attention::{mla, mla_absorb};
 use ddtree_kernels::gemv::{self, GemvChoice};
 use ddtree_kernels::residual;
 use ddtree_kernels::{
-    fill, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32, GemvSplitBf16, GemvSplitF32,
-    MlaAbsorbOutput, MlaAbsorbQuery, MlaKvAppend, RmsNorm, RopeInterleaved,
+    add, fill, silu_mul, AddAssign, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32,
+    GemvGateUpSilu, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu, MlaAbsorbOutput, MlaAbsorbQuery, MlaKvAppend,
+    RmsNorm, RopeInterleaved, SiluMulSplit,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::CudaSlice;
@@ -300,6 +301,90 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         }
     }
 
+    // SwiGLU gate/up (the shared expert, 2048 of 7168, and the dense MLP, 18432 of 7168): two
+    // GEMVs of `gemv::choose` and `silu_mul_split` (the unfused path), next to every fused
+    // candidate of the kind `gemv::choose_gate_up` picks (its choice marked).
+    let silu_p = <SiluMulSplit as Kernel>::space()[0];
+    let silu_k = gpu.compile::<SiluMulSplit>(&silu_p)?;
+    for (n, k) in [(2048, HIDDEN), (18432, HIDDEN)] {
+        let gate = b.bf16(n * k)?;
+        let up = b.bf16(n * k)?;
+        let (n32, k32) = (n as u32, k as u32);
+        let bytes = (4 * n * k) as f64;
+        let op = format!("gate_up_silu {k}->{n}");
+        for t in [1usize, 4] {
+            let a = b.bf16(t * k)?;
+            let (mut g, mut u, mut out) = (b.bf16(t * n)?, b.bf16(t * n)?, b.bf16(t * n)?);
+            let (t32, silu_grid) = (t as u32, silu_mul::grid_split(&silu_p, t * n));
+            let us = match gemv::choose(t, n, k, sms).expect("a GEMV shape") {
+                GemvChoice::Warp(p) => {
+                    let kg = gpu.compile::<GemvBf16>(&p)?;
+                    time(&mut flush, &mut || {
+                        // SAFETY: a [t, k], gate and up [n, k], g, u and out [t, n].
+                        unsafe {
+                            GemvBf16::launch(&kg, s, gemv::grid(&p, n32), &a, &gate, &mut g, t32, n32, k32)?;
+                            GemvBf16::launch(&kg, s, gemv::grid(&p, n32), &a, &up, &mut u, t32, n32, k32)?;
+                            SiluMulSplit::launch(&silu_k, s, silu_grid, &g, &u, &mut out, t32 * n32)
+                        }
+                    })?
+                }
+                GemvChoice::Split(p) => {
+                    let kg = gpu.compile::<GemvSplitBf16>(&p)?;
+                    time(&mut flush, &mut || {
+                        // SAFETY: as above.
+                        unsafe {
+                            GemvSplitBf16::launch(&kg, s, gemv::split_grid(&p, n32), &a, &gate, &mut g, t32, n32, k32)?;
+                            GemvSplitBf16::launch(&kg, s, gemv::split_grid(&p, n32), &a, &up, &mut u, t32, n32, k32)?;
+                            SiluMulSplit::launch(&silu_k, s, silu_grid, &g, &u, &mut out, t32 * n32)
+                        }
+                    })?
+                }
+            };
+            row(&op, t, "2 x linear + silu_mul_split (old)", us, bytes);
+            let m = t.next_power_of_two() as u32;
+            let label =
+                |symbol: String, chosen: bool| format!("{symbol} ({})", if chosen { "new" } else { "candidate" });
+            match gemv::choose_gate_up(t, n, k, sms).expect("a fused shape") {
+                GemvChoice::Warp(chosen) => {
+                    for p in GemvGateUpSilu::space().into_iter().filter(|p| p.m == m) {
+                        let kf = gpu.compile::<GemvGateUpSilu>(&p)?;
+                        let us = time(&mut flush, &mut || {
+                            // SAFETY: a [t, k], gate and up [n, k], out [t, n].
+                            unsafe {
+                                GemvGateUpSilu::launch(
+                                    &kf,
+                                    s,
+                                    gemv::grid(&p, n32),
+                                    &a,
+                                    &gate,
+                                    &up,
+                                    &mut out,
+                                    t32,
+                                    n32,
+                                    k32,
+                                )
+                            }
+                        })?;
+                        row(&op, t, &label(GemvGateUpSilu::symbol(&p), p == chosen), us, bytes);
+                    }
+                }
+                GemvChoice::Split(chosen) => {
+                    for p in GemvSplitGateUpSilu::space().into_iter().filter(|p| p.m == m) {
+                        let kf = gpu.compile::<GemvSplitGateUpSilu>(&p)?;
+                        let grid = gemv::split_grid(&p, n32);
+                        let us = time(&mut flush, &mut || {
+                            // SAFETY: as above.
+                            unsafe {
+                                GemvSplitGateUpSilu::launch(&kf, s, grid, &a, &gate, &up, &mut out, t32, n32, k32)
+                            }
+                        })?;
+                        row(&op, t, &label(GemvSplitGateUpSilu::symbol(&p), p == chosen), us, bytes);
+                    }
+                }
+            }
+        }
+    }
+
     // Norms: default variant next to the row-in-registers one.
     let nw = b.bf16(HIDDEN)?;
     for t in [1usize, 4, 16] {
@@ -325,12 +410,12 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         let mut xf = b.f32(t * HIDDEN, -1.0, 1.0)?;
         let y = b.bf16(t * HIDDEN)?;
         let old = <AddRmsNorm as Kernel>::space()[0];
-        let new = residual::choose_add_rms_norm(t, HIDDEN, true).expect("a variant");
+        let new = residual::choose_add_rms_norm(t, HIDDEN, 1).expect("a variant");
         for (p, what) in [(old, "old"), (new, "new")] {
             let k = gpu.compile::<AddRmsNorm>(&p)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: x, y and out hold t rows of 7168.
-                unsafe { AddRmsNorm::launch(&k, s, t as u32, &mut xf, &y, &nw, &mut out, HIDDEN as u32, 1e-6) }
+                // SAFETY: x, y and out hold t rows of 7168 (`z` is not read with one addend).
+                unsafe { AddRmsNorm::launch(&k, s, t as u32, &mut xf, &y, &y, &nw, &mut out, HIDDEN as u32, 1e-6) }
             })?;
             row(
                 "add_rms_norm 7168",
@@ -340,6 +425,64 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 (12 * t * HIDDEN) as f64,
             );
         }
+        // The MoE block's routed + shared outputs into the stream: `add_assign` then the norm,
+        // next to the norm's two-addend variant.
+        let mut shared = b.bf16(t * HIDDEN)?;
+        let n = (t * HIDDEN) as u32;
+        let add_p = <AddAssign as Kernel>::space()[0];
+        let add_k = gpu.compile::<AddAssign>(&add_p)?;
+        let one = gpu.compile::<AddRmsNorm>(&new)?;
+        let us = time(&mut flush, &mut || {
+            // SAFETY: every buffer holds t rows of 7168 (n % 8 == 0 for the vector add).
+            unsafe {
+                AddAssign::launch(&add_k, s, add::grid(&add_p, n), &mut shared, &y, n)?;
+                AddRmsNorm::launch(
+                    &one,
+                    s,
+                    t as u32,
+                    &mut xf,
+                    &shared,
+                    &shared,
+                    &nw,
+                    &mut out,
+                    HIDDEN as u32,
+                    1e-6,
+                )
+            }
+        })?;
+        row(
+            "add2_rms_norm 7168",
+            t,
+            &format!("{} + {} (old)", AddAssign::symbol(&add_p), AddRmsNorm::symbol(&new)),
+            us,
+            (18 * t * HIDDEN) as f64,
+        );
+        let p = residual::choose_add_rms_norm(t, HIDDEN, 2).expect("a two-addend variant");
+        let two = gpu.compile::<AddRmsNorm>(&p)?;
+        let us = time(&mut flush, &mut || {
+            // SAFETY: every buffer holds t rows of 7168.
+            unsafe {
+                AddRmsNorm::launch(
+                    &two,
+                    s,
+                    t as u32,
+                    &mut xf,
+                    &shared,
+                    &y,
+                    &nw,
+                    &mut out,
+                    HIDDEN as u32,
+                    1e-6,
+                )
+            }
+        })?;
+        row(
+            "add2_rms_norm 7168",
+            t,
+            &format!("{} (new)", AddRmsNorm::symbol(&p)),
+            us,
+            (14 * t * HIDDEN) as f64,
+        );
         let kv_a = b.bf16(t * (LORA + ROPE))?;
         let g = b.bf16(LORA)?;
         let mut cache = b.bf16(64 * (LORA + ROPE))?;

@@ -765,10 +765,13 @@ impl<B: Backend> Model<B> {
         for (l, layer) in w.layers.iter().enumerate() {
             let a = self.attention(l, &layer.attn, &h, cache, input.positions, span)?;
             let post = b.add_rms_norm(&mut x, &a, &layer.post_norm, eps)?;
-            let m = self.mlp(&layer.mlp, &post)?;
+            let (m, shared) = self.mlp(&layer.mlp, &post)?;
             let last = l + 1 == w.layers.len();
             let next_norm = if last { &w.norm } else { &w.layers[l + 1].input_norm };
-            h = b.add_rms_norm(&mut x, &m, next_norm, eps)?;
+            h = match &shared {
+                Some(s) => b.add2_rms_norm(&mut x, m, s, next_norm, eps)?,
+                None => b.add_rms_norm(&mut x, &m, next_norm, eps)?,
+            };
             if feature_layers.contains(&l) {
                 // After the last layer HF's hidden state is the final-normed one, `h` itself.
                 hidden[l] = Some(b.take_rows(if last { &h } else { &x }, &all_rows)?);
@@ -812,27 +815,31 @@ impl<B: Backend> Model<B> {
         b.linear(&o, &a.o)
     }
 
-    fn mlp(&self, mlp: &Mlp<B::Weight, B::Vector, B::Experts>, h: &B::Tensor) -> Result<B::Tensor> {
+    /// A layer's MLP: the dense block's or the routed experts' output, and the shared experts'
+    /// output, which the caller adds to the residual stream with the routed one
+    /// ([`Backend::add2_rms_norm`]).
+    fn mlp(
+        &self,
+        mlp: &Mlp<B::Weight, B::Vector, B::Experts>,
+        h: &B::Tensor,
+    ) -> Result<(B::Tensor, Option<B::Tensor>)> {
         let b = &self.backend;
         match mlp {
-            Mlp::Dense(f) => ffn(b, f, h),
+            Mlp::Dense(f) => Ok((ffn(b, f, h)?, None)),
             Mlp::Moe(m) => {
                 let logits = b.linear_f32(h, &m.router)?;
                 let routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
-                let mut out = b.moe_experts(h, &routing, &m.experts)?;
-                if let Some(shared) = &m.shared {
-                    b.add_assign(&mut out, &ffn(b, shared, h)?)?;
-                }
-                Ok(out)
+                let routed = b.moe_experts(h, &routing, &m.experts)?;
+                let shared = m.shared.as_ref().map(|s| ffn(b, s, h)).transpose()?;
+                Ok((routed, shared))
             }
         }
     }
 }
 
-/// `down(silu(gate x) * up x)` on any backend.
+/// `down(silu(gate x) * up x)` on any backend ([`Backend::gate_up_silu`], then `down`).
 pub fn ffn<B: Backend>(b: &B, f: &Ffn<B::Weight>, x: &B::Tensor) -> Result<B::Tensor> {
-    let act = b.silu_mul(&b.linear(x, &f.gate)?, &b.linear(x, &f.up)?)?;
-    b.linear(&act, &f.down)
+    b.linear(&b.gate_up_silu(x, &f.gate, &f.up)?, &f.down)
 }
 
 /// Fails on the first id that is not below `vocab_size`.

@@ -11,8 +11,8 @@ mod common;
 use common::{fixture, load, sequences, teacher_forced, Agreement};
 use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
-    generate_plain, generate_speculative, ActivationPrecision, Budget, CpuBackend, CudaBackend, CudaOptions, Drafter,
-    GenerateOptions, SpecOptions, SpecStats,
+    generate_plain, generate_speculative, ActivationPrecision, Backend, Budget, CpuBackend, CudaBackend, CudaOptions,
+    Drafter, GenerateOptions, SpecOptions, SpecStats,
 };
 
 /// The agreement the GPU is held to against the f32 CPU. On the H200 the bf16 backend measures
@@ -260,5 +260,65 @@ fn device_tree_rounds_read_back_once_per_round_and_equal_plain_greedy() {
                 !no_graphs
             );
         }
+    }
+}
+
+/// `got` against `want` within `steps` bf16 rounding steps of `want` (plus a floor scaled by
+/// `want`'s RMS, for sums that cancel); returns the share of bit-identical values. NaN fails.
+fn assert_within_bf16_steps(got: &[f32], want: &[f32], steps: f32, case: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{case}: lengths");
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let tol = steps * w.abs() / 128.0 + 1e-3 * rms;
+        assert!((g - w).abs() <= tol, "{case}: element {i} is {g}, unfused {w}");
+    }
+    got.iter().zip(want).filter(|(g, w)| g.to_bits() == w.to_bits()).count() as f64 / got.len().max(1) as f64
+}
+
+/// The fused decode ops against the ops they replace, on the GPU at Kimi K2.6 shapes and at a
+/// tiny one: `gate_up_silu` (one GEMV over both weights, split-K for the shared expert's 2048
+/// columns, per column for the dense MLP's 18432) against two `linear`s and `silu_mul`, within
+/// one bf16 step (a gate or up sum may round the other way with another summation order); and
+/// `add2_rms_norm` against `add_assign` then `add_rms_norm`: the f32 residual stream bit for
+/// bit, the normalized rows within one bf16 step. The share of bit-identical outputs is printed.
+#[test]
+fn fused_decode_ops_equal_the_ops_they_replace() {
+    let Some(b) = gpu() else { return };
+    let mut seed = 0;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    for (n, k) in [(2048, 7168), (18432, 7168), (96, 64)] {
+        let gate = b.random_weight(n, k, None, next()).unwrap();
+        let up = b.random_weight(n, k, None, next()).unwrap();
+        for rows in 1..=4 {
+            let x = b.random_matrix(rows, k, next()).unwrap();
+            let fused = b.to_host(&b.gate_up_silu(&x, &gate, &up).unwrap()).unwrap();
+            let g = b.linear(&x, &gate).unwrap();
+            let u = b.linear(&x, &up).unwrap();
+            let want = b.to_host(&b.silu_mul(&g, &u).unwrap()).unwrap();
+            let case = format!("gate_up_silu {k}->{n}, {rows} rows");
+            let same = assert_within_bf16_steps(&fused.data, &want.data, 1.0, &case);
+            eprintln!("{case}: {:.2}% bit-identical to the unfused ops", 100.0 * same);
+        }
+    }
+    for (rows, n) in [(1, 7168), (4, 7168), (3, 64), (40, 7168)] {
+        let stream = || b.residual(b.random_matrix(rows, n, 100).unwrap()).unwrap();
+        let (mut fused_x, mut want_x) = (stream(), stream());
+        let routed = || b.random_matrix(rows, n, 101).unwrap();
+        let shared = b.random_matrix(rows, n, 102).unwrap();
+        let weight = b.random_vector(n, 0.5, 1.5, 103).unwrap();
+        let fused = b.add2_rms_norm(&mut fused_x, routed(), &shared, &weight, 1e-6).unwrap();
+        let mut sum = routed();
+        b.add_assign(&mut sum, &shared).unwrap();
+        let want = b.add_rms_norm(&mut want_x, &sum, &weight, 1e-6).unwrap();
+        let case = format!("add2_rms_norm {rows}x{n}");
+        let (fx, wx) = (b.to_host(&fused_x).unwrap(), b.to_host(&want_x).unwrap());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fx.data), bits(&wx.data), "{case}: the residual stream differs");
+        let (f, w) = (b.to_host(&fused).unwrap(), b.to_host(&want).unwrap());
+        let same = assert_within_bf16_steps(&f.data, &w.data, 1.0, &case);
+        eprintln!("{case}: stream bit-identical, {:.2}% of the normed rows", 100.0 * same);
     }
 }

@@ -17,7 +17,7 @@ pub const GRID_MAX: u32 = 132 * 8;
 
 /// Two bf16 pairs: `a + b` in f32, rounded to bf16 (nearest even).
 #[device_fn]
-fn add_bf16x2(a: u32, b: u32) -> u32 {
+pub(crate) fn add_bf16x2(a: u32, b: u32) -> u32 {
     pack_bf16x2(bf16_lo(a) + bf16_lo(b), bf16_hi(a) + bf16_hi(b))
 }
 

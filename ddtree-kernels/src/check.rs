@@ -27,7 +27,10 @@ use crate::{
     FillRandomU32, GemmBf16, GemmParams, MoeRoute, MoeRouteParams, RmsNorm, RmsNormParams, RopeInterleaved, RopeParams,
     RowTopk, RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
-use crate::{gemv, GemvBf16, GemvBf16F32, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitParams};
+use crate::{
+    gemv, GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
+    GemvSplitParams,
+};
 use crate::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 
 /// Where checks run.
@@ -1428,10 +1431,11 @@ pub fn random_f32(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
 }
 
 /// Checks the fused residual add + RMSNorm on `rows` rows of `n`: `x` random f32 (not
-/// bf16-representable), `out` poisoned. The new `x` must equal the f32 sum exactly (or the
-/// input, bit for bit, without `add`, where `y` is a single NaN the kernel must not read). `out`
-/// is compared with the reference rounded to bf16, within one bf16 step (a rounding that flips
-/// with the summation order).
+/// bf16-representable), `out` poisoned. The new `x` must equal the f32 sum exactly (with two
+/// addends, of `x` and the bf16-rounded sum of `y` and `z`; without addends the input, bit for
+/// bit). An addend the variant must not read is a single NaN. `out` is compared with the
+/// reference rounded to bf16, within one bf16 step (a rounding that flips with the summation
+/// order).
 pub fn add_rms_norm(
     t: &Target<'_>,
     p: &AddRmsNormParams,
@@ -1441,26 +1445,41 @@ pub fn add_rms_norm(
 ) -> Result<Vec<CheckResult>, CheckError> {
     let eps = 1e-6f32;
     let x = random_f32(rng, rows * n, -3.0, 3.0);
-    let (y, yf) = if p.add {
-        random_bf16(rng, rows * n, -2.0, 2.0)
-    } else {
-        (vec![bf16::NAN], vec![])
+    let mut addend = |used: bool| {
+        if used {
+            random_bf16(rng, rows * n, -2.0, 2.0)
+        } else {
+            (vec![bf16::NAN], vec![])
+        }
     };
+    let (y, yf) = addend(p.addends > 0);
+    let (z, zf) = addend(p.addends == 2);
     let (w, wf) = random_bf16(rng, n, 0.5, 1.5);
-    let (want_x, want) = residual::reference(&x, p.add.then_some(&yf[..]), &wf, n, eps);
+    let added: Option<Vec<f32>> = match p.addends {
+        0 => None,
+        1 => Some(yf),
+        _ => Some(
+            add::reference(&yf, &zf)
+                .into_iter()
+                .map(|v| bf16::from_f32(v).to_f32())
+                .collect(),
+        ),
+    };
+    let (want_x, want) = residual::reference(&x, added.as_deref(), &wf, n, eps);
     let want: Vec<f32> = want.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
     let mut dx = t.upload(&x)?;
-    let (dy, dw) = (t.upload(&y)?, t.upload(&w)?);
+    let (dy, dz, dw) = (t.upload(&y)?, t.upload(&z)?, t.upload(&w)?);
     let mut dout = poisoned_bf16(t, rows * n)?;
     let mut args = [
         Arg::Out(&mut dx),
         Arg::In(&dy),
+        Arg::In(&dz),
         Arg::In(&dw),
         Arg::Out(&mut dout),
         Arg::from(n as u32),
         Arg::from(eps),
     ];
-    // SAFETY: x, out (and y when p.add) hold rows * n elements, weight n.
+    // SAFETY: x, out and the addends the variant reads hold rows * n elements, weight n.
     unsafe { t.launch::<AddRmsNorm>(p, rows as u32, &mut args)? };
     let got_x = t.download(&dx)?;
     let got = to_f32(&t.download(&dout)?);
@@ -1828,6 +1847,89 @@ pub fn gemv_split_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Resul
     Ok(out)
 }
 
+/// Checks a fused gate/up GEMV `K` ([`GemvGateUpSilu`] or [`GemvSplitGateUpSilu`]) for variant
+/// `p` on `grid` blocks: `rows` rows of `a` (`[rows, k]`) against `gate` and `up` (`[n, k]`),
+/// all in `[-1, 1)`, the output poisoned with NaN, against [`gemv::reference_gate_up_silu`]
+/// (f64 sums). The tolerance is the bf16 GEMV's, its absolute part scaled by the output's RMS:
+/// a gate or up sum whose bf16 rounding flips with the summation order moves an output by
+/// about one bf16 step.
+#[allow(clippy::too_many_arguments)]
+fn gate_up_output<K: Kernel>(
+    t: &Target<'_>,
+    p: &K::Params,
+    grid: u32,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let (a, af) = random_bf16(rng, rows * kd, -1.0, 1.0);
+    let (g, gf) = random_bf16(rng, n * kd, -1.0, 1.0);
+    let (u, uf) = random_bf16(rng, n * kd, -1.0, 1.0);
+    let (da, dg, du) = (t.upload(&a)?, t.upload(&g)?, t.upload(&u)?);
+    let want = gemv::reference_gate_up_silu(&af, &gf, &uf, rows, n, kd);
+    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
+    let mut out = poisoned_bf16(t, rows * n)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dg),
+        Arg::In(&du),
+        Arg::Out(&mut out),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: a is rows x k, gate and up n x k, out rows x n; k % 8 == 0 and 1 <= rows <= p.m
+    // (the suites' cases).
+    unsafe { t.launch::<K>(p, grid, &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    let tol = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-2 * rms,
+        rel_l2: 1e-2,
+    };
+    Ok(vec![result::<K>(
+        p,
+        format!("rows={rows} n={n} k={kd}"),
+        &got,
+        &want,
+        tol,
+    )])
+}
+
+/// Every candidate of [`GemvGateUpSilu`] at the sizes of `sizes`, swept as [`gemv_suite`] sweeps
+/// (every row count `1..=m` on small ragged cases); the full sizes add the dense MLP of Kimi K2.6
+/// (18432 x 7168) and the shared expert's shape (2048 x 7168).
+pub fn gemv_gate_up_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let small = [(1, 8), (37, 24), (70, 136), (5, 520), (19, 1032)];
+    let full = [(18432, 7168), (2048, 7168), (1031, 7168), (101, 24)];
+    let mut out = Vec::new();
+    for p in GemvGateUpSilu::space() {
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gate_up_output::<GemvGateUpSilu>(t, &p, gemv::grid(&p, n as u32), rows, n, k, rng)
+        })?);
+    }
+    Ok(out)
+}
+
+/// Every candidate of [`GemvSplitGateUpSilu`], swept as [`gemv_split_suite`] sweeps; the full
+/// sizes add the shared expert of Kimi K2.6 (2048 x 7168).
+pub fn gemv_split_gate_up_suite(
+    t: &Target<'_>,
+    sizes: Sizes,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let small = [(1, 8), (3, 24), (5, 1032), (2, 4104)];
+    let full = [(2048, 7168), (576, 7168), (7, 7176), (1031, 1536)];
+    let mut out = Vec::new();
+    for p in GemvSplitGateUpSilu::space() {
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gate_up_output::<GemvSplitGateUpSilu>(t, &p, gemv::split_grid(&p, n as u32), rows, n, k, rng)
+        })?);
+    }
+    Ok(out)
+}
+
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
@@ -1857,6 +1959,8 @@ pub const SUITES: &[Suite] = &[
     copy_rows_f32_suite,
     gemv_suite,
     gemv_split_suite,
+    gemv_gate_up_suite,
+    gemv_split_gate_up_suite,
     crate::attention::check::mla_absorb_query_suite,
     crate::attention::check::mla_absorb_output_suite,
 ];

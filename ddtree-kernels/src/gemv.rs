@@ -1,6 +1,8 @@
 //! Memory-bound bf16 GEMV for decode (a few rows of activations against an `nn.Linear`
 //! weight): `out[r, j] = sum_i a[r, i] * w[j, i]`, f32 accumulation, bf16 ([`GemvBf16`]) or
-//! f32 ([`GemvBf16F32`], router logits and the LM head) output.
+//! f32 ([`GemvBf16F32`], router logits and the LM head) output; and the gate and up projections
+//! of a SwiGLU block fused with their SiLU-and-mul ([`GemvGateUpSilu`]), one pass over both
+//! weights instead of two GEMVs and a `silu_mul`.
 //!
 //! Each warp owns [`cols_per_warp`] output columns: its lanes stride over `k` in 128-bit
 //! loads of 8 bf16 of the weight rows (issuing [`unroll`] loads per column before using any,
@@ -8,6 +10,9 @@
 //! small and stays in L1/L2, and each load is reused for all the warp's columns), keep
 //! `m * cols` partial sums in registers, and reduce them with warp shuffles; lane 0 writes.
 //! No shared memory and no block barrier: a launch is one cheap kernel with a plain grid.
+//! For few columns and long rows the split-K kernels ([`GemvSplitBf16`], [`GemvSplitF32`],
+//! [`GemvSplitGateUpSilu`]) spread each column's reduction over a block's warps instead
+//! ([`choose`], [`choose_gate_up`]).
 //!
 //! Constraints: `k % 8 == 0` and 16-byte aligned `a` and `w` (the 128-bit loads), `1 <= rows <=
 //! p.m`, and `n * k < 2^32` (u32 indexing).
@@ -21,8 +26,9 @@ use ddtree_codegen::Kernel;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
 use crate::common::warp_sum;
+use crate::silu_mul::silu;
 
-/// Compile-time parameters of [`GemvBf16`] and [`GemvBf16F32`].
+/// Compile-time parameters of [`GemvBf16`], [`GemvBf16F32`] and [`GemvGateUpSilu`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct GemvParams {
     /// Warps per block.
@@ -68,23 +74,26 @@ fn dot2(acc: f32, a: u32, w: u32) -> f32 {
     bf16_hi(a).mul_add(bf16_hi(w), bf16_lo(a).mul_add(bf16_lo(w), acc))
 }
 
-/// The two kernels differ only in the output element type (`as f32` on an f32 is a no-op), so
-/// one body serves both.
+/// One body for every per-column GEMV. It reads the weights listed in `weights`, each as
+/// `slice => sum: accumulators[four register arrays]` (the names are given because
+/// `macro_rules!` cannot make them), shares every activation load among them, and stores `out`'s
+/// expression of the column's sums for each output. The plain GEMVs read one weight and store
+/// its sum (`as f32` on an f32 is a no-op); the gate/up GEMV reads two and stores their
+/// SiLU-and-mul.
 macro_rules! gemv_kernel {
-    ($(#[$attr:meta])* $name:ident, $out:ident) => {
+    (
+        $(#[$attr:meta])*
+        $name:ident,
+        space = $space:tt,
+        weights = [$($w:ident => $v:ident: $acc:ident[$w0:ident, $w1:ident, $w2:ident, $w3:ident]),+],
+        out: $out:ident = $value:expr
+    ) => {
         $(#[$attr])*
-        #[kernel(block = p.warps * 32, space = [
-            GemvParams { warps: 4, m: 1 },
-            GemvParams { warps: 4, m: 2 },
-            GemvParams { warps: 4, m: 4 },
-            GemvParams { warps: 4, m: 8 },
-            GemvParams { warps: 8, m: 1 },
-            GemvParams { warps: 8, m: 8 },
-        ])]
+        #[kernel(block = p.warps * 32, space = $space)]
         pub fn $name(
             #[comptime] p: &GemvParams,
             a: &[bf16],
-            w: &[bf16],
+            $($w: &[bf16],)+
             out: &mut [$out],
             rows: u32,
             n: u32,
@@ -108,11 +117,13 @@ macro_rules! gemv_kernel {
                 for c in 0..cols {
                     wrow[c] = (j0 + c).min(n - 1) * k;
                 }
-                let mut acc = [0.0f32; p.m * cols];
-                let mut w0 = [0u32; un * cols];
-                let mut w1 = [0u32; un * cols];
-                let mut w2 = [0u32; un * cols];
-                let mut w3 = [0u32; un * cols];
+                $(
+                    let mut $acc = [0.0f32; p.m * cols];
+                    let mut $w0 = [0u32; un * cols];
+                    let mut $w1 = [0u32; un * cols];
+                    let mut $w2 = [0u32; un * cols];
+                    let mut $w3 = [0u32; un * cols];
+                )+
                 let mut ch = lane;
                 // Main loop: `un` chunks per column, all loads issued before any is used.
                 while ch + 32 * (un - 1) < chunks {
@@ -120,11 +131,13 @@ macro_rules! gemv_kernel {
                     for u in 0..un {
                         #[unroll]
                         for c in 0..cols {
-                            let v = w.vload(wrow[c] + (ch + u * 32) * 8);
-                            w0[u * cols + c] = v.x;
-                            w1[u * cols + c] = v.y;
-                            w2[u * cols + c] = v.z;
-                            w3[u * cols + c] = v.w;
+                            $(
+                                let v = $w.vload(wrow[c] + (ch + u * 32) * 8);
+                                $w0[u * cols + c] = v.x;
+                                $w1[u * cols + c] = v.y;
+                                $w2[u * cols + c] = v.z;
+                                $w3[u * cols + c] = v.w;
+                            )+
                         }
                     }
                     #[unroll]
@@ -136,10 +149,12 @@ macro_rules! gemv_kernel {
                                 #[unroll]
                                 for c in 0..cols {
                                     let i = u * cols + c;
-                                    let s = dot2(acc[r * cols + c], av.x, w0[i]);
-                                    let s = dot2(s, av.y, w1[i]);
-                                    let s = dot2(s, av.z, w2[i]);
-                                    acc[r * cols + c] = dot2(s, av.w, w3[i]);
+                                    $(
+                                        let s = dot2($acc[r * cols + c], av.x, $w0[i]);
+                                        let s = dot2(s, av.y, $w1[i]);
+                                        let s = dot2(s, av.z, $w2[i]);
+                                        $acc[r * cols + c] = dot2(s, av.w, $w3[i]);
+                                    )+
                                 }
                             }
                         }
@@ -150,11 +165,13 @@ macro_rules! gemv_kernel {
                 while ch < chunks {
                     #[unroll]
                     for c in 0..cols {
-                        let v = w.vload(wrow[c] + ch * 8);
-                        w0[c] = v.x;
-                        w1[c] = v.y;
-                        w2[c] = v.z;
-                        w3[c] = v.w;
+                        $(
+                            let v = $w.vload(wrow[c] + ch * 8);
+                            $w0[c] = v.x;
+                            $w1[c] = v.y;
+                            $w2[c] = v.z;
+                            $w3[c] = v.w;
+                        )+
                     }
                     #[unroll]
                     for r in 0..p.m {
@@ -162,10 +179,12 @@ macro_rules! gemv_kernel {
                             let av = a.vload(r * k + ch * 8);
                             #[unroll]
                             for c in 0..cols {
-                                let s = dot2(acc[r * cols + c], av.x, w0[c]);
-                                let s = dot2(s, av.y, w1[c]);
-                                let s = dot2(s, av.z, w2[c]);
-                                acc[r * cols + c] = dot2(s, av.w, w3[c]);
+                                $(
+                                    let s = dot2($acc[r * cols + c], av.x, $w0[c]);
+                                    let s = dot2(s, av.y, $w1[c]);
+                                    let s = dot2(s, av.z, $w2[c]);
+                                    $acc[r * cols + c] = dot2(s, av.w, $w3[c]);
+                                )+
                             }
                         }
                     }
@@ -173,7 +192,7 @@ macro_rules! gemv_kernel {
                 }
                 #[unroll]
                 for i in 0..p.m * cols {
-                    acc[i] = warp_sum(acc[i]);
+                    $($acc[i] = warp_sum($acc[i]);)+
                 }
                 if lane == 0 {
                     #[unroll]
@@ -181,7 +200,8 @@ macro_rules! gemv_kernel {
                         #[unroll]
                         for c in 0..cols {
                             if r < rows && j0 + c < n {
-                                out[r * n + j0 + c] = acc[r * cols + c] as $out;
+                                $(let $v = $acc[r * cols + c];)+
+                                out[r * n + j0 + c] = $value;
                             }
                         }
                     }
@@ -191,23 +211,65 @@ macro_rules! gemv_kernel {
     };
 }
 
+/// The candidates of the plain per-column GEMVs ([`GemvBf16`], [`GemvBf16F32`]).
+const WARP_SPACE: [GemvParams; 6] = [
+    GemvParams { warps: 4, m: 1 },
+    GemvParams { warps: 4, m: 2 },
+    GemvParams { warps: 4, m: 4 },
+    GemvParams { warps: 4, m: 8 },
+    GemvParams { warps: 8, m: 1 },
+    GemvParams { warps: 8, m: 8 },
+];
+
 gemv_kernel!(
     /// `out[r * n + j] = bf16(sum_i f32(a[r * k + i]) * f32(w[j * k + i]))` for `r < rows`,
     /// `j < n`: `a` is `[rows, k]`, `w` is `[n, k]` (an `nn.Linear` weight), both row-major bf16;
     /// f32 accumulation, rounded to nearest even. Needs `k % 8 == 0` (128-bit loads; `a` and `w`
     /// 16-byte aligned), `1 <= rows <= p.m` and `n * k < 2^32`. Grid: [`grid`] blocks in x.
     gemv_bf16,
-    bf16
+    space = WARP_SPACE,
+    weights = [w => s: acc[w0, w1, w2, w3]],
+    out: bf16 = s as bf16
 );
 
 gemv_kernel!(
     /// [`GemvBf16`] with an f32 output (no rounding): `out[r * n + j] = sum_i f32(a[r * k + i]) *
     /// f32(w[j * k + i])`, for router logits and the LM head. Same constraints and grid.
     gemv_bf16_f32,
-    f32
+    space = WARP_SPACE,
+    weights = [w => s: acc[w0, w1, w2, w3]],
+    out: f32 = s as f32
 );
 
-/// Compile-time parameters of [`GemvSplitBf16`] and [`GemvSplitF32`].
+/// `bf16(silu(bf16(g)) * bf16(u))` in f32 before its final rounding: the gate and up sums rounded
+/// to bf16 where the unfused path stores them, then [`crate::silu_mul::SiluMulSplit`]'s f32 math.
+#[device_fn]
+fn silu_mul_rounded(g: f32, u: f32) -> f32 {
+    let gb = g as bf16;
+    let ub = u as bf16;
+    silu(gb as f32) * (ub as f32)
+}
+
+gemv_kernel!(
+    /// The gate and up projections of a SwiGLU block and their SiLU-and-mul in one pass over both
+    /// weights: `out[r * n + j] = bf16(silu(g) * u)` with `g = bf16(sum_i f32(a[r * k + i]) *
+    /// f32(gate[j * k + i]))` and `u` likewise from `up` (f32 accumulation; every rounding to
+    /// nearest even), for `r < rows`, `j < n`, so the result is [`GemvBf16`] twice and
+    /// [`crate::SiluMulSplit`] up to summation order. `gate` and `up` are `[n, k]`; same
+    /// constraints as [`GemvBf16`] (`1 <= rows <= p.m`, `k % 8 == 0`, both weights 16-byte
+    /// aligned, `n * k < 2^32`). Grid: [`grid`] blocks in x.
+    gemv_gate_up_silu,
+    space = [
+        GemvParams { warps: 4, m: 1 },
+        GemvParams { warps: 4, m: 2 },
+        GemvParams { warps: 4, m: 4 },
+        GemvParams { warps: 8, m: 1 },
+    ],
+    weights = [gate => g: acc_g[g0, g1, g2, g3], up => u: acc_u[u0, u1, u2, u3]],
+    out: bf16 = silu_mul_rounded(g, u) as bf16
+);
+
+/// Compile-time parameters of [`GemvSplitBf16`], [`GemvSplitF32`] and [`GemvSplitGateUpSilu`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct GemvSplitParams {
     /// Warps per block; all of them split the reduction of the block's columns.
@@ -226,24 +288,38 @@ pub fn split_grid(p: &GemvSplitParams, n: u32) -> u32 {
     n.div_ceil(p.cols).max(1)
 }
 
-/// The two split-K kernels differ only in the output element type.
+/// The candidates of the plain split-K GEMVs ([`GemvSplitBf16`], [`GemvSplitF32`]).
+#[rustfmt::skip]
+const SPLIT_SPACE: [GemvSplitParams; 8] = [
+    GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
+    GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
+    GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
+    GemvSplitParams { warps: 8, m: 8, cols: 2, unroll: 2 },
+    GemvSplitParams { warps: 4, m: 1, cols: 1, unroll: 4 },
+    GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 4 },
+    GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
+    GemvSplitParams { warps: 4, m: 8, cols: 1, unroll: 2 },
+];
+
+/// One body for every split-K GEMV, over the weights listed in `weights` as in `gemv_kernel!`,
+/// each also naming its shared-memory array of per-warp sums; `out`'s expression of the
+/// column's sums is stored for each output.
 macro_rules! gemv_split_kernel {
-    ($(#[$attr:meta])* $name:ident, $out:ident) => {
+    (
+        $(#[$attr:meta])*
+        $name:ident,
+        space = $space:tt,
+        weights = [$(
+            $w:ident => $v:ident: $acc:ident[$w0:ident, $w1:ident, $w2:ident, $w3:ident], $red:ident
+        ),+],
+        out: $out:ident = $value:expr
+    ) => {
         $(#[$attr])*
-        #[kernel(block = p.warps * 32, space = [
-            GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
-            GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
-            GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
-            GemvSplitParams { warps: 8, m: 8, cols: 2, unroll: 2 },
-            GemvSplitParams { warps: 4, m: 1, cols: 1, unroll: 4 },
-            GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 4 },
-            GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
-            GemvSplitParams { warps: 4, m: 8, cols: 1, unroll: 2 },
-        ])]
+        #[kernel(block = p.warps * 32, space = $space)]
         pub fn $name(
             #[comptime] p: &GemvSplitParams,
             a: &[bf16],
-            w: &[bf16],
+            $($w: &[bf16],)+
             out: &mut [$out],
             rows: u32,
             n: u32,
@@ -258,7 +334,7 @@ macro_rules! gemv_split_kernel {
             let cols = p.cols;
             let un = p.unroll;
             let threads = comptime!(p.warps * 32);
-            let red = shared::<f32>(p.warps * p.m * p.cols);
+            $(let $red = shared::<f32>(p.warps * p.m * p.cols);)+
             let tid = thread_idx_x();
             let j0 = block_idx_x() * cols;
             let chunks = k / 8;
@@ -268,11 +344,13 @@ macro_rules! gemv_split_kernel {
             for c in 0..cols {
                 wrow[c] = (j0 + c).min(n - 1) * k;
             }
-            let mut acc = [0.0f32; p.m * cols];
-            let mut w0 = [0u32; un * cols];
-            let mut w1 = [0u32; un * cols];
-            let mut w2 = [0u32; un * cols];
-            let mut w3 = [0u32; un * cols];
+            $(
+                let mut $acc = [0.0f32; p.m * cols];
+                let mut $w0 = [0u32; un * cols];
+                let mut $w1 = [0u32; un * cols];
+                let mut $w2 = [0u32; un * cols];
+                let mut $w3 = [0u32; un * cols];
+            )+
             let mut ch = tid;
             // Main loop: `un` chunks per column, all loads issued before any is used.
             while ch + threads * (un - 1) < chunks {
@@ -280,11 +358,13 @@ macro_rules! gemv_split_kernel {
                 for u in 0..un {
                     #[unroll]
                     for c in 0..cols {
-                        let v = w.vload(wrow[c] + (ch + u * threads) * 8);
-                        w0[u * cols + c] = v.x;
-                        w1[u * cols + c] = v.y;
-                        w2[u * cols + c] = v.z;
-                        w3[u * cols + c] = v.w;
+                        $(
+                            let v = $w.vload(wrow[c] + (ch + u * threads) * 8);
+                            $w0[u * cols + c] = v.x;
+                            $w1[u * cols + c] = v.y;
+                            $w2[u * cols + c] = v.z;
+                            $w3[u * cols + c] = v.w;
+                        )+
                     }
                 }
                 #[unroll]
@@ -296,10 +376,12 @@ macro_rules! gemv_split_kernel {
                             #[unroll]
                             for c in 0..cols {
                                 let i = u * cols + c;
-                                let s = dot2(acc[r * cols + c], av.x, w0[i]);
-                                let s = dot2(s, av.y, w1[i]);
-                                let s = dot2(s, av.z, w2[i]);
-                                acc[r * cols + c] = dot2(s, av.w, w3[i]);
+                                $(
+                                    let s = dot2($acc[r * cols + c], av.x, $w0[i]);
+                                    let s = dot2(s, av.y, $w1[i]);
+                                    let s = dot2(s, av.z, $w2[i]);
+                                    $acc[r * cols + c] = dot2(s, av.w, $w3[i]);
+                                )+
                             }
                         }
                     }
@@ -310,11 +392,13 @@ macro_rules! gemv_split_kernel {
             while ch < chunks {
                 #[unroll]
                 for c in 0..cols {
-                    let v = w.vload(wrow[c] + ch * 8);
-                    w0[c] = v.x;
-                    w1[c] = v.y;
-                    w2[c] = v.z;
-                    w3[c] = v.w;
+                    $(
+                        let v = $w.vload(wrow[c] + ch * 8);
+                        $w0[c] = v.x;
+                        $w1[c] = v.y;
+                        $w2[c] = v.z;
+                        $w3[c] = v.w;
+                    )+
                 }
                 #[unroll]
                 for r in 0..p.m {
@@ -322,10 +406,12 @@ macro_rules! gemv_split_kernel {
                         let av = a.vload(r * k + ch * 8);
                         #[unroll]
                         for c in 0..cols {
-                            let s = dot2(acc[r * cols + c], av.x, w0[c]);
-                            let s = dot2(s, av.y, w1[c]);
-                            let s = dot2(s, av.z, w2[c]);
-                            acc[r * cols + c] = dot2(s, av.w, w3[c]);
+                            $(
+                                let s = dot2($acc[r * cols + c], av.x, $w0[c]);
+                                let s = dot2(s, av.y, $w1[c]);
+                                let s = dot2(s, av.z, $w2[c]);
+                                $acc[r * cols + c] = dot2(s, av.w, $w3[c]);
+                            )+
                         }
                     }
                 }
@@ -335,22 +421,26 @@ macro_rules! gemv_split_kernel {
             let warp = warp_id();
             #[unroll]
             for i in 0..p.m * cols {
-                let s = warp_sum(acc[i]);
-                if lane == 0 {
-                    red[warp * p.m * cols + i] = s;
-                }
+                $(
+                    let s = warp_sum($acc[i]);
+                    if lane == 0 {
+                        $red[warp * p.m * cols + i] = s;
+                    }
+                )+
             }
             sync_threads();
             for i in (tid..p.m * cols).step_by(threads) {
                 let r = i / cols;
                 let c = i % cols;
                 if r < rows && j0 + c < n {
-                    let mut s = 0.0f32;
-                    #[unroll]
-                    for wi in 0..p.warps {
-                        s += red[wi * p.m * cols + i];
-                    }
-                    out[r * n + j0 + c] = s as $out;
+                    $(
+                        let mut $v = 0.0f32;
+                        #[unroll]
+                        for wi in 0..p.warps {
+                            $v += $red[wi * p.m * cols + i];
+                        }
+                    )+
+                    out[r * n + j0 + c] = $value;
                 }
             }
         }
@@ -364,22 +454,48 @@ gemv_split_kernel!(
     /// shared memory, so `n` columns spread over `n / cols` blocks of `warps` warps. Same
     /// arguments and constraints as [`GemvBf16`]; grid: [`split_grid`].
     gemv_split_bf16,
-    bf16
+    space = SPLIT_SPACE,
+    weights = [w => s: acc[w0, w1, w2, w3], red],
+    out: bf16 = s as bf16
 );
 
 gemv_split_kernel!(
     /// [`GemvSplitBf16`] with an f32 output (router logits: `n = 48` or `384`, `k = 7168`).
     gemv_split_f32,
-    f32
+    space = SPLIT_SPACE,
+    weights = [w => s: acc[w0, w1, w2, w3], red],
+    out: f32 = s as f32
+);
+
+gemv_split_kernel!(
+    /// [`GemvGateUpSilu`] for few output columns and long rows (the shared expert's 2048 of 7168),
+    /// split over a block's warps as [`GemvSplitBf16`]: the block's `p.cols` columns of both
+    /// weights are reduced together, and each output is `bf16(silu(g) * u)` of the two bf16-rounded
+    /// sums. Same arguments and constraints as [`GemvGateUpSilu`]; grid: [`split_grid`].
+    gemv_split_gate_up_silu,
+    space = [
+        GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
+        GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
+        GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
+        GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 2 },
+        GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
+        GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 2 },
+    ],
+    weights = [
+        gate => g: acc_g[g0, g1, g2, g3], red_g,
+        up => u: acc_u[u0, u1, u2, u3], red_u
+    ],
+    out: bf16 = silu_mul_rounded(g, u) as bf16
 );
 
 /// Which GEMV kernel suits a shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvChoice {
-    /// One warp per column (or several columns): [`GemvBf16`] / [`GemvBf16F32`].
+    /// One warp per column (or several columns): [`GemvBf16`] / [`GemvBf16F32`] /
+    /// [`GemvGateUpSilu`].
     Warp(GemvParams),
     /// A block per column with the reduction split over its warps: [`GemvSplitBf16`] /
-    /// [`GemvSplitF32`].
+    /// [`GemvSplitF32`] / [`GemvSplitGateUpSilu`].
     Split(GemvSplitParams),
 }
 
@@ -398,19 +514,37 @@ pub const MAX_ROWS: usize = 4;
 /// 8 warps on one or two columns (the router's 48 or 384 columns, `kv_a` 576, `q_a` 1536).
 /// `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=[`MAX_ROWS`]).
 pub fn choose(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
+    choose_in(&GemvBf16::space(), &GemvSplitBf16::space(), rows, n, k, sms)
+}
+
+/// The fused gate/up GEMV for `rows` rows, `n` columns of length `k` on `sms` SMs, by
+/// [`choose`]'s rule over [`GemvGateUpSilu`]'s and [`GemvSplitGateUpSilu`]'s candidates: on the
+/// H200 (132 SMs) split-K for the shared expert (`n = 2048`), per column for the dense MLP
+/// (`n = 18432`). `None` where [`choose`] gives none.
+pub fn choose_gate_up(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
+    choose_in(&GemvGateUpSilu::space(), &GemvSplitGateUpSilu::space(), rows, n, k, sms)
+}
+
+/// [`choose`]'s rule over the candidates `warp` (per column) and `split` (split-K): the first
+/// of each for `m = rows.next_power_of_two()`.
+fn choose_in(
+    warp: &[GemvParams],
+    split: &[GemvSplitParams],
+    rows: usize,
+    n: usize,
+    k: usize,
+    sms: usize,
+) -> Option<GemvChoice> {
     if rows == 0 || rows > MAX_ROWS || k % 8 != 0 || n == 0 {
         return None;
     }
     let m = rows.next_power_of_two() as u32;
-    let warp = GemvBf16::space().into_iter().find(|p| p.m == m)?;
-    let warps = n.div_ceil(cols_per_warp(&warp) as usize);
+    let w = warp.iter().find(|p| p.m == m)?;
+    let warps = n.div_ceil(cols_per_warp(w) as usize);
     if warps >= WARPS_PER_SM * sms.max(1) {
-        return Some(GemvChoice::Warp(warp));
+        return Some(GemvChoice::Warp(*w));
     }
-    GemvSplitBf16::space()
-        .into_iter()
-        .find(|p| p.m == m)
-        .map(GemvChoice::Split)
+    split.iter().find(|p| p.m == m).copied().map(GemvChoice::Split)
 }
 
 /// CPU reference (f64 accumulation): `a` is `[rows, k]`, `w` is `[n, k]`; returns `[rows, n]`
@@ -425,4 +559,17 @@ pub fn reference(a: &[f32], w: &[f32], rows: usize, n: usize, k: usize) -> Vec<f
         }
     }
     out
+}
+
+/// CPU reference of the fused gate/up GEMVs: both products by [`reference`], each rounded to
+/// bf16 (nearest even), then [`crate::silu_mul::reference_split`]; `[rows, n]` in f32 (the
+/// kernels round this to bf16).
+pub fn reference_gate_up_silu(a: &[f32], gate: &[f32], up: &[f32], rows: usize, n: usize, k: usize) -> Vec<f32> {
+    let rounded = |w: &[f32]| -> Vec<f32> {
+        reference(a, w, rows, n, k)
+            .into_iter()
+            .map(|v| bf16::from_f32(v).to_f32())
+            .collect()
+    };
+    crate::silu_mul::reference_split(&rounded(gate), &rounded(up))
 }

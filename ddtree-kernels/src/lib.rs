@@ -35,7 +35,10 @@ pub use copy_rows::{CopyParams, CopyRows};
 pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32, FillRandomU32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
-pub use gemv::{GemvBf16, GemvBf16F32, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitParams};
+pub use gemv::{
+    GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
+    GemvSplitParams,
+};
 pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use residual::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 pub use rms_norm::{RmsNorm, RmsNormParams};
@@ -112,6 +115,8 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<GemvBf16F32>()?);
     all.extend(variants::<GemvSplitBf16>()?);
     all.extend(variants::<GemvSplitF32>()?);
+    all.extend(variants::<GemvGateUpSilu>()?);
+    all.extend(variants::<GemvSplitGateUpSilu>()?);
     all.extend(variants::<MlaAbsorbQuery>()?);
     all.extend(variants::<MlaAbsorbOutput>()?);
     Ok(all)

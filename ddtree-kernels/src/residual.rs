@@ -7,7 +7,7 @@
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
 
-use crate::add::GRID_MAX;
+use crate::add::{add_bf16x2, GRID_MAX};
 use crate::common::block_sum;
 use crate::copy_rows::CopyParams;
 
@@ -16,8 +16,10 @@ use crate::copy_rows::CopyParams;
 pub struct AddRmsNormParams {
     /// Threads per block (one block per row).
     pub block: u32,
-    /// Add `y` into `x` first (otherwise `y` is not read and `x` not written).
-    pub add: bool,
+    /// bf16 addends added into `x` first: 0 (`y` and `z` are not read, `x` is not written), 1
+    /// (`y`) or 2 (`bf16(y + z)`, the sum rounded as [`crate::AddAssign`] rounds it; `z` is read
+    /// only then).
+    pub addends: u32,
     /// 8-element chunks each thread loads with 128-bit loads, all before the sum, and keeps in
     /// registers for the second pass (needs `n % 8 == 0`); `0`: scalar loops that read `x`
     /// twice. Rows longer than `block * 8 * hold` take the scalar loops for the rest.
@@ -27,49 +29,58 @@ pub struct AddRmsNormParams {
 /// Rows up to which [`choose_add_rms_norm`] prefers a variant that holds the row in registers.
 pub const FEW_ROWS: usize = 16;
 
-/// The [`AddRmsNorm`] variant for `rows` rows of `n` (no tuner key: a fixed rule). For at most
-/// [`FEW_ROWS`] rows with `n % 8 == 0`, the variant with `add == add` that holds a whole row in
-/// registers with the fewest idle threads (smallest `block * hold`, first in space order);
-/// otherwise the first variant with `hold == 0` and `add == add` (the default).
-pub fn choose_add_rms_norm(rows: usize, n: usize, add: bool) -> Option<AddRmsNormParams> {
+/// The [`AddRmsNorm`] variant for `rows` rows of `n` with `addends` bf16 addends (no tuner key:
+/// a fixed rule). For at most [`FEW_ROWS`] rows with `n % 8 == 0`, the variant with those
+/// addends that holds a whole row in registers with the fewest idle threads (smallest
+/// `block * hold`, first in space order); otherwise the first variant with `hold == 0` and those
+/// addends (the default). `None` for more than 2 addends.
+pub fn choose_add_rms_norm(rows: usize, n: usize, addends: u32) -> Option<AddRmsNormParams> {
     let space = <AddRmsNorm as ddtree_codegen::Kernel>::space();
     let held = space
         .iter()
-        .filter(|p| p.add == add && p.hold > 0 && n % 8 == 0 && n <= (p.block * 8 * p.hold) as usize)
+        .filter(|p| p.addends == addends && p.hold > 0 && n % 8 == 0 && n <= (p.block * 8 * p.hold) as usize)
         .min_by_key(|p| p.block * p.hold)
         .copied();
     match held {
         Some(p) if rows <= FEW_ROWS => Some(p),
-        _ => space.into_iter().find(|p| p.add == add && p.hold == 0),
+        _ => space.into_iter().find(|p| p.addends == addends && p.hold == 0),
     }
 }
 
-/// For each of `rows` rows of `n` (grid = rows, one block per row): when `p.add`,
-/// `x[r, i] += f32(y[r, i])` (written back, f32); then with `inv = 1 / sqrt(mean(x[r]^2) + eps)`
-/// (f32), `out[r, i] = bf16(f32(weight[i]) * (x[r, i] * inv))`, rounded to nearest even. When
-/// `!p.add`, `y` is not read (any non-empty buffer will do) and `x` is not written. Any `n >= 1`
-/// (`n % 8 == 0`, 32-byte aligned `x` and 16-byte aligned `y`, `weight`, `out` when
-/// `p.hold > 0`).
+/// For each of `rows` rows of `n` (grid = rows, one block per row): with one addend
+/// `x[r, i] += f32(y[r, i])`, with two `x[r, i] += f32(bf16(f32(y[r, i]) + f32(z[r, i])))`
+/// (written back, f32: the two parts of a layer's output summed and stored in bf16 as
+/// [`crate::AddAssign`] would, then added to the residual stream); then with
+/// `inv = 1 / sqrt(mean(x[r]^2) + eps)` (f32), `out[r, i] = bf16(f32(weight[i]) * (x[r, i] * inv))`,
+/// rounded to nearest even. Addends not read (`y` and `z` without addends, `z` with one) may be
+/// any non-empty buffer; without addends `x` is not written. Any `n >= 1` (`n % 8 == 0`,
+/// 32-byte aligned `x` and 16-byte aligned `y`, `z`, `weight`, `out` when `p.hold > 0`).
 #[kernel(block = p.block, space = [
-    AddRmsNormParams { block: 256, add: true, hold: 0 },
-    AddRmsNormParams { block: 256, add: false, hold: 0 },
-    AddRmsNormParams { block: 128, add: true, hold: 0 },
-    AddRmsNormParams { block: 512, add: true, hold: 0 },
-    AddRmsNormParams { block: 1024, add: true, hold: 0 },
-    AddRmsNormParams { block: 128, add: false, hold: 0 },
-    AddRmsNormParams { block: 512, add: false, hold: 0 },
-    AddRmsNormParams { block: 512, add: true, hold: 2 },
-    AddRmsNormParams { block: 256, add: true, hold: 4 },
-    AddRmsNormParams { block: 1024, add: true, hold: 1 },
-    AddRmsNormParams { block: 256, add: true, hold: 1 },
-    AddRmsNormParams { block: 64, add: true, hold: 1 },
-    AddRmsNormParams { block: 512, add: false, hold: 2 },
-    AddRmsNormParams { block: 256, add: false, hold: 1 },
+    AddRmsNormParams { block: 256, addends: 1, hold: 0 },
+    AddRmsNormParams { block: 256, addends: 0, hold: 0 },
+    AddRmsNormParams { block: 128, addends: 1, hold: 0 },
+    AddRmsNormParams { block: 512, addends: 1, hold: 0 },
+    AddRmsNormParams { block: 1024, addends: 1, hold: 0 },
+    AddRmsNormParams { block: 128, addends: 0, hold: 0 },
+    AddRmsNormParams { block: 512, addends: 0, hold: 0 },
+    AddRmsNormParams { block: 512, addends: 1, hold: 2 },
+    AddRmsNormParams { block: 256, addends: 1, hold: 4 },
+    AddRmsNormParams { block: 1024, addends: 1, hold: 1 },
+    AddRmsNormParams { block: 256, addends: 1, hold: 1 },
+    AddRmsNormParams { block: 64, addends: 1, hold: 1 },
+    AddRmsNormParams { block: 512, addends: 0, hold: 2 },
+    AddRmsNormParams { block: 256, addends: 0, hold: 1 },
+    AddRmsNormParams { block: 256, addends: 2, hold: 0 },
+    AddRmsNormParams { block: 512, addends: 2, hold: 2 },
+    AddRmsNormParams { block: 256, addends: 2, hold: 1 },
+    AddRmsNormParams { block: 64, addends: 2, hold: 1 },
 ])]
+#[allow(clippy::too_many_arguments)]
 pub fn add_rms_norm(
     #[comptime] p: &AddRmsNormParams,
     x: &mut [f32],
     y: &[bf16],
+    z: &[bf16],
     weight: &[bf16],
     out: &mut [bf16],
     n: u32,
@@ -79,6 +90,7 @@ pub fn add_rms_norm(
         p.block % 32 == 0 && p.block <= 1024,
         "block must be a multiple of 32 and at most 1024"
     );
+    comptime_assert!(p.addends <= 2, "addends must be 0, 1 or 2");
     let tid = thread_idx_x();
     let base = block_idx_x() * n;
     let mut ss = 0.0f32;
@@ -103,8 +115,15 @@ pub fn add_rms_norm(
                 xv[u][5] = f32::from_bits(hi.y);
                 xv[u][6] = f32::from_bits(hi.z);
                 xv[u][7] = f32::from_bits(hi.w);
-                if p.add {
-                    let yv = y.vload(i);
+                if p.addends > 0 {
+                    let mut yv = y.vload(i);
+                    if p.addends == 2 {
+                        let zv = z.vload(i);
+                        yv.x = add_bf16x2(yv.x, zv.x);
+                        yv.y = add_bf16x2(yv.y, zv.y);
+                        yv.z = add_bf16x2(yv.z, zv.z);
+                        yv.w = add_bf16x2(yv.w, zv.w);
+                    }
                     xv[u][0] += bf16_lo(yv.x);
                     xv[u][1] += bf16_hi(yv.x);
                     xv[u][2] += bf16_lo(yv.y);
@@ -135,8 +154,13 @@ pub fn add_rms_norm(
     }
     for i in (first + tid..n).step_by(p.block) {
         let mut v = x[base + i];
-        if p.add {
-            v += y[base + i] as f32;
+        if p.addends > 0 {
+            if p.addends == 2 {
+                let yz = (y[base + i] as f32 + z[base + i] as f32) as bf16;
+                v += yz as f32;
+            } else {
+                v += y[base + i] as f32;
+            }
             x[base + i] = v;
         }
         ss += v * v;
@@ -237,8 +261,9 @@ pub fn copy_rows_f32(
 }
 
 /// CPU reference of [`AddRmsNorm`] on `[rows, n]`: returns the new `x` (`x + y` in f32 when `y`
-/// is given, else `x`) and the normalized rows in f32 (the kernel rounds them to bf16), in the
-/// kernel's order of operations: `w * (v * inv)`, `inv = 1 / sqrt(mean(v^2) + eps)`.
+/// is given, else `x`; for two addends `y` is their sum rounded to bf16) and the normalized rows
+/// in f32 (the kernel rounds them to bf16), in the kernel's order of operations: `w * (v * inv)`,
+/// `inv = 1 / sqrt(mean(v^2) + eps)`.
 pub fn reference(x: &[f32], y: Option<&[f32]>, weight: &[f32], n: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
     let x: Vec<f32> = match y {
         Some(y) => x.iter().zip(y).map(|(a, b)| a + b).collect(),

@@ -8,7 +8,8 @@
 //!    per-row `RowTopk` default next to the split path of `TopkRunner`, whose output is checked.
 //!
 //! 5. with `--decode-ops`: only the checks of the decode-step kernels (absorbed MLA query and
-//!    output, GEMVs, norms, latent append) and their timings next to what they replace
+//!    output, GEMVs and the fused gate/up GEMVs, norms and the residual norm of one or two
+//!    addends, latent append) and their timings next to what they replace
 //!    ([`ddtree_benches::decode_ops`]).
 //!
 //! Usage: `kernel-check [--small] [--seed N] [--skip-bench] [--topk-only] [--decode-ops]`. Exits
@@ -220,6 +221,8 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             ddtree_kernels::attention::check::kv_append_suite,
             check::gemv_suite,
             check::gemv_split_suite,
+            check::gemv_gate_up_suite,
+            check::gemv_split_gate_up_suite,
             check::rms_norm_suite,
             check::add_rms_norm_suite,
         ] {

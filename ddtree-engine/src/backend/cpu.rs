@@ -45,6 +45,10 @@ pub enum ActivationPrecision {
 ///   expert's weighted output before the top-k sum (the grouped path; the small-token path sums
 ///   in f32 and rounds once).
 ///
+/// The fused ops of the CUDA backend keep the defaults here, which go through the ops above and
+/// so round where the fused kernels do: `gate_up_silu` (the gate and up products rounded, then
+/// `silu_mul`) and `add2_rms_norm` (the two parts summed by `add_assign`, then `add_rms_norm`).
+///
 /// f32 stays f32 where the GPU keeps it: the residual stream (`add_rms_norm` adds in f32, the
 /// model having made the stream with [`Backend::residual`]), `linear_f32` (router logits, LM
 /// head), routing, logits handed in by drafters, and every accumulation inside an op. The
@@ -817,15 +821,31 @@ mod tests {
         assert!(is_bf16(&b.rms_norm(&x, &norm, 1e-6).unwrap().data));
         let y = b.linear(&h, &wd).unwrap();
         assert!(is_bf16(&b.silu_mul(&y, &y).unwrap().data));
+        assert!(is_bf16(&b.gate_up_silu(&h, &wd, &wq).unwrap().data));
         // ... but router logits / the LM head and the residual stream stay f32.
         assert!(!is_bf16(&b.linear_f32(&h, &wd).unwrap().data));
         let x16 = f.random_matrix(3, 16, 5).unwrap();
         let mut stream = x16.clone();
         let normed = b.add_rms_norm(&mut stream, &y, &norm[..16].to_vec(), 1e-6).unwrap();
         assert!(is_bf16(&normed.data) && !is_bf16(&stream.data));
-        let mut sum = x16;
+        let mut sum = x16.clone();
         b.add_assign(&mut sum, &y).unwrap();
         assert!(is_bf16(&sum.data));
+        // The two-part residual add rounds the parts' sum, not the stream.
+        let z = b.linear(&h, &wq).unwrap();
+        let mut two = x16.clone();
+        let normed = b
+            .add2_rms_norm(&mut two, y.clone(), &z, &norm[..16].to_vec(), 1e-6)
+            .unwrap();
+        assert!(is_bf16(&normed.data) && !is_bf16(&two.data));
+        let want: Vec<f32> = x16
+            .data
+            .iter()
+            .zip(&y.data)
+            .zip(&z.data)
+            .map(|((x, y), z)| x + to_bf16(y + z))
+            .collect();
+        assert_eq!(two.data, want);
     }
 
     #[test]

@@ -375,8 +375,28 @@ pub trait Backend {
         self.add_assign(x, y)?;
         self.rms_norm(x, weight, eps)
     }
+    /// The residual add of a layer output in two parts fused with the norm after it: `a += b`
+    /// (an activation, stored as [`Backend::add_assign`] stores it), then `x += a` and
+    /// `rms_norm(x)` as [`Backend::add_rms_norm`]. By default exactly that; a backend may fuse the
+    /// three (the MoE block's routed and shared experts).
+    fn add2_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        a: Self::Tensor,
+        b: &Self::Tensor,
+        weight: &Self::Vector,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        unfused_add2_rms_norm(self, x, a, b, weight, eps)
+    }
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// The gate and up projections of a SwiGLU block and their SiLU-and-mul:
+    /// `silu(x gate^T) * (x up^T)`. By default [`Backend::linear`] twice and
+    /// [`Backend::silu_mul`]; a backend may fuse them (rounding where the unfused ops store).
+    fn gate_up_silu(&self, x: &Self::Tensor, gate: &Self::Weight, up: &Self::Weight) -> Result<Self::Tensor> {
+        unfused_gate_up_silu(self, x, gate, up)
+    }
     /// Concatenates matrices with equal row counts along the feature dimension.
     fn concat_cols(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor>;
     /// Per-head RMS norm: every consecutive run of `weight.len()` columns of each row is
@@ -454,4 +474,27 @@ pub trait Backend {
     /// Keeps rows `base + keep[i]` (ascending) moved to `base + i`, and drops every other row at
     /// index `base` and beyond: the compaction after a tree's accepted path is known.
     fn kv_compact(&self, cache: &mut Self::KvCache, base: usize, keep: &[usize]) -> Result<()>;
+}
+
+/// [`Backend::gate_up_silu`]'s default, for backends that fuse only some shapes.
+pub(crate) fn unfused_gate_up_silu<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    gate: &B::Weight,
+    up: &B::Weight,
+) -> Result<B::Tensor> {
+    b.silu_mul(&b.linear(x, gate)?, &b.linear(x, up)?)
+}
+
+/// [`Backend::add2_rms_norm`]'s default, for backends that fuse only some cases.
+pub(crate) fn unfused_add2_rms_norm<B: Backend + ?Sized>(
+    be: &B,
+    x: &mut B::Tensor,
+    mut a: B::Tensor,
+    b: &B::Tensor,
+    weight: &B::Vector,
+    eps: f32,
+) -> Result<B::Tensor> {
+    be.add_assign(&mut a, b)?;
+    be.add_rms_norm(x, &a, weight, eps)
 }

@@ -14,7 +14,9 @@ mod types;
 
 use std::sync::{Arc, Mutex};
 
-use ddtree_kernels::gemv::{self, GemvBf16, GemvBf16F32, GemvChoice, GemvSplitBf16, GemvSplitF32};
+use ddtree_kernels::gemv::{
+    self, GemvBf16, GemvBf16F32, GemvChoice, GemvGateUpSilu, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
+};
 use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
@@ -36,7 +38,8 @@ use half::bf16;
 pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, CudaWeight, DeviceData};
 
 use crate::backend::{
-    AttentionSpan, Backend, GqaDims, GreedyVerify, HostLinear, Matrix, MlaDims, StepInputs, TreeRound, TreeRoundOutcome,
+    unfused_add2_rms_norm, unfused_gate_up_silu, AttentionSpan, Backend, GqaDims, GreedyVerify, HostLinear, Matrix,
+    MlaDims, StepInputs, TreeRound, TreeRoundOutcome,
 };
 use crate::config::MoeConfig;
 use crate::error::{EngineError, Result};
@@ -1348,35 +1351,22 @@ impl Backend for CudaBackend {
             self.add_assign(x, y)?;
             return self.rms_norm(x, weight, eps);
         }
-        if (x.rows, x.cols) != (y.rows, y.cols) || x.cols != weight.len {
-            return Err(fail(format!(
-                "add_rms_norm: {}x{} += {}x{}, weight of {}",
-                x.rows, x.cols, y.rows, y.cols, weight.len
-            )));
+        self.residual_norm(x, y, None, weight, eps)
+    }
+
+    fn add2_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        a: CudaTensor,
+        b: &CudaTensor,
+        weight: &CudaVector,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        if !matches!(x.data, DeviceData::F32(_)) {
+            return unfused_add2_rms_norm(self, x, a, b, weight, eps);
         }
-        let (rows, n) = (x.rows, x.cols);
-        let mut out = self.tensor_bf16(rows, n)?;
-        let p = residual::choose_add_rms_norm(rows, n, true)
-            .ok_or_else(|| fail("add_rms_norm: no variant with the residual add".into()))?;
-        let k = self.variant::<AddRmsNorm>(&p)?;
-        let DeviceData::F32(xf) = &mut x.data else {
-            unreachable!("checked above")
-        };
-        // SAFETY: x [rows, n] f32, y [rows, n] bf16, weight n, out [rows, n].
-        unsafe {
-            AddRmsNorm::launch(
-                &k,
-                &self.stream,
-                rows as u32,
-                xf,
-                y.bf16("add_rms_norm")?,
-                &weight.bf16,
-                out.bf16_mut("add_rms_norm")?,
-                n as u32,
-                eps,
-            )?
-        };
-        Ok(out)
+        let _span = self.profile.span("add2_rms_norm");
+        self.residual_norm(x, &a, Some(b), weight, eps)
     }
 
     fn silu_mul(&self, gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
@@ -1401,6 +1391,54 @@ impl Backend for CudaBackend {
                 out.bf16_mut("silu_mul")?,
                 n as u32,
             )?
+        };
+        Ok(out)
+    }
+
+    fn gate_up_silu(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> Result<CudaTensor> {
+        let (CudaWeight::Dense { w: g, out: n, inp: k }, CudaWeight::Dense { w: u, out: un, inp: uk }) = (gate, up)
+        else {
+            return unfused_gate_up_silu(self, x, gate, up);
+        };
+        // Two dense weights of one shape that `x` fits, and a GEMV shape (few rows, k % 8 == 0).
+        let sms = self.gpu().fingerprint().sm_count as usize;
+        let fits = (n, k) == (un, uk) && x.cols == *k;
+        let Some(choice) = gemv::choose_gate_up(x.rows, *n, *k, sms).filter(|_| fits) else {
+            return unfused_gate_up_silu(self, x, gate, up);
+        };
+        let _span = self.profile.span("gate_up_silu");
+        let (r, n32, k32) = (x.rows as u32, *n as u32, *k as u32);
+        let mut out = self.tensor_bf16(x.rows, *n)?;
+        let (a, o) = (x.bf16("gate_up_silu")?, out.bf16_mut("gate_up_silu")?);
+        // SAFETY: a [rows <= p.m, k], gate and up [n, k], out [rows, n]; k % 8 == 0 (the fused
+        // GEMVs are only chosen then).
+        unsafe {
+            match choice {
+                GemvChoice::Warp(p) => GemvGateUpSilu::launch(
+                    &*self.variant::<GemvGateUpSilu>(&p)?,
+                    &self.stream,
+                    gemv::grid(&p, n32),
+                    a,
+                    g,
+                    u,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+                GemvChoice::Split(p) => GemvSplitGateUpSilu::launch(
+                    &*self.variant::<GemvSplitGateUpSilu>(&p)?,
+                    &self.stream,
+                    gemv::split_grid(&p, n32),
+                    a,
+                    g,
+                    u,
+                    o,
+                    r,
+                    n32,
+                    k32,
+                )?,
+            }
         };
         Ok(out)
     }
@@ -2102,6 +2140,61 @@ impl CudaBackend {
             )?
         };
         Ok(())
+    }
+
+    /// [`Backend::add_rms_norm`] (`z` `None`) and [`Backend::add2_rms_norm`] on the f32 residual
+    /// stream `x`: one [`AddRmsNorm`] launch adding `y` (or `bf16(y + z)`) into `x` and
+    /// normalizing it.
+    fn residual_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        z: Option<&CudaTensor>,
+        weight: &CudaVector,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        let (rows, n) = (x.rows, x.cols);
+        let fits = |t: &CudaTensor| (t.rows, t.cols) == (rows, n);
+        if !fits(y) || !z.is_none_or(fits) || n != weight.len {
+            return Err(fail(format!(
+                "add_rms_norm: {rows}x{n} += {}x{}{}, weight of {}",
+                y.rows,
+                y.cols,
+                z.map_or(String::new(), |z| format!(" + {}x{}", z.rows, z.cols)),
+                weight.len
+            )));
+        }
+        let addends = if z.is_some() { 2 } else { 1 };
+        let p = residual::choose_add_rms_norm(rows, n, addends)
+            .ok_or_else(|| fail(format!("add_rms_norm: no variant with {addends} addend(s)")))?;
+        let k = self.variant::<AddRmsNorm>(&p)?;
+        let mut out = self.tensor_bf16(rows, n)?;
+        let xf = match &mut x.data {
+            DeviceData::F32(xf) => xf,
+            DeviceData::Bf16(_) => return Err(fail("add_rms_norm: the residual stream is not f32".into())),
+        };
+        let y16 = y.bf16("add_rms_norm")?;
+        // With one addend `z` is not read: any buffer will do.
+        let z16 = match z {
+            Some(z) => z.bf16("add_rms_norm")?,
+            None => y16,
+        };
+        // SAFETY: x [rows, n] f32, y and z [rows, n] bf16, weight n, out [rows, n].
+        unsafe {
+            AddRmsNorm::launch(
+                &k,
+                &self.stream,
+                rows as u32,
+                xf,
+                y16,
+                z16,
+                &weight.bf16,
+                out.bf16_mut("add_rms_norm")?,
+                n as u32,
+                eps,
+            )?
+        };
+        Ok(out)
     }
 
     /// RMSNorm of `rows` rows of `n` values with the tuned variant for the shape.
