@@ -574,9 +574,7 @@ __device__ __forceinline__ float f16_hi(unsigned int v) {
             }
             Helper::SmemAddr => {
                 "__device__ __forceinline__ unsigned int smem_addr(const void* p) {
-    unsigned int a;
-    asm(\"{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\" : \"=r\"(a) : \"l\"(p));
-    return a;
+    return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
 "
             }

@@ -424,6 +424,25 @@ pub fn mla_verify_wide(
         lr[i] = rgi * p.qk + (i / 2) * 16 + g + (i % 2) * 8;
         node[i] = ((blk0 + lr[i]) / heads).min(nodes - 1);
     }
+    // This lane's ldmatrix offsets (elements): a row `r` of a swizzled tile read at chunk
+    // `8 a + b` (`b < 8`) sits at `r 576 + 64 a + 8 (b ^ (r % 8))`, and every read below has
+    // `b = 2 j + (0 or 1)` for its k16 step `4 a + j` (or n16 pair `j`) and a row whose
+    // `r % 8` is the lane's, so four `j`-dependent offsets per operand are computed once and the
+    // unrolled steps add constants (rows `16 mi`, `16 jp` or `16 kk` further are `16 * 576`
+    // elements on). Q rows, key rows of `Q K^T` (tile base excluded), value rows of `P V` (tile
+    // base and k16 step excluded).
+    let mut qoff = [0u32; 4];
+    let mut koff = [0u32; 4];
+    let mut voff = [0u32; 4];
+    let qr0 = rgi * p.qk + lane % 16;
+    let kr0 = key0 + (lane / 16) * 8 + lane % 8;
+    let vr0 = lane % 8 + ((lane / 8) % 2) * 8;
+    #[unroll]
+    for j in 0..4 {
+        qoff[j] = qr0 * 576 + ((2 * j + lane / 16) ^ (qr0 % 8)) * 8;
+        koff[j] = kr0 * 576 + ((2 * j + (lane / 8) % 2) ^ (kr0 % 8)) * 8;
+        voff[j] = vr0 * 576 + warp * 64 + ((2 * j + lane / 16) ^ (vr0 % 8)) * 8;
+    }
 
     // The block's query rows (zero past `rows`): the oldest cp.async group.
     for ch in (tid..rpb * 72).step_by(256) {
@@ -485,15 +504,11 @@ pub fn mla_verify_wide(
                 for kk in 0..36 {
                     #[unroll]
                     for mi in 0..mr {
-                        let qr = rgi * p.qk + mi * 16 + lane % 16;
-                        let qc = kk * 2 + lane / 16;
-                        ldmatrix_x4(&mut qa[mi], &sm[qr * 576 + (qc ^ (qr % 8)) * 8]);
+                        ldmatrix_x4(&mut qa[mi], &sm[qoff[kk % 4] + mi * 16 * 576 + 64 * (kk / 4)]);
                     }
                     #[unroll]
                     for jp in 0..kw / 16 {
-                        let r = key0 + jp * 16 + (lane / 16) * 8 + lane % 8;
-                        let c = kk * 2 + (lane / 8) % 2;
-                        ldmatrix_x4(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                        ldmatrix_x4(&mut bq, &sm[st + koff[kk % 4] + jp * 16 * 576 + 64 * (kk / 4)]);
                         b[0] = bq[0];
                         b[1] = bq[1];
                         b2[0] = bq[2];
@@ -612,9 +627,7 @@ pub fn mla_verify_wide(
                 }
                 #[unroll]
                 for t2 in 0..4 {
-                    let r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-                    let c = warp * 8 + t2 * 2 + lane / 16;
-                    ldmatrix_x4_trans(&mut bq, &sm[st + r * 576 + (c ^ (r % 8)) * 8]);
+                    ldmatrix_x4_trans(&mut bq, &sm[st + voff[t2] + kk * 16 * 576]);
                     b[0] = bq[0];
                     b[1] = bq[1];
                     b2[0] = bq[2];
