@@ -9,8 +9,8 @@ use rand::Rng;
 use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
-    accept_reference, chain_mask, combine_grid, combine_warps, sample_rows, verify_attention_reference, DraftTree, MlaVerifyCombine, MlaVerifyNaive,
-    MlaVerifySplit, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    accept_reference, chain_mask, combine_grid, combine_warps, sample_rows, verify_attention_reference, DraftTree,
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::check::{
     compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Comparison, Sizes, Target, Tolerance,

@@ -13,8 +13,8 @@ use half::bf16;
 
 use super::build::expansion_candidates;
 use super::{
-    combine_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept,
-    TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
+    combine_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
+    MlaVerifyWide, TreeAccept, TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {

@@ -461,11 +461,7 @@ pub fn w4a16_gemv(
     }
     // Two register slots of a k step's x, `[slot][chunk][j]`, alternating with the step slot's
     // parity (an even number of stages keeps the pattern across the unrolled ring).
-    let xpn = comptime!(if !p.xr && p.chunks == 1 {
-        8
-    } else {
-        1
-    });
+    let xpn = comptime!(if !p.xr && p.chunks == 1 { 8 } else { 1 });
     comptime_assert!(
         xpn == 1 || p.stages % 2 == 0,
         "x loaded a step ahead needs an even number of stages"
