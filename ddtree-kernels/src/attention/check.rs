@@ -306,12 +306,7 @@ pub fn mla_absorb_query(
         (nope, rope, v, lora),
         p.interleave,
     );
-    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
-    let tol = Tolerance {
-        rtol: 1e-2,
-        atol: 1e-2 * rms,
-        rel_l2: 1e-2,
-    };
+    let tol = Tolerance::bf16_sums(&want);
     let case = format!("rows={rows} heads={heads} lora={lora} v={v}");
     Ok(result::<MlaAbsorbQuery>(p, case, &got, &want, tol))
 }
@@ -371,12 +366,7 @@ pub fn mla_absorb_output(
     unsafe { t.launch::<MlaAbsorbOutput>(p, grid, &mut args)? };
     let got = to_f32(&t.download(&out)?);
     let want = mla_absorb::output_reference(&af, &wf, rows, heads, (nope, v, lora));
-    let rms = (want.iter().map(|v| v * v).sum::<f32>() / want.len().max(1) as f32).sqrt();
-    let tol = Tolerance {
-        rtol: 1e-2,
-        atol: 1e-2 * rms,
-        rel_l2: 1e-2,
-    };
+    let tol = Tolerance::bf16_sums(&want);
     let case = format!("rows={rows} heads={heads} nope={nope} v={v}");
     Ok(result::<MlaAbsorbOutput>(p, case, &got, &want, tol))
 }

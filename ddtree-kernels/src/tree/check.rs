@@ -218,12 +218,7 @@ pub fn verify(
         t.upload(&mask)?,
         t.upload(&[prefix as u32])?,
     );
-    let rms = (want.iter().map(|x| x * x).sum::<f32>() / want.len() as f32).sqrt();
-    let tol = Tolerance {
-        rtol: 1e-2,
-        atol: 1e-2 * rms,
-        rel_l2: 1e-2,
-    };
+    let tol = Tolerance::bf16_sums(&want);
     let ltol = Tolerance {
         rtol: 1e-3,
         atol: 1e-3,
