@@ -457,17 +457,6 @@ pub fn mla_verify_wide(
     // P V accumulators: rows `16 mt + g (+ 8)` of the block, columns `64 warp + 8 n + 2 qd`.
     let mut acc = [[0.0f32; 4]; p.rg * 8];
     let mut s = [[0.0f32; 4]; mr * kw / 8];
-    // With few score tiles per warp (one row tile, 16 keys: the decode step's 32-row blocks),
-    // the odd k16 steps of `Q K^T` accumulate apart from the even ones: two independent mma
-    // chains per tile of 18 steps instead of one of 36 (the chain's latency, not the tensor
-    // rate, bounded those warps). The two halves are summed before the mask.
-    let dual = comptime!(p.qk == 16 && p.bn / (8 / p.rg) == 16);
-    let ns2 = comptime!(if p.qk == 16 && p.bn / (8 / p.rg) == 16 {
-        p.bn / (8 / p.rg) / 8
-    } else {
-        1
-    });
-    let mut s2 = [[0.0f32; 4]; ns2];
     let mut qa = [[0u32; 4]; mr];
     let mut bq = [0u32; 4];
     let mut b = [0u32; 2];
@@ -509,9 +498,6 @@ pub fn mla_verify_wide(
                     #[unroll]
                     for e in 0..4 {
                         s[j][e] = 0.0f32;
-                        if dual {
-                            s2[j][e] = 0.0f32;
-                        }
                     }
                 }
                 #[unroll]
@@ -529,22 +515,8 @@ pub fn mla_verify_wide(
                         b2[1] = bq[3];
                         #[unroll]
                         for mi in 0..mr {
-                            if dual && kk % 2 == 1 {
-                                mma_m16n8k16_bf16(&mut s2[mi * nj + 2 * jp], &qa[mi], &b);
-                                mma_m16n8k16_bf16(&mut s2[mi * nj + 2 * jp + 1], &qa[mi], &b2);
-                            } else {
-                                mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp], &qa[mi], &b);
-                                mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp + 1], &qa[mi], &b2);
-                            }
-                        }
-                    }
-                }
-                if dual {
-                    #[unroll]
-                    for j in 0..mr * nj {
-                        #[unroll]
-                        for e in 0..4 {
-                            s[j][e] += s2[j][e];
+                            mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp], &qa[mi], &b);
+                            mma_m16n8k16_bf16(&mut s[mi * nj + 2 * jp + 1], &qa[mi], &b2);
                         }
                     }
                 }
