@@ -281,12 +281,19 @@ fn check_signature(params: &[ddtree_codegen::ir::Arg], args: &[Arg<'_>]) -> Resu
 
 /// Runs `body` on the interpreter, then on GPU 0 when there is one (saying so when there is
 /// not), and panics listing every failed check or error. `body` gets the target and a random
-/// generator seeded from the clock (the seed is printed on failure).
+/// generator seeded from the clock, or from `DDTREE_CHECK_SEED` to repeat a run (the seed is
+/// printed on failure).
 pub fn on_each_target(mut body: impl FnMut(&Target<'_>, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
+    let seed = match std::env::var("DDTREE_CHECK_SEED") {
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .unwrap_or_else(|e| panic!("DDTREE_CHECK_SEED={v:?} is not a u64 seed: {e}")),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+    };
     let mut run = |t: &Target<'_>| {
         let mut rng = StdRng::seed_from_u64(seed);
         let results = body(t, &mut rng).unwrap_or_else(|e| panic!("{} (seed {seed}): {e}", t.name()));

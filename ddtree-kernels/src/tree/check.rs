@@ -218,7 +218,14 @@ pub fn verify(
         t.upload(&mask)?,
         t.upload(&[prefix as u32])?,
     );
-    let tol = Tolerance::bf16_sums(&want);
+    // The output is a convex combination of value rows, through bf16 probabilities and bf16
+    // split partials: its error scales with the values (here up to 1), not with the output,
+    // which averaging over many keys makes smaller (an RMS-scaled bound failed on a valid run).
+    let vrms = (cf.iter().map(|v| v * v).sum::<f32>() / cf.len().max(1) as f32).sqrt();
+    let tol = Tolerance {
+        atol: 1e-2 * vrms,
+        ..Tolerance::bf16_sums(&want)
+    };
     let ltol = Tolerance {
         rtol: 1e-3,
         atol: 1e-3,
