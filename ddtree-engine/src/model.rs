@@ -803,13 +803,17 @@ impl<B: Backend> Model<B> {
         span: AttentionSpan<'_>,
     ) -> Result<B::Tensor> {
         let b = &self.backend;
+        // The latent path (kv_a, its norm and rope, the cache append) beside the query path.
+        branch(b, || {
+            let kv_a = b.linear(h, &a.kv_a)?;
+            b.mla_append_kv(&kv_a, &a.kv_a_norm, MLA_NORM_EPS, &self.rope, positions, cache, layer)
+        })?;
         let q = match &a.q {
             QProj::Lora { a: qa, norm, b: qb } => b.linear(&b.rms_norm(&b.linear(h, qa)?, norm, MLA_NORM_EPS)?, qb)?,
             QProj::Full(w) => b.linear(h, w)?,
         };
-        let kv_a = b.linear(h, &a.kv_a)?;
-        b.mla_append_kv(&kv_a, &a.kv_a_norm, MLA_NORM_EPS, &self.rope, positions, cache, layer)?;
         let q_abs = b.mla_query(&q, &a.kv_b, &self.rope, positions, self.dims)?;
+        b.join_branch()?;
         let o_lat = b.mla_attention(&q_abs, cache, layer, span, self.dims, self.scale)?;
         let o = b.mla_output(&o_lat, &a.kv_b, self.dims)?;
         b.linear(&o, &a.o)
@@ -827,14 +831,28 @@ impl<B: Backend> Model<B> {
         match mlp {
             Mlp::Dense(f) => Ok((ffn(b, f, h)?, None)),
             Mlp::Moe(m) => {
+                // The shared experts beside the router and the routed experts.
+                let shared = match &m.shared {
+                    Some(s) => Some(branch(b, || ffn(b, s, h))?),
+                    None => None,
+                };
                 let logits = b.linear_f32(h, &m.router)?;
                 let routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
                 let routed = b.moe_experts(h, &routing, &m.experts)?;
-                let shared = m.shared.as_ref().map(|s| ffn(b, s, h)).transpose()?;
+                b.join_branch()?;
                 Ok((routed, shared))
             }
         }
     }
+}
+
+/// Runs `ops` as a branch of `b` ([`Backend::begin_branch`]; ended also when `ops` fails): it
+/// may overlap the ops enqueued after it until the caller's [`Backend::join_branch`].
+fn branch<B: Backend, T>(b: &B, ops: impl FnOnce() -> Result<T>) -> Result<T> {
+    b.begin_branch()?;
+    let result = ops();
+    b.end_branch()?;
+    result
 }
 
 /// `down(silu(gate x) * up x)` on any backend ([`Backend::gate_up_silu`], then `down`).

@@ -322,3 +322,47 @@ fn fused_decode_ops_equal_the_ops_they_replace() {
         eprintln!("{case}: stream bit-identical, {:.2}% of the normed rows", 100.0 * same);
     }
 }
+
+/// Forwards with concurrent branches (the shared experts beside the routed ones, the latent path
+/// beside the query path, on a second stream) give the logits of one-stream forwards bit for
+/// bit (the same kernels, only their order changes), teacher-forced on both fixtures, and the
+/// same greedy tokens with CUDA graphs recorded across both streams.
+#[test]
+fn branches_on_a_side_stream_equal_one_stream() {
+    let Some(b) = gpu() else { return };
+    let one_stream = || {
+        CudaBackend::open(CudaOptions {
+            one_stream: true,
+            ..CudaOptions::default()
+        })
+        .unwrap()
+    };
+    let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+        rows.iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect()
+    };
+    let mut two = Some(b);
+    for name in ["tiny-kimi", "tiny-dsv3"] {
+        let branched = load(two.take().unwrap_or_else(|| gpu().unwrap()), name);
+        let single = load(one_stream(), name);
+        for seq in sequences(&single) {
+            let want = bits(teacher_forced(&single, &seq));
+            assert!(want.iter().flatten().all(|&v| f32::from_bits(v).is_finite()), "{name}: NaN logits");
+            assert_eq!(bits(teacher_forced(&branched, &seq)), want, "{name}: logits of {seq:?}");
+        }
+        let opts = GenerateOptions {
+            max_new_tokens: 24,
+            ..GenerateOptions::default()
+        };
+        for prompt in [&[5u32, 17][..], &[42; 9]] {
+            let want = generate_plain(&single, prompt, &opts).unwrap().tokens;
+            assert_eq!(generate_plain(&branched, prompt, &opts).unwrap().tokens, want, "{name} plain {prompt:?}");
+            let mut drafter = Noisy::new(8, 0.7, 5).unwrap();
+            let out = generate_speculative(&branched, &mut drafter, prompt, &opts, &SpecOptions::fixed(8)).unwrap();
+            assert_eq!(out.generation.tokens, want, "{name} DDTree {prompt:?}");
+        }
+        eprintln!(
+            "{name}: two-stream forwards == one-stream forwards bit for bit ({} graph replays)",
+            branched.backend().graph_counts().0
+        );
+    }
+}

@@ -68,7 +68,8 @@ pub struct BatchedGemm {
     pub c: Strided,
 }
 
-/// A cuBLAS handle on a GPU's stream.
+/// A cuBLAS handle on one stream of a GPU (one handle per stream: a handle's workspace is not
+/// shared between concurrent streams).
 pub struct Blas {
     handle: CudaBlas,
     stream: Arc<CudaStream>,
@@ -84,9 +85,14 @@ fn blas_err(what: &'static str) -> impl FnOnce(result::CublasError) -> RuntimeEr
 impl Blas {
     /// A handle on `gpu`'s stream (loads the cuBLAS library).
     pub fn new(gpu: &Gpu) -> Result<Blas, RuntimeError> {
+        Blas::on_stream(gpu.stream().clone())
+    }
+
+    /// A handle whose calls are enqueued on `stream`.
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Blas, RuntimeError> {
         Ok(Blas {
-            handle: CudaBlas::new(gpu.stream().clone()).map_err(blas_err("init"))?,
-            stream: gpu.stream().clone(),
+            handle: CudaBlas::new(stream.clone()).map_err(blas_err("init"))?,
+            stream,
         })
     }
 

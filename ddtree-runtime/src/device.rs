@@ -137,7 +137,13 @@ impl Gpu {
             return Err(RuntimeError::NoDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(RuntimeError::driver("creating the context"))?;
-        let stream = ctx.new_stream().map_err(RuntimeError::driver("creating a stream"))?;
+        // The highest priority: a second stream of default priority (the engine's branches)
+        // fills the SMs around this one's blocks instead of delaying them.
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(RuntimeError::driver("reading the stream priority range"))?;
+        let stream = ctx
+            .new_stream_with_priority(highest)
+            .map_err(RuntimeError::driver("creating a stream"))?;
         let mut driver_version = 0;
         // SAFETY: a valid out-pointer; the driver is initialised.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };

@@ -337,6 +337,22 @@ pub trait Backend {
     /// The greedy token of every row of `logits`: the index of the largest value, the lowest
     /// index among equal maxima (as [`crate::Sampling`]'s greedy choice).
     fn argmax_rows(&self, logits: &Self::Tensor) -> Result<Vec<u32>>;
+    /// Starts a branch: the ops until [`Backend::end_branch`] depend on every op before, but the
+    /// ops after `end_branch` may run concurrently with them until [`Backend::join_branch`].
+    /// Inputs of the branch must live until the join, and its outputs may only be read after
+    /// it. By default (one queue, as on the CPU) the three calls do nothing. Branches do not
+    /// nest.
+    fn begin_branch(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Ends the branch begun by [`Backend::begin_branch`]: later ops go to the main queue.
+    fn end_branch(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Later ops wait for every op of the branches so far.
+    fn join_branch(&self) -> Result<()> {
+        Ok(())
+    }
     /// Called at the start of every forward (before its first op) with the step's inputs, so a
     /// backend can stage them on the device once; by default nothing.
     fn begin_forward(&self, _step: &StepInputs<'_>) -> Result<()> {

@@ -88,6 +88,10 @@ struct DeviceArgs {
     /// Run every forward eagerly instead of recording and replaying CUDA graphs (CUDA).
     #[arg(long)]
     no_cuda_graphs: bool,
+    /// Enqueue every op on one stream: no concurrent branches (the shared experts beside the
+    /// routed ones, the latent path beside the query path) (CUDA).
+    #[arg(long)]
+    one_stream: bool,
     /// Activation precision of the CPU backend: `bf16` mirrors the CUDA backend's rounding to
     /// bf16, so CPU runs reproduce GPU tokens; `f32` is the reference.
     #[arg(long, value_enum, default_value_t = ActivationPrecision::F32)]
@@ -238,6 +242,7 @@ fn on_device(
     let options = CudaOptions {
         no_autotune: dev.no_autotune,
         no_graphs: dev.no_cuda_graphs,
+        one_stream: dev.one_stream,
     };
     let gpu = match dev.device {
         Device::Cpu => None,
@@ -755,6 +760,7 @@ mod tests {
             device,
             no_autotune: false,
             no_cuda_graphs: false,
+            one_stream: false,
             cpu_activations: ActivationPrecision::Bf16,
         };
         let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))

@@ -200,7 +200,7 @@ impl CudaBackend {
             let on_device = st.graphs.on_device.is_some();
             match st.graphs.step {
                 Some(step) if !st.graphs.off && !self.profile.on() => {
-                    let (ptr, _sync) = cache.buf().device_ptr(&self.stream);
+                    let (ptr, _sync) = cache.buf().device_ptr(self.stream());
                     let key = GraphKey {
                         rows: step.rows,
                         words: step.words,
@@ -254,16 +254,24 @@ impl CudaBackend {
         }
         let generation = self.state().graphs.generation;
         let begun = self
-            .stream
+            .main
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
         let result = match begun {
             Ok(()) => forward(cache).and_then(|logits| self.argmax_kept(&logits)),
             Err(e) => Err(fail(format!("starting a CUDA graph capture: {e}"))),
         };
+        // A branch's outputs are freed on the side stream after its join, when the main stream
+        // is done with them: a capture must end with the side stream joined.
+        let joined = self.join_side();
+        let result = result.and_then(|rows| joined.map(|()| rows));
         let graph = match begun {
             Ok(()) => self
-                .stream
-                .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH),
+                .main
+                // Node priorities: a branch's kernels keep the side stream's lower priority.
+                .end_capture(
+                    sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+                        | sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY,
+                ),
             Err(e) => Err(e),
         };
         self.recording.store(false, std::sync::atomic::Ordering::Relaxed);

@@ -205,6 +205,21 @@ pub struct CudaOptions {
     /// Run every greedy forward eagerly instead of recording and replaying CUDA graphs
     /// (`--no-cuda-graphs`).
     pub no_graphs: bool,
+    /// Enqueue every op on one stream: no concurrent branches ([`Backend::begin_branch`],
+    /// `--one-stream`). Also the case while ops are profiled (`DDTREE_PROFILE`).
+    pub one_stream: bool,
+}
+
+/// The second stream of [`Backend::begin_branch`]: a branch's ops run there, concurrently
+/// with the main stream's until [`Backend::join_branch`]. It has its own cuBLAS handle (a
+/// handle's workspace serves one stream at a time).
+struct SideStream {
+    stream: Arc<CudaStream>,
+    blas: Blas,
+    /// Recorded on the main stream when a branch begins and on the side stream when it is
+    /// joined (reused: a wait takes the work recorded at the time of the wait).
+    fork: CudaEvent,
+    join: CudaEvent,
 }
 
 /// Rope tables uploaded for one [`Rope`].
@@ -232,7 +247,9 @@ struct State {
     /// The largest cache capacity asked for: rope tables cover it from the start.
     max_capacity: usize,
     moe_bufs: Vec<((usize, usize, bool, usize), ddtree_kernels::w4a16::moe::MoeBuffers)>,
-    w4a16: Scratch,
+    /// The W4A16 split-K partials, one per stream ([`CudaBackend::lane`]): the main stream's
+    /// and a branch's linears may run at the same time.
+    w4a16: [Scratch; 2],
     /// Verify attention per variant ([`verify_variant`]).
     verify: Vec<tree::gpu::GpuVerify>,
     moe: Vec<((bool, usize), Arc<MoeKernels>)>,
@@ -247,8 +264,13 @@ struct State {
 pub struct CudaBackend {
     kernels: TunedKernels,
     profile: HostProfile,
-    stream: Arc<CudaStream>,
+    /// The stream every op is enqueued on outside branches.
+    main: Arc<CudaStream>,
     blas: Blas,
+    /// The branches' stream (`None`: one stream).
+    side: Option<SideStream>,
+    /// Ops are being enqueued on the side stream (between `begin_branch` and `end_branch`).
+    on_side: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
     /// The spare KV-cache buffer (see [`types::CachePool`]).
     caches: types::CachePool,
@@ -354,10 +376,27 @@ impl CudaBackend {
     /// `options.no_autotune`).
     pub fn new(gpu: Gpu, options: CudaOptions) -> Result<CudaBackend> {
         let stream = gpu.stream().clone();
-        // One stream: cudarc's per-buffer event tracking only costs time here.
-        // SAFETY: every buffer of this backend lives on this one stream.
+        // cudarc's per-buffer event tracking only costs time here.
+        // SAFETY: a buffer is used on the stream that allocated it, or on the other stream in a
+        // branch whose begin and join order it (`begin_branch`; shared state made in a branch
+        // is made on the main stream, which the side stream then waits for: `after_main`).
         unsafe { gpu.context().disable_event_tracking() };
         let blas = Blas::new(&gpu)?;
+        let profile = HostProfile::from_env(&stream);
+        let side = if options.one_stream || profile.on() {
+            None
+        } else {
+            // Default priority, below the main stream's (`Gpu::open`): the critical path's
+            // blocks go first, a branch's fill the SMs around them.
+            let side = stream.fork().map_err(drv("making the side stream"))?;
+            let event = || gpu.context().new_event(None).map_err(drv("making an event"));
+            Some(SideStream {
+                blas: Blas::on_stream(side.clone())?,
+                fork: event()?,
+                join: event()?,
+                stream: side,
+            })
+        };
         let state = State {
             ropes: Vec::new(),
             identity: Arc::new(stream.alloc_zeros::<u32>(1).map_err(drv("allocating"))?),
@@ -365,7 +404,10 @@ impl CudaBackend {
             graphs: graph::Graphs::new(options.no_graphs),
             max_capacity: 0,
             moe_bufs: Vec::new(),
-            w4a16: Scratch::new(&stream, 1)?,
+            w4a16: [
+                Scratch::new(&stream, 1)?,
+                Scratch::new(side.as_ref().map_or(&stream, |s| &s.stream), 1)?,
+            ],
             verify: Vec::new(),
             moe: Vec::new(),
             builders: Vec::new(),
@@ -373,14 +415,16 @@ impl CudaBackend {
             argmax: None,
         };
         Ok(CudaBackend {
-            profile: HostProfile::from_env(&stream),
+            profile,
             kernels: if options.no_autotune {
                 TunedKernels::new(gpu).defaults_only()
             } else {
                 TunedKernels::new(gpu)
             },
-            stream,
+            main: stream,
             blas,
+            side,
+            on_side: Default::default(),
             state: Mutex::new(state),
             caches: Default::default(),
             recording: Default::default(),
@@ -405,7 +449,66 @@ impl CudaBackend {
 
     /// Waits for every enqueued op.
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(drv("synchronizing"))
+        if let Some(s) = &self.side {
+            s.stream.synchronize().map_err(drv("synchronizing"))?;
+        }
+        self.main.synchronize().map_err(drv("synchronizing"))
+    }
+
+    /// The stream ops are enqueued on now: the side stream inside a branch, else the main one.
+    fn stream(&self) -> &Arc<CudaStream> {
+        match &self.side {
+            Some(s) if self.on_side() => &s.stream,
+            _ => &self.main,
+        }
+    }
+
+    /// The cuBLAS handle of [`CudaBackend::stream`].
+    fn blas(&self) -> &Blas {
+        match &self.side {
+            Some(s) if self.on_side() => &s.blas,
+            _ => &self.blas,
+        }
+    }
+
+    fn on_side(&self) -> bool {
+        self.on_side.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// 0 on the main stream, 1 inside a branch: the index of per-stream scratch.
+    fn lane(&self) -> usize {
+        usize::from(self.side.is_some() && self.on_side())
+    }
+
+    /// After shared state (uploads, staging, tables) was made on the main stream: inside a
+    /// branch the side stream waits for it.
+    fn after_main(&self) -> Result<()> {
+        match &self.side {
+            Some(_) if self.on_side() => self.fork_side(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Makes the side stream wait for every op enqueued on the main stream so far.
+    fn fork_side(&self) -> Result<()> {
+        match &self.side {
+            Some(s) => {
+                s.fork.record(&self.main).map_err(drv("recording an event"))?;
+                s.stream.wait(&s.fork).map_err(drv("waiting for an event"))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the main stream wait for every op enqueued on the side stream so far.
+    fn join_side(&self) -> Result<()> {
+        match &self.side {
+            Some(s) => {
+                s.join.record(&s.stream).map_err(drv("recording an event"))?;
+                self.main.wait(&s.join).map_err(drv("waiting for an event"))
+            }
+            None => Ok(()),
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -415,7 +518,7 @@ impl CudaBackend {
     /// Copies `src` to the host (waiting for the GPU), counted in [`Backend::host_reads`].
     fn read_back<T: DeviceRepr>(&self, src: &impl DevicePtr<T>) -> Result<Vec<T>> {
         self.count_read();
-        self.stream.clone_dtoh(src).map_err(drv("copying from the GPU"))
+        self.main.clone_dtoh(src).map_err(drv("copying from the GPU"))
     }
 
     /// Counts one copy to the host ([`Backend::host_reads`]).
@@ -437,7 +540,7 @@ impl CudaBackend {
 
     fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every caller writes the buffer fully before reading it.
-        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(drv("allocating GPU memory"))
+        unsafe { self.stream().alloc::<T>(n.max(1)) }.map_err(drv("allocating GPU memory"))
     }
 
     fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, v: &[T]) -> Result<CudaSlice<T>> {
@@ -446,10 +549,15 @@ impl CudaBackend {
             // runs eagerly).
             return Err(fail("a host-to-device copy inside a CUDA graph recording".into()));
         }
-        if v.is_empty() {
-            return self.stream.alloc_zeros::<T>(1).map_err(drv("allocating"));
-        }
-        self.stream.clone_htod(v).map_err(drv("copying to the GPU"))
+        // On the main stream, even inside a branch: what is uploaded may be kept and used on
+        // both streams (tables, index buffers).
+        let d = if v.is_empty() {
+            self.main.alloc_zeros::<T>(1).map_err(drv("allocating"))?
+        } else {
+            self.main.clone_htod(v).map_err(drv("copying to the GPU"))?
+        };
+        self.after_main()?;
+        Ok(d)
     }
 
     fn tensor_bf16(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
@@ -516,9 +624,10 @@ impl CudaBackend {
             if d.len() >= v.len() {
                 if let Some(buf) = Arc::get_mut(d) {
                     if !v.is_empty() {
-                        self.stream
+                        self.main
                             .memcpy_htod(v, &mut buf.slice_mut(..v.len()))
                             .map_err(drv("copying to the GPU"))?;
+                        self.after_main()?;
                     }
                     *old = Some(v.to_vec());
                     return Ok(d.clone());
@@ -527,12 +636,16 @@ impl CudaBackend {
             st.staged.remove(i);
         }
         st.graphs.replaced("a staging buffer");
-        let mut d = self.alloc::<u32>(v.len().next_power_of_two().max(64))?;
+        // On the main stream (see `upload`).
+        // SAFETY: the first `v.len()` values are written here, the rest never read.
+        let mut d = unsafe { self.main.alloc::<u32>(v.len().next_power_of_two().max(64)) }
+            .map_err(drv("allocating GPU memory"))?;
         if !v.is_empty() {
-            self.stream
+            self.main
                 .memcpy_htod(v, &mut d.slice_mut(..v.len()))
                 .map_err(drv("copying to the GPU"))?;
         }
+        self.after_main()?;
         let d = Arc::new(d);
         st.staged.push((slot, Some(v.to_vec()), d.clone()));
         Ok(d)
@@ -579,7 +692,7 @@ impl CudaBackend {
         unsafe {
             CopyRows::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 rows as u32,
                 src,
                 idx,
@@ -627,7 +740,7 @@ impl CudaBackend {
         unsafe {
             RopeInterleaved::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 grid,
                 x,
                 &*pos,
@@ -655,7 +768,7 @@ impl CudaBackend {
         unsafe {
             W4a16Repack::launch(
                 &kern,
-                &self.stream,
+                self.stream(),
                 grid,
                 &src,
                 &mut dst,
@@ -692,7 +805,7 @@ impl CudaBackend {
         unsafe {
             FillRandomU32::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 fill::grid(&FILL, n),
                 out,
                 check_u32("fill", n)?,
@@ -708,7 +821,7 @@ impl CudaBackend {
         unsafe {
             FillRandomBf16::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 fill::grid(&FILL, n),
                 out,
                 check_u32("fill", n)?,
@@ -960,7 +1073,7 @@ impl Backend for CudaBackend {
         unsafe {
             FillRandomF32::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 fill::grid(&FILL, len),
                 &mut f,
                 len as u32,
@@ -1013,7 +1126,7 @@ impl Backend for CudaBackend {
         };
         let buf = match spare {
             Some(mut buf) => {
-                self.stream
+                self.stream()
                     .memset_zeros(&mut buf)
                     .map_err(drv("clearing the KV cache"))?;
                 buf
@@ -1021,7 +1134,7 @@ impl Backend for CudaBackend {
             None => {
                 // Free a spare of another size first: caches are the largest buffers.
                 self.caches.lock().expect("cache pool lock").clear();
-                self.stream
+                self.stream()
                     .alloc_zeros::<bf16>(n)
                     .map_err(drv("allocating the KV cache"))?
             }
@@ -1047,10 +1160,10 @@ impl Backend for CudaBackend {
         let mut st = self.state();
         let at = self.builder_index(&mut st, depth, vocab, budget)?;
         let builder = &mut st.builders[at].1;
-        builder.build(&self.stream, logits, &root)?;
+        builder.build(self.stream(), logits, &root)?;
         // One read of the whole tree (its arrays copied back one after another).
         self.count_read();
-        Ok(builder.download(&self.stream)?.0)
+        Ok(builder.download(self.stream())?.0)
     }
 
     fn dims(&self, x: &CudaTensor) -> (usize, usize) {
@@ -1096,7 +1209,7 @@ impl Backend for CudaBackend {
                 unsafe {
                     CopyRowsF32::launch(
                         &k,
-                        &self.stream,
+                        self.stream(),
                         rows.len() as u32,
                         src,
                         &idx,
@@ -1114,7 +1227,7 @@ impl Backend for CudaBackend {
                 unsafe {
                     CastF32Bf16::launch(
                         &c,
-                        &self.stream,
+                        self.stream(),
                         residual::grid(c.params(), n),
                         &picked,
                         out.bf16_mut("take_rows")?,
@@ -1142,7 +1255,7 @@ impl Backend for CudaBackend {
         unsafe {
             Embedding::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 ids.len() as u32,
                 &*d_ids,
                 table.bf16("embedding")?,
@@ -1200,13 +1313,13 @@ impl Backend for CudaBackend {
                     unsafe {
                         W4a16Gemv::launch(
                             &kern,
-                            &self.stream,
+                            self.stream(),
                             w4gemv::grid(&p, n as u32, 1),
                             a,
                             packed,
                             scales,
                             none_u32.as_ref(),
-                            &st.w4a16.part,
+                            &st.w4a16[self.lane()].part,
                             out.bf16_mut("linear")?,
                             x.rows as u32,
                             n as u32,
@@ -1243,9 +1356,10 @@ impl Backend for CudaBackend {
                 };
                 let mut st = self.state();
                 let need = splits as usize * x.rows * n;
-                if st.w4a16.part.len() < need {
+                let lane = self.lane();
+                if st.w4a16[lane].part.len() < need {
                     st.graphs.replaced("the W4A16 split-K scratch");
-                    st.w4a16 = Scratch::new(&self.stream, need.next_power_of_two())?;
+                    st.w4a16[lane] = Scratch::new(self.stream(), need.next_power_of_two())?;
                 }
                 let dst = out.bf16_mut("linear")?;
                 // SAFETY: weights in the variant's (interleaved) layout; partials sized above.
@@ -1253,9 +1367,9 @@ impl Backend for CudaBackend {
                     gemm::launch(
                         &gemm_k,
                         reduce.as_deref(),
-                        &self.stream,
+                        self.stream(),
                         &args,
-                        &mut st.w4a16,
+                        &mut st.w4a16[lane],
                         dst,
                         splits,
                     )?
@@ -1280,6 +1394,25 @@ impl Backend for CudaBackend {
             cols: *n,
             data: DeviceData::F32(out),
         })
+    }
+
+    fn begin_branch(&self) -> Result<()> {
+        if self.side.is_none() {
+            return Ok(());
+        }
+        if self.on_side.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return Err(fail("begin_branch inside a branch: branches do not nest".into()));
+        }
+        self.fork_side()
+    }
+
+    fn end_branch(&self) -> Result<()> {
+        self.on_side.store(false, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn join_branch(&self) -> Result<()> {
+        self.join_side()
     }
 
     fn begin_forward(&self, step: &StepInputs<'_>) -> Result<()> {
@@ -1324,7 +1457,7 @@ impl Backend for CudaBackend {
         let k = self.first_variant::<AddAssign>(|p: &AddParams| !p.vec || n % 8 == 0)?;
         let grid = add::grid(k.params(), n as u32);
         // SAFETY: both hold n values.
-        unsafe { AddAssign::launch(&k, &self.stream, grid, x.bf16_mut("add")?, y.bf16("add")?, n as u32)? };
+        unsafe { AddAssign::launch(&k, self.stream(), grid, x.bf16_mut("add")?, y.bf16("add")?, n as u32)? };
         Ok(())
     }
 
@@ -1337,7 +1470,7 @@ impl Backend for CudaBackend {
         let mut dst = self.alloc::<f32>(n)?;
         let k = self.first_variant::<CastBf16F32>(|_: &CastParams| true)?;
         // SAFETY: both hold n values.
-        unsafe { CastBf16F32::launch(&k, &self.stream, residual::grid(k.params(), n), src, &mut dst, n as u32)? };
+        unsafe { CastBf16F32::launch(&k, self.stream(), residual::grid(k.params(), n), src, &mut dst, n as u32)? };
         Ok(CudaTensor {
             rows: x.rows,
             cols: x.cols,
@@ -1384,7 +1517,7 @@ impl Backend for CudaBackend {
         unsafe {
             SiluMulSplit::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 grid,
                 gate.bf16("silu_mul")?,
                 up.bf16("silu_mul")?,
@@ -1416,7 +1549,7 @@ impl Backend for CudaBackend {
             match choice {
                 GemvChoice::Warp(p) => GemvGateUpSilu::launch(
                     &*self.variant::<GemvGateUpSilu>(&p)?,
-                    &self.stream,
+                    self.stream(),
                     gemv::grid(&p, n32),
                     a,
                     g,
@@ -1428,7 +1561,7 @@ impl Backend for CudaBackend {
                 )?,
                 GemvChoice::Split(p) => GemvSplitGateUpSilu::launch(
                     &*self.variant::<GemvSplitGateUpSilu>(&p)?,
-                    &self.stream,
+                    self.stream(),
                     gemv::split_grid(&p, n32),
                     a,
                     g,
@@ -1536,7 +1669,7 @@ impl Backend for CudaBackend {
         unsafe {
             MlaKvAppend::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 kv_a.rows as u32,
                 kv_a.bf16("mla_append_kv")?,
                 &norm.bf16,
@@ -1608,7 +1741,7 @@ impl Backend for CudaBackend {
             unsafe {
                 MlaAbsorbQuery::launch(
                     &kern,
-                    &self.stream,
+                    self.stream(),
                     grid,
                     q.bf16("mla_query")?,
                     w,
@@ -1648,7 +1781,7 @@ impl Backend for CudaBackend {
         };
         let qv = q.bf16("mla_query")?;
         // SAFETY: the strides stay inside q [t, heads * qk], kv_b and q_abs [t, heads * lw].
-        unsafe { self.blas.batched(&g, qv, w, q_abs.bf16_mut("mla_query")?)? };
+        unsafe { self.blas().batched(&g, qv, w, q_abs.bf16_mut("mla_query")?)? };
         let idx = self.identity(t * d.heads)?;
         self.copy_rows(
             qv,
@@ -1724,7 +1857,7 @@ impl Backend for CudaBackend {
                 let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
                 let mut lse = self.alloc::<f32>(n * d.heads)?;
                 verify.run(
-                    &self.stream,
+                    self.stream(),
                     &sh,
                     splits,
                     q,
@@ -1742,7 +1875,7 @@ impl Backend for CudaBackend {
         unsafe {
             MlaAttention::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 (n * d.heads) as u32,
                 q,
                 &kv,
@@ -1785,7 +1918,7 @@ impl Backend for CudaBackend {
             unsafe {
                 MlaAbsorbOutput::launch(
                     &kern,
-                    &self.stream,
+                    self.stream(),
                     grid,
                     o_lat.bf16("mla_output")?,
                     w,
@@ -1843,7 +1976,7 @@ impl Backend for CudaBackend {
         unsafe {
             MoeRoute::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 t as u32,
                 logits.f32("moe_route")?,
                 &bias.f32,
@@ -1890,7 +2023,7 @@ impl Backend for CudaBackend {
                     st.moe_bufs.remove(0);
                 }
                 st.moe_bufs
-                    .push((key, kern.buffers(&self.stream, routing.tokens, routing.topk, &dev)?));
+                    .push((key, kern.buffers(self.stream(), routing.tokens, routing.topk, &dev)?));
                 st.moe_bufs.len() - 1
             }
         };
@@ -1899,7 +2032,7 @@ impl Backend for CudaBackend {
         // SAFETY: x [T, H], routing [T, topk], experts stacked in the variants' layout.
         unsafe {
             kern.run(
-                &self.stream,
+                self.stream(),
                 &dev,
                 x.bf16("moe_experts")?,
                 &routing.ids,
@@ -1958,7 +2091,7 @@ impl Backend for CudaBackend {
         unsafe {
             GqaAttention::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 (q.rows * dims.heads) as u32,
                 q.bf16("gqa_attention")?,
                 &cache.layer(k_layer),
@@ -2005,7 +2138,7 @@ impl Backend for CudaBackend {
             unsafe {
                 tree::CompactRows::launch(
                     &k,
-                    &self.stream,
+                    self.stream(),
                     layers as u32,
                     cache.buf_mut(),
                     &accepted,
@@ -2042,7 +2175,7 @@ impl CudaBackend {
         k: usize,
     ) -> Result<()> {
         let (r, n32, k32) = (rows as u32, n as u32, k as u32);
-        let s = &self.stream;
+        let s = self.stream();
         // SAFETY (every launch): a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0 (the
         // GEMVs are only chosen then); cuBLAS: a [m, k], w [n, k], out [m, n].
         unsafe {
@@ -2091,8 +2224,8 @@ impl CudaBackend {
                     n32,
                     k32,
                 )?,
-                (None, DenseOut::Bf16(o)) => self.blas.linear(a, w, o, rows, n, k)?,
-                (None, DenseOut::F32(o)) => self.blas.linear(a, w, o, rows, n, k)?,
+                (None, DenseOut::Bf16(o)) => self.blas().linear(a, w, o, rows, n, k)?,
+                (None, DenseOut::F32(o)) => self.blas().linear(a, w, o, rows, n, k)?,
             }
         }
         Ok(())
@@ -2116,10 +2249,10 @@ impl CudaBackend {
                 st.argmax = Some(TopkRunner::new(self.gpu(), 1)?);
             }
             let runner = st.argmax.as_mut().expect("made above");
-            if runner.reserve(&self.stream, rows, n)? {
+            if runner.reserve(self.stream(), rows, n)? {
                 st.graphs.replaced("the argmax candidates");
             }
-            runner.run(&self.stream, logits.f32("argmax")?, values, indices, rows, n)?;
+            runner.run(self.stream(), logits.f32("argmax")?, values, indices, rows, n)?;
             return Ok(());
         }
         let key = tune::TopkKey { rows, n, k: 1 };
@@ -2131,7 +2264,7 @@ impl CudaBackend {
         unsafe {
             RowTopk::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 rows as u32,
                 logits.f32("argmax")?,
                 values,
@@ -2183,7 +2316,7 @@ impl CudaBackend {
         unsafe {
             AddRmsNorm::launch(
                 &k,
-                &self.stream,
+                self.stream(),
                 rows as u32,
                 xf,
                 y16,
@@ -2209,7 +2342,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let k = self.kernels.get::<RmsNorm>(&tune::RowsKey { rows, n })?;
         // SAFETY: x and out hold rows * n values, w n; the tuner's candidates respect n % 8.
-        unsafe { RmsNorm::launch(&k, &self.stream, rows as u32, x, w, out, n as u32, eps)? };
+        unsafe { RmsNorm::launch(&k, self.stream(), rows as u32, x, w, out, n as u32, eps)? };
         Ok(())
     }
 }

@@ -83,7 +83,7 @@ impl CudaBackend {
         // the build was enqueued).
         let round_start = Instant::now();
         let mark = || {
-            self.stream
+            self.stream()
                 .record_event(Some(CU_EVENT_DEFAULT))
                 .map_err(drv("recording an event"))
         };
@@ -181,17 +181,17 @@ impl CudaBackend {
             ..
         } = st;
         let (_, root_buf) = accept.as_mut().expect("made above");
-        self.stream
+        self.stream()
             .memcpy_htod(&[root], root_buf)
             .map_err(drv("copying to the GPU"))?;
         let builder: &mut GpuBuilder = &mut builders[at].1;
-        builder.build(&self.stream, logits, root_buf)?;
+        builder.build(self.stream(), logits, root_buf)?;
         let nodes = match choose {
             Some(choose) => {
                 self.count_read();
-                let lp = builder.path_logprobs(&self.stream)?;
+                let lp = builder.path_logprobs(self.stream())?;
                 let n = choose(&lp[1..]).min(nodes - 1) + 1;
-                builder.truncate(&self.stream, n)?;
+                builder.truncate(self.stream(), n)?;
                 n
             }
             None => nodes,
@@ -209,7 +209,7 @@ impl CudaBackend {
         let (Some(tokens), Some(positions), Some(mask)) = (tokens, positions, mask) else {
             return Err(fail("the staging buffers are in use".into()));
         };
-        builder.stage(&self.stream, start as u32, nodes, tokens, positions, mask)?;
+        builder.stage(self.stream(), start as u32, nodes, tokens, positions, mask)?;
         Ok(nodes)
     }
 
@@ -252,11 +252,11 @@ impl CudaBackend {
             .argmax
             .as_ref()
             .ok_or_else(|| fail("the verify left no argmax rows on the device".into()))?;
-        accept.accept(&self.stream, builder, target, root_buf)?;
+        accept.accept(self.stream(), builder, target, root_buf)?;
         let layers = cache.lens.len();
         let (width, capacity) = (cache.width, cache.capacity);
-        accept.compact(&self.stream, cache.buf_mut(), layers, start, width, capacity * width)?;
+        accept.compact(self.stream(), cache.buf_mut(), layers, start, width, capacity * width)?;
         self.count_read();
-        Ok(accept.read(&self.stream)?)
+        Ok(accept.read(self.stream())?)
     }
 }
