@@ -31,7 +31,8 @@ pub(super) fn length_bucket(len: usize) -> usize {
     len.next_power_of_two().max(256)
 }
 
-/// Recordings kept at once (each holds its activations' memory).
+/// Recordings kept at once (each holds its activations' memory); past it the least recently
+/// replayed one is dropped.
 const MAX_GRAPHS: usize = 24;
 
 /// Failed recordings of one shape after which its forwards stay eager.
@@ -325,13 +326,17 @@ impl CudaBackend {
     /// Launches the recording of `key` and reads its argmax rows (none with `on_device`: they
     /// stay in the persistent outputs).
     fn replay(&self, cache: &mut CudaKvCache, key: GraphKey, step: Step, on_device: bool) -> Result<Vec<u32>> {
-        let st = self.state();
-        let rec = st
-            .graphs
-            .recorded
+        let mut st = self.state();
+        let recorded = &mut st.graphs.recorded;
+        let i = recorded
             .iter()
-            .find(|r| r.key == key)
+            .position(|r| r.key == key)
             .ok_or_else(|| fail("CUDA graph vanished before its replay".into()))?;
+        // Most recently replayed last: a new recording past `MAX_GRAPHS` evicts the coldest
+        // one, not the oldest (the decode step's and the common tree sizes' stay).
+        let rec = recorded.remove(i);
+        recorded.push(rec);
+        let rec = recorded.last().expect("pushed above");
         rec.graph.launch().map_err(drv("launching a CUDA graph"))?;
         let rows = rec.logit_rows;
         let (_, indices) = st.graphs.argmax.as_ref().expect("recordings write the argmax outputs");
