@@ -271,6 +271,12 @@ pub struct SpecRow {
     pub phase_ms: [f64; 4],
     /// Whether the tokens equal plain greedy decoding's.
     pub identical: bool,
+    /// Rounds per chosen budget, `(budget, rounds)` by budget.
+    pub budgets: Vec<(usize, usize)>,
+    /// Forwards replayed from and recorded into CUDA graphs during the timed run (`None`: the
+    /// backend records none). A recording costs far more than a replay: a budget chosen once is
+    /// run eagerly, a second time recorded, and replayed only from its third round.
+    pub graphs: Option<(u64, u64)>,
 }
 
 /// The whole report.
@@ -564,7 +570,9 @@ pub fn run<B: Backend>(
             // graphs of its tree sizes instead of recording them.
             let mut warm = Scripted::new(opts.block_size, accept, continuation.clone(), cfg.vocab_size, opts.seed);
             generate_speculative(model, &mut warm, &prompt, &gen, &options)?;
+            let graphs_before = b.graph_counts();
             let out = generate_speculative(model, &mut drafter, &prompt, &gen, &options)?;
+            let graphs = b.graph_counts().zip(graphs_before).map(|(a, z)| (a.0 - z.0, a.1 - z.1));
             if let (Budget::Fixed(n), None) = (budget, &cost) {
                 let st = &out.stats;
                 let rounds = st.rounds.max(1) as f64;
@@ -574,21 +582,28 @@ pub fn run<B: Backend>(
                 fixed_us[1] += us(st.build);
                 fixed_us[2] += us(st.accept);
             }
-            let row = spec_row(
-                accept,
-                budget,
-                &out.stats,
-                &out.generation.tokens,
-                &plain.tokens,
-                plain_tps,
-            );
+            let row = SpecRow {
+                graphs,
+                ..spec_row(
+                    accept,
+                    budget,
+                    &out.stats,
+                    &out.generation.tokens,
+                    &plain.tokens,
+                    plain_tps,
+                )
+            };
+            let chosen: Vec<String> = row.budgets.iter().map(|(b, n)| format!("{b}x{n}")).collect();
             progress(&format!(
-                "ddtree accept {accept} budget {}: {:.2} ms/round, accept {:.2}, {:.1} tok/s ({:.2}x)",
+                "ddtree accept {accept} budget {}: {:.2} ms/round, accept {:.2}, {:.1} tok/s ({:.2}x); budgets {}{}",
                 row.budget.map_or("auto".to_string(), |n| n.to_string()),
                 row.round_ms,
                 row.mean_accept_len,
                 row.tokens_per_s,
-                row.speedup
+                row.speedup,
+                chosen.join(" "),
+                row.graphs
+                    .map_or(String::new(), |(r, c)| format!("; graphs {r} replayed, {c} recorded")),
             ));
             spec.push(row);
         }
@@ -651,6 +666,14 @@ fn spec_row(
             ms(s.accept) / rounds,
         ],
         identical: tokens == plain,
+        budgets: {
+            let mut counts = std::collections::BTreeMap::new();
+            for &b in &s.budgets {
+                *counts.entry(b).or_insert(0) += 1;
+            }
+            counts.into_iter().collect()
+        },
+        graphs: None,
     }
 }
 

@@ -328,6 +328,11 @@ pub trait Backend {
     fn host_reads(&self) -> Option<u64> {
         None
     }
+    /// Forwards replayed from recordings (CUDA graphs) and forwards recorded so far, where the
+    /// backend records them; `None` by default.
+    fn graph_counts(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// `x / sqrt(mean(x^2) + eps) * weight`, per row.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
     /// `x W^T` for `W` of shape `[out, in]`.

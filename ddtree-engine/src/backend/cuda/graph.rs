@@ -372,7 +372,7 @@ impl CudaBackend {
     }
 
     /// Forwards replayed from and recorded into CUDA graphs so far.
-    pub fn graph_counts(&self) -> (u64, u64) {
+    pub(super) fn graph_counts_now(&self) -> (u64, u64) {
         let st = self.state();
         (st.graphs.replays, st.graphs.recordings)
     }

@@ -1396,6 +1396,10 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn graph_counts(&self) -> Option<(u64, u64)> {
+        Some(self.graph_counts_now())
+    }
+
     fn begin_branch(&self) -> Result<()> {
         if self.side.is_none() {
             return Ok(());
