@@ -1,7 +1,7 @@
 //! CUDA graphs of greedy forwards: the decode step and each tree-size bucket of the verify step.
 //!
-//! The first greedy forward of a shape runs eagerly (it compiles, tunes and sizes every buffer
-//! it needs); the second is recorded with stream capture into a graph, which then runs in place
+//! The first two greedy forwards of a shape run eagerly (the first compiles, tunes and sizes
+//! every buffer it needs; see [`EAGER_RUNS`] for the second); the third is recorded with stream capture into a graph, which then runs in place
 //! of the forward's ~30 launches per layer for every later forward of that shape. A recording
 //! is valid for one shape ([`GraphKey`]: rows, mask width, cache, length bucket) because
 //! everything that changes from step to step is read on the device: the step's tokens,
@@ -34,6 +34,13 @@ pub(super) fn length_bucket(len: usize) -> usize {
 /// Recordings kept at once (each holds its activations' memory); past it the least recently
 /// replayed one is dropped.
 const MAX_GRAPHS: usize = 24;
+
+/// Eager forwards of a shape before it is recorded: the first one compiles, tunes and sizes the
+/// buffers it needs; a second one, instead of a recording, keeps a shape that comes up rarely
+/// (a tree size `auto` picks once in a while) from paying for one: on the H200 the one
+/// recording of a 33-token Kimi K2.6 EP8 verify in a 30-round `bench` run cost about 45 ms
+/// (derived from the round times), several eager rounds' worth.
+const EAGER_RUNS: usize = 2;
 
 /// Failed recordings of one shape after which its forwards stay eager.
 const MAX_FAILURES: usize = 2;
@@ -76,8 +83,8 @@ pub(super) struct Graphs {
     generation: u64,
     step: Option<Step>,
     recorded: Vec<Recorded>,
-    /// Shapes run eagerly once (recorded on their next forward).
-    seen: Vec<GraphKey>,
+    /// Shapes run eagerly so far, with their eager forwards (recorded after [`EAGER_RUNS`]).
+    seen: Vec<(GraphKey, usize)>,
     failures: Vec<(GraphKey, usize)>,
     /// Persistent argmax outputs (values, indices) the recordings and device-staged steps
     /// write (the accept of a device round reads the indices).
@@ -131,7 +138,7 @@ impl Graphs {
     }
 
     fn failed(&mut self, key: GraphKey, why: &str) {
-        self.seen.retain(|k| *k != key);
+        self.seen.retain(|(k, _)| *k != key);
         let n = match self.failures.iter_mut().find(|(k, _)| *k == key) {
             Some((_, n)) => {
                 *n += 1;
@@ -189,8 +196,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`Backend::greedy_forward`]: eager on a shape's first forward, recorded on its second,
-    /// replayed after that.
+    /// [`Backend::greedy_forward`]: eager on a shape's first [`EAGER_RUNS`] forwards, recorded on
+    /// the next, replayed after that.
     pub(super) fn greedy_graph(
         &self,
         cache: &mut CudaKvCache,
@@ -237,8 +244,15 @@ impl CudaBackend {
                 }
                 g.recorded.remove(i);
             }
-            if !g.seen.contains(&key) {
-                g.seen.push(key);
+            let runs = match g.seen.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, n)) => n,
+                None => {
+                    g.seen.push((key, 0));
+                    &mut g.seen.last_mut().expect("pushed above").1
+                }
+            };
+            if *runs < EAGER_RUNS {
+                *runs += 1;
                 drop(st);
                 return self.eager(cache, forward, on_device);
             }
