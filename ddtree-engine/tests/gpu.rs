@@ -346,7 +346,10 @@ fn branches_on_a_side_stream_equal_one_stream() {
         let single = load(one_stream(), name);
         for seq in sequences(&single) {
             let want = bits(teacher_forced(&single, &seq));
-            assert!(want.iter().flatten().all(|&v| f32::from_bits(v).is_finite()), "{name}: NaN logits");
+            assert!(
+                want.iter().flatten().all(|&v| f32::from_bits(v).is_finite()),
+                "{name}: NaN logits"
+            );
             assert_eq!(bits(teacher_forced(&branched, &seq)), want, "{name}: logits of {seq:?}");
         }
         let opts = GenerateOptions {
@@ -355,7 +358,11 @@ fn branches_on_a_side_stream_equal_one_stream() {
         };
         for prompt in [&[5u32, 17][..], &[42; 9]] {
             let want = generate_plain(&single, prompt, &opts).unwrap().tokens;
-            assert_eq!(generate_plain(&branched, prompt, &opts).unwrap().tokens, want, "{name} plain {prompt:?}");
+            assert_eq!(
+                generate_plain(&branched, prompt, &opts).unwrap().tokens,
+                want,
+                "{name} plain {prompt:?}"
+            );
             let mut drafter = Noisy::new(8, 0.7, 5).unwrap();
             let out = generate_speculative(&branched, &mut drafter, prompt, &opts, &SpecOptions::fixed(8)).unwrap();
             assert_eq!(out.generation.tokens, want, "{name} DDTree {prompt:?}");

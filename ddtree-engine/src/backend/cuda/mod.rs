@@ -1474,7 +1474,16 @@ impl Backend for CudaBackend {
         let mut dst = self.alloc::<f32>(n)?;
         let k = self.first_variant::<CastBf16F32>(|_: &CastParams| true)?;
         // SAFETY: both hold n values.
-        unsafe { CastBf16F32::launch(&k, self.stream(), residual::grid(k.params(), n), src, &mut dst, n as u32)? };
+        unsafe {
+            CastBf16F32::launch(
+                &k,
+                self.stream(),
+                residual::grid(k.params(), n),
+                src,
+                &mut dst,
+                n as u32,
+            )?
+        };
         Ok(CudaTensor {
             rows: x.rows,
             cols: x.cols,
