@@ -331,6 +331,12 @@ enum DenseOut<'a> {
     F32(&'a mut CudaSlice<f32>),
 }
 
+/// Makes `waiter` wait for every op enqueued on `from` so far, through `event`.
+fn wait_for(event: &CudaEvent, from: &CudaStream, waiter: &CudaStream) -> Result<()> {
+    event.record(from).map_err(drv("recording an event"))?;
+    waiter.wait(event).map_err(drv("waiting for an event"))
+}
+
 /// Upload slots whose last contents are kept on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Staged {
@@ -471,6 +477,7 @@ impl CudaBackend {
         }
     }
 
+    /// Whether ops go to the side stream now (inside a branch).
     fn on_side(&self) -> bool {
         self.on_side.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -491,24 +498,16 @@ impl CudaBackend {
 
     /// Makes the side stream wait for every op enqueued on the main stream so far.
     fn fork_side(&self) -> Result<()> {
-        match &self.side {
-            Some(s) => {
-                s.fork.record(&self.main).map_err(drv("recording an event"))?;
-                s.stream.wait(&s.fork).map_err(drv("waiting for an event"))
-            }
-            None => Ok(()),
-        }
+        self.side
+            .as_ref()
+            .map_or(Ok(()), |s| wait_for(&s.fork, &self.main, &s.stream))
     }
 
     /// Makes the main stream wait for every op enqueued on the side stream so far.
     fn join_side(&self) -> Result<()> {
-        match &self.side {
-            Some(s) => {
-                s.join.record(&s.stream).map_err(drv("recording an event"))?;
-                self.main.wait(&s.join).map_err(drv("waiting for an event"))
-            }
-            None => Ok(()),
-        }
+        self.side
+            .as_ref()
+            .map_or(Ok(()), |s| wait_for(&s.join, &s.stream, &self.main))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
