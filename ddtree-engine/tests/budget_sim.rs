@@ -324,7 +324,7 @@ fn rounds(profile: &Profile, seed: u64) -> Vec<Round> {
 }
 
 /// Expected tokens per µs of a policy giving each round's budget.
-fn throughput(rounds: &[Round], cost: &CostModel, budget: impl Fn(&Round) -> usize) -> f64 {
+fn throughput(rounds: &[Round], cost: &CostModel, mut budget: impl FnMut(&Round) -> usize) -> f64 {
     let (mut tokens, mut us) = (0.0, 0.0);
     for r in rounds {
         let b = budget(r).clamp(1, r.path_logprobs.len());
@@ -334,7 +334,8 @@ fn throughput(rounds: &[Round], cost: &CostModel, budget: impl Fn(&Round) -> usi
     tokens / us
 }
 
-type Chooser = fn(&[f32], &CostModel, usize) -> usize;
+/// A budget policy: path log-probs, cost model, largest budget and the previous round's choice.
+type Chooser = fn(&[f32], &CostModel, usize, Option<usize>) -> usize;
 
 /// The best adaptive policy in hindsight, as a bound: per round the B maximizing
 /// `E(B) + 1 - lambda * cost(B)`, with `lambda` iterated to the policy's own throughput
@@ -405,11 +406,18 @@ fn evaluate(chooser: Chooser) -> Vec<Cell> {
     for (profile, calibrated, rounds) in simulated() {
         let rounds = rounds.as_slice();
         for Curve { name, model, truth } in curves() {
-            let auto = throughput(rounds, &truth, |r| chooser(&r.path_logprobs, &model, MAX_BUDGET));
+            // Round by round, as the loop does: each choice sees the one before.
+            let mut previous = None;
             let chosen: Vec<usize> = rounds
                 .iter()
-                .map(|r| chooser(&r.path_logprobs, &model, MAX_BUDGET))
+                .map(|r| {
+                    let b = chooser(&r.path_logprobs, &model, MAX_BUDGET, previous);
+                    previous = Some(b);
+                    b
+                })
                 .collect();
+            let mut next = chosen.iter();
+            let auto = throughput(rounds, &truth, |_| *next.next().expect("one choice per round"));
             let mean_auto_budget = chosen.iter().sum::<usize>() as f64 / rounds.len() as f64;
             let mut sizes = chosen;
             sizes.sort_unstable();
@@ -540,10 +548,10 @@ fn auto_is_never_much_slower_than_the_best_fixed_budget_and_sometimes_beats_all(
 fn bad_choosers_fail_the_same_check() {
     // The assertions have teeth: choosers that ignore the cost, the gain, or both fail them.
     let bad: [(&str, Chooser); 4] = [
-        ("always the maximum", |_, _, max| max),
-        ("always one node", |_, _, _| 1),
-        ("the chain length", |_, _, _| DEPTH),
-        ("the worst ratio", |lp, cost, max| {
+        ("always the maximum", |_, _, max, _| max),
+        ("always one node", |_, _, _, _| 1),
+        ("the chain length", |_, _, _, _| DEPTH),
+        ("the worst ratio", |lp, cost, max, _| {
             // The B that minimizes the expected rate.
             let mut e = 1.0;
             let mut worst = (1, f64::INFINITY);

@@ -240,6 +240,14 @@ pub fn monotone_envelope(points: &mut [VerifyPoint]) {
 /// K2.6 EP8 verifies 16 tokens in 22.7 ms, 17 in 25.5 ms, 12% more).
 pub const FLAT_TOLERANCE: f64 = 0.01;
 
+/// How much higher another budget's expected rate must be than that of the last round's choice
+/// for [`choose_budget`] to leave it: 5%. The expected accepted length is an estimate from the
+/// drafter's probabilities, which a drafter's hard stretches inflate, and a tree size the verify
+/// step has not met yet runs eagerly before its CUDA graph is recorded. On the H200 (Kimi K2.6
+/// EP8, block 8, BENCHMARKS.md) `auto` without it chose 32 in one round of 30 on the `switching`
+/// profile and 8 in the others, and ran 5.6% slower than budget 8 throughout.
+pub const SWITCH_MARGIN: f64 = 0.05;
+
 /// The budget with the most expected tokens per µs.
 ///
 /// `path_logprobs` are the path log-probs of a tree's non-root nodes in the builder's
@@ -258,13 +266,17 @@ pub const FLAT_TOLERANCE: f64 = 0.01;
 /// a few repeated sizes let the verify step replay its CUDA graphs instead of recording a new
 /// size every round. A step of the curve (a tile edge) above the tolerance always ends a
 /// stretch; a steady slope ends one every 1% of latency. When the range holds no top, every
-/// size competes. O(max_budget).
-pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize) -> usize {
+/// size competes.
+///
+/// `previous`, the previous round's choice, is kept unless the best size's rate exceeds its rate by
+/// more than [`SWITCH_MARGIN`] (when it is in range). O(max_budget).
+pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize, previous: Option<usize>) -> usize {
     let fixed = cost.fixed_us();
     let flat = 1.0 + FLAT_TOLERANCE;
     let mut expected = 1.0f64;
     let mut best = (0usize, f64::NEG_INFINITY);
     let mut best_any = (0usize, f64::NEG_INFINITY);
+    let mut previous_rate = None;
     // Past the last measured point the curve is extrapolated: every size there counts as a top.
     let last = cost.verify.last().map_or(1, |p| p.tokens);
     // The latency at the start of the current stretch, and at the current size.
@@ -278,6 +290,9 @@ pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize)
         }
         let next = cost.verify_us(b + 2);
         let rate = expected / (fixed + us);
+        if Some(b) == previous {
+            previous_rate = Some(rate);
+        }
         if rate > best_any.1 {
             best_any = (b, rate);
         }
@@ -286,10 +301,10 @@ pub fn choose_budget(path_logprobs: &[f32], cost: &CostModel, max_budget: usize)
         }
         us = next;
     }
-    if best.0 == 0 {
-        best_any.0
-    } else {
-        best.0
+    let best = if best.0 == 0 { best_any } else { best };
+    match (previous, previous_rate) {
+        (Some(l), Some(r)) if best.1 <= r * (1.0 + SWITCH_MARGIN) => l,
+        _ => best.0,
     }
 }
 
@@ -484,13 +499,39 @@ mod tests {
         .unwrap();
         let lp = vec![-0.05f32; 40];
         // A tree of 12 nodes: 16 would pay, 12 costs as much; the step below is taken.
-        assert_eq!(choose_budget(&lp[..12], &stairs, 256), 8);
-        assert_eq!(choose_budget(&lp, &stairs, 32), 32);
+        assert_eq!(choose_budget(&lp[..12], &stairs, 256, None), 8);
+        assert_eq!(choose_budget(&lp, &stairs, 32, None), 32);
         // Past the last point (flat extrapolation) every size is a top.
-        assert_eq!(choose_budget(&lp, &stairs, 256), 40);
-        assert_eq!(choose_budget(&lp, &stairs, 20), 16);
+        assert_eq!(choose_budget(&lp, &stairs, 256, None), 40);
+        assert_eq!(choose_budget(&lp, &stairs, 20, None), 16);
         // No step top in range: every size competes.
-        assert_eq!(choose_budget(&lp[..5], &stairs, 256), 5);
+        assert_eq!(choose_budget(&lp[..5], &stairs, 256, None), 5);
+    }
+
+    #[test]
+    fn the_last_choice_stays_unless_another_is_clearly_better() {
+        // 9 tokens 18 ms, 10..17 tokens 25 ms: budget 8 or 16.
+        let stairs = CostModel::new(
+            "stairs",
+            0.0,
+            0.0,
+            0.0,
+            &[(9, 18_000.0), (10, 25_000.0), (17, 25_000.0)],
+        )
+        .unwrap();
+        let rate = |lp: &[f32], b: usize, us: f64| (1.0 + lp[..b].iter().map(|&l| (l as f64).exp()).sum::<f64>()) / us;
+        // A chain where 16 is 2% better than 8, and one where it is 20% better.
+        for (p16, clearly) in [(0.47f32, false), (0.75, true)] {
+            let lp: Vec<f32> = (0..16).map(|i| if i < 8 { -0.01 } else { p16.ln() }).collect();
+            let gain = rate(&lp, 16, 25_000.0) / rate(&lp, 8, 18_000.0) - 1.0;
+            assert!(gain > 0.0 && (gain > SWITCH_MARGIN) == clearly, "gain {gain}");
+            assert_eq!(choose_budget(&lp, &stairs, 16, None), 16, "gain {gain}");
+            assert_eq!(choose_budget(&lp, &stairs, 16, Some(16)), 16, "gain {gain}");
+            let kept = if clearly { 16 } else { 8 };
+            assert_eq!(choose_budget(&lp, &stairs, 16, Some(8)), kept, "gain {gain}");
+            // A last choice out of range (a smaller tree this round) does not count.
+            assert_eq!(choose_budget(&lp[..12], &stairs, 16, Some(16)), 8);
+        }
     }
 
     #[test]
@@ -498,19 +539,19 @@ mod tests {
         let flat = CostModel::new("flat", 0.0, 0.0, 0.0, &[(1, 100.0), (300, 100.0)]).unwrap();
         let lp: Vec<f32> = (0..40).map(|i| -0.1 * i as f32).collect();
         // Free nodes: take all of them, up to the cap.
-        assert_eq!(choose_budget(&lp, &flat, 256), 40);
-        assert_eq!(choose_budget(&lp, &flat, 7), 7);
-        assert_eq!(choose_budget(&[], &flat, 7), 0);
-        assert_eq!(choose_budget(&lp, &flat, 0), 0);
+        assert_eq!(choose_budget(&lp, &flat, 256, None), 40);
+        assert_eq!(choose_budget(&lp, &flat, 7, None), 7);
+        assert_eq!(choose_budget(&[], &flat, 7, None), 0);
+        assert_eq!(choose_budget(&lp, &flat, 0, None), 0);
         // Every extra token costs as much as a whole round: one node.
         let steep = CostModel::new("steep", 0.0, 0.0, 0.0, &[(1, 100.0), (2, 200.0)]).unwrap();
-        assert_eq!(choose_budget(&lp, &steep, 256), 1);
+        assert_eq!(choose_budget(&lp, &steep, 256, None), 1);
         // A node is worth its cost when p > (E + 1) * slope / round: confident chain then a
         // tail of improbable nodes.
         let lin = CostModel::new("lin", 0.0, 0.0, 0.0, &[(1, 1000.0), (2, 1010.0)]).unwrap();
         let mut lp = vec![-0.05f32; 7];
         lp.extend([-6.0f32; 50]);
-        assert_eq!(choose_budget(&lp, &lin, 256), 7);
+        assert_eq!(choose_budget(&lp, &lin, 256, None), 7);
         for seed in 0..50u64 {
             let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             let mut acc = 0f32;
@@ -524,7 +565,11 @@ mod tests {
                 })
                 .collect();
             for cost in [&table(), &lin, &CostModel::fallback()] {
-                assert_eq!(choose_budget(&lp, cost, 100), brute(&lp, cost, 100), "seed {seed}");
+                assert_eq!(
+                    choose_budget(&lp, cost, 100, None),
+                    brute(&lp, cost, 100),
+                    "seed {seed}"
+                );
             }
         }
     }
@@ -625,12 +670,12 @@ mod tests {
         .unwrap();
         let lp = [-0.02f32; 40];
         assert_eq!(
-            choose_budget(&lp[..10], &c, 256),
+            choose_budget(&lp[..10], &c, 256, None),
             10,
             "no top in range: every size competes"
         );
-        assert_eq!(choose_budget(&lp[..20], &c, 256), 15);
-        assert_eq!(choose_budget(&lp[..10], &c, 256), brute(&lp[..10], &c, 256));
+        assert_eq!(choose_budget(&lp[..20], &c, 256, None), 15);
+        assert_eq!(choose_budget(&lp[..10], &c, 256, None), brute(&lp[..10], &c, 256));
         // 2% is a step: 8 ends a stretch.
         let c = CostModel::new(
             "c",
@@ -640,14 +685,14 @@ mod tests {
             &[(1, 20_000.0), (8, 20_000.0), (9, 20_400.0), (64, 20_400.0)],
         )
         .unwrap();
-        assert_eq!(choose_budget(&lp[..10], &c, 256), 7);
+        assert_eq!(choose_budget(&lp[..10], &c, 256, None), 7);
         // A steady slope of 0.3% a token (of the first latency) ends a stretch every 4 lengths:
         // tops at 4, 8, 12, ... tokens, not at every length and not nowhere.
         let ramp = CostModel::new("ramp", 0.0, 0.0, 0.0, &[(1, 10_000.0), (101, 13_000.0)]).unwrap();
         let starts = stretch_starts(&ramp, 60);
         assert_eq!(&starts[..5], [1, 5, 9, 13, 17], "{starts:?}");
         for len in 5..40 {
-            let b = choose_budget(&lp[..len], &ramp, 256);
+            let b = choose_budget(&lp[..len], &ramp, 256, None);
             assert_eq!(b, brute(&lp[..len], &ramp, 256));
             assert!(starts.contains(&(b + 2)), "{len} nodes: {b} is no top ({starts:?})");
         }
@@ -678,7 +723,7 @@ mod tests {
         let mut chosen = std::collections::BTreeSet::new();
         for (k, lp) in profiles.iter().enumerate() {
             for max in [20, 47, 64, 100, 127] {
-                let b = choose_budget(lp, &stairs, max);
+                let b = choose_budget(lp, &stairs, max, None);
                 assert_eq!(b, brute(lp, &stairs, max), "profile {k}, max {max}");
                 assert_eq!(
                     (b + 1) % 16,
@@ -692,7 +737,7 @@ mod tests {
         assert!(chosen.len() >= 4, "the profiles reach several stairs: {chosen:?}");
         // Nothing worth drafting: the smallest stair top, the end of the cheapest stair.
         let tiny = vec![-20.0f32; 127];
-        assert_eq!(choose_budget(&tiny, &stairs, 127), 15);
+        assert_eq!(choose_budget(&tiny, &stairs, 127, None), 15);
         // Without the tolerance, the noise inside a stair makes tops of lengths inside it.
         let strict_tops = (2..127)
             .filter(|&n| stairs.verify_us(n + 1) > stairs.verify_us(n) && n % 16 != 0)
@@ -710,7 +755,7 @@ mod tests {
                 let rate =
                     |b: usize| (1.0 + lp[..b].iter().map(|&x| (x as f64).exp()).sum::<f64>()) / stairs.round_us(b);
                 let best = (1..=127).map(rate).fold(0.0, f64::max);
-                let b = choose_budget(&lp, &stairs, 127);
+                let b = choose_budget(&lp, &stairs, 127, None);
                 assert!(rate(b) * (1.0 + FLAT_TOLERANCE) >= best, "seed {seed}: {b}");
             }
         }
@@ -751,8 +796,8 @@ mod tests {
         assert!(lp[15] > (0.5f32).ln(), "{lp:?}");
         // Then `auto` keeps the whole chain where the raw probabilities stop early.
         let cost = CostModel::new("t", 0.0, 0.0, 0.0, &[(1, 1000.0), (9, 1000.0), (17, 1400.0)]).unwrap();
-        assert_eq!(choose_budget(&t.path_logprob[1..], &cost, 16), 8);
-        assert_eq!(choose_budget(&lp[1..], &cost, 16), 15);
+        assert_eq!(choose_budget(&t.path_logprob[1..], &cost, 16, None), 8);
+        assert_eq!(choose_budget(&lp[1..], &cost, 16, None), 15);
         // An overconfident one: 85% edges taken a third of the time.
         let mut c = Calibration::default();
         for r in 0..30 {

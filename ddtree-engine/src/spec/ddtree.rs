@@ -236,7 +236,7 @@ pub fn generate_speculative<B: Backend>(
         let device = if device_rounds {
             // `auto`: the budget with the best expected rate, from the built tree's path
             // log-probs (best-first order: the top-B tree is the first B nodes).
-            let mut choose = auto_cost.map(|cost| move |lp: &[f32]| choose_budget(lp, cost, build));
+            let mut choose = auto_cost.map(|cost| move |lp: &[f32]| choose_budget(lp, cost, build, last_choice));
             let round = TreeRound {
                 drafted: &drafted,
                 depth,
@@ -264,9 +264,9 @@ pub fn generate_speculative<B: Backend>(
                 // gives at budget B; with `calibrate` each is scored by its calibrated path
                 // probability.
                 let chosen = if spec.calibrate {
-                    choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build)
+                    choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build, last_choice)
                 } else {
-                    choose_budget(&tree.path_logprob[1..], cost, build)
+                    choose_budget(&tree.path_logprob[1..], cost, build, last_choice)
                 };
                 tree.truncate(chosen + 1);
                 last_choice = Some(chosen);
