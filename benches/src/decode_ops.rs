@@ -263,7 +263,15 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 }
             })?;
             row(&op, t, &format!("{} (old)", GemvBf16::symbol(&old)), us, bytes);
-            if let Some(GemvChoice::Split(p)) = gemv::choose(t, n, k, sms) {
+            // Every split-K candidate that takes `t` rows, `gemv::choose`'s pick marked.
+            let chosen = match gemv::choose(t, n, k, sms) {
+                Some(GemvChoice::Split(p)) => Some(p),
+                _ => None,
+            };
+            for p in <GemvSplitBf16 as Kernel>::space()
+                .into_iter()
+                .filter(|p| p.m as usize >= t)
+            {
                 let ks = gpu.compile::<GemvSplitBf16>(&p)?;
                 let ksf = gpu.compile::<GemvSplitF32>(&p)?;
                 let us = time(&mut flush, &mut || {
@@ -296,7 +304,8 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                         }
                     }
                 })?;
-                row(&op, t, &format!("{} (new)", GemvSplitBf16::symbol(&p)), us, bytes);
+                let mark = if chosen == Some(p) { " (chosen)" } else { "" };
+                row(&op, t, &format!("{}{mark}", GemvSplitBf16::symbol(&p)), us, bytes);
             }
         }
     }
