@@ -2,7 +2,9 @@
 //! (tuned variants from the per-GPU tune cache), cuBLAS for the dense bf16 products, INT4
 //! routed experts through the grouped W4A16 MoE kernels, and the latent cache in device memory.
 //!
-//! Every op enqueues on the GPU's one stream; nothing synchronises except the copies back to
+//! Every op enqueues on the GPU's stream, or inside a branch ([`Backend::begin_branch`]: the
+//! shared experts, the latent KV path) on a second, lower-priority stream that forks from it
+//! and joins it again; nothing synchronises except the copies back to
 //! the host ([`Backend::to_host`], [`Backend::argmax_rows`], a replayed greedy forward's argmax
 //! rows, the host tree of [`Backend::draft_tree`], and a device tree round's accept result),
 //! which [`Backend::host_reads`] counts. A greedy fixed-budget DDTree round
@@ -490,9 +492,10 @@ impl CudaBackend {
     /// After shared state (uploads, staging, tables) was made on the main stream: inside a
     /// branch the side stream waits for it.
     fn after_main(&self) -> Result<()> {
-        match &self.side {
-            Some(_) if self.on_side() => self.fork_side(),
-            _ => Ok(()),
+        if self.on_side() {
+            self.fork_side()
+        } else {
+            Ok(())
         }
     }
 

@@ -1,6 +1,6 @@
 //! Greedy DDTree rounds with the tree on the GPU ([`Backend::device_tree_round`]).
 //!
-//! A round enqueues, on the backend's one stream and without a host sync in between:
+//! A round enqueues, on the backend's main stream and without a host sync in between:
 //!
 //! 1. the tree build ([`GpuBuilder::build`]) from the drafter's logits, its root token copied
 //!    to the device;
