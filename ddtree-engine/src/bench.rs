@@ -582,17 +582,15 @@ pub fn run<B: Backend>(
                 fixed_us[1] += us(st.build);
                 fixed_us[2] += us(st.accept);
             }
-            let row = SpecRow {
+            let row = spec_row(
+                accept,
+                budget,
+                &out.stats,
+                &out.generation.tokens,
+                &plain.tokens,
+                plain_tps,
                 graphs,
-                ..spec_row(
-                    accept,
-                    budget,
-                    &out.stats,
-                    &out.generation.tokens,
-                    &plain.tokens,
-                    plain_tps,
-                )
-            };
+            );
             let chosen: Vec<String> = row.budgets.iter().map(|(b, n)| format!("{b}x{n}")).collect();
             progress(&format!(
                 "ddtree accept {accept} budget {}: {:.2} ms/round, accept {:.2}, {:.1} tok/s ({:.2}x); budgets {}{}",
@@ -643,6 +641,7 @@ fn spec_row(
     tokens: &[u32],
     plain: &[u32],
     plain_tps: f64,
+    graphs: Option<(u64, u64)>,
 ) -> SpecRow {
     let rounds = s.rounds.max(1) as f64;
     let decode = s.draft + s.build + s.verify + s.accept;
@@ -673,7 +672,7 @@ fn spec_row(
             }
             counts.into_iter().collect()
         },
-        graphs: None,
+        graphs,
     }
 }
 
