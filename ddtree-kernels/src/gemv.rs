@@ -288,16 +288,19 @@ pub fn split_grid(p: &GemvSplitParams, n: u32) -> u32 {
     n.div_ceil(p.cols).max(1)
 }
 
-/// The candidates of the plain split-K GEMVs ([`GemvSplitBf16`], [`GemvSplitF32`]).
+/// The candidates of the plain split-K GEMVs ([`GemvSplitBf16`], [`GemvSplitF32`]); the first
+/// of each `m` is [`choose`]'s. One row: 16 warps per column, the fastest on every measured
+/// shape of `k = 7168 / 8192` on the H200 (`kernel-check --decode-ops`, cold L2: 7168->1536
+/// 11.2 µs vs 12.0 for 8 warps, 7168->48 4.4 vs 5.2, 8192->7168 37.4 vs 38.0).
 #[rustfmt::skip]
 const SPLIT_SPACE: [GemvSplitParams; 8] = [
+    GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
     GemvSplitParams { warps: 8, m: 1, cols: 1, unroll: 4 },
     GemvSplitParams { warps: 8, m: 2, cols: 1, unroll: 4 },
     GemvSplitParams { warps: 8, m: 4, cols: 1, unroll: 4 },
     GemvSplitParams { warps: 8, m: 8, cols: 2, unroll: 2 },
     GemvSplitParams { warps: 4, m: 1, cols: 1, unroll: 4 },
     GemvSplitParams { warps: 4, m: 1, cols: 2, unroll: 4 },
-    GemvSplitParams { warps: 16, m: 1, cols: 1, unroll: 2 },
     GemvSplitParams { warps: 4, m: 8, cols: 1, unroll: 2 },
 ];
 
@@ -499,6 +502,17 @@ pub enum GemvChoice {
     Split(GemvSplitParams),
 }
 
+/// Row length from which one row takes the split-K kernel even where the per-column kernel
+/// would have [`WARPS_PER_SM`] warps per SM, up to [`SPLIT_MAX_COLS`] columns: on the H200
+/// (`kernel-check --decode-ops`, cold L2) `o_proj` 8192->7168 takes 37.4 µs split-K vs 43.1
+/// per column, while the short rows of `q_b` (1536->12288) stay faster per column (16.3 vs
+/// 18.1).
+pub const SPLIT_MIN_K: usize = 4096;
+
+/// Most columns of [`SPLIT_MIN_K`]'s rule: wider outputs (the LM head, the dense MLP's 18432)
+/// keep the per-column kernel, as measured before the rule.
+pub const SPLIT_MAX_COLS: usize = 16384;
+
 /// Warps per SM the per-column kernel should have (with 4 to 8 loads of 16 bytes in flight per
 /// lane) to keep enough bytes in flight to cover DRAM latency on an H100/H200-class GPU.
 pub const WARPS_PER_SM: usize = 32;
@@ -510,8 +524,9 @@ pub const MAX_ROWS: usize = 4;
 
 /// The GEMV for `rows` activation rows (1..=[`MAX_ROWS`]), `n` output columns of length `k` on a GPU of
 /// `sms` SMs: the per-column kernel when it has at least [`WARPS_PER_SM`] warps per SM
-/// (`n` large: the LM head, `o_proj`, `q_b`), else the split-K kernel, whose blocks each put
-/// 8 warps on one or two columns (the router's 48 or 384 columns, `kv_a` 576, `q_a` 1536).
+/// (`n` large: the LM head, `q_b`) and the rows are short or many ([`SPLIT_MIN_K`]), else the
+/// split-K kernel, whose blocks each put 8-16 warps on one or two columns (`o_proj` for one
+/// row, the router's 48 or 384 columns, `kv_a` 576, `q_a` 1536).
 /// `None` when no variant takes the shape (`k % 8 != 0`, `rows` outside 1..=[`MAX_ROWS`]).
 pub fn choose(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
     choose_in(&GemvBf16::space(), &GemvSplitBf16::space(), rows, n, k, sms)
@@ -541,7 +556,8 @@ fn choose_in(
     let m = rows.next_power_of_two() as u32;
     let w = warp.iter().find(|p| p.m == m)?;
     let warps = n.div_ceil(cols_per_warp(w) as usize);
-    if warps >= WARPS_PER_SM * sms.max(1) {
+    let long_rows = m == 1 && k >= SPLIT_MIN_K && n <= SPLIT_MAX_COLS;
+    if warps >= WARPS_PER_SM * sms.max(1) && !long_rows {
         return Some(GemvChoice::Warp(*w));
     }
     split.iter().find(|p| p.m == m).copied().map(GemvChoice::Split)
