@@ -21,7 +21,7 @@ use ddtree_kernels::tree::check::{self, random_mask, LOGITS_PROFILES};
 use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
-use ddtree_kernels::tree::{TreeBuild, VerifyVariant, LATENT, ROW};
+use ddtree_kernels::tree::{TreeBuild, VerifyVariant, WideParams, LATENT, ROW};
 use ddtree_runtime::timing::{graph_us, median_us};
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
@@ -47,6 +47,10 @@ struct Args {
     /// stopped after stage 0-3 (slice, merge, expansion, all), nothing else.
     #[arg(long, value_names = ["STAGE", "LOGITS"], num_args = 2)]
     profile_build: Option<Vec<String>>,
+    /// For a profiler: two launches of the engine's decode-step verify attention (one node x
+    /// 64 heads, `mla_verify_wide` rg2, the automatic split count) at context CTX, nothing else.
+    #[arg(long, value_name = "CTX")]
+    profile_verify: Option<usize>,
 }
 
 /// `--profile-build STAGE LOGITS`: two launches of the default builder (profile the second).
@@ -76,6 +80,43 @@ fn profile_build(gpu: &Gpu, rng: &mut StdRng, stage: &str, logits: &str) -> Resu
         s.synchronize().map_err(RuntimeError::driver("synchronizing"))
     };
     run().map_err(|e| e.to_string())
+}
+
+/// `--profile-verify CTX`: two launches of the decode-step verify (profile the second).
+fn profile_verify(gpu: &Gpu, rng: &mut StdRng, ctx: usize) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let (nodes, heads) = (1usize, 64usize);
+    let v = VerifyVariant::Wide(WideParams {
+        rg: 2,
+        bn: 64,
+        stages: 2,
+        qk: 16,
+    });
+    let mut verify = GpuVerify::new(gpu, &v, BENCH_PARTIALS)?;
+    let (cache, _) = ddtree_kernels::check::random_bf16(rng, (ctx + nodes) * ROW, -1.0, 1.0);
+    let (q, _) = ddtree_kernels::check::random_bf16(rng, nodes * heads * ROW, -1.0, 1.0);
+    let (mask, words) = random_mask(rng, nodes, true);
+    let (cache, q, mask, lens) = (
+        upload(s, &cache)?,
+        upload(s, &q)?,
+        upload(s, &mask)?,
+        upload(s, &[ctx as u32])?,
+    );
+    let mut out = zeros::<bf16>(s, nodes * heads * LATENT)?;
+    let mut lse = zeros::<f32>(s, nodes * heads)?;
+    let sh = VerifyShape {
+        nodes,
+        heads,
+        prefix: ctx,
+        words,
+        scale: 0.1,
+    };
+    let splits = verify.auto_splits(132, &sh);
+    println!("profile-verify: ctx {ctx}, {} with {splits} splits", v.symbol());
+    for _ in 0..2 {
+        verify.run(s, &sh, splits, &q, &cache, &mask, &lens, &mut out, &mut lse)?;
+    }
+    s.synchronize().map_err(RuntimeError::driver("synchronizing"))
 }
 
 fn checks(gpu: &Gpu, rng: &mut StdRng, build_only: bool) -> Vec<CheckResult> {
@@ -351,6 +392,15 @@ fn main() -> ExitCode {
     let mut rng = StdRng::seed_from_u64(seed);
     if let Some(v) = &args.profile_build {
         return match profile_build(&gpu, &mut rng, &v[0], &v[1]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                println!("{e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if let Some(ctx) = args.profile_verify {
+        return match profile_verify(&gpu, &mut rng, ctx) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 println!("{e}");

@@ -474,14 +474,22 @@ pub fn mla_verify_wide(
         cp_async_wait(p.stages - 2);
         sync_threads();
         if it < ntiles {
-            let ld = ring + (it % p.stages) * p.bn * 576;
-            let kl = kv0 + it * p.bn;
-            for ch in (tid..p.bn * 72).step_by(256) {
-                let r = ch / 72;
-                let c = ch % 72;
-                let ok = kl + r < kv1;
-                let src = if ok { (kl + r) * 576 + c * 8 } else { 0u32 };
-                cp_async_16_zfill(&mut sm[ld + r * 576 + (c ^ (r % 8)) * 8], &cache[src], ok);
+            // Warp `w` copies rows `w + 8 i` (so `r % 8 == w`: the swizzle is per lane, not per
+            // row) and lane `l` their chunks `l`, `l + 32` and, for lanes 0..8, `l + 64`: the
+            // addresses are a row base plus per-lane constants.
+            let ld = ring + (it % p.stages) * p.bn * 576 + warp * 576;
+            let kl = kv0 + it * p.bn + warp;
+            #[unroll]
+            for i in 0..p.bn / 8 {
+                let ok = kl + 8 * i < kv1;
+                let src = if ok { (kl + 8 * i) * 576 } else { 0u32 };
+                #[unroll]
+                for j in 0..3 {
+                    let c = lane + 32 * j;
+                    if c < 72 {
+                        cp_async_16_zfill(&mut sm[ld + i * 8 * 576 + (c ^ warp) * 8], &cache[src + c * 8], ok);
+                    }
+                }
             }
         }
         cp_async_commit();
@@ -525,23 +533,39 @@ pub fn mla_verify_wide(
                 for i in 0..mr * 2 {
                     mx[i] = f32::NEG_INFINITY;
                 }
-                #[unroll]
-                for mi in 0..mr {
+                if kt + p.bn <= prefix.min(kv1) {
+                    // A tile of committed keys only (most tiles of a long context): all visible.
                     #[unroll]
-                    for j in 0..nj {
+                    for mi in 0..mr {
                         #[unroll]
-                        for e in 0..4 {
-                            let i = mi * 2 + e / 2;
-                            let key = kt + key0 + j * 8 + qd * 2 + e % 2;
-                            let t = key - prefix;
-                            let vis =
-                                key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
-                            s[mi * nj + j][e] = if vis {
-                                s[mi * nj + j][e] * scale_log2
-                            } else {
-                                f32::NEG_INFINITY
-                            };
-                            mx[i] = mx[i].max(s[mi * nj + j][e]);
+                        for j in 0..nj {
+                            #[unroll]
+                            for e in 0..4 {
+                                let i = mi * 2 + e / 2;
+                                s[mi * nj + j][e] *= scale_log2;
+                                mx[i] = mx[i].max(s[mi * nj + j][e]);
+                            }
+                        }
+                    }
+                } else {
+                    #[unroll]
+                    for mi in 0..mr {
+                        #[unroll]
+                        for j in 0..nj {
+                            #[unroll]
+                            for e in 0..4 {
+                                let i = mi * 2 + e / 2;
+                                let key = kt + key0 + j * 8 + qd * 2 + e % 2;
+                                let t = key - prefix;
+                                let vis = key < kv1
+                                    && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
+                                s[mi * nj + j][e] = if vis {
+                                    s[mi * nj + j][e] * scale_log2
+                                } else {
+                                    f32::NEG_INFINITY
+                                };
+                                mx[i] = mx[i].max(s[mi * nj + j][e]);
+                            }
                         }
                     }
                 }
