@@ -814,8 +814,7 @@ impl<B: Backend> Model<B> {
         };
         let q_abs = b.mla_query(&q, &a.kv_b, &self.rope, positions, self.dims)?;
         b.join_branch()?;
-        let o_lat = b.mla_attention(&q_abs, cache, layer, span, self.dims, self.scale)?;
-        let o = b.mla_output(&o_lat, &a.kv_b, self.dims)?;
+        let o = b.mla_attention_output(&q_abs, cache, layer, span, self.dims, self.scale, &a.kv_b)?;
         b.linear(&o, &a.o)
     }
 

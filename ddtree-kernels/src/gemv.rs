@@ -70,7 +70,7 @@ pub fn grid(p: &GemvParams, n: u32) -> u32 {
 
 /// `acc + dot(a, w)` over the two bf16 of `a` and of `w` (fused multiply-adds, low half first).
 #[device_fn]
-fn dot2(acc: f32, a: u32, w: u32) -> f32 {
+pub(crate) fn dot2(acc: f32, a: u32, w: u32) -> f32 {
     bf16_hi(a).mul_add(bf16_hi(w), bf16_lo(a).mul_add(bf16_lo(w), acc))
 }
 

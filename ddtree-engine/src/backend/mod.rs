@@ -464,6 +464,23 @@ pub trait Backend {
     /// Un-absorbs the latent outputs through each head's `W_UV` (the last `V` rows of its block of
     /// `kv_b`): `[T, N L]` -> `[T, N V]`.
     fn mla_output(&self, o_lat: &Self::Tensor, kv_b: &Self::Weight, dims: MlaDims) -> Result<Self::Tensor>;
+    /// [`Self::mla_attention`], then [`Self::mla_output`] through `kv_b`: `[T, N V]`. A backend
+    /// may fuse the two (the CUDA backend merges the split-KV partials inside the output
+    /// projection for the decode step).
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_output(
+        &self,
+        q_abs: &Self::Tensor,
+        cache: &Self::KvCache,
+        layer: usize,
+        span: AttentionSpan<'_>,
+        dims: MlaDims,
+        scale: f32,
+        kv_b: &Self::Weight,
+    ) -> Result<Self::Tensor> {
+        let o_lat = self.mla_attention(q_abs, cache, layer, span, dims, scale)?;
+        self.mla_output(&o_lat, kv_b, dims)
+    }
 
     /// DeepSeek-V3 `noaux_tc` routing from fp32 router logits `[T, E]`: sigmoid scores, selection
     /// on scores + `bias` with group-limited top-k, weights from the unbiased scores, normalized

@@ -9,11 +9,14 @@ use rand::Rng;
 use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
-    accept_reference, chain_mask, combine_grid, combine_warps, sample_rows, verify_attention_reference, DraftTree,
-    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    accept_reference, chain_mask, combine_grid, combine_output_grid, combine_warps, sample_rows,
+    verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
+    MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
+use crate::attention::mla_absorb::output_reference;
 use crate::check::{
-    compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Comparison, Sizes, Target, Tolerance,
+    compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, Comparison, DevBuf, Sizes, Target,
+    Tolerance,
 };
 
 /// A tree flattened to exact f32 values (mask words as two 16-bit halves, log-probs as is).
@@ -187,6 +190,59 @@ pub struct VerifyCase {
     pub splits: Option<usize>,
 }
 
+/// Most tokens [`verify`] checks [`MlaCombineOutput`] at (its use: the decode step's one or two).
+const COMBINE_OUTPUT_MAX_TOKENS: usize = 2;
+
+/// Every candidate of [`MlaCombineOutput`] on the split partials `po` / `pl` of one verify case
+/// (`(tokens, heads, splits)`) against [`MlaVerifyCombine`]'s merged rows `merged` through the
+/// f64 absorbed output projection of a fresh random `kv_b` (64 output columns per head, so the
+/// 128- and 32-column slabs see a partial and several full slabs): the same sums up to their
+/// order and the latent row's rounding. Poisoned outputs, bf16 tolerance.
+fn combine_output(
+    t: &Target<'_>,
+    po: &DevBuf<u32>,
+    pl: &DevBuf<f32>,
+    merged: &[f32],
+    (tokens, heads, splits): (usize, usize, usize),
+    case: &str,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let (nope, v) = (16usize, 72usize);
+    let (kh, kf) = random_bf16(rng, heads * (nope + v) * LATENT, -1.0, 1.0);
+    let want = output_reference(merged, &kf, tokens, heads, (nope, v, LATENT));
+    let tol = Tolerance::bf16_sums(&want);
+    let dk = t.upload(&kh)?;
+    let rows = tokens * heads;
+    let mut results = Vec::new();
+    for p in MlaCombineOutput::space() {
+        let mut o = poisoned_bf16(t, rows * v)?;
+        let mut args = [
+            Arg::In(po),
+            Arg::In(pl),
+            Arg::In(&dk),
+            Arg::Out(&mut o),
+            Arg::from(rows as u32),
+            Arg::from(splits as u32),
+            Arg::from(heads as u32),
+            Arg::from(nope as u32),
+            Arg::from(v as u32),
+        ];
+        let grid = combine_output_grid(&p, tokens as u32, heads as u32, v as u32);
+        // SAFETY: the partials hold splits * rows rows, kv_b heads * (nope + v) rows of 512,
+        // out tokens * heads * v.
+        unsafe { t.launch::<MlaCombineOutput>(&p, grid, &mut args)? };
+        let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
+        results.push(result::<MlaCombineOutput>(
+            &p,
+            format!("{case} nope={nope} v={v}"),
+            &got,
+            &want,
+            tol,
+        ));
+    }
+    Ok(results)
+}
+
 /// Checks split-KV + combine for each of `variants` (and the naive kernel when `naive`) on one
 /// case against the f64 CPU reference, computed once: fresh random inputs, poisoned outputs and
 /// partials (NaN) per run, bf16 tolerance on the output (absolute part scaled by its RMS), 1e-3
@@ -233,7 +289,7 @@ pub fn verify(
     };
     let kind = if chain { "chain" } else { "tree" };
     let mut out = Vec::new();
-    for v in variants {
+    for (vi, v) in variants.iter().enumerate() {
         let splits = c
             .splits
             .unwrap_or_else(|| verify_splits(v, 132, rows, bound + nodes, usize::MAX));
@@ -278,6 +334,10 @@ pub fn verify(
         unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
         let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
         let got_lse = t.download(&l)?;
+        // On the first variant's partials (every split pass writes the same format).
+        if vi == 0 && nodes <= COMBINE_OUTPUT_MAX_TOKENS {
+            out.extend(combine_output(t, &po, &pl, &got, (nodes, heads, splits), &case, rng)?);
+        }
         for (case, got, want, tol) in [
             (case.clone(), &got, &want, tol),
             (format!("{case} lse"), &got_lse, &want_lse, ltol),

@@ -13,8 +13,9 @@ use half::bf16;
 
 use super::build::expansion_candidates;
 use super::{
-    combine_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
-    MlaVerifyWide, TreeAccept, TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
+    combine_grid, combine_output_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept, TreeBuild, TreeBuildParams, TreeStage,
+    VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -446,6 +447,7 @@ pub struct GpuVerify {
     variant: VerifyVariant,
     split: SplitKernel,
     combine: CompiledKernel<MlaVerifyCombine>,
+    combine_output: CompiledKernel<MlaCombineOutput>,
     naive: CompiledKernel<MlaVerifyNaive>,
     part_o: CudaSlice<u32>,
     part_lse: CudaSlice<f32>,
@@ -481,6 +483,7 @@ impl GpuVerify {
                 VerifyVariant::Wide(p) => SplitKernel::Wide(gpu.compile::<MlaVerifyWide>(p)?),
             },
             combine: gpu.compile::<MlaVerifyCombine>(&())?,
+            combine_output: gpu.compile::<MlaCombineOutput>(&MlaCombineOutput::space()[0])?,
             naive: gpu.compile::<MlaVerifyNaive>(&())?,
             part_o: zeros(s, max_rows_splits * LATENT / 2)?,
             part_lse: zeros(s, max_rows_splits)?,
@@ -504,10 +507,43 @@ impl GpuVerify {
         )
     }
 
-    /// Split-KV + combine: `q` `[nodes, heads, 576]`, `cache` `[lens[0] + nodes, 576]` (at
-    /// least), `mask` `[nodes, words]`, `lens[0]` the committed prefix length on the device (at
-    /// most `sh.prefix`, which only sizes the grid); writes `out` `[nodes, heads, 512]` and `lse`
-    /// `[nodes, heads]`. No host synchronisation: capturable in a CUDA graph.
+    /// The split pass into the partials: `q` `[nodes, heads, 576]`, `cache` `[lens[0] + nodes,
+    /// 576]` (at least), `mask` `[nodes, words]`, `lens[0]` the committed prefix length on the
+    /// device (at most `sh.prefix`, which only sizes the grid).
+    #[allow(clippy::too_many_arguments)]
+    fn split_pass(
+        &mut self,
+        s: &Arc<CudaStream>,
+        sh: &VerifyShape,
+        splits: usize,
+        q: &CudaSlice<bf16>,
+        cache: &impl DevicePtr<bf16>,
+        mask: &CudaSlice<u32>,
+        lens: &impl DevicePtr<u32>,
+    ) -> Result<(), RuntimeError> {
+        let rows = sh.nodes * sh.heads;
+        assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1 && splits >= 1);
+        let grid = ((rows as u32).div_ceil(self.variant.rows_per_block()), splits as u32);
+        let (po, pl) = (&mut self.part_o, &mut self.part_lse);
+        let (r, h, n, w) = (rows as u32, sh.heads as u32, sh.nodes as u32, sh.words as u32);
+        // SAFETY: shapes as documented; partials hold rows * splits rows.
+        unsafe {
+            match &self.split {
+                SplitKernel::Split(k) => {
+                    MlaVerifySplit::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
+                }
+                SplitKernel::Wide(k) => {
+                    MlaVerifyWide::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
+                }
+            }
+        }
+    }
+
+    /// Split-KV + combine: the inputs of the split pass (`q` `[nodes, heads, 576]`, `cache`
+    /// `[lens[0] + nodes, 576]` at least, `mask` `[nodes, words]`, `lens[0]` the committed prefix
+    /// length on the device, at most `sh.prefix`, which only sizes the grid); writes `out`
+    /// `[nodes, heads, 512]` and `lse` `[nodes, heads]`. No host synchronisation: capturable in a
+    /// CUDA graph.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -521,22 +557,11 @@ impl GpuVerify {
         out: &mut impl DevicePtrMut<bf16>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), RuntimeError> {
+        self.split_pass(s, sh, splits, q, cache, mask, lens)?;
         let rows = sh.nodes * sh.heads;
-        assert!(rows * splits <= self.max_rows_splits && sh.nodes >= 1 && splits >= 1);
-        let grid = ((rows as u32).div_ceil(self.variant.rows_per_block()), splits as u32);
-        let (po, pl) = (&mut self.part_o, &mut self.part_lse);
-        let (r, h, n, w) = (rows as u32, sh.heads as u32, sh.nodes as u32, sh.words as u32);
-        // SAFETY: shapes as documented; partials hold rows * splits rows.
+        let wps = combine_warps(splits as u32);
+        // SAFETY: the partials of the split pass; out and lse hold rows rows.
         unsafe {
-            match &self.split {
-                SplitKernel::Split(k) => {
-                    MlaVerifySplit::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)?
-                }
-                SplitKernel::Wide(k) => {
-                    MlaVerifyWide::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)?
-                }
-            }
-            let wps = combine_warps(splits as u32);
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
@@ -548,6 +573,47 @@ impl GpuVerify {
                 rows as u32,
                 splits as u32,
                 wps,
+            )
+        }
+    }
+
+    /// Split-KV, then the merge fused with the absorbed output projection
+    /// ([`MlaCombineOutput`], the decode step's path): the split pass's inputs as in
+    /// [`Self::run`], `kv_b` `[heads (nope + v), 512]`; writes `out` `[nodes, heads v]`. No host
+    /// synchronisation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_output(
+        &mut self,
+        s: &Arc<CudaStream>,
+        sh: &VerifyShape,
+        splits: usize,
+        q: &CudaSlice<bf16>,
+        cache: &impl DevicePtr<bf16>,
+        mask: &CudaSlice<u32>,
+        lens: &impl DevicePtr<u32>,
+        kv_b: &impl DevicePtr<bf16>,
+        (nope, v): (usize, usize),
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), RuntimeError> {
+        self.split_pass(s, sh, splits, q, cache, mask, lens)?;
+        let (t, h) = (sh.nodes as u32, sh.heads as u32);
+        let p = self.combine_output.params();
+        // SAFETY: the partials of the split pass; kv_b holds heads * (nope + v) rows of 512, out
+        // nodes * heads * v.
+        unsafe {
+            MlaCombineOutput::launch(
+                &self.combine_output,
+                s,
+                combine_output_grid(p, t, h, v as u32),
+                &self.part_o,
+                &self.part_lse,
+                kv_b,
+                out,
+                t * h,
+                splits as u32,
+                h,
+                nope as u32,
+                v as u32,
             )
         }
     }

@@ -19,8 +19,8 @@ pub mod verify_attn;
 pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{
-    combine_grid, combine_warps, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, VerifyParams,
-    VerifyVariant, WideParams,
+    combine_grid, combine_output_grid, combine_warps, CombineOutputParams, MlaCombineOutput, MlaVerifyCombine,
+    MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, VerifyParams, VerifyVariant, WideParams,
 };
 pub mod check;
 pub mod gpu;

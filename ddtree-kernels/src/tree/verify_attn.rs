@@ -18,13 +18,15 @@
 //! split pass with each warp doing the whole 576-dim score reduction for its 16 rows and part of
 //! the tile's keys, the probabilities passed through a bf16 tile in shared memory, and each warp
 //! owning 64 output columns of every row for `P V` (each value byte read from shared memory once
-//! per tile). [`MlaVerifyCombine`] merges the split partials (bf16) by their log-sum-exp.
+//! per tile). [`MlaVerifyCombine`] merges the split partials (bf16) by their log-sum-exp;
+//! [`MlaCombineOutput`] merges them inside the absorbed output projection (the decode step).
 
 use ddtree_codegen::dsl::*;
 use ddtree_codegen::Kernel;
 use ddtree_macros::{kernel, KernelParams};
 
 use crate::common::warp_sum;
+use crate::gemv::dot2;
 
 /// Compile-time parameters of [`MlaVerifySplit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
@@ -887,6 +889,196 @@ pub fn mla_verify_combine(
         }
         if lane == 0 && slab == 0 {
             lse[r] = m + ws.ln();
+        }
+    }
+}
+
+/// Compile-time parameters of [`MlaCombineOutput`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct CombineOutputParams {
+    /// Warps per block.
+    pub warps: u32,
+    /// Output columns (rows of the head's `W_UV`) per block; each warp takes `cols / warps`.
+    pub cols: u32,
+}
+
+/// [`MlaCombineOutput`]'s grid for `tokens` tokens of `heads` heads with `v` output columns
+/// each: `(heads * ceil(v / cols), tokens)`.
+pub fn combine_output_grid(p: &CombineOutputParams, tokens: u32, heads: u32, v: u32) -> (u32, u32) {
+    (heads * v.div_ceil(p.cols), tokens)
+}
+
+/// The split partials' merge fused with the absorbed output projection, for a few tokens (the
+/// decode step): one block per (token `t`, head `h`, slab of `cols` output columns) merges row
+/// `r = t heads + h` of the partials of [`MlaVerifySplit`] / [`MlaVerifyWide`] by their
+/// log-sum-exp, as [`MlaVerifyCombine`] does, into a bf16 latent row in shared memory, then
+/// computes `out[t, h v + j] = sum_c o_lat[r, c] * kv_b[(h (nope + v) + nope + j) 512 + c]` for
+/// its columns (f32 sums, rounded to bf16), so the latent rows never go through global memory
+/// and one launch replaces two. `part_o` is `[splits, rows, 512]` bf16 pairs, `part_lse`
+/// `[splits, rows]`, `kv_b` `[heads (nope + v), 512]`, `out` `[tokens, heads v]`. Grid:
+/// [`combine_output_grid`].
+#[kernel(block = p.warps * 32, space = [
+    CombineOutputParams { warps: 8, cols: 64 },
+    CombineOutputParams { warps: 8, cols: 128 },
+    CombineOutputParams { warps: 4, cols: 32 },
+])]
+#[allow(clippy::too_many_arguments)]
+pub fn mla_combine_output(
+    #[comptime] p: &CombineOutputParams,
+    part_o: &[u32],
+    part_lse: &[f32],
+    kv_b: &[bf16],
+    out: &mut [bf16],
+    rows: u32,
+    splits: u32,
+    heads: u32,
+    nope: u32,
+    v: u32,
+) {
+    comptime_assert!(p.warps >= 1 && p.warps <= 8, "warps must be 1..=8");
+    comptime_assert!(p.cols % p.warps == 0, "cols must be a multiple of warps");
+    let threads = comptime!(p.warps * 32);
+    let per = comptime!(p.cols / p.warps);
+    let lane = lane_id();
+    let warp = warp_id();
+    let tid = thread_idx_x();
+    let slabs = (v + p.cols - 1) / p.cols;
+    let h = block_idx_x() / slabs;
+    let j0 = (block_idx_x() % slabs) * p.cols;
+    let t = block_idx_y();
+    let r = t * heads + h;
+    // The row's largest split log-sum-exp, 32 splits per load round.
+    let mut m = f32::NEG_INFINITY;
+    for s0 in (0..splits).step_by(32) {
+        if s0 + lane < splits {
+            m = m.max(part_lse[(s0 + lane) * rows + r]);
+        }
+    }
+    m = m.max(shfl_xor(m, 16u32));
+    m = m.max(shfl_xor(m, 8u32));
+    m = m.max(shfl_xor(m, 4u32));
+    m = m.max(shfl_xor(m, 2u32));
+    m = m.max(shfl_xor(m, 1u32));
+    // Warp `w` sums the splits `w, w + warps, ...`, `COMBINE_UNROLL` of them per round with
+    // every load issued before any is used; lane `l` holds the bf16 pairs `8 l .. 8 l + 8` of
+    // the row. A split that saw no key has weight 0 and its partial is not read.
+    let mut o = [0.0f32; 16];
+    let mut wsum = 0.0f32;
+    let mut ls = [0.0f32; COMBINE_UNROLL];
+    let mut pa = [0u32; 4 * COMBINE_UNROLL];
+    let mut pb = [0u32; 4 * COMBINE_UNROLL];
+    for s0 in (warp..splits).step_by(p.warps * COMBINE_UNROLL) {
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            let sidx = s0 + u * p.warps;
+            ls[u] = if sidx < splits {
+                part_lse[sidx * rows + r]
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            if ls[u] != f32::NEG_INFINITY {
+                let base = ((s0 + u * p.warps) * rows + r) * 256 + lane * 8;
+                let x = part_o.vload(base);
+                let y = part_o.vload(base + 4);
+                pa[4 * u] = x.x;
+                pa[4 * u + 1] = x.y;
+                pa[4 * u + 2] = x.z;
+                pa[4 * u + 3] = x.w;
+                pb[4 * u] = y.x;
+                pb[4 * u + 1] = y.y;
+                pb[4 * u + 2] = y.z;
+                pb[4 * u + 3] = y.w;
+            }
+        }
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            if ls[u] != f32::NEG_INFINITY {
+                let w = (ls[u] - m).exp();
+                wsum += w;
+                #[unroll]
+                for e in 0..4 {
+                    o[2 * e] += w * bf16_lo(pa[4 * u + e]);
+                    o[2 * e + 1] += w * bf16_hi(pa[4 * u + e]);
+                    o[8 + 2 * e] += w * bf16_lo(pb[4 * u + e]);
+                    o[8 + 2 * e + 1] += w * bf16_hi(pb[4 * u + e]);
+                }
+            }
+        }
+    }
+    // The warps' sums meet in shared memory; the merged latent row as bf16 pairs.
+    let so = shared::<f32>(p.warps * 512);
+    let sw = shared::<f32>(p.warps);
+    #[unroll]
+    for e in 0..16 {
+        so[warp * 512 + lane * 16 + e] = o[e];
+    }
+    if lane == 0 {
+        sw[warp] = wsum;
+    }
+    sync_threads();
+    let mut ws = 0.0f32;
+    #[unroll]
+    for wi in 0..p.warps {
+        ws += sw[wi];
+    }
+    let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
+    let xs = shared::<u32>(256);
+    for pc in (tid..256).step_by(threads) {
+        let mut o0 = 0.0f32;
+        let mut o1 = 0.0f32;
+        #[unroll]
+        for wi in 0..p.warps {
+            o0 += so[wi * 512 + 2 * pc];
+            o1 += so[wi * 512 + 2 * pc + 1];
+        }
+        xs[pc] = pack_bf16x2(o0 * inv, o1 * inv);
+    }
+    sync_threads();
+    // This warp's columns `j0 + warp per + c`: every weight load issued before any is used.
+    let mut w0 = [0u32; 2 * per];
+    let mut w1 = [0u32; 2 * per];
+    let mut w2 = [0u32; 2 * per];
+    let mut w3 = [0u32; 2 * per];
+    #[unroll]
+    for c in 0..per {
+        let j = (j0 + warp * per + c).min(v - 1);
+        let wrow = (h * (nope + v) + nope + j) * 512;
+        #[unroll]
+        for u in 0..2 {
+            let wv = kv_b.vload(wrow + (lane + 32 * u) * 8);
+            w0[2 * c + u] = wv.x;
+            w1[2 * c + u] = wv.y;
+            w2[2 * c + u] = wv.z;
+            w3[2 * c + u] = wv.w;
+        }
+    }
+    let mut acc = [0.0f32; per];
+    #[unroll]
+    for u in 0..2 {
+        let av = xs.vload((lane + 32 * u) * 4);
+        #[unroll]
+        for c in 0..per {
+            let i = 2 * c + u;
+            let s = dot2(acc[c], av.x, w0[i]);
+            let s = dot2(s, av.y, w1[i]);
+            let s = dot2(s, av.z, w2[i]);
+            acc[c] = dot2(s, av.w, w3[i]);
+        }
+    }
+    #[unroll]
+    for c in 0..per {
+        acc[c] = warp_sum(acc[c]);
+    }
+    if lane == 0 {
+        #[unroll]
+        for c in 0..per {
+            let j = j0 + warp * per + c;
+            if j < v {
+                out[t * heads * v + h * v + j] = acc[c] as bf16;
+            }
         }
     }
 }

@@ -376,6 +376,12 @@ fn verify_variant(rows: usize) -> tree::VerifyVariant {
     })
 }
 
+/// Most tokens for which `mla_attention_output` merges the split partials inside the absorbed
+/// output projection (`mla_combine_output`: one launch, the latent rows never in global memory)
+/// instead of `mla_verify_combine` and then `mla_output`: the decode step (and a two-token
+/// verify), where `mla_output` itself takes the absorbed kernel.
+const MLA_COMBINE_OUTPUT_MAX_ROWS: usize = MLA_ABSORB_OUTPUT_MAX_ROWS;
+
 /// Split count of the verify attention's partial buffers: rows x splits.
 const VERIFY_PARTIALS: usize = 1 << 16;
 
@@ -1820,92 +1826,35 @@ impl Backend for CudaBackend {
         d: MlaDims,
         scale: f32,
     ) -> Result<CudaTensor> {
-        let _span = self.profile.span("mla_attention");
-        let lw = d.latent_width();
+        self.attend(q_abs, cache, layer, span, d, scale, None)
+    }
+
+    fn mla_attention_output(
+        &self,
+        q_abs: &CudaTensor,
+        cache: &CudaKvCache,
+        layer: usize,
+        span: AttentionSpan<'_>,
+        d: MlaDims,
+        scale: f32,
+        kv_b: &CudaWeight,
+    ) -> Result<CudaTensor> {
         let n = q_abs.rows;
-        if q_abs.cols != d.heads * lw || layer >= cache.lens.len() || cache.width != lw {
-            return Err(fail(format!("mla_attention: bad layer {layer} or widths")));
-        }
-        if cache.lens[layer] != span.prefix_len + n {
-            return Err(fail(format!(
-                "mla_attention: cache holds {} rows, expected prefix {} + {n} new",
-                cache.lens[layer], span.prefix_len
-            )));
-        }
-        let (mask, words) = match span.mask {
-            Some(m) => (self.staged(Staged::Mask, m.words())?, m.words_per_row()),
-            None => {
-                let chain = AncestorMask::causal(n);
-                (self.staged(Staged::Mask, chain.words())?, chain.words_per_row())
+        match kv_b {
+            CudaWeight::Dense { w, out, inp }
+                if n <= MLA_COMBINE_OUTPUT_MAX_ROWS
+                    && d.kv_lora == LATENT
+                    && d.rope == ROPE
+                    && n * d.heads <= VERIFY_PARTIALS
+                    && (*out, *inp) == (d.heads * (d.nope + d.v), d.kv_lora) =>
+            {
+                self.attend(q_abs, cache, layer, span, d, scale, Some(w))
             }
-        };
-        let lens = self.staged(Staged::Lens, &[span.prefix_len as u32])?;
-        let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
-        let q = q_abs.bf16("mla_attention")?;
-        let kv = cache.layer(layer);
-        // The split-KV tensor-core kernel for Kimi's 576-wide rows (any node count: rows are
-        // independent and the mask is read per row); the generic kernel for other widths.
-        if d.kv_lora == LATENT && d.rope == ROPE {
-            let mut st = self.state();
-            let st = &mut *st;
-            let p = verify_variant(n * d.heads);
-            let at = match st.verify.iter().position(|v| *v.variant() == p) {
-                Some(i) => i,
-                None => {
-                    st.graphs.replaced("the verify attention partials");
-                    st.verify
-                        .push(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
-                    st.verify.len() - 1
-                }
-            };
-            let verify = &mut st.verify[at];
-            // The split count is sized for the length bucket (the kernel reads the length
-            // itself), so one recorded graph serves every length of its bucket.
-            let sh = tree::gpu::VerifyShape {
-                nodes: n,
-                heads: d.heads,
-                prefix: graph::length_bucket(span.prefix_len + n) - n,
-                words,
-                scale,
-            };
-            if n * d.heads <= VERIFY_PARTIALS {
-                let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
-                let mut lse = self.alloc::<f32>(n * d.heads)?;
-                verify.run(
-                    self.stream(),
-                    &sh,
-                    splits,
-                    q,
-                    &kv,
-                    &mask,
-                    &*lens,
-                    out.bf16_mut("mla_attention")?,
-                    &mut lse,
-                )?;
-                return Ok(out);
+            _ => {
+                let o_lat = self.attend(q_abs, cache, layer, span, d, scale, None)?;
+                self.mla_output(&o_lat, kv_b, d)
             }
         }
-        let k = self.first_variant::<MlaAttention>(|_: &MlaAttnParams| true)?;
-        // SAFETY: q [n, heads, lw], the layer's first prefix + n rows, mask [n, words].
-        unsafe {
-            MlaAttention::launch(
-                &k,
-                self.stream(),
-                (n * d.heads) as u32,
-                q,
-                &kv,
-                &*mask,
-                out.bf16_mut("mla_attention")?,
-                &*lens,
-                d.heads as u32,
-                n as u32,
-                words as u32,
-                d.kv_lora as u32,
-                d.rope as u32,
-                scale,
-            )?
-        };
-        Ok(out)
     }
 
     fn mla_output(&self, o_lat: &CudaTensor, kv_b: &CudaWeight, d: MlaDims) -> Result<CudaTensor> {
@@ -2170,6 +2119,130 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// [`Backend::mla_attention`]; with `kv_b` (`W_UV`'s source, `[heads (nope + v), kv_lora]`,
+    /// for Kimi's 576-wide rows and at most `VERIFY_PARTIALS` rows) the split pass's partials go
+    /// straight into the absorbed output projection ([`Backend::mla_attention_output`]'s fused
+    /// path) and the result is `[T, heads v]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q_abs: &CudaTensor,
+        cache: &CudaKvCache,
+        layer: usize,
+        span: AttentionSpan<'_>,
+        d: MlaDims,
+        scale: f32,
+        kv_b: Option<&CudaSlice<bf16>>,
+    ) -> Result<CudaTensor> {
+        let _span = self.profile.span("mla_attention");
+        let lw = d.latent_width();
+        let n = q_abs.rows;
+        if q_abs.cols != d.heads * lw || layer >= cache.lens.len() || cache.width != lw {
+            return Err(fail(format!("mla_attention: bad layer {layer} or widths")));
+        }
+        if cache.lens[layer] != span.prefix_len + n {
+            return Err(fail(format!(
+                "mla_attention: cache holds {} rows, expected prefix {} + {n} new",
+                cache.lens[layer], span.prefix_len
+            )));
+        }
+        let (mask, words) = match span.mask {
+            Some(m) => (self.staged(Staged::Mask, m.words())?, m.words_per_row()),
+            None => {
+                let chain = AncestorMask::causal(n);
+                (self.staged(Staged::Mask, chain.words())?, chain.words_per_row())
+            }
+        };
+        let lens = self.staged(Staged::Lens, &[span.prefix_len as u32])?;
+        let mut out = self.tensor_bf16(n, d.heads * d.kv_lora)?;
+        let q = q_abs.bf16("mla_attention")?;
+        let kv = cache.layer(layer);
+        // The split-KV tensor-core kernel for Kimi's 576-wide rows (any node count: rows are
+        // independent and the mask is read per row); the generic kernel for other widths.
+        if d.kv_lora == LATENT && d.rope == ROPE {
+            let mut st = self.state();
+            let st = &mut *st;
+            let p = verify_variant(n * d.heads);
+            let at = match st.verify.iter().position(|v| *v.variant() == p) {
+                Some(i) => i,
+                None => {
+                    st.graphs.replaced("the verify attention partials");
+                    st.verify
+                        .push(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
+                    st.verify.len() - 1
+                }
+            };
+            let verify = &mut st.verify[at];
+            // The split count is sized for the length bucket (the kernel reads the length
+            // itself), so one recorded graph serves every length of its bucket.
+            let sh = tree::gpu::VerifyShape {
+                nodes: n,
+                heads: d.heads,
+                prefix: graph::length_bucket(span.prefix_len + n) - n,
+                words,
+                scale,
+            };
+            if n * d.heads <= VERIFY_PARTIALS {
+                let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
+                if let Some(w) = kv_b {
+                    let mut o = self.tensor_bf16(n, d.heads * d.v)?;
+                    verify.run_output(
+                        self.stream(),
+                        &sh,
+                        splits,
+                        q,
+                        &kv,
+                        &mask,
+                        &*lens,
+                        w,
+                        (d.nope, d.v),
+                        o.bf16_mut("mla_attention")?,
+                    )?;
+                    return Ok(o);
+                }
+                let mut lse = self.alloc::<f32>(n * d.heads)?;
+                verify.run(
+                    self.stream(),
+                    &sh,
+                    splits,
+                    q,
+                    &kv,
+                    &mask,
+                    &*lens,
+                    out.bf16_mut("mla_attention")?,
+                    &mut lse,
+                )?;
+                return Ok(out);
+            }
+        }
+        if kv_b.is_some() {
+            return Err(fail(
+                "mla_attention_output: the fused path needs Kimi's latent rows".into(),
+            ));
+        }
+        let k = self.first_variant::<MlaAttention>(|_: &MlaAttnParams| true)?;
+        // SAFETY: q [n, heads, lw], the layer's first prefix + n rows, mask [n, words].
+        unsafe {
+            MlaAttention::launch(
+                &k,
+                self.stream(),
+                (n * d.heads) as u32,
+                q,
+                &kv,
+                &*mask,
+                out.bf16_mut("mla_attention")?,
+                &*lens,
+                d.heads as u32,
+                n as u32,
+                words as u32,
+                d.kv_lora as u32,
+                d.rope as u32,
+                scale,
+            )?
+        };
+        Ok(out)
+    }
+
     /// The GEMV for `rows` rows, `n` outputs of width `k`, when one applies: up to
     /// [`gemv::MAX_ROWS`] rows (decode and small trees), `k % 8 == 0`; the per-column kernel for
     /// wide outputs, the split-K one for narrow ones ([`gemv::choose`]). Above that cuBLAS is
