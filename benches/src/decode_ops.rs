@@ -8,8 +8,8 @@ use ddtree_kernels::gemv::{self, GemvChoice};
 use ddtree_kernels::residual;
 use ddtree_kernels::{
     add, fill, silu_mul, AddAssign, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32,
-    GemvGateUpSilu, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu, MlaAbsorbOutput, MlaAbsorbQuery, MlaKvAppend,
-    RmsNorm, RopeInterleaved, SiluMulSplit,
+    GemvGateUpSilu, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu, MlaAbsorbOutput, MlaAbsorbQuery,
+    MlaKvAppend, RmsNorm, RopeInterleaved, SiluMulSplit,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::CudaSlice;
@@ -390,6 +390,73 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                         row(&op, t, &label(GemvSplitGateUpSilu::symbol(&p), p == chosen), us, bytes);
                     }
                 }
+            }
+        }
+    }
+
+    // The MLA query up-projection with its norm: RmsNorm + the chosen GEMV (the unfused path)
+    // next to every `GemvRmsNormBf16` candidate of the row count (the first line marked is
+    // `gemv::choose_rms_norm`'s).
+    {
+        let (n, k) = (12288usize, 1536usize);
+        let w = b.bf16(n * k)?;
+        let nw = b.bf16(k)?;
+        let bytes = (2 * n * k) as f64;
+        for t in [1usize, 4] {
+            let a = b.bf16(t * k)?;
+            let mut normed = b.bf16(t * k)?;
+            let mut out = b.bf16(t * n)?;
+            let space = <RmsNorm as Kernel>::space();
+            let np = ddtree_kernels::rms_norm::row_holder(&space, k).expect("a holder of 1536");
+            let nk = gpu.compile::<RmsNorm>(&np)?;
+            let Some(GemvChoice::Warp(gp)) = gemv::choose(t, n, k, sms) else {
+                continue;
+            };
+            let gk = gpu.compile::<GemvBf16>(&gp)?;
+            let us = time(&mut flush, &mut || {
+                // SAFETY: a and normed [t, k], nw [k], w [n, k], out [t, n].
+                unsafe {
+                    RmsNorm::launch(&nk, s, t as u32, &a, &nw, &mut normed, k as u32, 1e-6)?;
+                    GemvBf16::launch(
+                        &gk,
+                        s,
+                        gemv::grid(&gp, n as u32),
+                        &normed,
+                        &w,
+                        &mut out,
+                        t as u32,
+                        n as u32,
+                        k as u32,
+                    )
+                }
+            })?;
+            let what = format!("{} + {} (unfused)", RmsNorm::symbol(&np), GemvBf16::symbol(&gp));
+            row("q_norm + q_b 1536->12288", t, &what, us, bytes);
+            let chosen = gemv::choose_rms_norm(t, n, k, sms);
+            let m = t.next_power_of_two() as u32;
+            for p in <GemvRmsNormBf16 as Kernel>::space().into_iter().filter(|p| p.m == m) {
+                let kk = gpu.compile::<GemvRmsNormBf16>(&p)?;
+                let us = time(&mut flush, &mut || {
+                    // SAFETY: a [t, k], nw [k], w [n, k], out [t, n]; k <= NORM_MAX_K.
+                    unsafe {
+                        GemvRmsNormBf16::launch(
+                            &kk,
+                            s,
+                            gemv::grid(&p, n as u32),
+                            &a,
+                            &nw,
+                            1e-6,
+                            &w,
+                            &mut out,
+                            t as u32,
+                            n as u32,
+                            k as u32,
+                        )
+                    }
+                })?;
+                let mark = if chosen == Some(p) { " (chosen)" } else { "" };
+                let what = format!("{}{mark}", GemvRmsNormBf16::symbol(&p));
+                row("q_norm + q_b 1536->12288", t, &what, us, bytes);
             }
         }
     }

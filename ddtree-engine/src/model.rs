@@ -809,7 +809,7 @@ impl<B: Backend> Model<B> {
             b.mla_append_kv(&kv_a, &a.kv_a_norm, MLA_NORM_EPS, &self.rope, positions, cache, layer)
         })?;
         let q = match &a.q {
-            QProj::Lora { a: qa, norm, b: qb } => b.linear(&b.rms_norm(&b.linear(h, qa)?, norm, MLA_NORM_EPS)?, qb)?,
+            QProj::Lora { a: qa, norm, b: qb } => b.rms_norm_linear(&b.linear(h, qa)?, norm, MLA_NORM_EPS, qb)?,
             QProj::Full(w) => b.linear(h, w)?,
         };
         let q_abs = b.mla_query(&q, &a.kv_b, &self.rope, positions, self.dims)?;

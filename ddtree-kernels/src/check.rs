@@ -28,8 +28,8 @@ use crate::{
     RowTopk, RowTopkSplit, SiluMul, SiluMulParams, SiluMulSplit, TopkParams, TopkSplitParams,
 };
 use crate::{
-    gemv, GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
-    GemvSplitParams,
+    gemv, GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32,
+    GemvSplitGateUpSilu, GemvSplitParams,
 };
 use crate::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 
@@ -1824,6 +1824,68 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
     Ok(out)
 }
 
+/// Checks [`GemvRmsNormBf16`] for variant `p` on `rows` rows of `a` (`[rows, k]`, in `[-2, 2)`)
+/// with a norm weight in `[0.5, 1.5)` and `w` (`[n, k]`, in `[-1, 1)`), the output poisoned with
+/// NaN, against [`gemv::reference`] of the rows normalized by [`crate::rms_norm::reference`] and
+/// rounded to bf16 (as the unfused `RmsNorm` stores them), with the bf16 GEMV's tolerance.
+pub fn gemv_rms_norm(
+    t: &Target<'_>,
+    p: &GemvParams,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let eps = 1e-6f32;
+    let (a, af) = random_bf16(rng, rows * kd, -2.0, 2.0);
+    let (g, gf) = random_bf16(rng, kd, 0.5, 1.5);
+    let (w, wf) = random_bf16(rng, n * kd, -1.0, 1.0);
+    let (da, dg, dw) = (t.upload(&a)?, t.upload(&g)?, t.upload(&w)?);
+    let normed: Vec<f32> = crate::rms_norm::reference(&af, &gf, kd, eps)
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_f32())
+        .collect();
+    let want = gemv::reference(&normed, &wf, rows, n, kd);
+    let mut out = poisoned_bf16(t, rows * n)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::In(&dg),
+        Arg::from(eps),
+        Arg::In(&dw),
+        Arg::Out(&mut out),
+        Arg::from(rows as u32),
+        Arg::from(n as u32),
+        Arg::from(kd as u32),
+    ];
+    // SAFETY: a is rows x k, norm k, w n x k, out rows x n; k % 8 == 0, k <= NORM_MAX_K and
+    // 1 <= rows <= p.m (the suite's cases).
+    unsafe { t.launch::<GemvRmsNormBf16>(p, gemv::grid(p, n as u32), &mut args)? };
+    let got = to_f32(&t.download(&out)?);
+    let tol = Tolerance::bf16_sums(&want);
+    Ok(vec![result::<GemvRmsNormBf16>(
+        p,
+        format!("rows={rows} n={n} k={kd}"),
+        &got,
+        &want,
+        tol,
+    )])
+}
+
+/// Every candidate of [`GemvRmsNormBf16`], swept as [`gemv_suite`] sweeps (every row count
+/// `1..=m` on small ragged cases, `k` up to [`gemv::NORM_MAX_K`]); the full sizes add the MLA
+/// query up-projection of Kimi K2.6 (12288 x 1536).
+pub fn gemv_rms_norm_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let small = [(1, 8), (37, 24), (70, 136), (5, 520), (19, 2048)];
+    let full = [(12288, 1536), (1031, 1536), (101, 24)];
+    let mut out = Vec::new();
+    for p in GemvRmsNormBf16::space() {
+        out.extend(gemv_sweep(sizes, p.m as usize, &small, &full, |rows, n, k| {
+            gemv_rms_norm(t, &p, rows, n, k, rng)
+        })?);
+    }
+    Ok(out)
+}
+
 /// Checks the split-K GEMVs [`GemvSplitBf16`] and [`GemvSplitF32`] as [`gemv_pair`] does.
 pub fn gemv_split_pair(
     t: &Target<'_>,
@@ -1967,6 +2029,7 @@ pub const SUITES: &[Suite] = &[
     gemv_split_suite,
     gemv_gate_up_suite,
     gemv_split_gate_up_suite,
+    gemv_rms_norm_suite,
     crate::attention::check::mla_absorb_query_suite,
     crate::attention::check::mla_absorb_output_suite,
 ];

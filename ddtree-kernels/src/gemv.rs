@@ -25,7 +25,8 @@ use ddtree_codegen::dsl::*;
 use ddtree_codegen::Kernel;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
-use crate::common::warp_sum;
+use crate::common::{block_sum, warp_sum};
+use crate::rms_norm::{scale_bf16x2, sq_bf16x2};
 use crate::silu_mul::silu;
 
 /// Compile-time parameters of [`GemvBf16`], [`GemvBf16F32`] and [`GemvGateUpSilu`].
@@ -86,13 +87,16 @@ macro_rules! gemv_kernel {
         $name:ident,
         space = $space:tt,
         weights = [$($w:ident => $v:ident: $acc:ident[$w0:ident, $w1:ident, $w2:ident, $w3:ident]),+],
-        out: $out:ident = $value:expr
+        out: $out:ident = $value:expr,
+        src = $src:ident
+        $(, norm = [$nw:ident, $eps:ident])?
     ) => {
         $(#[$attr])*
         #[kernel(block = p.warps * 32, space = $space)]
         pub fn $name(
             #[comptime] p: &GemvParams,
             a: &[bf16],
+            $($nw: &[bf16], $eps: f32,)?
             $($w: &[bf16],)+
             out: &mut [$out],
             rows: u32,
@@ -104,6 +108,35 @@ macro_rules! gemv_kernel {
                 "m must be 1, 2, 4 or 8"
             );
             comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
+            // Elements between activation rows (of `a`, or of the normalized rows).
+            let astride = k;
+            $(
+                let astride = NORM_MAX_K;
+                // The RMS-normalized rows into shared memory, rounded to bf16 as `RmsNorm`
+                // rounds them: `bf16(a * inv * weight)`, `inv = rsqrt(mean(a^2) + eps)`.
+                let $src = shared::<bf16>(p.m * NORM_MAX_K);
+                let tid = thread_idx_x();
+                let threads = comptime!(p.warps * 32);
+                for r in 0..rows {
+                    let mut ss = 0.0f32;
+                    for c in (tid..k / 8).step_by(threads) {
+                        let x = a.vload(r * k + c * 8);
+                        ss += sq_bf16x2(x.x) + sq_bf16x2(x.y) + sq_bf16x2(x.z) + sq_bf16x2(x.w);
+                    }
+                    let inv = (block_sum(ss) / (k as f32) + $eps).rsqrt();
+                    for c in (tid..k / 8).step_by(threads) {
+                        let x = a.vload(r * k + c * 8);
+                        let g = $nw.vload(c * 8);
+                        let mut o = x;
+                        o.x = scale_bf16x2(x.x, g.x, inv);
+                        o.y = scale_bf16x2(x.y, g.y, inv);
+                        o.z = scale_bf16x2(x.z, g.z, inv);
+                        o.w = scale_bf16x2(x.w, g.w, inv);
+                        $src.vstore(r * NORM_MAX_K + c * 8, o);
+                    }
+                }
+                sync_threads();
+            )?
             let cols = comptime!(cols_per_warp(p));
             let un = comptime!(unroll(p));
             let lane = lane_id();
@@ -145,7 +178,7 @@ macro_rules! gemv_kernel {
                         #[unroll]
                         for r in 0..p.m {
                             if r < rows {
-                                let av = a.vload(r * k + (ch + u * 32) * 8);
+                                let av = $src.vload(r * astride + (ch + u * 32) * 8);
                                 #[unroll]
                                 for c in 0..cols {
                                     let i = u * cols + c;
@@ -176,7 +209,7 @@ macro_rules! gemv_kernel {
                     #[unroll]
                     for r in 0..p.m {
                         if r < rows {
-                            let av = a.vload(r * k + ch * 8);
+                            let av = $src.vload(r * astride + ch * 8);
                             #[unroll]
                             for c in 0..cols {
                                 $(
@@ -229,7 +262,8 @@ gemv_kernel!(
     gemv_bf16,
     space = WARP_SPACE,
     weights = [w => s: acc[w0, w1, w2, w3]],
-    out: bf16 = s as bf16
+    out: bf16 = s as bf16,
+    src = a
 );
 
 gemv_kernel!(
@@ -238,7 +272,28 @@ gemv_kernel!(
     gemv_bf16_f32,
     space = WARP_SPACE,
     weights = [w => s: acc[w0, w1, w2, w3]],
-    out: f32 = s as f32
+    out: f32 = s as f32,
+    src = a
+);
+
+/// Longest rows [`GemvRmsNormBf16`] normalizes (its shared-memory rows): DeepSeek-V3's and
+/// Kimi K2's `q_lora_rank` is 1536.
+pub const NORM_MAX_K: u32 = 2048;
+
+gemv_kernel!(
+    /// RMSNorm fused into the GEMV that consumes it (the MLA query path's `q_b(q_norm(x))`):
+    /// `out[r * n + j] = bf16(sum_i f32(xn[r, i]) * f32(w[j * k + i]))` with `xn[r, i] =
+    /// bf16(a[r * k + i] * inv_r * norm[i])`, `inv_r = rsqrt(mean_i(a[r, i]^2) + eps)`: each
+    /// block first normalizes the rows into shared memory, as [`crate::RmsNorm`] rounds them (the
+    /// statistics summed in another order), then runs [`GemvBf16`]'s loop on them, so one launch
+    /// and no round trip of the normalized rows replace two launches. Needs `k <=
+    /// NORM_MAX_K` besides [`GemvBf16`]'s constraints; `norm` is `[k]`. Grid: [`grid`].
+    gemv_rms_norm_bf16,
+    space = WARP_SPACE,
+    weights = [w => s: acc[w0, w1, w2, w3]],
+    out: bf16 = s as bf16,
+    src = xn,
+    norm = [norm, eps]
 );
 
 /// `bf16(silu(bf16(g)) * bf16(u))` in f32 before its final rounding: the gate and up sums rounded
@@ -266,7 +321,8 @@ gemv_kernel!(
         GemvParams { warps: 8, m: 1 },
     ],
     weights = [gate => g: acc_g[g0, g1, g2, g3], up => u: acc_u[u0, u1, u2, u3]],
-    out: bf16 = silu_mul_rounded(g, u) as bf16
+    out: bf16 = silu_mul_rounded(g, u) as bf16,
+    src = a
 );
 
 /// Compile-time parameters of [`GemvSplitBf16`], [`GemvSplitF32`] and [`GemvSplitGateUpSilu`].
@@ -538,6 +594,23 @@ pub fn choose(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice>
 /// (`n = 18432`). `None` where [`choose`] gives none.
 pub fn choose_gate_up(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvChoice> {
     choose_in(&GemvGateUpSilu::space(), &GemvSplitGateUpSilu::space(), rows, n, k, sms)
+}
+
+/// The [`GemvRmsNormBf16`] variant for `rows` rows, `n` columns of length `k` on `sms` SMs: for
+/// one row where [`choose`] takes a per-column GEMV and `k <= NORM_MAX_K`, the candidate with
+/// the most warps (fewer blocks, each normalizing the row once); `None` otherwise (the caller
+/// then runs the norm and the GEMV apart). On the H200 (`kernel-check --decode-ops`, cold L2,
+/// Kimi's q_b 1536->12288): 18.5 µs at one row with 8 warps (19.2 with 4) against 20.0 for
+/// `RmsNorm` + `GemvBf16`, but 30.1 against 26.8 at four rows, where every block normalizing
+/// four rows costs more than the launch it saves.
+pub fn choose_rms_norm(rows: usize, n: usize, k: usize, sms: usize) -> Option<GemvParams> {
+    match choose(rows, n, k, sms)? {
+        GemvChoice::Warp(p) if rows == 1 && k <= NORM_MAX_K as usize => GemvRmsNormBf16::space()
+            .into_iter()
+            .filter(|q| q.m == p.m)
+            .max_by_key(|q| q.warps),
+        _ => None,
+    }
 }
 
 /// [`choose`]'s rule over the candidates `warp` (per column) and `split` (split-K): the first

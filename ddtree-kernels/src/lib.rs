@@ -36,8 +36,8 @@ pub use embedding::{Embedding, EmbeddingParams};
 pub use fill::{FillParams, FillRandomBf16, FillRandomF32, FillRandomU32};
 pub use gemm_bf16::{GemmBf16, GemmParams};
 pub use gemv::{
-    GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
-    GemvSplitParams,
+    GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32,
+    GemvSplitGateUpSilu, GemvSplitParams,
 };
 pub use moe_route::{MoeRoute, MoeRouteParams};
 pub use residual::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
@@ -114,6 +114,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<CopyRowsF32>()?);
     all.extend(variants::<GemvBf16>()?);
     all.extend(variants::<GemvBf16F32>()?);
+    all.extend(variants::<GemvRmsNormBf16>()?);
     all.extend(variants::<GemvSplitBf16>()?);
     all.extend(variants::<GemvSplitF32>()?);
     all.extend(variants::<GemvGateUpSilu>()?);

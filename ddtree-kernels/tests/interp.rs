@@ -9,9 +9,9 @@ use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
 use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
     AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
-    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
-    GqaAttention, MlaAbsorbOutput, MlaAbsorbQuery, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm, RopeInterleaved,
-    RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
+    FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32,
+    GemvSplitGateUpSilu, GqaAttention, MlaAbsorbOutput, MlaAbsorbQuery, MlaAttention, MlaKvAppend, MoeRoute, RmsNorm,
+    RopeInterleaved, RowTopk, RowTopkSplit, SiluMul, SiluMulSplit,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -216,6 +216,11 @@ fn gemv_split() {
         assert_covers::<GemvSplitF32>(&results);
         Ok(results)
     });
+}
+
+#[test]
+fn gemv_rms_norm() {
+    every_candidate::<GemvRmsNormBf16>(check::gemv_rms_norm_suite);
 }
 
 #[test]

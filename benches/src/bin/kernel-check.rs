@@ -223,6 +223,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             check::gemv_split_suite,
             check::gemv_gate_up_suite,
             check::gemv_split_gate_up_suite,
+            check::gemv_rms_norm_suite,
             check::rms_norm_suite,
             check::add_rms_norm_suite,
         ] {

@@ -335,6 +335,18 @@ pub trait Backend {
     }
     /// `x / sqrt(mean(x^2) + eps) * weight`, per row.
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Vector, eps: f32) -> Result<Self::Tensor>;
+    /// [`Self::rms_norm`] of `x`, then [`Self::linear`] through `w` (the MLA query path's
+    /// `q_b(q_norm(x))`). A backend may fuse the two (the CUDA backend normalizes inside the
+    /// decode GEMV).
+    fn rms_norm_linear(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Vector,
+        eps: f32,
+        w: &Self::Weight,
+    ) -> Result<Self::Tensor> {
+        self.linear(&self.rms_norm(x, weight, eps)?, w)
+    }
     /// `x W^T` for `W` of shape `[out, in]`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
     /// [`Backend::linear`] whose output keeps f32 precision: router logits and the LM head.

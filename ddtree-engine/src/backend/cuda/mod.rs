@@ -17,7 +17,8 @@ mod types;
 use std::sync::{Arc, Mutex};
 
 use ddtree_kernels::gemv::{
-    self, GemvBf16, GemvBf16F32, GemvChoice, GemvGateUpSilu, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu,
+    self, GemvBf16, GemvBf16F32, GemvChoice, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32,
+    GemvSplitGateUpSilu,
 };
 use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
@@ -1289,6 +1290,40 @@ impl Backend for CudaBackend {
             x.cols,
             eps,
         )?;
+        Ok(out)
+    }
+
+    fn rms_norm_linear(&self, x: &CudaTensor, weight: &CudaVector, eps: f32, w: &CudaWeight) -> Result<CudaTensor> {
+        let (n, k) = w.shape();
+        let sms = self.gpu().fingerprint().sm_count as usize;
+        let fused = match w {
+            CudaWeight::Dense { w, .. } if x.cols == k && weight.len == k => {
+                gemv::choose_rms_norm(x.rows, n, k, sms).map(|p| (p, w))
+            }
+            _ => None,
+        };
+        let Some((p, wd)) = fused else {
+            return self.linear(&self.rms_norm(x, weight, eps)?, w);
+        };
+        let _span = self.profile.span("rms_norm_linear");
+        let mut out = self.tensor_bf16(x.rows, n)?;
+        // SAFETY: a [rows <= p.m, k], norm [k], w [n, k], out [rows, n]; k % 8 == 0 and k <=
+        // NORM_MAX_K (choose_rms_norm).
+        unsafe {
+            GemvRmsNormBf16::launch(
+                &*self.variant::<GemvRmsNormBf16>(&p)?,
+                self.stream(),
+                gemv::grid(&p, n as u32),
+                x.bf16("rms_norm_linear")?,
+                &weight.bf16,
+                eps,
+                wd,
+                out.bf16_mut("rms_norm_linear")?,
+                x.rows as u32,
+                n as u32,
+                k as u32,
+            )?
+        };
         Ok(out)
     }
 
