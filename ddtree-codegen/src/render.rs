@@ -3,13 +3,11 @@
 //! Output is deterministic (same IR, same bytes): a header naming the kernel and every
 //! parameter, a prelude holding only the helpers the kernel uses (bf16/f16 as raw bits, so NVRTC
 //! needs no include path), the device functions it calls, then the kernel with
-//! `extern "C" __global__ __launch_bounds__(threads)` (`threads, 1` when its dynamic shared memory
-//! allows only one block per SM).
+//! `extern "C" __global__ __launch_bounds__(threads)`.
 
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
-use crate::builder::MAX_DYN_SMEM;
 use crate::intrinsics::Helper;
 use crate::ir::{BinOp, DeviceFn, Expr, ExprKind, Func, KernelIr, Lit, Scalar, Space, Stmt, Ty, UnOp, Unroll};
 
@@ -73,17 +71,10 @@ pub fn render(k: &KernelIr) -> String {
     }
     out.push('\n');
     let args: Vec<String> = k.args.iter().map(|a| param_decl(&a.name, &a.ty)).collect();
-    // A block whose dynamic shared memory leaves no room for a second one on the SM says so
-    // (`minBlocksPerSM = 1`), so ptxas may give each thread up to 255 registers instead of
-    // budgeting for two blocks.
-    let bounds = if k.dyn_smem > MAX_DYN_SMEM / 2 {
-        format!("{}, 1", k.threads())
-    } else {
-        k.threads().to_string()
-    };
     let _ = writeln!(
         out,
-        "extern \"C\" __global__ void __launch_bounds__({bounds}) {}({}) {{",
+        "extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{",
+        k.threads(),
         k.symbol,
         args.join(", ")
     );
