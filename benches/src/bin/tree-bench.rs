@@ -390,17 +390,14 @@ fn main() -> ExitCode {
     unsafe { gpu.context().disable_event_tracking() };
     println!("tree-bench on {} (seed {seed})", gpu.arch());
     let mut rng = StdRng::seed_from_u64(seed);
-    if let Some(v) = &args.profile_build {
-        return match profile_build(&gpu, &mut rng, &v[0], &v[1]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                println!("{e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    if let Some(ctx) = args.profile_verify {
-        return match profile_verify(&gpu, &mut rng, ctx) {
+    // The profiler modes run their launches and nothing else.
+    let profiled = match (&args.profile_build, args.profile_verify) {
+        (Some(v), _) => Some(profile_build(&gpu, &mut rng, &v[0], &v[1])),
+        (None, Some(ctx)) => Some(profile_verify(&gpu, &mut rng, ctx).map_err(|e| e.to_string())),
+        (None, None) => None,
+    };
+    if let Some(result) = profiled {
+        return match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 println!("{e}");

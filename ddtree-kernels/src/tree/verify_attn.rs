@@ -23,7 +23,7 @@
 
 use ddtree_codegen::dsl::*;
 use ddtree_codegen::Kernel;
-use ddtree_macros::{kernel, KernelParams};
+use ddtree_macros::{device_fn, kernel, KernelParams};
 
 use crate::common::warp_sum;
 use crate::gemv::dot2;
@@ -768,6 +768,35 @@ impl VerifyVariant {
     }
 }
 
+/// The largest split log-sum-exp of row `r` (`part_lse` `[splits, rows]`), the lanes loading 32
+/// splits at a time (one L2 round trip per 32 splits); every lane gets it.
+#[device_fn]
+fn splits_max_lse(part_lse: &[f32], rows: u32, splits: u32, r: u32) -> f32 {
+    let lane = lane_id();
+    let mut m = f32::NEG_INFINITY;
+    for s0 in (0..splits).step_by(32) {
+        if s0 + lane < splits {
+            m = m.max(part_lse[(s0 + lane) * rows + r]);
+        }
+    }
+    m = m.max(shfl_xor(m, 16u32));
+    m = m.max(shfl_xor(m, 8u32));
+    m = m.max(shfl_xor(m, 4u32));
+    m = m.max(shfl_xor(m, 2u32));
+    m.max(shfl_xor(m, 1u32))
+}
+
+/// Split `sidx`'s log-sum-exp of row `r`, or `-inf` past the last split (weight 0: its partial
+/// is not read).
+#[device_fn]
+fn split_lse(part_lse: &[f32], rows: u32, splits: u32, sidx: u32, r: u32) -> f32 {
+    if sidx < splits {
+        part_lse[sidx * rows + r]
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
 /// Warps of [`MlaVerifyCombine`]'s blocks.
 const COMBINE_WARPS: u32 = 8;
 
@@ -816,18 +845,7 @@ pub fn mla_verify_combine(
     let r = (item / 8).min(rows - 1);
     let slab = item % 8;
     let col = slab * 64 + lane * 2;
-    let mut m = f32::NEG_INFINITY;
-    for s0 in (0..splits).step_by(32) {
-        let sidx = s0 + lane;
-        if sidx < splits {
-            m = m.max(part_lse[sidx * rows + r]);
-        }
-    }
-    m = m.max(shfl_xor(m, 16u32));
-    m = m.max(shfl_xor(m, 8u32));
-    m = m.max(shfl_xor(m, 4u32));
-    m = m.max(shfl_xor(m, 2u32));
-    m = m.max(shfl_xor(m, 1u32));
+    let m = splits_max_lse(part_lse, rows, splits, r);
     // A split that saw no key (-inf; also splits past the device-side length) has weight 0 and
     // its partial is not read.
     let mut wsum = 0.0f32;
@@ -838,12 +856,7 @@ pub fn mla_verify_combine(
     for s0 in (sub..splits).step_by(wps * COMBINE_UNROLL) {
         #[unroll]
         for u in 0..COMBINE_UNROLL {
-            let sidx = s0 + u * wps;
-            ls[u] = if sidx < splits {
-                part_lse[sidx * rows + r]
-            } else {
-                f32::NEG_INFINITY
-            };
+            ls[u] = split_lse(part_lse, rows, splits, s0 + u * wps, r);
         }
         #[unroll]
         for u in 0..COMBINE_UNROLL {
@@ -947,18 +960,7 @@ pub fn mla_combine_output(
     let j0 = (block_idx_x() % slabs) * p.cols;
     let t = block_idx_y();
     let r = t * heads + h;
-    // The row's largest split log-sum-exp, 32 splits per load round.
-    let mut m = f32::NEG_INFINITY;
-    for s0 in (0..splits).step_by(32) {
-        if s0 + lane < splits {
-            m = m.max(part_lse[(s0 + lane) * rows + r]);
-        }
-    }
-    m = m.max(shfl_xor(m, 16u32));
-    m = m.max(shfl_xor(m, 8u32));
-    m = m.max(shfl_xor(m, 4u32));
-    m = m.max(shfl_xor(m, 2u32));
-    m = m.max(shfl_xor(m, 1u32));
+    let m = splits_max_lse(part_lse, rows, splits, r);
     // Warp `w` sums the splits `w, w + warps, ...`, `COMBINE_UNROLL` of them per round with
     // every load issued before any is used; lane `l` holds the bf16 pairs `8 l .. 8 l + 8` of
     // the row. A split that saw no key has weight 0 and its partial is not read.
@@ -970,12 +972,7 @@ pub fn mla_combine_output(
     for s0 in (warp..splits).step_by(p.warps * COMBINE_UNROLL) {
         #[unroll]
         for u in 0..COMBINE_UNROLL {
-            let sidx = s0 + u * p.warps;
-            ls[u] = if sidx < splits {
-                part_lse[sidx * rows + r]
-            } else {
-                f32::NEG_INFINITY
-            };
+            ls[u] = split_lse(part_lse, rows, splits, s0 + u * p.warps, r);
         }
         #[unroll]
         for u in 0..COMBINE_UNROLL {
