@@ -80,7 +80,8 @@ pub(crate) fn dot2(acc: f32, a: u32, w: u32) -> f32 {
 /// `macro_rules!` cannot make them), shares every activation load among them, and stores `out`'s
 /// expression of the column's sums for each output. The plain GEMVs read one weight and store
 /// its sum (`as f32` on an f32 is a no-op); the gate/up GEMV reads two and stores their
-/// SiLU-and-mul.
+/// SiLU-and-mul. The activations are read from `src`, rows `stride` elements apart: `a` itself,
+/// or with `norm` the RMS-normalized rows the block first writes to shared memory.
 macro_rules! gemv_kernel {
     (
         $(#[$attr:meta])*
@@ -88,7 +89,8 @@ macro_rules! gemv_kernel {
         space = $space:tt,
         weights = [$($w:ident => $v:ident: $acc:ident[$w0:ident, $w1:ident, $w2:ident, $w3:ident]),+],
         out: $out:ident = $value:expr,
-        src = $src:ident
+        src = $src:ident,
+        stride = $stride:expr
         $(, norm = [$nw:ident, $eps:ident])?
     ) => {
         $(#[$attr])*
@@ -108,10 +110,7 @@ macro_rules! gemv_kernel {
                 "m must be 1, 2, 4 or 8"
             );
             comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
-            // Elements between activation rows (of `a`, or of the normalized rows).
-            let astride = k;
             $(
-                let astride = NORM_MAX_K;
                 // The RMS-normalized rows into shared memory, rounded to bf16 as `RmsNorm`
                 // rounds them: `bf16(a * inv * weight)`, `inv = rsqrt(mean(a^2) + eps)`.
                 let $src = shared::<bf16>(p.m * NORM_MAX_K);
@@ -178,7 +177,7 @@ macro_rules! gemv_kernel {
                         #[unroll]
                         for r in 0..p.m {
                             if r < rows {
-                                let av = $src.vload(r * astride + (ch + u * 32) * 8);
+                                let av = $src.vload(r * $stride + (ch + u * 32) * 8);
                                 #[unroll]
                                 for c in 0..cols {
                                     let i = u * cols + c;
@@ -209,7 +208,7 @@ macro_rules! gemv_kernel {
                     #[unroll]
                     for r in 0..p.m {
                         if r < rows {
-                            let av = $src.vload(r * astride + ch * 8);
+                            let av = $src.vload(r * $stride + ch * 8);
                             #[unroll]
                             for c in 0..cols {
                                 $(
@@ -263,7 +262,8 @@ gemv_kernel!(
     space = WARP_SPACE,
     weights = [w => s: acc[w0, w1, w2, w3]],
     out: bf16 = s as bf16,
-    src = a
+    src = a,
+    stride = k
 );
 
 gemv_kernel!(
@@ -273,7 +273,8 @@ gemv_kernel!(
     space = WARP_SPACE,
     weights = [w => s: acc[w0, w1, w2, w3]],
     out: f32 = s as f32,
-    src = a
+    src = a,
+    stride = k
 );
 
 /// Longest rows [`GemvRmsNormBf16`] normalizes (its shared-memory rows): DeepSeek-V3's and
@@ -293,6 +294,7 @@ gemv_kernel!(
     weights = [w => s: acc[w0, w1, w2, w3]],
     out: bf16 = s as bf16,
     src = xn,
+    stride = NORM_MAX_K,
     norm = [norm, eps]
 );
 
@@ -322,7 +324,8 @@ gemv_kernel!(
     ],
     weights = [gate => g: acc_g[g0, g1, g2, g3], up => u: acc_u[u0, u1, u2, u3]],
     out: bf16 = silu_mul_rounded(g, u) as bf16,
-    src = a
+    src = a,
+    stride = k
 );
 
 /// Compile-time parameters of [`GemvSplitBf16`], [`GemvSplitF32`] and [`GemvSplitGateUpSilu`].
