@@ -91,6 +91,16 @@ pub enum Intrinsic {
     Prmt,
     /// `fma_bf16x2(a, b, c) -> u32`: `a * b + c` on two packed bf16 lanes (`fma.rn.bf16x2`).
     FmaBf16x2,
+    /// `grid_wait()`: under programmatic dependent launch, waits until the previous kernel of
+    /// the stream has finished and its writes are visible (`griddepcontrol.wait`; a no-op for a
+    /// launch without that dependency). Nothing the previous kernel writes may be read, and
+    /// nothing it reads may be written, before it. A kernel that does not call it gets
+    /// `grid_wait(); grid_launch_dependents();` as its first statements.
+    GridWait,
+    /// `grid_launch_dependents()`: lets the next kernel of the stream start launching once every
+    /// block of this one has called it or exited (`griddepcontrol.launch_dependents`). Call it
+    /// after `grid_wait()`, so that at most one kernel waits ahead.
+    GridLaunchDependents,
 }
 
 use Intrinsic::*;
@@ -137,6 +147,8 @@ pub const ALL: &[Intrinsic] = &[
     Lop3,
     Prmt,
     FmaBf16x2,
+    GridWait,
+    GridLaunchDependents,
 ];
 
 impl Intrinsic {
@@ -183,6 +195,8 @@ impl Intrinsic {
             Lop3 => "lop3",
             Prmt => "prmt",
             FmaBf16x2 => "fma_bf16x2",
+            GridWait => "grid_wait",
+            GridLaunchDependents => "grid_launch_dependents",
         }
     }
 
@@ -194,7 +208,7 @@ impl Intrinsic {
     /// Number of arguments.
     pub fn arity(self) -> usize {
         match self {
-            SyncWarp | ThreadFence | CpAsyncCommit => 0,
+            SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents => 0,
             Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 => 2,
@@ -278,6 +292,7 @@ impl Intrinsic {
             Lop3 => Helper::Lop3,
             Prmt => Helper::Prmt,
             FmaBf16x2 => Helper::FmaBf16x2,
+            GridWait | GridLaunchDependents => Helper::GridDependency,
             _ => return None,
         })
     }
@@ -305,7 +320,7 @@ impl Intrinsic {
         let u32t = Ty::Scalar(Scalar::U32);
         let name = self.dsl_name();
         Ok(match self {
-            SyncWarp | ThreadFence | CpAsyncCommit => Ty::Void,
+            SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents => Ty::Void,
             ShflXor | ShflDown | ShflUp | ShflIdx => {
                 let t = value_ty(&args[0], name, &[Scalar::F32, Scalar::U32, Scalar::I32])?;
                 expect(&mut args[1], Scalar::U32, name, 2)?;
@@ -497,6 +512,8 @@ pub enum Helper {
     Prmt,
     /// fma.rn.bf16x2.
     FmaBf16x2,
+    /// `griddepcontrol` wait and launch_dependents.
+    GridDependency,
 }
 
 impl Helper {
@@ -664,6 +681,20 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
     unsigned int d;
     asm(\"fma.rn.bf16x2 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(c));
     return d;
+}
+"
+            }
+            Helper::GridDependency => {
+                "// Programmatic dependent launch (sm_90+; no-ops for a launch without it).
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");
+#endif
 }
 "
             }

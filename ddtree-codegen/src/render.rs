@@ -3,7 +3,9 @@
 //! Output is deterministic (same IR, same bytes): a header naming the kernel and every
 //! parameter, a prelude holding only the helpers the kernel uses (bf16/f16 as raw bits, so NVRTC
 //! needs no include path), the device functions it calls, then the kernel with
-//! `extern "C" __global__ __launch_bounds__(threads)`.
+//! `extern "C" __global__ __launch_bounds__(threads)`. A kernel that does not place
+//! `grid_wait()` itself starts with `grid_wait(); grid_launch_dependents();` (programmatic
+//! dependent launch: wait for the previous kernel's writes, then let the next one launch).
 
 use std::collections::BTreeSet;
 use std::fmt::Write;
@@ -22,6 +24,12 @@ pub fn render(k: &KernelIr) -> String {
         ty_helpers(&a.ty, &mut helpers);
     }
     stmts_helpers(&k.body, &mut helpers);
+    // Kernels that manage the grid dependency themselves call `grid_wait()`; the rest wait
+    // for the previous kernel before anything else.
+    let default_wait = !helpers.contains(&Helper::GridDependency);
+    if default_wait {
+        helpers.insert(Helper::GridDependency);
+    }
     for d in &fns {
         for a in &d.args {
             ty_helpers(&a.ty, &mut helpers);
@@ -78,6 +86,9 @@ pub fn render(k: &KernelIr) -> String {
         k.symbol,
         args.join(", ")
     );
+    if default_wait {
+        out.push_str("    grid_wait();\n    grid_launch_dependents();\n");
+    }
     block(&mut out, &k.body, 1);
     out.push_str("}\n");
     out

@@ -12,7 +12,7 @@ use common::{fixture, load, sequences, teacher_forced, Agreement};
 use ddtree_engine::spec::{DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
     generate_plain, generate_speculative, ActivationPrecision, Backend, Budget, CpuBackend, CudaBackend, CudaOptions,
-    Drafter, GenerateOptions, SpecOptions, SpecStats,
+    Drafter, GenerateOptions, Model, SpecOptions, SpecStats,
 };
 
 /// The agreement the GPU is held to against the f32 CPU. On the H200 the bf16 backend measures
@@ -324,15 +324,17 @@ fn fused_decode_ops_equal_the_ops_they_replace() {
 }
 
 /// Forwards with concurrent branches (the shared experts beside the routed ones, the latent path
-/// beside the query path, on a second stream) give the logits of one-stream forwards bit for
-/// bit (the same kernels, only their order changes), teacher-forced on both fixtures, and the
-/// same greedy tokens with CUDA graphs recorded across both streams.
+/// beside the query path, on a second stream) and with programmatic dependent launch give the
+/// logits of one-stream forwards without it bit for bit (the same kernels, only their order and
+/// overlap change), teacher-forced on both fixtures, and the same greedy tokens with CUDA
+/// graphs recorded across both streams; both features are also checked alone.
 #[test]
-fn branches_on_a_side_stream_equal_one_stream() {
+fn branches_and_pdl_equal_one_stream_without_pdl() {
     let Some(b) = gpu() else { return };
-    let one_stream = || {
+    let open = |one_stream, no_pdl| {
         CudaBackend::open(CudaOptions {
-            one_stream: true,
+            one_stream,
+            no_pdl,
             ..CudaOptions::default()
         })
         .unwrap()
@@ -340,36 +342,50 @@ fn branches_on_a_side_stream_equal_one_stream() {
     let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
         rows.iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect()
     };
-    let mut two = Some(b);
+    let mut first = Some(b);
     for name in ["tiny-kimi", "tiny-dsv3"] {
-        let branched = load(two.take().unwrap_or_else(|| gpu().unwrap()), name);
-        let single = load(one_stream(), name);
-        for seq in sequences(&single) {
-            let want = bits(teacher_forced(&single, &seq));
-            assert!(
-                want.iter().flatten().all(|&v| f32::from_bits(v).is_finite()),
-                "{name}: NaN logits"
+        let single = load(open(true, true), name);
+        for (what, subject) in [
+            (
+                "two streams + PDL",
+                load(first.take().unwrap_or_else(|| gpu().unwrap()), name),
+            ),
+            ("two streams", load(open(false, true), name)),
+            ("one stream + PDL", load(open(true, false), name)),
+        ] {
+            let case = format!("{name} ({what})");
+            for seq in sequences(&single) {
+                let want = bits(teacher_forced(&single, &seq));
+                assert!(
+                    want.iter().flatten().all(|&v| f32::from_bits(v).is_finite()),
+                    "{case}: NaN logits"
+                );
+                assert_eq!(bits(teacher_forced(&subject, &seq)), want, "{case}: logits of {seq:?}");
+            }
+            check_greedy(&single, &subject, &case);
+            eprintln!(
+                "{case}: forwards == one-stream forwards without PDL bit for bit ({} graph replays)",
+                subject.backend().graph_counts().unwrap().0
             );
-            assert_eq!(bits(teacher_forced(&branched, &seq)), want, "{name}: logits of {seq:?}");
         }
-        let opts = GenerateOptions {
-            max_new_tokens: 24,
-            ..GenerateOptions::default()
-        };
-        for prompt in [&[5u32, 17][..], &[42; 9]] {
-            let want = generate_plain(&single, prompt, &opts).unwrap().tokens;
-            assert_eq!(
-                generate_plain(&branched, prompt, &opts).unwrap().tokens,
-                want,
-                "{name} plain {prompt:?}"
-            );
-            let mut drafter = Noisy::new(8, 0.7, 5).unwrap();
-            let out = generate_speculative(&branched, &mut drafter, prompt, &opts, &SpecOptions::fixed(8)).unwrap();
-            assert_eq!(out.generation.tokens, want, "{name} DDTree {prompt:?}");
-        }
-        eprintln!(
-            "{name}: two-stream forwards == one-stream forwards bit for bit ({} graph replays)",
-            branched.backend().graph_counts().unwrap().0
+    }
+}
+
+/// `subject` generates `reference`'s plain greedy tokens, plainly and with DDTree.
+fn check_greedy(reference: &Model<CudaBackend>, subject: &Model<CudaBackend>, case: &str) {
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        ..GenerateOptions::default()
+    };
+    for prompt in [&[5u32, 17][..], &[42; 9]] {
+        let want = generate_plain(reference, prompt, &opts).unwrap().tokens;
+        assert_eq!(
+            generate_plain(subject, prompt, &opts).unwrap().tokens,
+            want,
+            "{case} plain {prompt:?}"
         );
+        let mut drafter = Noisy::new(8, 0.7, 5).unwrap();
+        let out = generate_speculative(subject, &mut drafter, prompt, &opts, &SpecOptions::fixed(8)).unwrap();
+        assert_eq!(out.generation.tokens, want, "{case} DDTree {prompt:?}");
     }
 }

@@ -92,7 +92,7 @@ impl<T: Elem> Operand for DevBuf<T> {
     fn push<'a>(&'a self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
         match self {
             DevBuf::Gpu(s) => {
-                l.arg(s);
+                l.buffer(s);
                 Ok(())
             }
             DevBuf::Host(..) => Err(wrong_target()),
@@ -101,7 +101,7 @@ impl<T: Elem> Operand for DevBuf<T> {
     fn push_mut<'a>(&'a mut self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
         match self {
             DevBuf::Gpu(s) => {
-                l.arg(s);
+                l.buffer(s);
                 Ok(())
             }
             DevBuf::Host(..) => Err(wrong_target()),

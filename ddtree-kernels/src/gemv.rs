@@ -110,6 +110,45 @@ macro_rules! gemv_kernel {
                 "m must be 1, 2, 4 or 8"
             );
             comptime_assert!(p.warps >= 1 && p.warps <= 32, "warps must be 1..=32");
+            let cols = comptime!(cols_per_warp(p));
+            let un = comptime!(unroll(p));
+            let lane = lane_id();
+            let j0 = (block_idx_x() * p.warps + warp_id()) * cols;
+            let chunks = k / 8;
+            // Weight row offsets; a column past `n` re-reads the last row and is not written.
+            let mut wrow = [0u32; cols];
+            #[unroll]
+            for c in 0..cols {
+                wrow[c] = (j0 + c).min(n - 1) * k;
+            }
+            $(
+                let mut $acc = [0.0f32; p.m * cols];
+                let mut $w0 = [0u32; un * cols];
+                let mut $w1 = [0u32; un * cols];
+                let mut $w2 = [0u32; un * cols];
+                let mut $w3 = [0u32; un * cols];
+            )+
+            let mut ch = lane;
+            // The first `un` chunks per column are loaded before waiting for the previous
+            // kernel (weights are never written by one); each later batch right after the
+            // batch before it is used.
+            if j0 < n && ch + 32 * (un - 1) < chunks {
+                #[unroll]
+                for u in 0..un {
+                    #[unroll]
+                    for c in 0..cols {
+                        $(
+                            let v = $w.vload(wrow[c] + (ch + u * 32) * 8);
+                            $w0[u * cols + c] = v.x;
+                            $w1[u * cols + c] = v.y;
+                            $w2[u * cols + c] = v.z;
+                            $w3[u * cols + c] = v.w;
+                        )+
+                    }
+                }
+            }
+            grid_wait();
+            grid_launch_dependents();
             $(
                 // The RMS-normalized rows into shared memory, rounded to bf16 as `RmsNorm`
                 // rounds them: `bf16(a * inv * weight)`, `inv = rsqrt(mean(a^2) + eps)`.
@@ -136,42 +175,10 @@ macro_rules! gemv_kernel {
                 }
                 sync_threads();
             )?
-            let cols = comptime!(cols_per_warp(p));
-            let un = comptime!(unroll(p));
-            let lane = lane_id();
-            let j0 = (block_idx_x() * p.warps + warp_id()) * cols;
             // Warp-uniform: a warp past the last column has nothing to do.
             if j0 < n {
-                let chunks = k / 8;
-                // Weight row offsets; a column past `n` re-reads the last row and is not written.
-                let mut wrow = [0u32; cols];
-                #[unroll]
-                for c in 0..cols {
-                    wrow[c] = (j0 + c).min(n - 1) * k;
-                }
-                $(
-                    let mut $acc = [0.0f32; p.m * cols];
-                    let mut $w0 = [0u32; un * cols];
-                    let mut $w1 = [0u32; un * cols];
-                    let mut $w2 = [0u32; un * cols];
-                    let mut $w3 = [0u32; un * cols];
-                )+
-                let mut ch = lane;
-                // Main loop: `un` chunks per column, all loads issued before any is used.
+                // Main loop over loaded batches of `un` chunks per column.
                 while ch + 32 * (un - 1) < chunks {
-                    #[unroll]
-                    for u in 0..un {
-                        #[unroll]
-                        for c in 0..cols {
-                            $(
-                                let v = $w.vload(wrow[c] + (ch + u * 32) * 8);
-                                $w0[u * cols + c] = v.x;
-                                $w1[u * cols + c] = v.y;
-                                $w2[u * cols + c] = v.z;
-                                $w3[u * cols + c] = v.w;
-                            )+
-                        }
-                    }
                     #[unroll]
                     for u in 0..un {
                         #[unroll]
@@ -192,6 +199,21 @@ macro_rules! gemv_kernel {
                         }
                     }
                     ch += 32 * un;
+                    if ch + 32 * (un - 1) < chunks {
+                        #[unroll]
+                        for u in 0..un {
+                            #[unroll]
+                            for c in 0..cols {
+                                $(
+                                    let v = $w.vload(wrow[c] + (ch + u * 32) * 8);
+                                    $w0[u * cols + c] = v.x;
+                                    $w1[u * cols + c] = v.y;
+                                    $w2[u * cols + c] = v.z;
+                                    $w3[u * cols + c] = v.w;
+                                )+
+                            }
+                        }
+                    }
                 }
                 // Tail: fewer than `un` chunks left for this lane.
                 while ch < chunks {
@@ -414,21 +436,28 @@ macro_rules! gemv_split_kernel {
                 let mut $w3 = [0u32; un * cols];
             )+
             let mut ch = tid;
-            // Main loop: `un` chunks per column, all loads issued before any is used.
-            while ch + threads * (un - 1) < chunks {
-                #[unroll]
-                for u in 0..un {
+            // The first `un` chunks per column are loaded before waiting for the previous
+            // kernel (weights are never written by one); each later batch right after the
+            // batch before it is used.
+            if ch + threads * (un - 1) < chunks {
                     #[unroll]
-                    for c in 0..cols {
-                        $(
-                            let v = $w.vload(wrow[c] + (ch + u * threads) * 8);
-                            $w0[u * cols + c] = v.x;
-                            $w1[u * cols + c] = v.y;
-                            $w2[u * cols + c] = v.z;
-                            $w3[u * cols + c] = v.w;
-                        )+
+                    for u in 0..un {
+                        #[unroll]
+                        for c in 0..cols {
+                            $(
+                                let v = $w.vload(wrow[c] + (ch + u * threads) * 8);
+                                $w0[u * cols + c] = v.x;
+                                $w1[u * cols + c] = v.y;
+                                $w2[u * cols + c] = v.z;
+                                $w3[u * cols + c] = v.w;
+                            )+
+                        }
                     }
-                }
+            }
+            grid_wait();
+            grid_launch_dependents();
+            // Main loop over loaded batches of `un` chunks per column.
+            while ch + threads * (un - 1) < chunks {
                 #[unroll]
                 for u in 0..un {
                     #[unroll]
@@ -449,6 +478,21 @@ macro_rules! gemv_split_kernel {
                     }
                 }
                 ch += threads * un;
+                if ch + threads * (un - 1) < chunks {
+                    #[unroll]
+                    for u in 0..un {
+                        #[unroll]
+                        for c in 0..cols {
+                            $(
+                                let v = $w.vload(wrow[c] + (ch + u * threads) * 8);
+                                $w0[u * cols + c] = v.x;
+                                $w1[u * cols + c] = v.y;
+                                $w2[u * cols + c] = v.z;
+                                $w3[u * cols + c] = v.w;
+                            )+
+                        }
+                    }
+                }
             }
             // Tail: fewer than `un` chunks left for this thread.
             while ch < chunks {

@@ -1,5 +1,6 @@
 //! Device discovery that never panics, the device fingerprint and the device's launch limits.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdevice_attribute;
@@ -121,6 +122,7 @@ pub struct Gpu {
     fingerprint: Fingerprint,
     limits: DeviceLimits,
     jit: Arc<Jit>,
+    pub(crate) programmatic: Arc<AtomicBool>,
 }
 
 impl Gpu {
@@ -194,6 +196,7 @@ impl Gpu {
             fingerprint,
             limits,
             jit,
+            programmatic: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -217,6 +220,22 @@ impl Gpu {
     /// The context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Turns programmatic dependent launch on or off for every kernel compiled on this GPU
+    /// (off by default; ignored below sm_90). With it, a kernel may start launching while the
+    /// previous one of its stream drains: every generated kernel waits for its predecessor's
+    /// writes (`grid_wait`) before touching what that one writes, and lets its own successor
+    /// launch only after that wait, so the stream's order of effects is unchanged and at most
+    /// one kernel waits ahead.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        let supported = self.fingerprint.compute_capability.0 >= 9;
+        self.programmatic.store(on && supported, Ordering::Relaxed);
+    }
+
+    /// Whether kernels launch with programmatic dependent launch.
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic.load(Ordering::Relaxed)
     }
 
     /// The stream kernels launch on by default.

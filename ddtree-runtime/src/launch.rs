@@ -1,9 +1,11 @@
 //! Compiled kernel variants and typed launches.
 
+use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use cudarc::nvrtc::Ptx;
 use ddtree_codegen::{Kernel, KernelId, KernelIr};
 
@@ -45,6 +47,8 @@ pub struct CompiledKernel<K: Kernel> {
     registers: i32,
     spill_bytes: i32,
     max_grid: [u32; 3],
+    /// The owning [`Gpu`]'s programmatic-dependent-launch switch.
+    programmatic: Arc<AtomicBool>,
     _kernel: PhantomData<K>,
 }
 
@@ -192,6 +196,7 @@ impl Gpu {
             registers,
             spill_bytes,
             max_grid: self.limits().max_grid,
+            programmatic: self.programmatic.clone(),
             _kernel: PhantomData,
         })
     }
@@ -240,47 +245,99 @@ impl<K: Kernel> CompiledKernel<K> {
             kernel: self.id.symbol.clone(),
             limit,
         })?;
-        let [x, y, z] = grid.0;
-        let cfg = LaunchConfig {
-            grid_dim: (x, y, z),
-            block_dim: (self.block[0], self.block[1], self.block[2]),
-            shared_mem_bytes: self.dyn_smem,
-        };
         Ok(Launcher {
-            args: stream.launch_builder(&self.func),
-            cfg,
+            func: &self.func,
+            stream,
+            grid: grid.0,
+            block: self.block,
+            dyn_smem: self.dyn_smem,
+            programmatic: self.programmatic.load(Ordering::Relaxed),
+            params: Vec::with_capacity(16),
+            owned: Vec::new(),
             symbol: &self.id.symbol,
+            _args: PhantomData,
         })
     }
 }
 
-/// A launch being assembled: arguments are pushed in kernel-signature order.
+/// A launch being assembled: arguments are pushed in kernel-signature order and must outlive
+/// the launcher.
 pub struct Launcher<'a> {
-    args: LaunchArgs<'a>,
-    cfg: LaunchConfig,
+    func: &'a CudaFunction,
+    stream: &'a Arc<CudaStream>,
+    grid: [u32; 3],
+    block: [u32; 3],
+    dyn_smem: u32,
+    programmatic: bool,
+    /// One pointer per kernel parameter, to its value.
+    params: Vec<*mut c_void>,
+    /// Device addresses pushed by [`Launcher::buffer`], boxed so the pointers stay put.
+    owned: Vec<Box<sys::CUdeviceptr>>,
     symbol: &'a str,
+    _args: PhantomData<&'a ()>,
 }
 
 impl<'a> Launcher<'a> {
-    /// Pushes the next argument.
-    pub fn arg<T>(&mut self, arg: T) -> &mut Self
-    where
-        LaunchArgs<'a>: PushKernelArg<T>,
-    {
-        self.args.arg(arg);
+    /// Pushes the next argument: a scalar, or a device address (`CUdeviceptr`).
+    pub fn arg<T: DeviceRepr>(&mut self, arg: &'a T) -> &mut Self {
+        self.params.push(arg as *const T as *mut c_void);
         self
     }
 
-    /// Launches.
+    /// Pushes a device buffer's address as the next argument.
+    pub fn buffer<T>(&mut self, buf: &'a CudaSlice<T>) -> &mut Self {
+        let (ptr, _sync) = buf.device_ptr(self.stream);
+        let slot = Box::new(ptr);
+        self.params.push(&*slot as *const sys::CUdeviceptr as *mut c_void);
+        self.owned.push(slot);
+        self
+    }
+
+    /// Launches; with programmatic dependent launch on (see [`Gpu::set_programmatic_launch`])
+    /// the kernel may start while the previous kernel of the stream drains.
     ///
     /// # Safety
     /// The pushed arguments must match the kernel's C signature (the generated launchers
     /// guarantee it) and describe valid buffers.
     pub unsafe fn launch(mut self) -> Result<(), RuntimeError> {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.args.launch(self.cfg) }
-            .map(|_| ())
-            .map_err(RuntimeError::driver(format!("launching `{}`", self.symbol)))
+        let what = || format!("launching `{}`", self.symbol);
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(RuntimeError::driver(what()))?;
+        let [gx, gy, gz] = self.grid;
+        let [bx, by, bz] = self.block;
+        // SAFETY: an all-zero attribute value is valid; the field set is the one `id` names.
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: unsafe { std::mem::zeroed() },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: gx,
+            gridDimY: gy,
+            gridDimZ: gz,
+            blockDimX: bx,
+            blockDimY: by,
+            blockDimZ: bz,
+            sharedMemBytes: self.dyn_smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.programmatic),
+        };
+        // SAFETY: `params` holds one pointer per kernel parameter to a value that outlives the
+        // call (the caller's contract and the `'a` borrows); `cfg` and `attr` outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.func.cu_function(),
+                self.params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(RuntimeError::driver(what()))
     }
 }
 

@@ -815,6 +815,8 @@ impl<'k> Exec<'k, '_> {
             Prmt => Val::U(prmt(a[0].u32(), a[1].u32(), a[2].u32())),
             // Blocks run one after another: every earlier write is already visible.
             ThreadFence => Val::Void,
+            // Launches run one after another.
+            GridWait | GridLaunchDependents => Val::Void,
             FmaBf16x2 => Val::U(fma_bf16x2(a[0].u32(), a[1].u32(), a[2].u32())),
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let (p, dst) = (place(0), r(0));

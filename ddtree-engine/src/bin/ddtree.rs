@@ -92,6 +92,10 @@ struct DeviceArgs {
     /// routed ones, the latent path beside the query path) (CUDA).
     #[arg(long)]
     one_stream: bool,
+    /// Launch kernels without programmatic dependent launch (by default a kernel may start
+    /// while its predecessor drains, and weight GEMVs prefetch meanwhile) (CUDA).
+    #[arg(long)]
+    no_pdl: bool,
     /// Activation precision of the CPU backend: `bf16` mirrors the CUDA backend's rounding to
     /// bf16, so CPU runs reproduce GPU tokens; `f32` is the reference.
     #[arg(long, value_enum, default_value_t = ActivationPrecision::F32)]
@@ -243,6 +247,7 @@ fn on_device(
         no_autotune: dev.no_autotune,
         no_graphs: dev.no_cuda_graphs,
         one_stream: dev.one_stream,
+        no_pdl: dev.no_pdl,
     };
     let gpu = match dev.device {
         Device::Cpu => None,
@@ -761,6 +766,7 @@ mod tests {
             no_autotune: false,
             no_cuda_graphs: false,
             one_stream: false,
+            no_pdl: false,
             cpu_activations: ActivationPrecision::Bf16,
         };
         let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))

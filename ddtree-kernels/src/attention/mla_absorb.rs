@@ -124,6 +124,9 @@ pub fn mla_absorb_query(
         w2[r] = v.z;
         w3[r] = v.w;
     }
+    // The weights are never written by a kernel: loaded before waiting for the previous one.
+    grid_wait();
+    grid_launch_dependents();
     let out_w = lora + p.rope;
     for t in 0..rows {
         let qrow = (t * heads + h) * qk;
@@ -254,6 +257,9 @@ pub fn mla_absorb_output(
                 }
             }
         }
+        // The weights are never written by a kernel: loaded before waiting for the previous one.
+        grid_wait();
+        grid_launch_dependents();
         for t in 0..rows {
             let arow = (t * heads + h) * p.lora;
             let mut acc = [0.0f32; p.cols];

@@ -960,6 +960,28 @@ pub fn mla_combine_output(
     let j0 = (block_idx_x() % slabs) * p.cols;
     let t = block_idx_y();
     let r = t * heads + h;
+    // This warp's columns `j0 + warp per + c`: every weight load issued
+    // before any is used, and before waiting for the previous kernel (weights are never written
+    // by one).
+    let mut w0 = [0u32; 2 * per];
+    let mut w1 = [0u32; 2 * per];
+    let mut w2 = [0u32; 2 * per];
+    let mut w3 = [0u32; 2 * per];
+    #[unroll]
+    for c in 0..per {
+        let j = (j0 + warp * per + c).min(v - 1);
+        let wrow = (h * (nope + v) + nope + j) * 512;
+        #[unroll]
+        for u in 0..2 {
+            let wv = kv_b.vload(wrow + (lane + 32 * u) * 8);
+            w0[2 * c + u] = wv.x;
+            w1[2 * c + u] = wv.y;
+            w2[2 * c + u] = wv.z;
+            w3[2 * c + u] = wv.w;
+        }
+    }
+    grid_wait();
+    grid_launch_dependents();
     let m = splits_max_lse(part_lse, rows, splits, r);
     // Warp `w` sums the splits `w, w + warps, ...`, `COMBINE_UNROLL` of them per round with
     // every load issued before any is used; lane `l` holds the bf16 pairs `8 l .. 8 l + 8` of
@@ -1034,24 +1056,6 @@ pub fn mla_combine_output(
         xs[pc] = pack_bf16x2(o0 * inv, o1 * inv);
     }
     sync_threads();
-    // This warp's columns `j0 + warp per + c`: every weight load issued before any is used.
-    let mut w0 = [0u32; 2 * per];
-    let mut w1 = [0u32; 2 * per];
-    let mut w2 = [0u32; 2 * per];
-    let mut w3 = [0u32; 2 * per];
-    #[unroll]
-    for c in 0..per {
-        let j = (j0 + warp * per + c).min(v - 1);
-        let wrow = (h * (nope + v) + nope + j) * 512;
-        #[unroll]
-        for u in 0..2 {
-            let wv = kv_b.vload(wrow + (lane + 32 * u) * 8);
-            w0[2 * c + u] = wv.x;
-            w1[2 * c + u] = wv.y;
-            w2[2 * c + u] = wv.z;
-            w3[2 * c + u] = wv.w;
-        }
-    }
     let mut acc = [0.0f32; per];
     #[unroll]
     for u in 0..2 {

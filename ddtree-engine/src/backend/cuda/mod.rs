@@ -211,6 +211,9 @@ pub struct CudaOptions {
     /// Enqueue every op on one stream: no concurrent branches ([`Backend::begin_branch`],
     /// `--one-stream`). Also the case while ops are profiled (`DDTREE_PROFILE`).
     pub one_stream: bool,
+    /// Launch kernels without programmatic dependent launch (`--no-pdl`; see
+    /// [`Gpu::set_programmatic_launch`]).
+    pub no_pdl: bool,
 }
 
 /// The second stream of [`Backend::begin_branch`]: a branch's ops run there, concurrently
@@ -396,6 +399,9 @@ impl CudaBackend {
         // branch whose begin and join order it (`begin_branch`; shared state made in a branch
         // is made on the main stream, which the side stream then waits for: `after_main`).
         unsafe { gpu.context().disable_event_tracking() };
+        // Each kernel may launch while its predecessor drains (weight GEMVs prefetch before
+        // they wait for it).
+        gpu.set_programmatic_launch(!options.no_pdl);
         let blas = Blas::new(&gpu)?;
         let profile = HostProfile::from_env(&stream);
         let side = if options.one_stream || profile.on() {
