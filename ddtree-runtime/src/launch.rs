@@ -271,7 +271,9 @@ pub struct Launcher<'a> {
     programmatic: bool,
     /// One pointer per kernel parameter, to its value.
     params: Vec<*mut c_void>,
-    /// Device addresses pushed by [`Launcher::buffer`], boxed so the pointers stay put.
+    /// Device addresses pushed by [`Launcher::buffer`], boxed so that `params`' pointers to
+    /// them stay valid when the vector grows.
+    #[allow(clippy::vec_box)]
     owned: Vec<Box<sys::CUdeviceptr>>,
     symbol: &'a str,
     _args: PhantomData<&'a ()>,
