@@ -26,10 +26,8 @@ pub fn render(k: &KernelIr) -> String {
     stmts_helpers(&k.body, &mut helpers);
     // Kernels that manage the grid dependency themselves call `grid_wait()`; the rest wait
     // for the previous kernel before anything else.
-    let default_wait = !helpers.contains(&Helper::GridDependency);
-    if default_wait {
-        helpers.insert(Helper::GridDependency);
-    }
+    let default_wait = !places_grid_wait(k);
+    helpers.insert(Helper::GridDependency);
     for d in &fns {
         for a in &d.args {
             ty_helpers(&a.ty, &mut helpers);
@@ -92,6 +90,15 @@ pub fn render(k: &KernelIr) -> String {
     block(&mut out, &k.body, 1);
     out.push_str("}\n");
     out
+}
+
+/// Whether the kernel's body places the grid dependency itself (calls `grid_wait()` or
+/// `grid_launch_dependents()`); otherwise it is rendered with `grid_wait();
+/// grid_launch_dependents();` as its first statements.
+pub fn places_grid_wait(k: &KernelIr) -> bool {
+    let mut helpers = BTreeSet::new();
+    stmts_helpers(&k.body, &mut helpers);
+    helpers.contains(&Helper::GridDependency)
 }
 
 fn collect_fns<'a>(d: &'a DeviceFn, out: &mut Vec<&'a DeviceFn>) {

@@ -158,6 +158,26 @@ pub fn cp_async_ok(x: &[bf16], out: &mut [f32]) {
     out[t] = s[((t + 1) % 32) * 8] as f32;
 }
 
+/// Writes its output before waiting for the previous kernel (which may still read it).
+#[kernel(block = 32)]
+pub fn write_before_grid_wait(x: &[f32], out: &mut [f32]) {
+    let t = thread_idx_x();
+    let v = x[t] * 2.0f32;
+    out[t] = v; // HAZARD write_before_grid_wait
+    grid_wait();
+    grid_launch_dependents();
+}
+
+/// The same with the write after the wait: no hazard (reads before it are allowed).
+#[kernel(block = 32)]
+pub fn write_after_grid_wait(x: &[f32], out: &mut [f32]) {
+    let t = thread_idx_x();
+    let v = x[t] * 2.0f32;
+    grid_wait();
+    grid_launch_dependents();
+    out[t] = v;
+}
+
 /// The 1-based line of the statement marked `// HAZARD name` in this file.
 fn marked_line(name: &str) -> u32 {
     let marker = format!("// HAZARD {name}");
@@ -360,4 +380,17 @@ fn a_correct_cp_async_pipeline_passes() {
         .expect("no hazard");
     let want: Vec<f32> = (0..32).map(|t| (((t + 1) % 32) * 8) as f32).collect();
     assert_eq!(out.to_vec::<f32>(), want);
+}
+
+#[test]
+fn global_write_before_grid_wait() {
+    let x = Buffer::from_slice(&[1.5f32; 32]);
+    let mut out = Buffer::from_slice(&[0.0f32; 32]);
+    let e = hazard_of::<WriteBeforeGridWait>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
+    assert_eq!(e.thread, [0, 0, 0]);
+    assert_eq!(e.hazard, Hazard::WriteBeforeGridWait { buffer: "out".into() });
+    let prog = Program::of::<WriteAfterGridWait>(&()).expect("lowers");
+    prog.launch([1, 1, 1], &mut [HostArg::In(&x), HostArg::Out(&mut out)])
+        .expect("a write after the wait is fine");
+    assert_eq!(out.to_vec::<f32>(), vec![3.0f32; 32]);
 }

@@ -153,6 +153,8 @@ pub(super) struct Lowered {
     pub args: Vec<Arg>,
     pub funcs: Vec<LFunc>,
     pub shared: Vec<SharedDecl>,
+    /// The kernel calls `grid_wait()` itself (else it runs as if waiting first).
+    pub places_grid_wait: bool,
 }
 
 /// Lowers a kernel and the device functions it calls.
@@ -190,6 +192,7 @@ pub(super) fn lower(ir: &KernelIr) -> Result<Lowered, InterpError> {
         args: ir.args.clone(),
         funcs,
         shared: cx.shared,
+        places_grid_wait: crate::render::places_grid_wait(ir),
     })
 }
 

@@ -87,6 +87,9 @@ struct Thread {
     /// Committed cp.async groups, oldest first, and the group being built.
     groups: Vec<Vec<CopyAsync>>,
     open: Vec<CopyAsync>,
+    /// Past `grid_wait()` (from the start in a kernel that does not call it): global writes
+    /// are allowed.
+    waited: bool,
 }
 
 impl Thread {
@@ -274,6 +277,7 @@ impl<'k> Exec<'k, '_> {
                     status: Status::Running,
                     groups: Vec::new(),
                     open: Vec::new(),
+                    waited: !self.k.places_grid_wait,
                 }
             })
             .collect();
@@ -513,6 +517,9 @@ impl<'k> Exec<'k, '_> {
 
     fn store(&mut self, th: &mut Thread, p: &Place, arr: u32, idx: u64, v: Val) -> Result<(), Hazard> {
         let es = p.elem.size() as usize;
+        if p.space == Space::Global && !th.waited {
+            return Err(write_before_grid_wait(p));
+        }
         match p.space {
             Space::Global => match &mut self.globals[arr as usize] {
                 GBuf::Rw(b) => encode(p.elem, v, &mut b.bytes[idx as usize * es..]),
@@ -582,6 +589,9 @@ impl<'k> Exec<'k, '_> {
             });
         }
         let (b0, n) = (byte as usize, n as usize);
+        if p.space == Space::Global && data.is_some() && !th.waited {
+            return Err(write_before_grid_wait(p));
+        }
         match p.space {
             Space::Global => match (&mut self.globals[arr as usize], data) {
                 (GBuf::Rw(b), Some(d)) => {
@@ -815,11 +825,18 @@ impl<'k> Exec<'k, '_> {
             Prmt => Val::U(prmt(a[0].u32(), a[1].u32(), a[2].u32())),
             // Blocks run one after another: every earlier write is already visible.
             ThreadFence => Val::Void,
-            // Launches run one after another.
-            GridWait | GridLaunchDependents => Val::Void,
+            // Launches run one after another; only the order against global writes is checked.
+            GridWait => {
+                th.waited = true;
+                Val::Void
+            }
+            GridLaunchDependents => Val::Void,
             FmaBf16x2 => Val::U(fma_bf16x2(a[0].u32(), a[1].u32(), a[2].u32())),
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let (p, dst) = (place(0), r(0));
+                if dst.space == Space::Global && !th.waited {
+                    return Err(write_before_grid_wait(p));
+                }
                 let old = self.atomic_load(th, p, dst)?;
                 let new = match (i, old) {
                     (AtomicAdd, Val::F(x)) => Val::F(x + a[1].f32()),
@@ -1099,4 +1116,8 @@ impl<'k> Exec<'k, '_> {
         }
         self.shared_access(t, r.arr, (r.idx * es) as usize, 16, None)
     }
+}
+
+fn write_before_grid_wait(p: &Place) -> Hazard {
+    Hazard::WriteBeforeGridWait { buffer: p.name.clone() }
 }

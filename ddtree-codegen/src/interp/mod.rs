@@ -255,6 +255,12 @@ pub enum Hazard {
         /// The element index.
         index: u64,
     },
+    /// A global write before `grid_wait()` in a kernel that calls it: under programmatic
+    /// dependent launch the previous kernel may still read the buffer.
+    WriteBeforeGridWait {
+        /// Buffer name.
+        buffer: String,
+    },
     /// Two threads access one shared element without a barrier between, one of them writing.
     Race {
         /// Which accesses.
@@ -312,6 +318,10 @@ impl fmt::Display for Hazard {
             Hazard::ReadBeforeWait { buffer, index } => write!(
                 f,
                 "read of shared memory `{buffer}`[{index}] before the cp.async writing it was waited for"
+            ),
+            Hazard::WriteBeforeGridWait { buffer } => write!(
+                f,
+                "write to global buffer `{buffer}` before `grid_wait()`: the previous kernel may still read it"
             ),
             Hazard::Race {
                 kind,
