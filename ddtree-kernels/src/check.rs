@@ -101,7 +101,7 @@ impl<T: Elem> Operand for DevBuf<T> {
     fn push_mut<'a>(&'a mut self, l: &mut Launcher<'a>) -> Result<(), CheckError> {
         match self {
             DevBuf::Gpu(s) => {
-                l.buffer(s);
+                l.buffer_mut(s);
                 Ok(())
             }
             DevBuf::Host(..) => Err(wrong_target()),

@@ -5,7 +5,9 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
+};
 use cudarc::nvrtc::Ptx;
 use ddtree_codegen::{Kernel, KernelId, KernelIr};
 
@@ -254,6 +256,7 @@ impl<K: Kernel> CompiledKernel<K> {
             programmatic: self.programmatic.load(Ordering::Relaxed),
             params: Vec::with_capacity(16),
             owned: Vec::new(),
+            guards: Vec::new(),
             symbol: &self.id.symbol,
             _args: PhantomData,
         })
@@ -271,10 +274,12 @@ pub struct Launcher<'a> {
     programmatic: bool,
     /// One pointer per kernel parameter, to its value.
     params: Vec<*mut c_void>,
-    /// Device addresses pushed by [`Launcher::buffer`], boxed so that `params`' pointers to
-    /// them stay valid when the vector grows.
+    /// Device addresses pushed by [`Launcher::buffer`] / [`Launcher::buffer_mut`], boxed so
+    /// that `params`' pointers to them stay valid when the vector grows.
     #[allow(clippy::vec_box)]
     owned: Vec<Box<sys::CUdeviceptr>>,
+    /// Their stream-ordering guards (cudarc's event tracking), dropped after the launch.
+    guards: Vec<SyncOnDrop<'a>>,
     symbol: &'a str,
     _args: PhantomData<&'a ()>,
 }
@@ -286,12 +291,23 @@ impl<'a> Launcher<'a> {
         self
     }
 
-    /// Pushes a device buffer's address as the next argument.
+    /// Pushes a device buffer the kernel reads as the next argument.
     pub fn buffer<T>(&mut self, buf: &'a CudaSlice<T>) -> &mut Self {
-        let (ptr, _sync) = buf.device_ptr(self.stream);
+        let (ptr, guard) = buf.device_ptr(self.stream);
+        self.push_address(ptr, guard)
+    }
+
+    /// Pushes a device buffer the kernel writes as the next argument.
+    pub fn buffer_mut<T>(&mut self, buf: &'a mut CudaSlice<T>) -> &mut Self {
+        let (ptr, guard) = buf.device_ptr_mut(self.stream);
+        self.push_address(ptr, guard)
+    }
+
+    fn push_address(&mut self, ptr: sys::CUdeviceptr, guard: SyncOnDrop<'a>) -> &mut Self {
         let slot = Box::new(ptr);
         self.params.push(&*slot as *const sys::CUdeviceptr as *mut c_void);
         self.owned.push(slot);
+        self.guards.push(guard);
         self
     }
 
