@@ -214,3 +214,32 @@ fn small_cp_async_copies_render_as_ca_with_their_size() {
         "{src}"
     );
 }
+
+/// Loads its input before waiting for the previous kernel, then writes.
+#[kernel(block = 32)]
+pub fn waits_late(x: &[f32], out: &mut [f32]) {
+    let t = thread_idx_x();
+    let v = x[t];
+    grid_wait();
+    grid_launch_dependents();
+    out[t] = v;
+}
+
+#[test]
+fn kernels_wait_for_the_previous_kernel_first_unless_they_place_the_wait() {
+    let dflt = Scale::source(&Scale::space()[0]).unwrap();
+    let body = dflt.split_once("unsigned int n) {\n").expect("kernel signature").1;
+    assert!(
+        body.starts_with("    grid_wait();\n    grid_launch_dependents();\n"),
+        "{dflt}"
+    );
+    assert!(dflt.contains("griddepcontrol.wait;"), "{dflt}");
+    let late = WaitsLate::source(&()).unwrap();
+    assert_eq!(late.matches("grid_wait();").count(), 1, "{late}");
+    let (before, after) = late.split_once("grid_wait();").unwrap();
+    assert!(
+        before.contains("const float v = x[t];") && !before.contains("out["),
+        "{late}"
+    );
+    assert!(after.starts_with("\n    grid_launch_dependents();\n"), "{late}");
+}
