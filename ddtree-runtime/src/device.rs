@@ -122,6 +122,7 @@ pub struct Gpu {
     fingerprint: Fingerprint,
     limits: DeviceLimits,
     jit: Arc<Jit>,
+    /// Programmatic dependent launch on (shared by clones and the kernels compiled here).
     pub(crate) programmatic: Arc<AtomicBool>,
 }
 

@@ -258,7 +258,6 @@ impl<K: Kernel> CompiledKernel<K> {
             owned: Vec::new(),
             guards: Vec::new(),
             symbol: &self.id.symbol,
-            _args: PhantomData,
         })
     }
 }
@@ -281,7 +280,6 @@ pub struct Launcher<'a> {
     /// Their stream-ordering guards (cudarc's event tracking), dropped after the launch.
     guards: Vec<SyncOnDrop<'a>>,
     symbol: &'a str,
-    _args: PhantomData<&'a ()>,
 }
 
 impl<'a> Launcher<'a> {

@@ -93,7 +93,7 @@ struct DeviceArgs {
     #[arg(long)]
     one_stream: bool,
     /// Launch kernels without programmatic dependent launch (by default a kernel may start
-    /// while its predecessor drains, and weight GEMVs prefetch meanwhile) (CUDA).
+    /// while its predecessor drains, and weight GEMVs load their first weights meanwhile) (CUDA).
     #[arg(long)]
     no_pdl: bool,
     /// Activation precision of the CPU backend: `bf16` mirrors the CUDA backend's rounding to

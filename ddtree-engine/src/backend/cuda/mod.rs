@@ -399,8 +399,8 @@ impl CudaBackend {
         // branch whose begin and join order it (`begin_branch`; shared state made in a branch
         // is made on the main stream, which the side stream then waits for: `after_main`).
         unsafe { gpu.context().disable_event_tracking() };
-        // Each kernel may launch while its predecessor drains (weight GEMVs prefetch before
-        // they wait for it).
+        // Each kernel may launch while its predecessor drains (the weight GEMVs and absorbed-MLA
+        // kernels load weights before they wait for it).
         gpu.set_programmatic_launch(!options.no_pdl);
         let blas = Blas::new(&gpu)?;
         let profile = HostProfile::from_env(&stream);
