@@ -284,7 +284,18 @@ pub struct CudaBackend {
     recording: std::sync::atomic::AtomicBool,
     /// Copies to the host so far ([`Backend::host_reads`]).
     reads: std::sync::atomic::AtomicU64,
+    /// Programmatic dependent launch for forwards of at most [`PDL_MAX_ROWS`] rows (not
+    /// `--no-pdl`).
+    pdl: bool,
 }
+
+/// Most rows of a forward whose kernels launch with programmatic dependent launch. A forward
+/// of a few rows is a chain of weight GEMVs that load their first weights before they wait for
+/// their predecessor; a larger one (a verify tree of 9 rows and more) runs tensor-core GEMMs
+/// that gain nothing from an early start, while their waiting blocks hold SM slots: on the
+/// H200 the Kimi K2.6 EP8 verify forward at budget 8 takes 16.0 ms this way, 16.45 with PDL
+/// (BENCHMARKS.md, eleventh session).
+pub const PDL_MAX_ROWS: usize = 8;
 
 pub(crate) fn fail(reason: String) -> EngineError {
     EngineError::Backend {
@@ -400,7 +411,7 @@ impl CudaBackend {
         // is made on the main stream, which the side stream then waits for: `after_main`).
         unsafe { gpu.context().disable_event_tracking() };
         // Each kernel may launch while its predecessor drains (the weight GEMVs and absorbed-MLA
-        // kernels load weights before they wait for it).
+        // kernels load weights before they wait for it); per forward, see `begin_forward`.
         gpu.set_programmatic_launch(!options.no_pdl);
         let blas = Blas::new(&gpu)?;
         let profile = HostProfile::from_env(&stream);
@@ -450,6 +461,7 @@ impl CudaBackend {
             caches: Default::default(),
             recording: Default::default(),
             reads: Default::default(),
+            pdl: !options.no_pdl,
         })
     }
 
@@ -1469,6 +1481,9 @@ impl Backend for CudaBackend {
     }
 
     fn begin_forward(&self, step: &StepInputs<'_>) -> Result<()> {
+        // Recorded graphs keep the launch attributes of their recording.
+        self.gpu()
+            .set_programmatic_launch(self.pdl && step.tokens.len() <= PDL_MAX_ROWS);
         self.stage_step(step)
     }
 
