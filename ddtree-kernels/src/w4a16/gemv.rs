@@ -266,10 +266,10 @@ pub fn w4a16_gemv(
     // (`moe_route`) writes, and `xr` variants copy x in the prologue, so they wait first. The
     // others, for one token (the decode step), issue the prologue's weight and scale copies
     // (`Down`: after reading the routing, written before its predecessor) before they wait for
-    // x. On the H200 this took 0.3 ms off a Kimi K2.6 EP8 decode step, and made its 8-token
-    // verify forward 0.35 ms slower, where `Down` blocks that start early compete with the
-    // many-wave `GateUp` for its last wave.
-    let early = !gu && !p.xr && m == 1;
+    // x. On the H200 this took 0.3 ms off a Kimi K2.6 EP8 decode step; at every token count it
+    // made the 8-token verify forward up to 0.4 ms slower in some runs. (Two-chunk variants,
+    // which serve 9-16 tokens, always wait first: the early path made ptxas spill in them.)
+    let early = !gu && !p.xr && p.chunks == 1 && m == 1;
     if !early {
         grid_wait();
         grid_launch_dependents();
