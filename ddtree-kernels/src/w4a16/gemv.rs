@@ -266,9 +266,9 @@ pub fn w4a16_gemv(
     // (`moe_route`) writes, and `xr` variants copy x in the prologue, so they wait first. The
     // others, for one token (the decode step), issue the prologue's weight and scale copies
     // (`Down`: after reading the routing, written before its predecessor) before they wait for
-    // x. On the H200 this took 0.3 ms off a Kimi K2.6 EP8 decode step; at every token count it
-    // made the 8-token verify forward up to 0.4 ms slower in some runs. (Two-chunk variants,
-    // which serve 9-16 tokens, always wait first: the early path made ptxas spill in them.)
+    // x. On the H200 this and the decode attention's early tiles took 0.3 ms off a Kimi K2.6
+    // EP8 decode step; more tokens were not measured, so they wait first. (Two-chunk variants,
+    // which serve 9-16 tokens, always do: the early path made ptxas spill in them.)
     let early = !gu && !p.xr && p.chunks == 1 && m == 1;
     if !early {
         grid_wait();
