@@ -101,6 +101,34 @@ pub enum Intrinsic {
     /// block of this one has called it or exited (`griddepcontrol.launch_dependents`). Call it
     /// after `grid_wait()`, so that at most one kernel waits ahead.
     GridLaunchDependents,
+    /// `wgmma_fence()`: `wgmma.fence.sync.aligned`. Before a warpgroup's first `wgmma_*` and
+    /// whenever other instructions touched its accumulator or A registers since.
+    WgmmaFence,
+    /// `wgmma_commit()`: `wgmma.commit_group.sync.aligned`, closes a group of `wgmma_*`.
+    WgmmaCommit,
+    /// `wgmma_wait(n)` with a compile-time `n`: waits until at most `n` wgmma groups are pending
+    /// (their accumulators and shared operands are free again).
+    WgmmaWait,
+    /// `fence_proxy_async()`: `fence.proxy.async.shared::cta`. Shared memory written by ordinary
+    /// stores or landed `cp.async` copies becomes visible to `wgmma` operand reads (the async
+    /// proxy); every writer fences, then a barrier, then the `wgmma`.
+    FenceProxyAsync,
+    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], &a[i], &b[j])`, `N` 16, 32 or 64 (from `d`'s length):
+    /// one warpgroup's `D[64, N] += A[64, 16] B[N, 16]^T` (`wgmma.mma_async` m64nNk16, bf16 in,
+    /// f32 accumulators). Both operands are bf16 in shared memory, K-major and 128-byte swizzled:
+    /// row `r` of an operand at byte `p` starts at `p + 1024 (r / 8) + 128 (r % 8)` and its
+    /// 16-byte chunk `c` lies at chunk `c ^ (r % 8)` of that 128-byte line, counting from a
+    /// 1024-byte-aligned atom (so `p` sits 0, 32, 64 or 96 bytes into one: the k16 steps of a
+    /// 64-wide line). `d[4 j + e]` of lane `l` in warp `w` of the warpgroup is
+    /// `D[16 w + l / 4 + 8 (e / 2)][8 j + 2 (l % 4) + e % 2]`, as in `mma_m16n8k16_bf16`.
+    /// Asynchronous: fence before, commit and wait before using `d` or overwriting the operands.
+    WgmmaBf16Ss,
+    /// `wgmma_bf16_rs_mn(&mut d: [f32; 32], &a: [u32; 4], &b[j])`: `D[64, 64] += A[64, 16]
+    /// B[16, 64]` with `A` in registers (warp `w` of the warpgroup holds rows `16 w ..` in the
+    /// `mma_m16n8k16_bf16` A layout) and `B` bf16 in shared memory, N-major and 128-byte
+    /// swizzled: its row `k` (64 values of N) at `p + 1024 (k / 8) + 128 (k % 8)`, chunks
+    /// swizzled as for [`Intrinsic::WgmmaBf16Ss`], `p` 1024-byte aligned. `d` as there.
+    WgmmaBf16RsMn,
 }
 
 use Intrinsic::*;
@@ -149,6 +177,12 @@ pub const ALL: &[Intrinsic] = &[
     FmaBf16x2,
     GridWait,
     GridLaunchDependents,
+    WgmmaFence,
+    WgmmaCommit,
+    WgmmaWait,
+    FenceProxyAsync,
+    WgmmaBf16Ss,
+    WgmmaBf16RsMn,
 ];
 
 impl Intrinsic {
@@ -197,6 +231,12 @@ impl Intrinsic {
             FmaBf16x2 => "fma_bf16x2",
             GridWait => "grid_wait",
             GridLaunchDependents => "grid_launch_dependents",
+            WgmmaFence => "wgmma_fence",
+            WgmmaCommit => "wgmma_commit",
+            WgmmaWait => "wgmma_wait",
+            FenceProxyAsync => "fence_proxy_async",
+            WgmmaBf16Ss => "wgmma_bf16_ss",
+            WgmmaBf16RsMn => "wgmma_bf16_rs_mn",
         }
     }
 
@@ -208,12 +248,14 @@ impl Intrinsic {
     /// Number of arguments.
     pub fn arity(self) -> usize {
         match self {
-            SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents => 0,
-            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait => 1,
+            SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents | WgmmaFence | WgmmaCommit
+            | FenceProxyAsync => 0,
+            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait | WgmmaWait => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
-            AtomicCas | MmaBf16 | MmaF16 | CpAsync16Zfill | CpAsync8Zfill | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
+            AtomicCas | MmaBf16 | MmaF16 | WgmmaBf16Ss | WgmmaBf16RsMn | CpAsync16Zfill | CpAsync8Zfill
+            | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
             Lop3 => 4,
         }
     }
@@ -221,7 +263,7 @@ impl Intrinsic {
     /// Index of the argument that must be a compile-time constant, if any.
     pub fn comptime_arg(self) -> Option<usize> {
         match self {
-            CpAsyncWait => Some(0),
+            CpAsyncWait | WgmmaWait => Some(0),
             Lop3 => Some(3),
             _ => None,
         }
@@ -293,6 +335,7 @@ impl Intrinsic {
             Prmt => Helper::Prmt,
             FmaBf16x2 => Helper::FmaBf16x2,
             GridWait | GridLaunchDependents => Helper::GridDependency,
+            WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync | WgmmaBf16Ss | WgmmaBf16RsMn => Helper::Wgmma,
             _ => return None,
         })
     }
@@ -320,7 +363,8 @@ impl Intrinsic {
         let u32t = Ty::Scalar(Scalar::U32);
         let name = self.dsl_name();
         Ok(match self {
-            SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents => Ty::Void,
+            SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents | WgmmaFence | WgmmaCommit
+            | FenceProxyAsync | WgmmaWait => Ty::Void,
             ShflXor | ShflDown | ShflUp | ShflIdx => {
                 let t = value_ty(&args[0], name, &[Scalar::F32, Scalar::U32, Scalar::I32])?;
                 expect(&mut args[1], Scalar::U32, name, 2)?;
@@ -393,6 +437,28 @@ impl Intrinsic {
                 Ty::Void
             }
             CpAsyncWait => Ty::Void,
+            WgmmaBf16Ss => {
+                match &args[0].ty {
+                    Ty::Ref {
+                        elem: Scalar::F32,
+                        space: Space::Local,
+                        len: Some(8 | 16 | 32),
+                        mutable: true,
+                    } => {}
+                    other => op_bail!(
+                        "argument 1 of `{name}` must be `&mut [f32; 8]`, `[f32; 16]` or `[f32; 32]` (N = 16, 32 or 64), found {other}"
+                    ),
+                }
+                expect_bf16_shared(&args[1], name, 2)?;
+                expect_bf16_shared(&args[2], name, 3)?;
+                Ty::Void
+            }
+            WgmmaBf16RsMn => {
+                expect_row(&args[0], Scalar::F32, 32, true, Space::Local, name, 1)?;
+                expect_row(&args[1], Scalar::U32, 4, false, Space::Local, name, 2)?;
+                expect_bf16_shared(&args[2], name, 3)?;
+                Ty::Void
+            }
             Lop3 => {
                 for (k, a) in args.iter_mut().enumerate().take(3) {
                     expect(a, Scalar::U32, name, k + 1)?;
@@ -450,6 +516,18 @@ fn expect_row(
             if mutable { "mut " } else { "" },
             elem.rust_name()
         ),
+    }
+}
+
+fn expect_bf16_shared(e: &Expr, name: &str, pos: usize) -> Result<(), OpError> {
+    match &e.ty {
+        Ty::Ref {
+            elem: Scalar::Bf16,
+            space: Space::Shared,
+            len: None,
+            ..
+        } => Ok(()),
+        other => op_bail!("argument {pos} of `{name}` must be `&x[i]` into bf16 shared memory, found {other}"),
     }
 }
 
@@ -514,6 +592,8 @@ pub enum Helper {
     FmaBf16x2,
     /// `griddepcontrol` wait and launch_dependents.
     GridDependency,
+    /// Warpgroup MMA (`wgmma`), its fences and descriptors.
+    Wgmma,
 }
 
 impl Helper {
@@ -522,7 +602,7 @@ impl Helper {
         match self {
             Helper::Bf16Convert => &[Helper::Bf16Type],
             Helper::F16Convert => &[Helper::F16Type],
-            Helper::Ldmatrix | Helper::CpAsync | Helper::CpAsyncSmall => &[Helper::SmemAddr],
+            Helper::Ldmatrix | Helper::CpAsync | Helper::CpAsyncSmall | Helper::Wgmma => &[Helper::SmemAddr],
             _ => &[],
         }
     }
@@ -684,6 +764,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 }
 "
             }
+            Helper::Wgmma => wgmma_source(),
             Helper::GridDependency => {
                 "// Programmatic dependent launch (sm_90+; no-ops for a launch without it).
 __device__ __forceinline__ void grid_wait() {
@@ -700,4 +781,51 @@ __device__ __forceinline__ void grid_launch_dependents() {
             }
         }
     }
+}
+
+/// The `wgmma` helpers: fences, the shared-memory descriptor and one overload per shape.
+fn wgmma_source() -> &'static str {
+    static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SRC.get_or_init(|| {
+        let mut s = String::from(
+            "__device__ __forceinline__ void wgmma_fence() { asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() { asm volatile(\"wgmma.wait_group.sync.aligned %0;\" :: \"n\"(N) : \"memory\"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\"); }
+// A 128-byte-swizzled operand at p: 8-row groups 1024 bytes apart (both strides, in 16-byte units).
+__device__ __forceinline__ unsigned long long wgmma_desc(const void* p) {
+    return (unsigned long long)((smem_addr(p) & 0x3ffffu) >> 4) | (64ull << 16) | (64ull << 32) | (1ull << 62);
+}
+",
+        );
+        let regs = |n: usize, from: usize| (from..from + n).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
+        let outs = |n: usize| (0..n).map(|i| format!("\"+f\"(d[{i}])")).collect::<Vec<_>>().join(", ");
+        for n in [16usize, 32, 64] {
+            let m = n / 2;
+            s.push_str(&format!(
+                "__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[{m}], const void* a, const void* b) {{
+    asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %{p}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, %{da}, %{db}, p, 1, 1, 0, 0; }}\"
+                 : {outs}
+                 : \"l\"(wgmma_desc(a)), \"l\"(wgmma_desc(b)), \"r\"(1));
+}}
+",
+                d = regs(m, 0),
+                da = m,
+                db = m + 1,
+                p = m + 2,
+                outs = outs(m),
+            ));
+        }
+        s.push_str(&format!(
+            "__device__ __forceinline__ void wgmma_bf16_rs_mn(float (&d)[32], const unsigned int* a, const void* b) {{
+    asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{{d}}}, {{%32, %33, %34, %35}}, %36, p, 1, 1, 1; }}\"
+                 : {outs}
+                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(wgmma_desc(b)), \"r\"(1));
+}}
+",
+            d = regs(32, 0),
+            outs = outs(32),
+        ));
+        s
+    })
 }

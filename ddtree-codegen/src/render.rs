@@ -87,10 +87,19 @@ pub fn render(k: &KernelIr) -> String {
     if default_wait {
         out.push_str("    grid_wait();\n    grid_launch_dependents();\n");
     }
-    block(&mut out, &k.body, 1);
+    let mut body = String::new();
+    block(&mut body, &k.body, 1);
+    if all.contains(&Helper::Wgmma) {
+        // `wgmma` operands are 128-byte-swizzled atoms, which start 1024-byte aligned.
+        body = body.replace(DYN_SHARED, "extern __shared__ __align__(1024) ");
+    }
+    out.push_str(&body);
     out.push_str("}\n");
     out
 }
+
+/// How the dynamic shared-memory array is declared (16-byte aligned, or 1024 with `wgmma`).
+const DYN_SHARED: &str = "extern __shared__ __align__(16) ";
 
 /// Whether the kernel's body places the grid dependency itself (calls `grid_wait()` or
 /// `grid_launch_dependents()`); otherwise it is rendered with `grid_wait();
@@ -308,7 +317,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             match space {
                 Space::Shared if *dynamic => {
                     // Sized by the launch (`dyn_smem`); `dims` is that size in elements.
-                    let _ = writeln!(out, "extern __shared__ __align__(16) {} {name}[];", c_scalar(*elem));
+                    let _ = writeln!(out, "{DYN_SHARED}{} {name}[];", c_scalar(*elem));
                 }
                 Space::Shared => {
                     let _ = writeln!(out, "__shared__ __align__(16) {} {name}{dims_s};", c_scalar(*elem));

@@ -31,7 +31,7 @@ pub mod tokenizer;
 pub mod tuning;
 pub mod weights;
 
-pub use backend::{ActivationPrecision, Backend, CpuBackend, CudaBackend, CudaOptions};
+pub use backend::{ActivationPrecision, AttentionKernel, Backend, CpuBackend, CudaBackend, CudaOptions};
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use generate::{generate_plain, GenerateOptions, Generation, StopReason};

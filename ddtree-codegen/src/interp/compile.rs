@@ -289,7 +289,15 @@ pub(super) fn is_collective(i: Intrinsic) -> bool {
             | LdmatrixX4
             | LdmatrixX2Trans
             | LdmatrixX4Trans
+            | WgmmaBf16Ss
+            | WgmmaBf16RsMn
     )
+}
+
+/// Collectives that all 128 threads of a warpgroup (four warps from a multiple of 128) execute
+/// together.
+pub(super) fn is_warpgroup(i: Intrinsic) -> bool {
+    matches!(i, Intrinsic::WgmmaBf16Ss | Intrinsic::WgmmaBf16RsMn)
 }
 
 impl FnLower<'_, '_> {
@@ -586,6 +594,10 @@ impl FnLower<'_, '_> {
                 self.emit(Op::Call { func, args: cargs, dst });
             }
             Func::Intrinsic(i) => {
+                if let (Intrinsic::WgmmaBf16Ss, Ty::Ref { len: Some(n), .. }) = (i, &args[0].ty) {
+                    // The accumulator row's length gives the shape (N = 2 len).
+                    cargs.push(CExpr::Const(Val::U(2 * n)));
+                }
                 self.emit(Op::Warp {
                     op: *i,
                     args: cargs,

@@ -1,7 +1,7 @@
 //! The scheduler and memories: threads as resumable states, barriers, warp collectives, and the
 //! shadow state behind the shared-memory hazard checks.
 
-use super::compile::{is_collective, CExpr, Lowered, Op, Place, Ref, Slot, Val};
+use super::compile::{is_collective, is_warpgroup, CExpr, Lowered, Op, Place, Ref, Slot, Val};
 use super::numeric::{
     bf16_to_f32, binary, cast, f16_to_f32, f32_to_bf16, f32_to_f16, fma_bf16x2, lop3, math, mma_m16n8k16, prmt, unary,
 };
@@ -289,8 +289,18 @@ impl<'k> Exec<'k, '_> {
             }
             let mut progressed = false;
             for (w, lanes) in threads.chunks_mut(32).enumerate() {
-                if lanes.iter().all(|t| t.status == Status::Warp) {
+                if lanes.iter().all(|t| t.status == Status::Warp) && !self.at_warpgroup_op(&lanes[0]) {
                     self.collective(w, lanes)?;
+                    progressed = true;
+                }
+            }
+            for group in threads.chunks_mut(128) {
+                if group.len() == 128
+                    && group
+                        .iter()
+                        .all(|t| t.status == Status::Warp && self.at_warpgroup_op(t))
+                {
+                    self.warpgroup(group)?;
                     progressed = true;
                 }
             }
@@ -299,6 +309,24 @@ impl<'k> Exec<'k, '_> {
             }
             if threads.iter().all(|t| t.status == Status::Exited) {
                 return Ok(());
+            }
+            if let Some(t) = threads
+                .iter()
+                .find(|t| t.status == Status::Warp && self.at_warpgroup_op(t))
+            {
+                let (func, _, loc) = self.position(t);
+                let g = (t.linear / 128 * 128) as usize;
+                let why = match threads[g..]
+                    .iter()
+                    .take(128)
+                    .find(|o| o.status != Status::Warp || !self.at_warpgroup_op(o))
+                {
+                    Some(o) if o.status == Status::Exited => format!("thread {:?} of the warpgroup has exited", o.tid),
+                    Some(o) => format!("thread {:?} of the warpgroup waits at {}", o.tid, self.position(o).2),
+                    None => format!("the block has {} threads, not a multiple of 128", threads.len()),
+                };
+                let msg = format!("a warpgroup collective needs all 128 threads, but {why}");
+                return Err(self.error(t, func, loc, Hazard::WarpDivergence(msg)));
             }
             if let Some(t) = threads.iter().find(|t| t.status == Status::Warp) {
                 let (func, _, loc) = self.position(t);
@@ -831,6 +859,9 @@ impl<'k> Exec<'k, '_> {
                 Val::Void
             }
             GridLaunchDependents => Val::Void,
+            // The wgmma below runs at its issue, so its fences, groups and waits have nothing
+            // left to order.
+            WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync => Val::Void,
             FmaBf16x2 => Val::U(fma_bf16x2(a[0].u32(), a[1].u32(), a[2].u32())),
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let (p, dst) = (place(0), r(0));
@@ -1088,6 +1119,131 @@ impl<'k> Exec<'k, '_> {
                 f.slots[*d as usize] = out[l];
             }
             f.pc += 1;
+            th.status = Status::Running;
+        }
+        Ok(())
+    }
+
+    /// Whether thread `th` waits at a warpgroup collective.
+    fn at_warpgroup_op(&self, th: &Thread) -> bool {
+        let (func, pc, _) = self.position(th);
+        matches!(&self.k.funcs[func as usize].ops[pc].op, Op::Warp { op, .. } if is_warpgroup(*op))
+    }
+
+    /// Executes the `wgmma` all 128 threads of a warpgroup wait at (shared operands read
+    /// now, on behalf of the warpgroup's first thread).
+    fn warpgroup(&mut self, lanes: &mut [Thread]) -> Result<(), InterpError> {
+        let k: &'k Lowered = self.k;
+        let (func, pc, loc) = self.position(&lanes[0]);
+        for t in lanes.iter() {
+            let (f2, p2, l2) = self.position(t);
+            if (f2, p2) != (func, pc) {
+                let msg = format!(
+                    "thread {:?} is at the warpgroup collective at {l2} while thread {:?} is at the one at {loc}",
+                    t.tid, lanes[0].tid
+                );
+                return Err(self.error(&lanes[0], func, loc, Hazard::WarpDivergence(msg)));
+            }
+        }
+        let Op::Warp { op, args, .. } = &k.funcs[func as usize].ops[pc].op else {
+            unreachable!("threads wait at a warpgroup collective")
+        };
+        let mut vals = Vec::with_capacity(128);
+        for th in lanes.iter_mut() {
+            let mut v = [Val::Void; 4];
+            for (j, a) in args.iter().enumerate() {
+                v[j] = self.eval(th, a).map_err(|h| self.error(th, func, loc, h))?;
+            }
+            vals.push(v);
+        }
+        let row = |v: Val| -> Ref {
+            let Val::Ref(r) = v else {
+                unreachable!("wgmma operands are register rows")
+            };
+            r
+        };
+        let ss = *op == Intrinsic::WgmmaBf16Ss;
+        // `ss` carries N as a fourth argument (from the accumulator row's type).
+        let n = if ss { vals[0][3].u32() as usize } else { 64 };
+        let t0 = lanes[0].linear;
+        let err = |s: &Self, h| s.error(&lanes[0], func, loc, h);
+        // Operand element (row, col) of a swizzled operand at `&x[i]`: K-major rows (A, and B
+        // of `ss`) hold 16 k values; N-major rows (B of `rs_mn`) hold 64 n values.
+        let read = |s: &mut Self, a: usize, rr: usize, cc: usize, mn: bool| -> Result<f32, Hazard> {
+            let CExpr::AddrOf(p) = &args[a] else {
+                unreachable!("wgmma reads `&shared[i]`")
+            };
+            let Val::Ref(r) = vals[0][a] else { unreachable!() };
+            let base = r.idx * 2;
+            let ok = if mn {
+                base % 1024 == 0
+            } else {
+                base % 32 == 0 && base % 1024 < 128
+            };
+            if !ok {
+                return Err(Hazard::Misaligned {
+                    buffer: p.name.clone(),
+                    index: r.idx,
+                    bytes: if mn { 1024 } else { 32 },
+                });
+            }
+            let lin = base + 1024 * (rr as u64 / 8) + 128 * (rr as u64 % 8) + 2 * cc as u64;
+            let phys = lin ^ (((lin >> 7) & 7) << 4);
+            let len = s.shared[r.arr as usize].shadow.len() as u64;
+            if phys / 2 >= len {
+                return Err(Hazard::OutOfBounds {
+                    buffer: p.name.clone(),
+                    space: Space::Shared,
+                    index: (phys / 2) as i64,
+                    len,
+                    write: false,
+                });
+            }
+            let b = s.shared_access(t0, r.arr, phys as usize, 2, None)?;
+            Ok(bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+        };
+        let mut am = vec![[0f32; 16]; 64];
+        let mut bm = vec![[0f32; 16]; n];
+        for (m, arow) in am.iter_mut().enumerate() {
+            for (kk, x) in arow.iter_mut().enumerate() {
+                *x = if ss {
+                    read(self, 1, m, kk, false).map_err(|h| err(self, h))?
+                } else {
+                    // A in registers: warp m / 16, the mma.m16n8k16 A fragment.
+                    let (w, r, c) = (m / 16, m % 16, kk);
+                    let lane = (r % 8) * 4 + (c % 8) / 2;
+                    let reg = (r / 8) + 2 * (c / 8);
+                    let ar = row(vals[w * 32 + lane][1]);
+                    let v = lanes[w * 32 + lane].top().arrays[ar.arr as usize][ar.idx as usize + reg].u32();
+                    bf16_to_f32(if c % 2 == 0 { v as u16 } else { (v >> 16) as u16 })
+                };
+            }
+        }
+        for (j, brow) in bm.iter_mut().enumerate() {
+            for (kk, x) in brow.iter_mut().enumerate() {
+                *x = if ss {
+                    read(self, 2, j, kk, false)
+                } else {
+                    read(self, 2, kk, j, true)
+                }
+                .map_err(|h| err(self, h))?;
+            }
+        }
+        for (l, th) in lanes.iter_mut().enumerate() {
+            let (w, g, q) = (l / 32, (l % 32) / 4, l % 4);
+            let dr = row(vals[l][0]);
+            for j in 0..n / 8 {
+                for e in 0..4 {
+                    let (m, c) = (16 * w + g + 8 * (e / 2), 8 * j + 2 * q + e % 2);
+                    // Products of bf16 values are exact in f32; sum them, then accumulate.
+                    let dot: f32 = (0..16).map(|kk| am[m][kk] * bm[c][kk]).sum();
+                    let slot = &mut th.top_mut().arrays[dr.arr as usize][dr.idx as usize + 4 * j + e];
+                    *slot = Val::F(slot.f32() + dot);
+                }
+            }
+        }
+        for th in lanes.iter_mut() {
+            th.top_mut().pc += 1;
             th.status = Status::Running;
         }
         Ok(())

@@ -8,9 +8,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::tuning;
 use ddtree_engine::{
-    bench, generate_plain, generate_speculative, tiny, ActivationPrecision, Backend, Budget, Checkpoint, CpuBackend,
-    CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions, Model, ModelConfig,
-    Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
+    bench, generate_plain, generate_speculative, tiny, ActivationPrecision, AttentionKernel, Backend, Budget,
+    Checkpoint, CpuBackend, CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions,
+    Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
 use ddtree_runtime::Gpu;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -96,6 +96,10 @@ struct DeviceArgs {
     /// while its predecessor drains, and weight GEMVs load their first weights meanwhile) (CUDA).
     #[arg(long)]
     no_pdl: bool,
+    /// The tensor-core kernel of the MLA verify attention: `wgmma` (warpgroup MMA), `mma`
+    /// (warp-level `mma.sync`), or `auto`: `wgmma` for trees and long decode contexts (CUDA).
+    #[arg(long, value_enum, default_value_t = AttentionKernel::Auto)]
+    attention: AttentionKernel,
     /// Activation precision of the CPU backend: `bf16` mirrors the CUDA backend's rounding to
     /// bf16, so CPU runs reproduce GPU tokens; `f32` is the reference.
     #[arg(long, value_enum, default_value_t = ActivationPrecision::F32)]
@@ -248,6 +252,7 @@ fn on_device(
         no_graphs: dev.no_cuda_graphs,
         one_stream: dev.one_stream,
         no_pdl: dev.no_pdl,
+        attention: dev.attention,
     };
     let gpu = match dev.device {
         Device::Cpu => None,
@@ -767,6 +772,7 @@ mod tests {
             no_cuda_graphs: false,
             one_stream: false,
             no_pdl: false,
+            attention: AttentionKernel::Auto,
             cpu_activations: ActivationPrecision::Bf16,
         };
         let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))

@@ -11,7 +11,7 @@ use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, combine_grid, combine_output_grid, combine_warps, sample_rows,
     verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
-    MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::attention::mla_absorb::output_reference;
 use crate::check::{
@@ -319,6 +319,7 @@ pub fn verify(
             match v {
                 VerifyVariant::Split(p) => t.launch::<MlaVerifySplit>(p, grid, &mut args)?,
                 VerifyVariant::Wide(p) => t.launch::<MlaVerifyWide>(p, grid, &mut args)?,
+                VerifyVariant::Wg(p) => t.launch::<MlaVerifyWg>(p, grid, &mut args)?,
             }
         };
         let mut args = [
@@ -383,7 +384,7 @@ pub fn verify(
     Ok(out)
 }
 
-/// Every candidate of [`MlaVerifySplit`] and [`MlaVerifyWide`] (with [`MlaVerifyCombine`]), and
+/// Every candidate of [`MlaVerifySplit`], [`MlaVerifyWide`] and [`MlaVerifyWg`] (with [`MlaVerifyCombine`]), and
 /// the naive kernel, at the sizes of `sizes`: nodes 1..64, heads 8 and 64, chains and random
 /// trees, ragged prefixes, a grid sized from a larger bound than the device length (empty
 /// splits), one and several splits. The full sizes add contexts up to 32K.

@@ -14,8 +14,8 @@ use half::bf16;
 use super::build::expansion_candidates;
 use super::{
     combine_grid, combine_output_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
-    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWide, TreeAccept, TreeBuild, TreeBuildParams, TreeStage,
-    VerifyVariant, LATENT, MAX_K,
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept, TreeBuild,
+    TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -440,6 +440,7 @@ pub fn verify_splits(v: &VerifyVariant, sms: usize, rows: usize, keys: usize, ma
 enum SplitKernel {
     Split(CompiledKernel<MlaVerifySplit>),
     Wide(CompiledKernel<MlaVerifyWide>),
+    Wg(CompiledKernel<MlaVerifyWg>),
 }
 
 /// The verify attention: split-KV + combine for one variant and split count, or naive.
@@ -481,6 +482,7 @@ impl GpuVerify {
             split: match v {
                 VerifyVariant::Split(p) => SplitKernel::Split(gpu.compile::<MlaVerifySplit>(p)?),
                 VerifyVariant::Wide(p) => SplitKernel::Wide(gpu.compile::<MlaVerifyWide>(p)?),
+                VerifyVariant::Wg(p) => SplitKernel::Wg(gpu.compile::<MlaVerifyWg>(p)?),
             },
             combine: gpu.compile::<MlaVerifyCombine>(&())?,
             combine_output: gpu.compile::<MlaCombineOutput>(&MlaCombineOutput::space()[0])?,
@@ -534,6 +536,9 @@ impl GpuVerify {
                 }
                 SplitKernel::Wide(k) => {
                     MlaVerifyWide::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
+                }
+                SplitKernel::Wg(k) => {
+                    MlaVerifyWg::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
                 }
             }
         }

@@ -740,14 +740,322 @@ pub fn mla_verify_wide(
     }
 }
 
-/// A split-pass variant: [`MlaVerifySplit`] or [`MlaVerifyWide`]. Both take the same arguments
-/// and grid shape and write the same partials for [`MlaVerifyCombine`].
+/// Compile-time parameters of [`MlaVerifyWg`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
+pub struct WgParams {
+    /// KV tile (keys per step): 32 or 64; each warpgroup scores half of it.
+    pub bn: u32,
+    /// Depth of the shared-memory tile ring, >= 2.
+    pub stages: u32,
+}
+
+impl WgParams {
+    /// Query rows per block: one `wgmma` M tile.
+    pub const fn rows_per_block(&self) -> u32 {
+        64
+    }
+
+    /// Bytes of dynamic shared memory: the Q tile plus the KV ring, bf16.
+    pub const fn dyn_smem(&self) -> u32 {
+        (64 + self.stages * self.bn) * 576 * 2
+    }
+}
+
+/// Split-KV pass on the warpgroup tensor cores (`wgmma`): the same grid, inputs and partial
+/// outputs as [`MlaVerifySplit`], 64 query rows per block (all 64 heads of a node), two
+/// warpgroups. The Q tile and the KV ring sit in shared memory as nine 64-column blocks of
+/// 128-byte-swizzled rows (`wgmma`'s canonical K-major layout, which is also the N-major layout
+/// of the values). Warpgroup `h` scores keys `h bn / 2 ..` of each tile for all 64 rows
+/// (`wgmma_bf16_ss`, 36 k16 steps over the 576 dims, Q and K from shared memory); the row
+/// maxima of the two halves meet in shared memory, the probabilities go to a bf16 `P` tile there,
+/// and warpgroup `h` accumulates output columns `256 h ..` of all rows from `P` in registers
+/// (`ldmatrix`) and the values in shared memory (`wgmma_bf16_rs_mn`). Online softmax in f32;
+/// partial outputs as bf16 pairs, as [`MlaVerifyCombine`] reads them.
+#[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
+    WgParams { bn: 64, stages: 2 },
+    WgParams { bn: 32, stages: 4 },
+    WgParams { bn: 32, stages: 3 },
+])]
+pub fn mla_verify_wg(
+    #[comptime] p: &WgParams,
+    q: &[bf16],
+    cache: &[bf16],
+    mask: &[u32],
+    lens: &[u32],
+    part_o: &mut [u32],
+    part_lse: &mut [f32],
+    rows: u32,
+    heads: u32,
+    nodes: u32,
+    words: u32,
+    scale: f32,
+) {
+    comptime_assert!(p.bn == 32 || p.bn == 64, "bn must be 32 or 64");
+    comptime_assert!(p.stages >= 2, "stages must be at least 2");
+    comptime_assert!(
+        (64 + p.stages * p.bn) * 1152 + 1024 + 64 * (p.bn + 8) * 2 + 4 * 64 * 4 <= 232448,
+        "shared memory is limited to 227 KiB per block"
+    );
+    // Keys each warpgroup scores, u32 (bf16 pairs) per row of the P tile (padded against bank
+    // conflicts), elements per 64-column block of a KV tile.
+    let half = p.bn / 2;
+    let psw = (p.bn + 8) / 2;
+    let kblk = p.bn * 64;
+    // Q at 0: column block `b` at `4096 b`, row `r` at `64 r` in it, 16-byte chunk `c` at `c ^ (r
+    // % 8)`; then the ring of `stages` tiles laid out the same way with `bn` rows per block.
+    let sm = dyn_shared::<bf16>();
+    let ring = 64 * 576;
+    let sp = shared::<u32>(64 * ((p.bn + 8) / 2));
+    let smax = shared::<f32>(2 * 64);
+    let ssum = shared::<f32>(2 * 64);
+    let lane = lane_id();
+    let warp = warp_id();
+    let h = warp / 4;
+    let wl = warp % 4;
+    let g = lane / 4;
+    let qd = lane % 4;
+    let blk0 = block_idx_x() * 64;
+    let prefix = lens[0];
+    let total = prefix + nodes;
+    let splits = grid_dim_y();
+    let chunk = ((total + splits - 1) / splits + p.bn - 1) / p.bn * p.bn;
+    let kv0 = block_idx_y() * chunk;
+    let kv1 = (kv0 + chunk).min(total);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    // This thread's rows `16 wl + g` and `+ 8` of the block (as both warpgroups hold them), and
+    // their nodes.
+    let mut lr = [0u32; 2];
+    let mut node = [0u32; 2];
+    #[unroll]
+    for i in 0..2 {
+        lr[i] = wl * 16 + g + i * 8;
+        node[i] = ((blk0 + lr[i]) / heads).min(nodes - 1);
+    }
+
+    let mut o = [[0.0f32; 32]; 4];
+    let mut sacc = [0.0f32; p.bn / 4];
+    let mut pa = [[0u32; 4]; p.bn / 16];
+    let mut m = [f32::NEG_INFINITY; 2];
+    let mut l = [0.0f32; 2];
+    let mut mx = [0.0f32; 2];
+    let mut al = [0.0f32; 2];
+
+    let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
+    // The cp.async groups as in [`MlaVerifyWide`]: tiles `0 .. stages - 1`, the query rows, then
+    // one tile per step; the decode step (one node) issues its first tiles before the wait for
+    // the predecessor.
+    let early = nodes == 1;
+    for it in 0..ntiles + p.stages - 1 {
+        if it == 0 && !early {
+            grid_wait();
+            grid_launch_dependents();
+        }
+        if it + 1 >= p.stages {
+            // Tile `it - (stages - 1)` and the queries have landed; every warpgroup is done with
+            // tile `it - stages` (its `wgmma` groups were waited for), whose slot tile `it` reuses.
+            if it + 1 == p.stages {
+                cp_async_wait(0);
+            } else {
+                cp_async_wait(p.stages - 2);
+            }
+            fence_proxy_async();
+            sync_threads();
+        }
+        if it < ntiles {
+            // Warp `w` copies rows `w + 8 i` (the swizzle `c ^ w` is per lane) and lane `l` the
+            // chunks `l`, `l + 32` and, for lanes 0..8, `l + 64`.
+            let ld = ring + (it % p.stages) * p.bn * 576 + warp * 64;
+            let kl = kv0 + it * p.bn + warp;
+            #[unroll]
+            for i in 0..p.bn / 8 {
+                let ok = kl + 8 * i < kv1;
+                let src = if ok { (kl + 8 * i) * 576 } else { 0u32 };
+                #[unroll]
+                for j in 0..3 {
+                    let c = lane + 32 * j;
+                    if c < 72 {
+                        let dst = ld + (c / 8) * kblk + i * 8 * 64 + ((c % 8) ^ warp) * 8;
+                        cp_async_16_zfill(&mut sm[dst], &cache[src + c * 8], ok);
+                    }
+                }
+            }
+        }
+        cp_async_commit();
+        if it + 2 == p.stages {
+            if early {
+                grid_wait();
+                grid_launch_dependents();
+            }
+            // The block's query rows (zero past `rows`), the same way.
+            #[unroll]
+            for i in 0..8 {
+                let r = warp + 8 * i;
+                let ok = blk0 + r < rows;
+                let src = if ok { (blk0 + r) * 576 } else { 0u32 };
+                #[unroll]
+                for j in 0..3 {
+                    let c = lane + 32 * j;
+                    if c < 72 {
+                        let dst = (c / 8) * 4096 + r * 64 + ((c % 8) ^ warp) * 8;
+                        cp_async_16_zfill(&mut sm[dst], &q[src + c * 8], ok);
+                    }
+                }
+            }
+            cp_async_commit();
+        }
+        if it + 1 >= p.stages {
+            let ti = it + 1 - p.stages;
+            let kt = kv0 + ti * p.bn;
+            let st = ring + (ti % p.stages) * p.bn * 576;
+
+            // Scores of all 64 rows against this warpgroup's `bn / 2` keys.
+            #[unroll]
+            for e in 0..p.bn / 4 {
+                sacc[e] = 0.0f32;
+            }
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..36 {
+                let koff = (kk / 4) * 64 * 64 + (kk % 4) * 16;
+                let boff = st + (kk / 4) * kblk + h * half * 64 + (kk % 4) * 16;
+                wgmma_bf16_ss(&mut sacc, &sm[koff], &sm[boff]);
+            }
+            wgmma_commit();
+            wgmma_wait(0);
+
+            // Mask (tree keys only), scale, this warpgroup's row maxima.
+            mx[0] = f32::NEG_INFINITY;
+            mx[1] = f32::NEG_INFINITY;
+            let key0 = kt + h * half;
+            if kt + p.bn <= prefix.min(kv1) {
+                #[unroll]
+                for e in 0..p.bn / 4 {
+                    sacc[e] *= scale_log2;
+                    mx[(e % 4) / 2] = mx[(e % 4) / 2].max(sacc[e]);
+                }
+            } else {
+                #[unroll]
+                for e in 0..p.bn / 4 {
+                    let i = (e % 4) / 2;
+                    let key = key0 + (e / 4) * 8 + qd * 2 + e % 2;
+                    let t = key - prefix;
+                    let vis = key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
+                    sacc[e] = if vis { sacc[e] * scale_log2 } else { f32::NEG_INFINITY };
+                    mx[i] = mx[i].max(sacc[e]);
+                }
+            }
+            #[unroll]
+            for i in 0..2 {
+                mx[i] = mx[i].max(shfl_xor(mx[i], 1u32));
+                mx[i] = mx[i].max(shfl_xor(mx[i], 2u32));
+                if qd == 0 {
+                    smax[h * 64 + lr[i]] = mx[i];
+                }
+            }
+            sync_threads();
+
+            // Online softmax: both warpgroups form the same new maxima.
+            #[unroll]
+            for i in 0..2 {
+                let mn = m[i].max(smax[lr[i]].max(smax[64 + lr[i]]));
+                // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+                let base = if mn == f32::NEG_INFINITY { 0.0f32 } else { mn };
+                al[i] = (m[i] - base).exp2();
+                m[i] = mn;
+                l[i] *= al[i];
+                mx[i] = base;
+            }
+            #[unroll]
+            for j in 0..p.bn / 16 {
+                #[unroll]
+                for i in 0..2 {
+                    let a = (sacc[4 * j + 2 * i] - mx[i]).exp2();
+                    let b = (sacc[4 * j + 2 * i + 1] - mx[i]).exp2();
+                    l[i] += a + b;
+                    sp[lr[i] * psw + (h * half + j * 8 + qd * 2) / 2] = pack_bf16x2(a, b);
+                }
+            }
+            sync_threads();
+
+            // P V over all rows and this warpgroup's 256 output columns.
+            #[unroll]
+            for ks in 0..p.bn / 16 {
+                ldmatrix_x4(&mut pa[ks], &sp[(wl * 16 + lane % 16) * psw + ks * 8 + (lane / 16) * 4]);
+            }
+            // Once the row maxima settle (most tiles of a long context), skip the rescale.
+            if !vote_all(al[0] == 1.0f32 && al[1] == 1.0f32) {
+                #[unroll]
+                for nc in 0..4 {
+                    #[unroll]
+                    for j in 0..8 {
+                        o[nc][4 * j] *= al[0];
+                        o[nc][4 * j + 1] *= al[0];
+                        o[nc][4 * j + 2] *= al[1];
+                        o[nc][4 * j + 3] *= al[1];
+                    }
+                }
+            }
+            wgmma_fence();
+            #[unroll]
+            for ks in 0..p.bn / 16 {
+                #[unroll]
+                for nc in 0..4 {
+                    wgmma_bf16_rs_mn(&mut o[nc], &pa[ks], &sm[st + (h * 4 + nc) * kblk + ks * 16 * 64]);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait(0);
+        }
+    }
+
+    // Row sums: this warpgroup's keys, then the two halves meet in shared memory.
+    #[unroll]
+    for i in 0..2 {
+        l[i] += shfl_xor(l[i], 1u32);
+        l[i] += shfl_xor(l[i], 2u32);
+        if qd == 0 {
+            ssum[h * 64 + lr[i]] = l[i];
+        }
+    }
+    sync_threads();
+    let split = block_idx_y();
+    #[unroll]
+    for i in 0..2 {
+        let ls = ssum[lr[i]] + ssum[64 + lr[i]];
+        let inv = if ls > 0.0f32 { 1.0f32 / ls } else { 0.0f32 };
+        let row = blk0 + lr[i];
+        if row < rows {
+            #[unroll]
+            for nc in 0..4 {
+                #[unroll]
+                for j in 0..8 {
+                    let col = h * 256 + nc * 64 + j * 8 + qd * 2;
+                    let a = o[nc][4 * j + 2 * i];
+                    let b = o[nc][4 * j + 2 * i + 1];
+                    part_o[((split * rows + row) * 512 + col) / 2] = pack_bf16x2(a * inv, b * inv);
+                }
+            }
+            if h == 0 && qd == 0 {
+                part_lse[split * rows + row] = if ls > 0.0f32 {
+                    (m[i] + ls.log2()) * std::f32::consts::LN_2
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+    }
+}
+
+/// A split-pass variant: [`MlaVerifySplit`], [`MlaVerifyWide`] or [`MlaVerifyWg`]. All take the
+/// same arguments and grid shape and write the same partials for [`MlaVerifyCombine`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VerifyVariant {
     /// The dim-split kernel.
     Split(VerifyParams),
     /// The full-width kernel.
     Wide(WideParams),
+    /// The warpgroup (`wgmma`) kernel.
+    Wg(WgParams),
 }
 
 impl Default for VerifyVariant {
@@ -762,6 +1070,7 @@ impl VerifyVariant {
     pub fn all() -> Vec<VerifyVariant> {
         let wide = MlaVerifyWide::space().into_iter().map(VerifyVariant::Wide);
         wide.chain(MlaVerifySplit::space().into_iter().map(VerifyVariant::Split))
+            .chain(MlaVerifyWg::space().into_iter().map(VerifyVariant::Wg))
             .collect()
     }
 
@@ -770,6 +1079,7 @@ impl VerifyVariant {
         match self {
             VerifyVariant::Split(p) => p.rows_per_block(),
             VerifyVariant::Wide(p) => p.rows_per_block(),
+            VerifyVariant::Wg(p) => p.rows_per_block(),
         }
     }
 
@@ -778,6 +1088,7 @@ impl VerifyVariant {
         match self {
             VerifyVariant::Split(p) => p.bn,
             VerifyVariant::Wide(p) => p.bn,
+            VerifyVariant::Wg(p) => p.bn,
         }
     }
 
@@ -786,6 +1097,7 @@ impl VerifyVariant {
         match self {
             VerifyVariant::Split(p) => MlaVerifySplit::symbol(p),
             VerifyVariant::Wide(p) => MlaVerifyWide::symbol(p),
+            VerifyVariant::Wg(p) => MlaVerifyWg::symbol(p),
         }
     }
 }

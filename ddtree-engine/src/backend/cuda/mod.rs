@@ -214,7 +214,30 @@ pub struct CudaOptions {
     /// Launch kernels without programmatic dependent launch (`--no-pdl`; see
     /// [`Gpu::set_programmatic_launch`]).
     pub no_pdl: bool,
+    /// The tensor-core kernel of the MLA verify attention (`--attention`).
+    pub attention: AttentionKernel,
 }
+
+/// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionKernel {
+    /// `wgmma` for trees and for decode steps past [`WG_DECODE_MIN_KEYS`] keys, `mma` for
+    /// shorter decode steps: the faster one of each case on the H200.
+    #[default]
+    Auto,
+    /// `mla_verify_wg`: warpgroup MMA (`wgmma`, sm_90), 64 query rows per block.
+    Wgmma,
+    /// `mla_verify_wide`: warp-level `mma.sync`, 32 or 64 query rows per block.
+    Mma,
+}
+
+/// Under [`AttentionKernel::Auto`], decode steps (one node) whose length bucket holds more keys
+/// than this use `mla_verify_wg`, shorter ones `mla_verify_wide`. On the H200 (Kimi K2.6 EP8
+/// slice, `ddtree bench`, ms/token at 1K / 4K / 8K / 16K / 32K context): `mma` 10.57 / 10.89 /
+/// 11.08 / 11.47 / 12.21, `wgmma` 10.67 / 11.08 / 11.33 / 11.51 / 11.87. The one-node kernel
+/// reads one 64-key tile per block up to 8K (its 64 KB of partials per block then weigh as much
+/// as its cache bytes), where the 32-row `mma` blocks win.
+pub const WG_DECODE_MIN_KEYS: usize = 16384;
 
 /// The second stream of [`Backend::begin_branch`]: a branch's ops run there, concurrently
 /// with the main stream's until [`Backend::join_branch`]. It has its own cuBLAS handle (a
@@ -287,6 +310,8 @@ pub struct CudaBackend {
     /// Programmatic dependent launch for forwards of at most [`PDL_MAX_ROWS`] rows (not
     /// `--no-pdl`).
     pdl: bool,
+    /// The verify attention's kernel (`--attention`).
+    attention: AttentionKernel,
 }
 
 /// Most rows of a forward whose kernels launch with programmatic dependent launch. A forward
@@ -377,18 +402,45 @@ const MLA_ABSORB_QUERY_MAX_ROWS: usize = 4;
 /// GEMM: 7.5 vs 8.6 µs at 1 token, 10.9 vs 8.1 at 4 on the H200.
 const MLA_ABSORB_OUTPUT_MAX_ROWS: usize = 2;
 
-/// The verify attention variant for `rows` (node, head) query rows: the full-width split pass
-/// (`mla_verify_wide`) with a 2-deep ring of 64-key tiles, 32 rows per block up to one node of
-/// 64 heads (the decode step), else 64. From `tree-bench` on the H200 (BENCHMARKS.md): one
-/// node x 64 heads 18.0 / 36.9 / 53.4 µs at 1K / 16K / 32K with 32 rows per block vs 21.9 /
-/// 41.7 / 53.1 with 64; from 2 nodes on 64 rows per block wins from 4K.
-fn verify_variant(rows: usize) -> tree::VerifyVariant {
-    tree::VerifyVariant::Wide(tree::WideParams {
-        rg: if rows <= 64 { 2 } else { 4 },
-        bn: 64,
-        stages: 2,
-        qk: 16,
-    })
+/// The attention kernel choice for a GPU of compute capability `cc`: `wgmma` exists on sm_90
+/// (Hopper) only, so `auto` falls back to `mma` elsewhere and an explicit `wgmma` is an error.
+fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result<AttentionKernel> {
+    match kind {
+        _ if cc == (9, 0) => Ok(kind),
+        AttentionKernel::Auto => Ok(AttentionKernel::Mma),
+        AttentionKernel::Mma => Ok(kind),
+        AttentionKernel::Wgmma => Err(EngineError::Backend {
+            backend: "cuda".into(),
+            reason: format!(
+                "--attention wgmma needs an sm_90 (Hopper) GPU, this one is sm_{}{}; use --attention mma or auto",
+                cc.0, cc.1
+            ),
+        }),
+    }
+}
+
+/// The verify attention variant for `rows` (node, head) query rows and a length bucket of
+/// `keys` keys, by `kind` ([`AttentionKernel`]): `mla_verify_wg` with a 2-deep ring of 64-key
+/// tiles, or the full-width `mma` split pass (`mla_verify_wide`, the same ring) with 32 rows
+/// per block up to one node of 64 heads (the decode step), else 64. From `tree-bench` on the
+/// H200 (BENCHMARKS.md), 64 heads at 32K: `wg` 38.8 / 115.2 / 718.3 µs at 1 / 8 / 64 nodes
+/// against the best `wide` 43.4 / 164.7 / 1080.6.
+fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
+    let wg = match kind {
+        AttentionKernel::Auto => rows > 64 || keys > WG_DECODE_MIN_KEYS,
+        AttentionKernel::Wgmma => true,
+        AttentionKernel::Mma => false,
+    };
+    if wg {
+        tree::VerifyVariant::Wg(<tree::MlaVerifyWg as ddtree_codegen::Kernel>::default_params())
+    } else {
+        tree::VerifyVariant::Wide(tree::WideParams {
+            rg: if rows <= 64 { 2 } else { 4 },
+            bn: 64,
+            stages: 2,
+            qk: 16,
+        })
+    }
 }
 
 /// Most tokens for which `mla_attention_output` merges the split partials inside the absorbed
@@ -404,6 +456,7 @@ impl CudaBackend {
     /// The backend on `gpu`, with tuned variants from `gpu`'s tune cache (defaults with
     /// `options.no_autotune`).
     pub fn new(gpu: Gpu, options: CudaOptions) -> Result<CudaBackend> {
+        let attention = resolve_attention(options.attention, gpu.fingerprint().compute_capability)?;
         let stream = gpu.stream().clone();
         // cudarc's per-buffer event tracking only costs time here.
         // SAFETY: a buffer is used on the stream that allocated it, or on the other stream in a
@@ -462,6 +515,7 @@ impl CudaBackend {
             recording: Default::default(),
             reads: Default::default(),
             pdl: !options.no_pdl,
+            attention,
         })
     }
 
@@ -2218,7 +2272,10 @@ impl CudaBackend {
         if d.kv_lora == LATENT && d.rope == ROPE {
             let mut st = self.state();
             let st = &mut *st;
-            let p = verify_variant(n * d.heads);
+            // The split count (and the kernel) are chosen for the length bucket (the kernel reads
+            // the length itself), so one recorded graph serves every length of its bucket.
+            let bucket = graph::length_bucket(span.prefix_len + n);
+            let p = verify_variant(self.attention, n * d.heads, bucket);
             let at = match st.verify.iter().position(|v| *v.variant() == p) {
                 Some(i) => i,
                 None => {
@@ -2229,12 +2286,10 @@ impl CudaBackend {
                 }
             };
             let verify = &mut st.verify[at];
-            // The split count is sized for the length bucket (the kernel reads the length
-            // itself), so one recorded graph serves every length of its bucket.
             let sh = tree::gpu::VerifyShape {
                 nodes: n,
                 heads: d.heads,
-                prefix: graph::length_bucket(span.prefix_len + n) - n,
+                prefix: bucket - n,
                 words,
                 scale,
             };
@@ -2488,5 +2543,40 @@ impl CudaBackend {
         // SAFETY: x and out hold rows * n values, w n; the tuner's candidates respect n % 8.
         unsafe { RmsNorm::launch(&k, self.stream(), rows as u32, x, w, out, n as u32, eps)? };
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_kernel_follows_the_gpu() {
+        assert_eq!(
+            resolve_attention(AttentionKernel::Auto, (9, 0)).unwrap(),
+            AttentionKernel::Auto
+        );
+        assert_eq!(
+            resolve_attention(AttentionKernel::Auto, (8, 0)).unwrap(),
+            AttentionKernel::Mma
+        );
+        assert_eq!(
+            resolve_attention(AttentionKernel::Mma, (10, 0)).unwrap(),
+            AttentionKernel::Mma
+        );
+        let err = resolve_attention(AttentionKernel::Wgmma, (8, 9))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sm_90") && err.contains("sm_89"), "{err}");
+    }
+
+    #[test]
+    fn auto_attention_picks_wgmma_for_trees_and_long_decode_steps() {
+        let wg = |v: tree::VerifyVariant| matches!(v, tree::VerifyVariant::Wg(_));
+        assert!(!wg(verify_variant(AttentionKernel::Auto, 64, WG_DECODE_MIN_KEYS)));
+        assert!(wg(verify_variant(AttentionKernel::Auto, 64, 2 * WG_DECODE_MIN_KEYS)));
+        assert!(wg(verify_variant(AttentionKernel::Auto, 9 * 64, 1024)));
+        assert!(!wg(verify_variant(AttentionKernel::Mma, 9 * 64, 1 << 20)));
+        assert!(wg(verify_variant(AttentionKernel::Wgmma, 64, 256)));
     }
 }
