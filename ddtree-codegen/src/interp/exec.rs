@@ -991,20 +991,26 @@ impl<'k> Exec<'k, '_> {
         }
     }
 
-    /// Executes the warp collective every lane of warp `w` waits at.
-    fn collective(&mut self, w: usize, lanes: &mut [Thread]) -> Result<(), InterpError> {
-        let k: &'k Lowered = self.k;
+    /// The position every thread of `lanes` waits at (a `what`), or the divergence.
+    fn converged(&self, lanes: &[Thread], what: &str) -> Result<(u32, usize, Loc), InterpError> {
         let (func, pc, loc) = self.position(&lanes[0]);
         for t in lanes.iter() {
             let (f2, p2, l2) = self.position(t);
             if (f2, p2) != (func, pc) {
                 let msg = format!(
-                    "thread {:?} is at the collective at {l2} while thread {:?} is at the one at {loc}",
+                    "thread {:?} is at the {what} at {l2} while thread {:?} is at the one at {loc}",
                     t.tid, lanes[0].tid
                 );
                 return Err(self.error(&lanes[0], func, loc, Hazard::WarpDivergence(msg)));
             }
         }
+        Ok((func, pc, loc))
+    }
+
+    /// Executes the warp collective every lane of warp `w` waits at.
+    fn collective(&mut self, w: usize, lanes: &mut [Thread]) -> Result<(), InterpError> {
+        let k: &'k Lowered = self.k;
+        let (func, pc, loc) = self.converged(lanes, "collective")?;
         let Op::Warp { op, args, dst } = &k.funcs[func as usize].ops[pc].op else {
             unreachable!("lanes wait at a collective")
         };
@@ -1134,17 +1140,7 @@ impl<'k> Exec<'k, '_> {
     /// now, on behalf of the warpgroup's first thread).
     fn warpgroup(&mut self, lanes: &mut [Thread]) -> Result<(), InterpError> {
         let k: &'k Lowered = self.k;
-        let (func, pc, loc) = self.position(&lanes[0]);
-        for t in lanes.iter() {
-            let (f2, p2, l2) = self.position(t);
-            if (f2, p2) != (func, pc) {
-                let msg = format!(
-                    "thread {:?} is at the warpgroup collective at {l2} while thread {:?} is at the one at {loc}",
-                    t.tid, lanes[0].tid
-                );
-                return Err(self.error(&lanes[0], func, loc, Hazard::WarpDivergence(msg)));
-            }
-        }
+        let (func, pc, loc) = self.converged(lanes, "warpgroup collective")?;
         let Op::Warp { op, args, .. } = &k.funcs[func as usize].ops[pc].op else {
             unreachable!("threads wait at a warpgroup collective")
         };
