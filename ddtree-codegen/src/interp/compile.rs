@@ -594,8 +594,11 @@ impl FnLower<'_, '_> {
                 self.emit(Op::Call { func, args: cargs, dst });
             }
             Func::Intrinsic(i) => {
-                if let (Intrinsic::WgmmaBf16Ss, Ty::Ref { len: Some(n), .. }) = (i, &args[0].ty) {
+                if *i == Intrinsic::WgmmaBf16Ss {
                     // The accumulator row's length gives the shape (N = 2 len).
+                    let Ty::Ref { len: Some(n), .. } = &args[0].ty else {
+                        unreachable!("checked when the kernel was built")
+                    };
                     cargs.push(CExpr::Const(Val::U(2 * n)));
                 }
                 self.emit(Op::Warp {
