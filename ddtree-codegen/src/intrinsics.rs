@@ -113,21 +113,30 @@ pub enum Intrinsic {
     /// stores or landed `cp.async` copies becomes visible to `wgmma` operand reads (the async
     /// proxy); every writer fences, then a barrier, then the `wgmma`.
     FenceProxyAsync,
-    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], &a[i], &b[j])`, `N` 16, 32 or 64 (from `d`'s length):
-    /// one warpgroup's `D[64, N] += A[64, 16] B[N, 16]^T` (`wgmma.mma_async` m64nNk16, bf16 in,
-    /// f32 accumulators). Both operands are bf16 in shared memory, K-major and 128-byte swizzled:
-    /// row `r` of an operand at byte `p` starts at `p + 1024 (r / 8) + 128 (r % 8)` and its
-    /// 16-byte chunk `c` lies at chunk `c ^ (r % 8)` of that 128-byte line, counting from a
-    /// 1024-byte-aligned atom (so `p` sits 0, 32, 64 or 96 bytes into one: the k16 steps of a
-    /// 64-wide line). `d[4 j + e]` of lane `l` in warp `w` of the warpgroup is
-    /// `D[16 w + l / 4 + 8 (e / 2)][8 j + 2 (l % 4) + e % 2]`, as in `mma_m16n8k16_bf16`.
-    /// Asynchronous: fence before, commit and wait before using `d` or overwriting the operands.
+    /// `wgmma_desc(&x[i]) -> u32`: the low word of the shared-memory descriptor of a `wgmma`
+    /// operand at `&x[i]` (bf16 in shared memory, 128-byte swizzled, 8-row groups 1024 bytes
+    /// apart): bits 0..14 the byte address / 16, bits 16..30 the 1024-byte group offset / 16.
+    /// Adding `n` moves the operand `16 n` bytes (a k16 step is 2, an 8-row group 64) while it
+    /// stays in shared memory: make one per tile and add compile-time offsets, so a `wgmma`
+    /// costs an add per operand instead of an address conversion.
+    WgmmaDesc,
+    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], a: u32, b: u32)`, `N` 16, 32 or 64 (from `d`'s
+    /// length), `a` and `b` from [`Intrinsic::WgmmaDesc`]: one warpgroup's `D[64, N] += A[64, 16]
+    /// B[N, 16]^T` (`wgmma.mma_async` m64nNk16, bf16 in, f32 accumulators). Both operands are
+    /// bf16 in shared memory, K-major and 128-byte swizzled: row `r` of an operand at byte `p`
+    /// starts at `p + 1024 (r / 8) + 128 (r % 8)` and its 16-byte chunk `c` lies at chunk
+    /// `c ^ (r % 8)` of that 128-byte line, counting from a 1024-byte-aligned atom (so `p` sits
+    /// 0, 32, 64 or 96 bytes into one: the k16 steps of a 64-wide line). `d[4 j + e]` of lane
+    /// `l` in warp `w` of the warpgroup is `D[16 w + l / 4 + 8 (e / 2)][8 j + 2 (l % 4) + e % 2]`,
+    /// as in `mma_m16n8k16_bf16`. Asynchronous: fence before, commit and wait before using `d`
+    /// or overwriting the operands.
     WgmmaBf16Ss,
-    /// `wgmma_bf16_rs_mn(&mut d: [f32; 32], &a: [u32; 4], &b[j])`: `D[64, 64] += A[64, 16]
+    /// `wgmma_bf16_rs_mn(&mut d: [f32; 32], &a: [u32; 4], b: u32)`: `D[64, 64] += A[64, 16]
     /// B[16, 64]` with `A` in registers (warp `w` of the warpgroup holds rows `16 w ..` in the
-    /// `mma_m16n8k16_bf16` A layout) and `B` bf16 in shared memory, N-major and 128-byte
-    /// swizzled: its row `k` (64 values of N) at `p + 1024 (k / 8) + 128 (k % 8)`, chunks
-    /// swizzled as for [`Intrinsic::WgmmaBf16Ss`], `p` 1024-byte aligned. `d` as there.
+    /// `mma_m16n8k16_bf16` A layout) and `B` (descriptor `b`, [`Intrinsic::WgmmaDesc`]) bf16 in
+    /// shared memory, N-major and 128-byte swizzled: its row `k` (64 values of N) at
+    /// `p + 1024 (k / 8) + 128 (k % 8)`, chunks swizzled as for [`Intrinsic::WgmmaBf16Ss`], `p`
+    /// 1024-byte aligned. `d` as there.
     WgmmaBf16RsMn,
 }
 
@@ -181,6 +190,7 @@ pub const ALL: &[Intrinsic] = &[
     WgmmaCommit,
     WgmmaWait,
     FenceProxyAsync,
+    WgmmaDesc,
     WgmmaBf16Ss,
     WgmmaBf16RsMn,
 ];
@@ -235,6 +245,7 @@ impl Intrinsic {
             WgmmaCommit => "wgmma_commit",
             WgmmaWait => "wgmma_wait",
             FenceProxyAsync => "fence_proxy_async",
+            WgmmaDesc => "wgmma_desc",
             WgmmaBf16Ss => "wgmma_bf16_ss",
             WgmmaBf16RsMn => "wgmma_bf16_rs_mn",
         }
@@ -250,7 +261,7 @@ impl Intrinsic {
         match self {
             SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents | WgmmaFence | WgmmaCommit
             | FenceProxyAsync => 0,
-            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait | WgmmaWait => 1,
+            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait | WgmmaWait | WgmmaDesc => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
@@ -335,7 +346,9 @@ impl Intrinsic {
             Prmt => Helper::Prmt,
             FmaBf16x2 => Helper::FmaBf16x2,
             GridWait | GridLaunchDependents => Helper::GridDependency,
-            WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync | WgmmaBf16Ss | WgmmaBf16RsMn => Helper::Wgmma,
+            WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync | WgmmaDesc | WgmmaBf16Ss | WgmmaBf16RsMn => {
+                Helper::Wgmma
+            }
             _ => return None,
         })
     }
@@ -449,15 +462,19 @@ impl Intrinsic {
                         "argument 1 of `{name}` must be `&mut [f32; 8]`, `[f32; 16]` or `[f32; 32]` (N = 16, 32 or 64), found {other}"
                     ),
                 }
-                expect_bf16_shared(&args[1], name, 2)?;
-                expect_bf16_shared(&args[2], name, 3)?;
+                expect(&mut args[1], Scalar::U32, name, 2)?;
+                expect(&mut args[2], Scalar::U32, name, 3)?;
                 Ty::Void
             }
             WgmmaBf16RsMn => {
                 expect_row(&args[0], Scalar::F32, 32, true, Space::Local, name, 1)?;
                 expect_row(&args[1], Scalar::U32, 4, false, Space::Local, name, 2)?;
-                expect_bf16_shared(&args[2], name, 3)?;
+                expect(&mut args[2], Scalar::U32, name, 3)?;
                 Ty::Void
+            }
+            WgmmaDesc => {
+                expect_bf16_shared(&args[0], name, 1)?;
+                u32t
             }
             Lop3 => {
                 for (k, a) in args.iter_mut().enumerate().take(3) {
@@ -792,10 +809,10 @@ fn wgmma_source() -> &'static str {
 __device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() { asm volatile(\"wgmma.wait_group.sync.aligned %0;\" :: \"n\"(N) : \"memory\"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile(\"fence.proxy.async.shared::cta;\" ::: \"memory\"); }
-// A 128-byte-swizzled operand at p: 8-row groups 1024 bytes apart (both strides, in 16-byte units).
-__device__ __forceinline__ unsigned long long wgmma_desc(const void* p) {
-    return (unsigned long long)((smem_addr(p) & 0x3ffffu) >> 4) | (64ull << 16) | (64ull << 32) | (1ull << 62);
-}
+// The low word of a 128-byte-swizzled operand's descriptor: address / 16, 8-row groups 1024
+// bytes apart; the high word (the same stride, swizzle mode 128 B) is WGMMA_DESC_HI.
+__device__ __forceinline__ unsigned int wgmma_desc(const void* p) { return (smem_addr(p) >> 4) | (64u << 16); }
+#define WGMMA_DESC_HI (((1ull << 30) | 64ull) << 32)
 ",
         );
         let regs = |n: usize, from: usize| (from..from + n).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
@@ -803,10 +820,10 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const void* p) {
         for n in [16usize, 32, 64] {
             let m = n / 2;
             s.push_str(&format!(
-                "__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[{m}], const void* a, const void* b) {{
+                "__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[{m}], unsigned int a, unsigned int b) {{
     asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %{p}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, %{da}, %{db}, p, 1, 1, 0, 0; }}\"
                  : {outs}
-                 : \"l\"(wgmma_desc(a)), \"l\"(wgmma_desc(b)), \"r\"(1));
+                 : \"l\"(WGMMA_DESC_HI | a), \"l\"(WGMMA_DESC_HI | b), \"r\"(1));
 }}
 ",
                 d = regs(m, 0),
@@ -817,10 +834,10 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const void* p) {
             ));
         }
         s.push_str(&format!(
-            "__device__ __forceinline__ void wgmma_bf16_rs_mn(float (&d)[32], const unsigned int* a, const void* b) {{
+            "__device__ __forceinline__ void wgmma_bf16_rs_mn(float (&d)[32], const unsigned int* a, unsigned int b) {{
     asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{{d}}}, {{%32, %33, %34, %35}}, %36, p, 1, 1, 1; }}\"
                  : {outs}
-                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(wgmma_desc(b)), \"r\"(1));
+                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(WGMMA_DESC_HI | b), \"r\"(1));
 }}
 ",
             d = regs(32, 0),

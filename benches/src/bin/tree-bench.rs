@@ -21,7 +21,7 @@ use ddtree_kernels::tree::check::{self, random_mask, LOGITS_PROFILES};
 use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
-use ddtree_kernels::tree::{TreeBuild, VerifyVariant, WideParams, LATENT, ROW};
+use ddtree_kernels::tree::{TreeBuild, VerifyVariant, WgParams, WideParams, LATENT, ROW};
 use ddtree_runtime::timing::{graph_us, median_us};
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
@@ -47,10 +47,14 @@ struct Args {
     /// stopped after stage 0-3 (slice, merge, expansion, all), nothing else.
     #[arg(long, value_names = ["STAGE", "LOGITS"], num_args = 2)]
     profile_build: Option<Vec<String>>,
-    /// For a profiler: two launches of the engine's decode-step verify attention (one node x
-    /// 64 heads, `mla_verify_wide` rg2, the automatic split count) at context CTX, nothing else.
+    /// For a profiler: two launches of the verify attention (NODES nodes x 64 heads, the
+    /// automatic split count) at context CTX, nothing else: `mla_verify_wg` bn64 for trees and
+    /// past 16K keys, as the engine's `--attention auto` on sm_90, else `mla_verify_wide` rg2.
     #[arg(long, value_name = "CTX")]
     profile_verify: Option<usize>,
+    /// Nodes of `--profile-verify` (a random tree).
+    #[arg(long, value_name = "NODES", default_value_t = 1)]
+    profile_nodes: usize,
 }
 
 /// `--profile-build STAGE LOGITS`: two launches of the default builder (profile the second).
@@ -82,20 +86,25 @@ fn profile_build(gpu: &Gpu, rng: &mut StdRng, stage: &str, logits: &str) -> Resu
     run().map_err(|e| e.to_string())
 }
 
-/// `--profile-verify CTX`: two launches of the decode-step verify (profile the second).
-fn profile_verify(gpu: &Gpu, rng: &mut StdRng, ctx: usize) -> Result<(), RuntimeError> {
+/// `--profile-verify CTX --profile-nodes NODES`: two launches of the verify attention
+/// (profile the second).
+fn profile_verify(gpu: &Gpu, rng: &mut StdRng, ctx: usize, nodes: usize) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let (nodes, heads) = (1usize, 64usize);
-    let v = VerifyVariant::Wide(WideParams {
-        rg: 2,
-        bn: 64,
-        stages: 2,
-        qk: 16,
-    });
+    let heads = 64usize;
+    let v = if nodes > 1 || ctx > 16384 {
+        VerifyVariant::Wg(WgParams { bn: 64, stages: 2 })
+    } else {
+        VerifyVariant::Wide(WideParams {
+            rg: 2,
+            bn: 64,
+            stages: 2,
+            qk: 16,
+        })
+    };
     let mut verify = GpuVerify::new(gpu, &v, BENCH_PARTIALS)?;
     let (cache, _) = ddtree_kernels::check::random_bf16(rng, (ctx + nodes) * ROW, -1.0, 1.0);
     let (q, _) = ddtree_kernels::check::random_bf16(rng, nodes * heads * ROW, -1.0, 1.0);
-    let (mask, words) = random_mask(rng, nodes, true);
+    let (mask, words) = random_mask(rng, nodes, false);
     let (cache, q, mask, lens) = (
         upload(s, &cache)?,
         upload(s, &q)?,
@@ -393,7 +402,7 @@ fn main() -> ExitCode {
     // The profiler modes run their launches and nothing else.
     let profiled = match (&args.profile_build, args.profile_verify) {
         (Some(v), _) => Some(profile_build(&gpu, &mut rng, &v[0], &v[1])),
-        (None, Some(ctx)) => Some(profile_verify(&gpu, &mut rng, ctx).map_err(|e| e.to_string())),
+        (None, Some(ctx)) => Some(profile_verify(&gpu, &mut rng, ctx, args.profile_nodes).map_err(|e| e.to_string())),
         (None, None) => None,
     };
     if let Some(result) = profiled {

@@ -49,7 +49,16 @@ struct Shadow {
 
 const MANY: u32 = u32::MAX;
 
+/// The address field of a `wgmma` descriptor's low word (bytes / 16).
+const DESC_ADDR: u32 = 0x3fff;
+
+/// The rest of a `wgmma_desc` low word: 8-row groups 1024 bytes apart (in 16-byte units).
+const DESC_GROUPS: u32 = 64 << 16;
+
 struct SharedMem {
+    /// The array's first byte in the block's shared window (what `wgmma_desc` encodes): the
+    /// arrays lie one after another in declaration order, each 1024-byte aligned.
+    base: u64,
     esize: usize,
     bytes: Vec<u8>,
     shadow: Vec<Shadow>,
@@ -243,14 +252,18 @@ impl<'k> Exec<'k, '_> {
     fn run_block(&mut self, block: [u32; 3], init: &[Val]) -> Result<(), InterpError> {
         self.block = block;
         let n = self.k.block.iter().product::<u32>();
+        let mut next = 0u64;
         self.shared = self
             .k
             .shared
             .iter()
             .map(|d| {
                 let esize = d.elem.size() as usize;
+                let base = next;
+                next = (base + d.len * esize as u64).next_multiple_of(1024);
                 // Garbage, as on the GPU; the shadow state catches reads of it.
                 SharedMem {
+                    base,
                     esize,
                     bytes: vec![0xa5; d.len as usize * esize],
                     shadow: vec![Shadow::default(); d.len as usize],
@@ -862,6 +875,25 @@ impl<'k> Exec<'k, '_> {
             // The wgmma below runs at its issue, so its fences, groups and waits have nothing
             // left to order.
             WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync => Val::Void,
+            WgmmaDesc => {
+                let (p, x) = (place(0), r(0));
+                let m = &self.shared[x.arr as usize];
+                let byte = m.base + x.idx * m.esize as u64;
+                if byte % 16 != 0 {
+                    return Err(Hazard::Misaligned {
+                        buffer: p.name.clone(),
+                        index: x.idx,
+                        bytes: 16,
+                    });
+                }
+                if byte >> 4 > u64::from(DESC_ADDR) {
+                    return Err(Hazard::Unsupported(format!(
+                        "`wgmma_desc` of `{}`[{}]: byte {byte} of shared memory is past the 14-bit descriptor address",
+                        p.name, x.idx
+                    )));
+                }
+                Val::U((byte >> 4) as u32 | DESC_GROUPS)
+            }
             FmaBf16x2 => Val::U(fma_bf16x2(a[0].u32(), a[1].u32(), a[2].u32())),
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let (p, dst) = (place(0), r(0));
@@ -1163,14 +1195,30 @@ impl<'k> Exec<'k, '_> {
         let n = if ss { vals[0][3].u32() as usize } else { 64 };
         let t0 = lanes[0].linear;
         let err = |s: &Self, h| s.error(&lanes[0], func, loc, h);
-        // Operand element (row, col) of a swizzled operand at `&x[i]`: K-major rows (A, and B
-        // of `ss`) hold 16 k values; N-major rows (B of `rs_mn`) hold 64 n values.
+        // The shared array and byte offset a descriptor (`wgmma_desc` plus offsets) points at.
+        let operand = |s: &Self, a: usize| -> Result<(u32, u64), Hazard> {
+            let d = vals[0][a].u32();
+            let byte = u64::from(d & DESC_ADDR) << 4;
+            let hit = s
+                .shared
+                .iter()
+                .position(|m| byte >= m.base && byte < m.base + m.bytes.len() as u64);
+            match hit {
+                Some(arr) if d & !DESC_ADDR == DESC_GROUPS => Ok((arr as u32, byte - s.shared[arr].base)),
+                _ => Err(Hazard::Unsupported(format!(
+                    "`wgmma` operand descriptor {d:#x} does not point into shared memory (an offset \
+                     carried out of its 14-bit address, or it is not from `wgmma_desc`)"
+                ))),
+            }
+        };
+        let ops = [1, 2]
+            .map(|a| (a, ss || a == 2))
+            .map(|(a, shared)| shared.then(|| operand(self, a)));
+        // Operand element (row, col) of a swizzled operand: K-major rows (A, and B of `ss`) hold
+        // 16 k values; N-major rows (B of `rs_mn`) hold 64 n values.
         let read = |s: &mut Self, a: usize, rr: usize, cc: usize, mn: bool| -> Result<f32, Hazard> {
-            let CExpr::AddrOf(p) = &args[a] else {
-                unreachable!("wgmma reads `&shared[i]`")
-            };
-            let Val::Ref(r) = vals[0][a] else { unreachable!() };
-            let base = r.idx * 2;
+            let (arr, base) = ops[a - 1].clone().expect("a shared operand")?;
+            let name = || s.k.shared[arr as usize].name.clone();
             let ok = if mn {
                 base % 1024 == 0
             } else {
@@ -1178,24 +1226,24 @@ impl<'k> Exec<'k, '_> {
             };
             if !ok {
                 return Err(Hazard::Misaligned {
-                    buffer: p.name.clone(),
-                    index: r.idx,
+                    buffer: name(),
+                    index: base / 2,
                     bytes: if mn { 1024 } else { 32 },
                 });
             }
             let lin = base + 1024 * (rr as u64 / 8) + 128 * (rr as u64 % 8) + 2 * cc as u64;
             let phys = lin ^ (((lin >> 7) & 7) << 4);
-            let len = s.shared[r.arr as usize].shadow.len() as u64;
+            let len = s.shared[arr as usize].shadow.len() as u64;
             if phys / 2 >= len {
                 return Err(Hazard::OutOfBounds {
-                    buffer: p.name.clone(),
+                    buffer: name(),
                     space: Space::Shared,
                     index: (phys / 2) as i64,
                     len,
                     write: false,
                 });
             }
-            let b = s.shared_access(t0, r.arr, phys as usize, 2, None)?;
+            let b = s.shared_access(t0, arr, phys as usize, 2, None)?;
             Ok(bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
         };
         let mut am = vec![[0f32; 16]; 64];

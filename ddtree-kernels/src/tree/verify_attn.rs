@@ -769,8 +769,11 @@ impl WgParams {
 /// (`wgmma_bf16_ss`, 36 k16 steps over the 576 dims, Q and K from shared memory); the row
 /// maxima of the two halves meet in shared memory, the probabilities go to a bf16 `P` tile there,
 /// and warpgroup `h` accumulates output columns `256 h ..` of all rows from `P` in registers
-/// (`ldmatrix`) and the values in shared memory (`wgmma_bf16_rs_mn`). Online softmax in f32;
-/// partial outputs as bf16 pairs, as [`MlaVerifyCombine`] reads them.
+/// (`ldmatrix`) and the values in shared memory (`wgmma_bf16_rs_mn`). The operands are
+/// descriptors made once per tile plus compile-time offsets (an add per `wgmma` operand), and
+/// for trees the scores are issued before the next tile's `cp.async` copies, which then overlap
+/// them. Online softmax in f32; partial outputs as bf16 pairs, as [`MlaVerifyCombine`] reads
+/// them.
 #[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
     WgParams { bn: 64, stages: 2 },
     WgParams { bn: 32, stages: 4 },
@@ -833,7 +836,6 @@ pub fn mla_verify_wg(
     }
 
     let mut o = [[0.0f32; 32]; 4];
-    let mut sacc = [0.0f32; p.bn / 4];
     let mut pa = [[0u32; 4]; p.bn / 16];
     let mut m = [f32::NEG_INFINITY; 2];
     let mut l = [0.0f32; 2];
@@ -841,6 +843,8 @@ pub fn mla_verify_wg(
     let mut al = [0.0f32; 2];
 
     let ntiles = if kv1 > kv0 { (kv1 - kv0 + p.bn - 1) / p.bn } else { 0u32 };
+    // The queries' `wgmma` descriptor (column block `b` at 4096 b elements: 512 units).
+    let qdesc = wgmma_desc(&sm[0]);
     // The cp.async groups as in [`MlaVerifyWide`]: tiles `0 .. stages - 1`, the query rows, then
     // one tile per step; the decode step (one node) issues its first tiles before the wait for
     // the predecessor.
@@ -850,9 +854,16 @@ pub fn mla_verify_wg(
             grid_wait();
             grid_launch_dependents();
         }
-        if it + 1 >= p.stages {
-            // Tile `it - (stages - 1)` and the queries have landed; every warpgroup is done with
-            // tile `it - stages` (its `wgmma` groups were waited for), whose slot tile `it` reuses.
+        // This step computes tile `ti` once the ring is primed.
+        let computes = it + 1 >= p.stages;
+        let ti = it + 1 - p.stages.min(it + 1);
+        let kt = kv0 + ti * p.bn;
+        let st = ring + (ti % p.stages) * p.bn * 576;
+        // This step's scores (a fresh row per step: nothing carried to the next).
+        let mut sacc = [0.0f32; p.bn / 4];
+        if computes {
+            // Tile `ti` and the queries have landed; every warpgroup is done with tile
+            // `it - stages` (its `wgmma` groups were waited for), whose slot tile `it` reuses.
             if it + 1 == p.stages {
                 cp_async_wait(0);
             } else {
@@ -861,26 +872,52 @@ pub fn mla_verify_wg(
             fence_proxy_async();
             sync_threads();
         }
-        if it < ntiles {
-            // Warp `w` copies rows `w + 8 i` (the swizzle `c ^ w` is per lane) and lane `l` the
-            // chunks `l`, `l + 32` and, for lanes 0..8, `l + 64`.
-            let ld = ring + (it % p.stages) * p.bn * 576 + warp * 64;
-            let kl = kv0 + it * p.bn + warp;
-            #[unroll]
-            for i in 0..p.bn / 8 {
-                let ok = kl + 8 * i < kv1;
-                let src = if ok { (kl + 8 * i) * 576 } else { 0u32 };
+        // The scores of tile `ti` and the ring load of tile `it`: trees issue the scores first
+        // and the load behind them (it overlaps the `wgmma`s); the decode step (one node, the
+        // cache streaming from DRAM) issues the load first.
+        let load_phase = if early { 0u32 } else { 1u32 };
+        #[unroll]
+        for phase in 0..2 {
+            if computes && phase != load_phase {
+                // All 64 rows against this warpgroup's `bn / 2` keys: k16 step `kk` is 2
+                // descriptor units into a column block, a column block 512 (Q) or `kblk / 8`
+                // apart.
+                let kd = wgmma_desc(&sm[st + h * half * 64]);
+                wgmma_fence();
                 #[unroll]
-                for j in 0..3 {
-                    let c = lane + 32 * j;
-                    if c < 72 {
-                        let dst = ld + (c / 8) * kblk + i * 8 * 64 + ((c % 8) ^ warp) * 8;
-                        cp_async_16_zfill(&mut sm[dst], &cache[src + c * 8], ok);
+                for kk in 0..36 {
+                    let step = (kk % 4) * 2;
+                    wgmma_bf16_ss(
+                        &mut sacc,
+                        qdesc + (kk / 4) * 512 + step,
+                        kd + (kk / 4) * (kblk / 8) + step,
+                    );
+                }
+                wgmma_commit();
+            }
+            if phase == load_phase {
+                if it < ntiles {
+                    // Warp `w` copies rows `w + 8 i` (the swizzle `c ^ w` is per lane) and lane
+                    // `l` the chunks `l`, `l + 32` and, for lanes 0..8, `l + 64`.
+                    let ld = ring + (it % p.stages) * p.bn * 576 + warp * 64;
+                    let kl = kv0 + it * p.bn + warp;
+                    #[unroll]
+                    for i in 0..p.bn / 8 {
+                        let ok = kl + 8 * i < kv1;
+                        let src = if ok { (kl + 8 * i) * 576 } else { 0u32 };
+                        #[unroll]
+                        for j in 0..3 {
+                            let c = lane + 32 * j;
+                            if c < 72 {
+                                let dst = ld + (c / 8) * kblk + i * 8 * 64 + ((c % 8) ^ warp) * 8;
+                                cp_async_16_zfill(&mut sm[dst], &cache[src + c * 8], ok);
+                            }
+                        }
                     }
                 }
+                cp_async_commit();
             }
         }
-        cp_async_commit();
         if it + 2 == p.stages {
             if early {
                 grid_wait();
@@ -903,24 +940,7 @@ pub fn mla_verify_wg(
             }
             cp_async_commit();
         }
-        if it + 1 >= p.stages {
-            let ti = it + 1 - p.stages;
-            let kt = kv0 + ti * p.bn;
-            let st = ring + (ti % p.stages) * p.bn * 576;
-
-            // Scores of all 64 rows against this warpgroup's `bn / 2` keys.
-            #[unroll]
-            for e in 0..p.bn / 4 {
-                sacc[e] = 0.0f32;
-            }
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..36 {
-                let koff = (kk / 4) * 64 * 64 + (kk % 4) * 16;
-                let boff = st + (kk / 4) * kblk + h * half * 64 + (kk % 4) * 16;
-                wgmma_bf16_ss(&mut sacc, &sm[koff], &sm[boff]);
-            }
-            wgmma_commit();
+        if computes {
             wgmma_wait(0);
 
             // Mask (tree keys only), scale, this warpgroup's row maxima.
@@ -995,12 +1015,14 @@ pub fn mla_verify_wg(
                     }
                 }
             }
+            // Values: 16 keys (two 8-row groups) per k16 step, a column block `kblk / 8` apart.
+            let vd = wgmma_desc(&sm[st + h * 4 * kblk]);
             wgmma_fence();
             #[unroll]
             for ks in 0..p.bn / 16 {
                 #[unroll]
                 for nc in 0..4 {
-                    wgmma_bf16_rs_mn(&mut o[nc], &pa[ks], &sm[st + (h * 4 + nc) * kblk + ks * 16 * 64]);
+                    wgmma_bf16_rs_mn(&mut o[nc], &pa[ks], vd + nc * (kblk / 8) + ks * 128);
                 }
             }
             wgmma_commit();
