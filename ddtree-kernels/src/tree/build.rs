@@ -45,6 +45,11 @@ pub struct TreeBuildParams {
     pub block: u32,
     /// Items (a slice's logits, a depth's candidates) each thread holds in registers.
     pub vpt: u32,
+    /// The selects' exact-rank threshold: the radix passes stop once the bucket of the k-th
+    /// key holds at most `ties` keys, which are then ranked exactly (key, then item order);
+    /// a warp without items leaves the floor alone, and when the warps' floor is not valid,
+    /// the least key is the floor. 0: radix passes to the last bit (no exact ranking).
+    pub ties: u32,
 }
 
 impl TreeBuildParams {
@@ -146,9 +151,11 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
-    TreeBuildParams { block: 1024, vpt: 9 },
-    TreeBuildParams { block: 512, vpt: 28 },
-    TreeBuildParams { block: 512, vpt: 16 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 0 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 0 },
+    TreeBuildParams { block: 512, vpt: 16, ties: 0 },
 ])]
 pub fn tree_build(
     #[comptime] p: &TreeBuildParams,
@@ -181,6 +188,8 @@ pub fn tree_build(
         "block must be a multiple of 32 in 256..=1024"
     );
     comptime_assert!(p.vpt >= 1 && p.vpt <= 32, "vpt must be in 1..=32");
+    comptime_assert!(p.ties <= 256, "ties must be at most 256");
+    let tie_mode = p.ties > 0u32;
     let nw = p.block / 32;
     let tid = thread_idx_x();
     let lane = lane_id();
@@ -195,6 +204,7 @@ pub fn tree_build(
     let wcount = shared::<u32>(64);
     let wfloor = shared::<u32>(32);
     let wtop = shared::<u32>(32);
+    let wmin = shared::<u32>(32);
     let flag = shared::<u32>(1);
     let lse_s = shared::<f32>(1);
     let ckey = shared::<u32>(1024);
@@ -271,20 +281,10 @@ pub fn tree_build(
             }
             let wm = warp_max(m);
             let ws = warp_sum_exp(m, s, wm);
+            // The block's partials: the last warp, while warp 0 scans the first histogram.
             if lane == 0 {
                 red_m[warp] = wm;
                 red_s[warp] = ws;
-            }
-            sync_threads();
-            if warp == 0 {
-                let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
-                let so = if lane < nw { red_s[lane] } else { 0.0f32 };
-                let bm = warp_max(mo);
-                let bs = warp_sum_exp(mo, so, bm);
-                if lane == 0 {
-                    part_ms[(row * nb + blk) * 2] = bm;
-                    part_ms[(row * nb + blk) * 2 + 1] = bs;
-                }
             }
         }
 
@@ -293,11 +293,15 @@ pub fn tree_build(
         // never counted, so the histograms below see few items and few same-bin atomics.
         let mut b1 = 0u32;
         let mut b2 = 0u32;
+        let mut bmin = u32::MAX;
         if wact {
             #[unroll]
             for j in 0..p.vpt {
                 if j < per && first + 32u32 * j < n {
                     let x = keys[j];
+                    if tie_mode {
+                        bmin = bmin.min(x);
+                    }
                     if x > b1 {
                         b2 = b1;
                         b1 = x;
@@ -314,8 +318,16 @@ pub fn tree_build(
             b2 = b1.min(o1).max(b2.max(o2));
             b1 = b1.max(o1);
         }
+        if tie_mode {
+            bmin = warp_min_u32(bmin);
+        }
         if lane == 0 {
-            wfloor[warp] = b2;
+            if tie_mode {
+                wfloor[warp] = if wact { b2 } else { u32::MAX };
+                wmin[warp] = bmin;
+            } else {
+                wfloor[warp] = b2;
+            }
             wtop[warp] = b1;
         }
         if tid < 256 {
@@ -323,11 +335,18 @@ pub fn tree_build(
         }
         sync_threads();
         let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
-        let floor = if kk <= 2u32 * nw {
-            warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX })
-        } else {
-            0u32
-        };
+        let mut floor = 0u32;
+        if tie_mode {
+            // The warps with items (2 keys at or above each one's floor), else the least key.
+            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+            floor = if kk <= 2u32 * nwa {
+                warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX })
+            } else {
+                warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX })
+            };
+        } else if kk <= 2u32 * nw {
+            floor = warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX });
+        }
 
         // This thread's items at or above the floor (bit j: item j); a row j of the warp with
         // none is skipped below (one ballot instead of its code).
@@ -356,7 +375,7 @@ pub fn tree_build(
         let mut remaining = kk;
         let mut eq_count = 0u32;
         let mut pass = 0u32;
-        while pass == 0u32 || (left > 0u32 && eq_count != remaining) {
+        while pass == 0u32 || (left > 0u32 && eq_count != remaining && eq_count > p.ties) {
             let width = left.min(8u32);
             let shift = left - width;
             let dmask = (1u32 << width) - 1u32;
@@ -418,6 +437,16 @@ pub fn tree_build(
                 for t in (tid - 32..256u32).step_by(p.block - 32) {
                     hist[256 - hb + t] = 0u32;
                 }
+                if !merging && pass == 0u32 && warp == nw - 1u32 {
+                    let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
+                    let so = if lane < nw { red_s[lane] } else { 0.0f32 };
+                    let bm = warp_max(mo);
+                    let bs = warp_sum_exp(mo, so, bm);
+                    if lane == 0 {
+                        part_ms[(row * nb + blk) * 2] = bm;
+                        part_ms[(row * nb + blk) * 2 + 1] = bs;
+                    }
+                }
             }
             sync_threads();
             prefix = prefix | (st[0] << shift);
@@ -432,6 +461,12 @@ pub fn tree_build(
         // item's place counts the taken items of earlier warps (block totals), earlier rows of
         // its warp and earlier lanes of its row (ballots).
         let all_eq = eq_count == remaining;
+        // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
+        // (larger key, then earlier item), after the keys above it.
+        let mut ranked = false;
+        if tie_mode {
+            ranked = !all_eq && eq_count <= p.ties;
+        }
         // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
         let mut sb = 0u32;
         let mut tb = 0u32;
@@ -465,9 +500,15 @@ pub fn tree_build(
             if (bs | bt) != 0u32 {
                 let s_at = sp + (bs & below).count_ones();
                 let t_at = tp + (bt & below).count_ones();
-                if strict || (tie && t_at < remaining) {
-                    let i = first + 32u32 * j;
-                    let pos = s_at + t_at.min(remaining);
+                let i = first + 32u32 * j;
+                if tie_mode {
+                    if ranked && tie {
+                        hist[t_at] = keys[j];
+                        hist[256 + t_at] = i;
+                    }
+                }
+                if strict || (tie && !ranked && t_at < remaining) {
+                    let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
                     if merging {
                         ckey[pos] = keys[j];
                         ctok[pos] = cand_tok[base + i];
@@ -480,20 +521,67 @@ pub fn tree_build(
                 tp += bt.count_ones();
             }
         }
-        if merging {
-            // Rank the k winners (larger key, then earlier item = smaller token), best first.
-            sync_threads();
-            for t in (tid..k).step_by(p.block) {
-                let key = ckey[t];
-                let mut rank = 0u32;
-                for j in 0..k {
-                    let kj = ckey[j];
-                    if kj > key || (kj == key && j < t) {
-                        rank += 1;
+        if tie_mode {
+            if ranked {
+                // The bucket's keys (staged in `hist` at their tie places): the best `remaining`
+                // go after the `kk - remaining` keys above the bucket, by rank.
+                sync_threads();
+                for t in (tid..eq_count).step_by(p.block) {
+                    let key = hist[t];
+                    let i = hist[256 + t];
+                    let mut rank = 0u32;
+                    for u in 0..eq_count {
+                        let ku = hist[u];
+                        if ku > key || (ku == key && hist[256 + u] < i) {
+                            rank += 1;
+                        }
+                    }
+                    if rank < remaining {
+                        let pos = kk - remaining + rank;
+                        if merging {
+                            ckey[pos] = key;
+                            ctok[pos] = cand_tok[base + i];
+                        } else {
+                            cand_key[out + pos] = key;
+                            cand_tok[out + pos] = lo + i;
+                        }
                     }
                 }
-                lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
-                tok[row * k + rank] = ctok[t];
+            }
+        }
+        if merging {
+            // Rank the k winners (larger key, then earlier item = smaller token), best first;
+            // `parts` adjacent lanes (a power of two) split each winner's comparisons when the
+            // block has threads to spare, and add their counts with shuffles.
+            sync_threads();
+            let sh = 31u32 - (p.block / k).min(32u32).max(1u32).leading_zeros();
+            let parts = 1u32 << sh;
+            let rspan = k << sh;
+            for t0 in (0..rspan).step_by(p.block) {
+                let t = t0 + tid;
+                let e = t >> sh;
+                let act = t < rspan;
+                let mut key = 0u32;
+                let mut rank = 0u32;
+                if act {
+                    key = ckey[e];
+                    for j in ((t & (parts - 1u32))..k).step_by(parts) {
+                        let kj = ckey[j];
+                        if kj > key || (kj == key && j < e) {
+                            rank += 1;
+                        }
+                    }
+                }
+                #[unroll]
+                for b in 0..5u32 {
+                    if (1u32 << b) < parts {
+                        rank += shfl_xor(rank, 1u32 << b);
+                    }
+                }
+                if act && (t & (parts - 1u32)) == 0u32 {
+                    lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
+                    tok[row * k + rank] = ctok[e];
+                }
             }
         } else {
             // Unused slots: key 0, below every logit's key.
