@@ -6,16 +6,29 @@
 //!
 //! 1. **Slice** (every block): block `b` of depth `row` reads logits `[b * span, (b + 1) *
 //!    span)` of its row once into registers (`vpt` per thread, coalesced), takes the slice's
-//!    max and sum of exponentials, and selects the slice's top `min(k, slice)` by radix select
-//!    over order keys (8-bit digits from the top, stopping as soon as the digit bucket of the
-//!    k-th key is taken whole; equal keys by smaller token id). When `k <= 2 * warps`, keys
-//!    below the lowest of the warps' second-largest keys (a floor under the k-th) are never
+//!    max and sum of exponentials (the block's partials are reduced by the last warp while
+//!    warp 0 scans the first histogram, so they cost no barrier), and selects the slice's top
+//!    `min(k, slice)` by radix select over order keys: 8-bit digits from below the prefix
+//!    shared by the top key and a floor under the k-th key, one block-wide histogram per digit
+//!    (two barriers each), stopping as soon as the digit bucket of the k-th key is taken whole,
+//!    or (`ties > 0`) holds at most `ties` keys: those are staged in shared memory and ranked
+//!    exactly (larger key, then smaller token). The floor: when `k <= 2 * warps` (warps with
+//!    items, for `ties > 0`), the lowest of the warps' second-largest keys; else 0, or with
+//!    `ties > 0` the least key (no key is dropped, but the digits start below the prefix all
+//!    keys share, so the first histogram is not one hot bin). Keys below the floor are never
 //!    counted, which keeps the histogram atomics few and spread. The selected keys and tokens
-//!    go to the candidate buffers in token order (places from ballots and warp totals).
+//!    go to the candidate buffers (places from ballots and warp totals): in token order, or
+//!    with an exactly ranked bucket, the keys above it in token order and then the bucket's
+//!    best by rank. Either way equal keys stay in token order, which the merge relies on.
 //! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
 //!    warp), the same select over the `nb * k` candidates (at most `block * vpt`, one per
-//!    register slot), and the `k` winners ranked (larger key, then smaller token) into the
-//!    depth's log-probs `min(x - lse, 0)` and tokens.
+//!    register slot; equal keys by earlier candidate = smaller token), and the `k` winners
+//!    ranked (larger key, then smaller token; adjacent lanes split each winner's comparisons)
+//!    into the depth's log-probs `min(x - lse, 0)` and tokens.
+//!
+//! Barriers on the critical path of a slice at random logits, `k = 64`, 1024 threads: one
+//! for the floor, two per histogram pass (typically two or three passes with `ties = 0`, one
+//! with `ties = 32`), one for the warp totals, two around the counter.
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -333,6 +346,11 @@ pub fn tree_build(
         if tid < 256 {
             hist[tid] = 0u32;
         }
+        if tie_mode {
+            if tid == 0 {
+                st[3] = 0u32;
+            }
+        }
         sync_threads();
         let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
         let mut floor = 0u32;
@@ -481,6 +499,19 @@ pub fn tree_build(
                 }
             }
         }
+        if tie_mode {
+            if ranked {
+                // Stage the bucket's keys and items in `hist` (any order: ranked below).
+                #[unroll]
+                for j in 0..p.vpt {
+                    if ((tb >> j) & 1u32) == 1u32 {
+                        let at = st.atomic_add(3u32, 1u32);
+                        hist[at] = keys[j];
+                        hist[256 + at] = first + 32u32 * j;
+                    }
+                }
+            }
+        }
         let sc = warp_sum_u32(sb.count_ones());
         let tc = warp_sum_u32(tb.count_ones());
         if lane == 0 {
@@ -501,12 +532,6 @@ pub fn tree_build(
                 let s_at = sp + (bs & below).count_ones();
                 let t_at = tp + (bt & below).count_ones();
                 let i = first + 32u32 * j;
-                if tie_mode {
-                    if ranked && tie {
-                        hist[t_at] = keys[j];
-                        hist[256 + t_at] = i;
-                    }
-                }
                 if strict || (tie && !ranked && t_at < remaining) {
                     let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
                     if merging {
@@ -523,9 +548,8 @@ pub fn tree_build(
         }
         if tie_mode {
             if ranked {
-                // The bucket's keys (staged in `hist` at their tie places): the best `remaining`
-                // go after the `kk - remaining` keys above the bucket, by rank.
-                sync_threads();
+                // The best `remaining` of the bucket (larger key, then earlier item = smaller
+                // token) go after the `kk - remaining` keys above it, by rank.
                 for t in (tid..eq_count).step_by(p.block) {
                     let key = hist[t];
                     let i = hist[256 + t];
