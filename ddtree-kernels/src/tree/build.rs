@@ -122,6 +122,30 @@ fn key_value(key: u32) -> f32 {
     }
 }
 
+/// The `m`-th largest (`m` in 1..=32) of `v` over the warp (a bitonic sort across the lanes;
+/// every lane must call it).
+#[device_fn]
+fn warp_kth_largest(v: u32, m: u32) -> u32 {
+    let lane = lane_id();
+    let mut x = v;
+    let mut size = 2u32;
+    while size <= 32u32 {
+        let mut stride = size / 2u32;
+        while stride > 0u32 {
+            let o = shfl_xor(x, stride);
+            // Runs with (lane & size) == 0 sort descending (at size 32, all of them).
+            if ((lane & stride) == 0u32) == ((lane & size) == 0u32) {
+                x = x.max(o);
+            } else {
+                x = x.min(o);
+            }
+            stride = stride / 2u32;
+        }
+        size = size * 2u32;
+    }
+    shfl_idx(x, m - 1u32)
+}
+
 /// Exclusive prefix sum of `v` over the block (all threads must call it).
 #[device_fn]
 fn block_excl_scan(v: u32) -> u32 {
@@ -301,9 +325,12 @@ pub fn tree_build(
             }
         }
 
-        // A floor under the kk-th largest key: each warp's second largest, the lowest over the
-        // warps (2 nw items are at or above it), when kk <= 2 nw; else 0. Keys below it are
-        // never counted, so the histograms below see few items and few same-bin atomics.
+        // A floor under the kk-th largest key (keys below it are never counted, so the
+        // histograms below see few items and few same-bin atomics): the lowest over the warps
+        // of each warp's second-largest key (2 keys per warp at or above it) when kk <= 2 nw;
+        // else 0. With `ties > 0` only the nwa warps with items count; past kk = 2 nwa a slice
+        // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
+        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge (or a larger m) the least key.
         let mut b1 = 0u32;
         let mut b2 = 0u32;
         let mut bmin = u32::MAX;
@@ -324,24 +351,35 @@ pub fn tree_build(
                 }
             }
         }
+        // The warp's two largest.
+        let mut w1 = b1;
+        let mut w2 = b2;
         #[unroll]
         for o in 0..5u32 {
-            let o1 = shfl_xor(b1, 16u32 >> o);
-            let o2 = shfl_xor(b2, 16u32 >> o);
-            b2 = b1.min(o1).max(b2.max(o2));
-            b1 = b1.max(o1);
+            let o1 = shfl_xor(w1, 16u32 >> o);
+            let o2 = shfl_xor(w2, 16u32 >> o);
+            w2 = w1.min(o1).max(w2.max(o2));
+            w1 = w1.max(o1);
         }
+        // Whether the warps' floors make the floor (else 0, or the least key).
+        let mut warp_floor = kk <= 2u32 * nw;
         if tie_mode {
             bmin = warp_min_u32(bmin);
+            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+            let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
+            warp_floor = m == 1u32 || (!merging && m <= 32u32);
+            if m > 1u32 && warp_floor {
+                w2 = warp_kth_largest(b2, m);
+            }
         }
         if lane == 0 {
             if tie_mode {
-                wfloor[warp] = if wact { b2 } else { u32::MAX };
+                wfloor[warp] = if wact { w2 } else { u32::MAX };
                 wmin[warp] = bmin;
             } else {
-                wfloor[warp] = b2;
+                wfloor[warp] = w2;
             }
-            wtop[warp] = b1;
+            wtop[warp] = w1;
         }
         if tid < 256 {
             hist[tid] = 0u32;
@@ -354,16 +392,10 @@ pub fn tree_build(
         sync_threads();
         let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
         let mut floor = 0u32;
-        if tie_mode {
-            // The warps with items (2 keys at or above each one's floor), else the least key.
-            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
-            floor = if kk <= 2u32 * nwa {
-                warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX })
-            } else {
-                warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX })
-            };
-        } else if kk <= 2u32 * nw {
+        if warp_floor {
             floor = warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX });
+        } else if tie_mode {
+            floor = warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX });
         }
 
         // This thread's items at or above the floor (bit j: item j); a row j of the warp with
