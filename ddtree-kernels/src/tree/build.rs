@@ -12,10 +12,12 @@
 //!    shared by the top key and a floor under the k-th key, one block-wide histogram per digit
 //!    (two barriers each), stopping as soon as the digit bucket of the k-th key is taken whole,
 //!    or (`ties > 0`) holds at most `ties` keys: those are staged in shared memory and ranked
-//!    exactly (larger key, then smaller token). The floor: when `k <= 2 * warps` (warps with
-//!    items, for `ties > 0`), the lowest of the warps' second-largest keys; else 0, or with
-//!    `ties > 0` the least key (no key is dropped, but the digits start below the prefix all
-//!    keys share, so the first histogram is not one hot bin). Keys below the floor are never
+//!    exactly (larger key, then smaller token). The floor: when `k <= 2 * warps`, the lowest
+//!    of the warps' second-largest keys, else 0. With `ties > 0` only warps with items count,
+//!    and past `k = 2 * warps` a slice takes the lowest of the warps' m-th largest of their
+//!    lanes' second-largest keys (`m = ceil(k / (2 * warps)) <= 32`), a merge the least key
+//!    (no key is dropped, but the digits start below the prefix all keys share, so the first
+//!    histogram is not one hot bin, as it is with floor 0). Keys below the floor are never
 //!    counted, which keeps the histogram atomics few and spread. The selected keys and tokens
 //!    go to the candidate buffers (places from ballots and warp totals): in token order, or
 //!    with an exactly ranked bucket, the keys above it in token order and then the bucket's
@@ -25,10 +27,6 @@
 //!    register slot; equal keys by earlier candidate = smaller token), and the `k` winners
 //!    ranked (larger key, then smaller token; adjacent lanes split each winner's comparisons)
 //!    into the depth's log-probs `min(x - lse, 0)` and tokens.
-//!
-//! Barriers on the critical path of a slice at random logits, `k = 64`, 1024 threads: one
-//! for the floor, two per histogram pass (typically two or three passes with `ties = 0`, one
-//! with `ties = 32`), one for the warp totals, two around the counter.
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -44,6 +42,12 @@
 //!    members of that depth). Each round's log-probs are read one round ahead into registers.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
+//!
+//! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
+//! threads: one for the floor, two per histogram pass (with `ties = 0` typically two or three
+//! passes in a slice and three or four in a merge, whose floor 0 puts every candidate in one
+//! bin of the first pass; one pass with `ties = 32`), one for the warp totals, one before a
+//! merge's ranking, two around the counter.
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
@@ -59,9 +63,10 @@ pub struct TreeBuildParams {
     /// Items (a slice's logits, a depth's candidates) each thread holds in registers.
     pub vpt: u32,
     /// The selects' exact-rank threshold: the radix passes stop once the bucket of the k-th
-    /// key holds at most `ties` keys, which are then ranked exactly (key, then item order);
-    /// a warp without items leaves the floor alone, and when the warps' floor is not valid,
-    /// the least key is the floor. 0: radix passes to the last bit (no exact ranking).
+    /// key holds at most `ties` keys, which are then ranked exactly (key, then token), and
+    /// the floor takes only warps with items, the lanes' second-largest keys past two keys per
+    /// warp and else the least key (see the module docs). 0: radix passes until the bucket is
+    /// taken whole or the keys are equal, and floor 0 past two keys per warp.
     pub ties: u32,
 }
 
