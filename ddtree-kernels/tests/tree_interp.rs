@@ -259,6 +259,30 @@ fn builder_matches_the_reference_under_heavy_ties() {
     }
 }
 
+/// The slice floor when k is more than two keys per warp (each warp's m-th largest of its
+/// lanes' second-largest keys): here the largest keys are the multiples of 32, two to a lane
+/// (one lane of each warp at two items per thread) and fewer than k, so a floor from fewer
+/// lanes would drop keys of the top k.
+#[test]
+fn builder_floor_holds_when_the_largest_keys_share_lanes() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let (l, v, budget) = (2usize, 1500usize, 64usize);
+    let logits: Vec<f32> = (0..l * v)
+        .map(|i| {
+            if (i % v) % 32 == 0 {
+                6.0 + rng.random_range(0.0f32..1.0)
+            } else {
+                rng.random_range(-4.0f32..4.0)
+            }
+        })
+        .collect();
+    for p in TreeBuild::space() {
+        let (t, lse) = gpu_build(&p, &logits, l, v, budget, 17, 8192);
+        let want = build_with_lse(&logits, v, budget, 17, &lse);
+        assert_eq!(t, want, "{}", TreeBuild::symbol(&p));
+    }
+}
+
 /// The staging kernel writes a built tree as a verify step's inputs: the tree's tokens, its
 /// positions from `start` and its mask rows, for trees of one to three mask words per row
 /// (at 40 and 70 nodes, some lanes past `n` and past `n * words` do nothing).

@@ -6,16 +6,27 @@
 //!
 //! 1. **Slice** (every block): block `b` of depth `row` reads logits `[b * span, (b + 1) *
 //!    span)` of its row once into registers (`vpt` per thread, coalesced), takes the slice's
-//!    max and sum of exponentials, and selects the slice's top `min(k, slice)` by radix select
-//!    over order keys (8-bit digits from the top, stopping as soon as the digit bucket of the
-//!    k-th key is taken whole; equal keys by smaller token id). When `k <= 2 * warps`, keys
-//!    below the lowest of the warps' second-largest keys (a floor under the k-th) are never
+//!    max and sum of exponentials (the block's partials are reduced by the last warp while
+//!    warp 0 scans the first histogram, so they cost no barrier), and selects the slice's top
+//!    `min(k, slice)` by radix select over order keys: 8-bit digits from below the prefix
+//!    shared by the top key and a floor under the k-th key, one block-wide histogram per digit
+//!    (two barriers each), stopping as soon as the digit bucket of the k-th key is taken whole,
+//!    or (`ties > 0`) holds at most `ties` keys: those are staged in shared memory and ranked
+//!    exactly (larger key, then smaller token). The floor: when `k <= 2 * warps`, the lowest
+//!    of the warps' second-largest keys, else 0. With `ties > 0` only warps with items count,
+//!    and past `k = 2 * warps` a slice takes the lowest of the warps' m-th largest of their
+//!    lanes' second-largest keys (`m = ceil(k / (2 * warps)) <= 32`), a merge the least key
+//!    (no key is dropped, but the digits start below the prefix all keys share, so the first
+//!    histogram is not one hot bin, as it is with floor 0). Keys below the floor are never
 //!    counted, which keeps the histogram atomics few and spread. The selected keys and tokens
-//!    go to the candidate buffers in token order (places from ballots and warp totals).
+//!    go to the candidate buffers (places from ballots and warp totals): in token order, or
+//!    with an exactly ranked bucket, the keys above it in token order and then the bucket's
+//!    best by rank. Either way equal keys stay in token order, which the merge relies on.
 //! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
 //!    warp), the same select over the `nb * k` candidates (at most `block * vpt`, one per
-//!    register slot), and the `k` winners ranked (larger key, then smaller token) into the
-//!    depth's log-probs `min(x - lse, 0)` and tokens.
+//!    register slot; equal keys by earlier candidate = smaller token), and the `k` winners
+//!    ranked (larger key, then smaller token; adjacent lanes split each winner's comparisons)
+//!    into the depth's log-probs `min(x - lse, 0)` and tokens.
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -31,6 +42,12 @@
 //!    members of that depth). Each round's log-probs are read one round ahead into registers.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
+//!
+//! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
+//! threads: one for the floor, two per histogram pass (with `ties = 0` typically two or three
+//! passes in a slice and three or four in a merge, whose floor 0 puts every candidate in one
+//! bin of the first pass; one pass with `ties = 32`), one for the warp totals, one before a
+//! merge's ranking, two around the counter.
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
@@ -45,6 +62,12 @@ pub struct TreeBuildParams {
     pub block: u32,
     /// Items (a slice's logits, a depth's candidates) each thread holds in registers.
     pub vpt: u32,
+    /// The selects' exact-rank threshold: the radix passes stop once the bucket of the k-th
+    /// key holds at most `ties` keys, which are then ranked exactly (key, then token), and
+    /// the floor takes only warps with items, the lanes' second-largest keys past two keys per
+    /// warp and else the least key (see the module docs). 0: radix passes until the bucket is
+    /// taken whole or the keys are equal, and floor 0 past two keys per warp.
+    pub ties: u32,
 }
 
 impl TreeBuildParams {
@@ -104,6 +127,30 @@ fn key_value(key: u32) -> f32 {
     }
 }
 
+/// The `m`-th largest (`m` in 1..=32) of `v` over the warp (a bitonic sort across the lanes;
+/// every lane must call it).
+#[device_fn]
+fn warp_kth_largest(v: u32, m: u32) -> u32 {
+    let lane = lane_id();
+    let mut x = v;
+    let mut size = 2u32;
+    while size <= 32u32 {
+        let mut stride = size / 2u32;
+        while stride > 0u32 {
+            let o = shfl_xor(x, stride);
+            // Runs with (lane & size) == 0 sort descending (at size 32, all of them).
+            if ((lane & stride) == 0u32) == ((lane & size) == 0u32) {
+                x = x.max(o);
+            } else {
+                x = x.min(o);
+            }
+            stride = stride / 2u32;
+        }
+        size = size * 2u32;
+    }
+    shfl_idx(x, m - 1u32)
+}
+
 /// Exclusive prefix sum of `v` over the block (all threads must call it).
 #[device_fn]
 fn block_excl_scan(v: u32) -> u32 {
@@ -146,9 +193,11 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
-    TreeBuildParams { block: 1024, vpt: 9 },
-    TreeBuildParams { block: 512, vpt: 28 },
-    TreeBuildParams { block: 512, vpt: 16 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 0 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 0 },
+    TreeBuildParams { block: 512, vpt: 16, ties: 0 },
 ])]
 pub fn tree_build(
     #[comptime] p: &TreeBuildParams,
@@ -181,6 +230,8 @@ pub fn tree_build(
         "block must be a multiple of 32 in 256..=1024"
     );
     comptime_assert!(p.vpt >= 1 && p.vpt <= 32, "vpt must be in 1..=32");
+    comptime_assert!(p.ties <= 256, "ties must be at most 256");
+    let tie_mode = p.ties > 0u32;
     let nw = p.block / 32;
     let tid = thread_idx_x();
     let lane = lane_id();
@@ -195,6 +246,7 @@ pub fn tree_build(
     let wcount = shared::<u32>(64);
     let wfloor = shared::<u32>(32);
     let wtop = shared::<u32>(32);
+    let wmin = shared::<u32>(32);
     let flag = shared::<u32>(1);
     let lse_s = shared::<f32>(1);
     let ckey = shared::<u32>(1024);
@@ -271,33 +323,30 @@ pub fn tree_build(
             }
             let wm = warp_max(m);
             let ws = warp_sum_exp(m, s, wm);
+            // The block's partials: the last warp, while warp 0 scans the first histogram.
             if lane == 0 {
                 red_m[warp] = wm;
                 red_s[warp] = ws;
             }
-            sync_threads();
-            if warp == 0 {
-                let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
-                let so = if lane < nw { red_s[lane] } else { 0.0f32 };
-                let bm = warp_max(mo);
-                let bs = warp_sum_exp(mo, so, bm);
-                if lane == 0 {
-                    part_ms[(row * nb + blk) * 2] = bm;
-                    part_ms[(row * nb + blk) * 2 + 1] = bs;
-                }
-            }
         }
 
-        // A floor under the kk-th largest key: each warp's second largest, the lowest over the
-        // warps (2 nw items are at or above it), when kk <= 2 nw; else 0. Keys below it are
-        // never counted, so the histograms below see few items and few same-bin atomics.
+        // A floor under the kk-th largest key (keys below it are never counted, so the
+        // histograms below see few items and few same-bin atomics): the lowest over the warps
+        // of each warp's second-largest key (2 keys per warp at or above it) when kk <= 2 nw;
+        // else 0. With `ties > 0` only the nwa warps with items count; past kk = 2 nwa a slice
+        // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
+        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge (or a larger m) the least key.
         let mut b1 = 0u32;
         let mut b2 = 0u32;
+        let mut bmin = u32::MAX;
         if wact {
             #[unroll]
             for j in 0..p.vpt {
                 if j < per && first + 32u32 * j < n {
                     let x = keys[j];
+                    if tie_mode {
+                        bmin = bmin.min(x);
+                    }
                     if x > b1 {
                         b2 = b1;
                         b1 = x;
@@ -307,27 +356,52 @@ pub fn tree_build(
                 }
             }
         }
+        // The warp's two largest.
+        let mut w1 = b1;
+        let mut w2 = b2;
         #[unroll]
         for o in 0..5u32 {
-            let o1 = shfl_xor(b1, 16u32 >> o);
-            let o2 = shfl_xor(b2, 16u32 >> o);
-            b2 = b1.min(o1).max(b2.max(o2));
-            b1 = b1.max(o1);
+            let o1 = shfl_xor(w1, 16u32 >> o);
+            let o2 = shfl_xor(w2, 16u32 >> o);
+            w2 = w1.min(o1).max(w2.max(o2));
+            w1 = w1.max(o1);
+        }
+        // Whether the warps' floors make the floor (else 0, or the least key).
+        let mut warp_floor = kk <= 2u32 * nw;
+        if tie_mode {
+            bmin = warp_min_u32(bmin);
+            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+            let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
+            warp_floor = m == 1u32 || (!merging && m <= 32u32);
+            if m > 1u32 && warp_floor {
+                w2 = warp_kth_largest(b2, m);
+            }
         }
         if lane == 0 {
-            wfloor[warp] = b2;
-            wtop[warp] = b1;
+            if tie_mode {
+                wfloor[warp] = if wact { w2 } else { u32::MAX };
+                wmin[warp] = bmin;
+            } else {
+                wfloor[warp] = w2;
+            }
+            wtop[warp] = w1;
         }
         if tid < 256 {
             hist[tid] = 0u32;
         }
+        if tie_mode {
+            if tid == 0 {
+                st[3] = 0u32;
+            }
+        }
         sync_threads();
         let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
-        let floor = if kk <= 2u32 * nw {
-            warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX })
-        } else {
-            0u32
-        };
+        let mut floor = 0u32;
+        if warp_floor {
+            floor = warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX });
+        } else if tie_mode {
+            floor = warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX });
+        }
 
         // This thread's items at or above the floor (bit j: item j); a row j of the warp with
         // none is skipped below (one ballot instead of its code).
@@ -356,7 +430,7 @@ pub fn tree_build(
         let mut remaining = kk;
         let mut eq_count = 0u32;
         let mut pass = 0u32;
-        while pass == 0u32 || (left > 0u32 && eq_count != remaining) {
+        while pass == 0u32 || (left > 0u32 && eq_count != remaining && eq_count > p.ties) {
             let width = left.min(8u32);
             let shift = left - width;
             let dmask = (1u32 << width) - 1u32;
@@ -418,6 +492,16 @@ pub fn tree_build(
                 for t in (tid - 32..256u32).step_by(p.block - 32) {
                     hist[256 - hb + t] = 0u32;
                 }
+                if !merging && pass == 0u32 && warp == nw - 1u32 {
+                    let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
+                    let so = if lane < nw { red_s[lane] } else { 0.0f32 };
+                    let bm = warp_max(mo);
+                    let bs = warp_sum_exp(mo, so, bm);
+                    if lane == 0 {
+                        part_ms[(row * nb + blk) * 2] = bm;
+                        part_ms[(row * nb + blk) * 2 + 1] = bs;
+                    }
+                }
             }
             sync_threads();
             prefix = prefix | (st[0] << shift);
@@ -432,6 +516,12 @@ pub fn tree_build(
         // item's place counts the taken items of earlier warps (block totals), earlier rows of
         // its warp and earlier lanes of its row (ballots).
         let all_eq = eq_count == remaining;
+        // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
+        // (larger key, then earlier item), after the keys above it.
+        let mut ranked = false;
+        if tie_mode {
+            ranked = !all_eq && eq_count <= p.ties;
+        }
         // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
         let mut sb = 0u32;
         let mut tb = 0u32;
@@ -443,6 +533,19 @@ pub fn tree_build(
                     sb = sb | (1u32 << j);
                 } else if m == prefix {
                     tb = tb | (1u32 << j);
+                }
+            }
+        }
+        if tie_mode {
+            if ranked {
+                // Stage the bucket's keys and items in `hist` (any order: ranked below).
+                #[unroll]
+                for j in 0..p.vpt {
+                    if ((tb >> j) & 1u32) == 1u32 {
+                        let at = st.atomic_add(3u32, 1u32);
+                        hist[at] = keys[j];
+                        hist[256 + at] = first + 32u32 * j;
+                    }
                 }
             }
         }
@@ -465,9 +568,9 @@ pub fn tree_build(
             if (bs | bt) != 0u32 {
                 let s_at = sp + (bs & below).count_ones();
                 let t_at = tp + (bt & below).count_ones();
-                if strict || (tie && t_at < remaining) {
-                    let i = first + 32u32 * j;
-                    let pos = s_at + t_at.min(remaining);
+                let i = first + 32u32 * j;
+                if strict || (tie && !ranked && t_at < remaining) {
+                    let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
                     if merging {
                         ckey[pos] = keys[j];
                         ctok[pos] = cand_tok[base + i];
@@ -480,20 +583,66 @@ pub fn tree_build(
                 tp += bt.count_ones();
             }
         }
-        if merging {
-            // Rank the k winners (larger key, then earlier item = smaller token), best first.
-            sync_threads();
-            for t in (tid..k).step_by(p.block) {
-                let key = ckey[t];
-                let mut rank = 0u32;
-                for j in 0..k {
-                    let kj = ckey[j];
-                    if kj > key || (kj == key && j < t) {
-                        rank += 1;
+        if tie_mode {
+            if ranked {
+                // The best `remaining` of the bucket (larger key, then earlier item = smaller
+                // token) go after the `kk - remaining` keys above it, by rank.
+                for t in (tid..eq_count).step_by(p.block) {
+                    let key = hist[t];
+                    let i = hist[256 + t];
+                    let mut rank = 0u32;
+                    for u in 0..eq_count {
+                        let ku = hist[u];
+                        if ku > key || (ku == key && hist[256 + u] < i) {
+                            rank += 1;
+                        }
+                    }
+                    if rank < remaining {
+                        let pos = kk - remaining + rank;
+                        if merging {
+                            ckey[pos] = key;
+                            ctok[pos] = cand_tok[base + i];
+                        } else {
+                            cand_key[out + pos] = key;
+                            cand_tok[out + pos] = lo + i;
+                        }
                     }
                 }
-                lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
-                tok[row * k + rank] = ctok[t];
+            }
+        }
+        if merging {
+            // Rank the k winners (larger key, then earlier item = smaller token), best first;
+            // `parts` adjacent lanes (a power of two) split each winner's comparisons when the
+            // block has threads to spare, and add their counts with shuffles.
+            sync_threads();
+            let sh = 31u32 - (p.block / k).min(32u32).max(1u32).leading_zeros();
+            let parts = 1u32 << sh;
+            let rspan = k << sh;
+            for t0 in (0..rspan).step_by(p.block) {
+                let t = t0 + tid;
+                let e = t >> sh;
+                let act = t < rspan;
+                let mut key = 0u32;
+                let mut rank = 0u32;
+                if act {
+                    key = ckey[e];
+                    for j in ((t & (parts - 1u32))..k).step_by(parts) {
+                        let kj = ckey[j];
+                        if kj > key || (kj == key && j < e) {
+                            rank += 1;
+                        }
+                    }
+                }
+                #[unroll]
+                for b in 0..5u32 {
+                    if (1u32 << b) < parts {
+                        rank += shfl_xor(rank, 1u32 << b);
+                    }
+                }
+                if act && (t & (parts - 1u32)) == 0u32 {
+                    lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
+                    tok[row * k + rank] = ctok[e];
+                }
             }
         } else {
             // Unused slots: key 0, below every logit's key.
