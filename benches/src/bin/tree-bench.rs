@@ -3,11 +3,12 @@
 //! accept at B = 16/64/256/1024 (L = 7 and 15, V = 163840) as device time of back-to-back
 //! calls replayed from a CUDA graph (no host launch overhead, as a captured engine step), the
 //! builder's stages (slice, merge, expansion, tree arrays + masks) the same way, and verify
-//! attention at ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/64 x 64 heads against the floor (measured
-//! copy bandwidth and cuBLAS bf16 rate). Verify attention times every candidate of
-//! `mla_verify_wide` and `mla_verify_split` (rows per block, KV tile, ring depth) at the
-//! automatic split count, half and twice it, prints each candidate's best and marks the case's
-//! best; the prefix length is passed on the device, as the engine does. Prints a compact table
+//! attention at ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/32/64 x heads 8 and 64 against the floor
+//! (measured copy bandwidth and cuBLAS bf16 rate) and the naive per-(node, head) kernel.
+//! Verify attention times every candidate of `mla_verify_wide`, `mla_verify_split` and
+//! `mla_verify_wg` (rows per block, KV tile, ring depth) at the automatic split count, half and
+//! twice it, prints each candidate's best and marks the case's best; the prefix length is
+//! passed on the device, as the engine does. Prints a compact table
 //! at the end; exits non-zero if a check fails.
 //!
 //! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench]`.
@@ -283,10 +284,12 @@ const MAX_SPLITS: usize = 256;
 /// Rows x splits of each variant's partial buffers in the verify bench.
 const BENCH_PARTIALS: usize = 64 * 64 * 64;
 
-/// Verify attention at 64 heads, ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/64: every candidate of
-/// both split passes (with the combine) at the automatic split count, half and twice it; one
-/// line per candidate (its best split count) with µs, % of the copy floor (cache bytes at the
-/// measured copy bandwidth), TFLOP/s and % of the cuBLAS bf16 rate, the case's best marked `*`.
+/// Verify attention at ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/32/64 x heads 8 and 64: every
+/// candidate of the split passes (with the combine) at the automatic split count, half and
+/// twice it, and the naive per-(node, head) kernel; one line per candidate (its best split
+/// count) with µs, % of the copy floor (cache bytes at the measured copy bandwidth), TFLOP/s and
+/// % of the cuBLAS bf16 rate, the case's best marked `*`; the summary line gives the best's
+/// speedup over the naive kernel.
 fn bench_verify(
     gpu: &Gpu,
     rng: &mut StdRng,
@@ -296,7 +299,6 @@ fn bench_verify(
 ) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let sms = 132;
-    let heads = 64usize;
     let mut verifiers = Vec::new();
     for v in VerifyVariant::all() {
         match GpuVerify::new(gpu, &v, BENCH_PARTIALS) {
@@ -306,72 +308,80 @@ fn bench_verify(
     }
     println!("\n| ctx | nodes x heads | variant | splits | µs | % copy floor | TFLOP/s | % bf16 rate | best |");
     println!("|---:|---|---|---:|---:|---:|---:|---:|---|");
-    for ctx in [1024usize, 4096, 16384, 32768] {
-        for nodes in [1usize, 2, 4, 8, 16, 64] {
-            let rows = nodes * heads;
-            let keys = ctx + nodes;
-            let bytes = keys * ROW * 2;
-            let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
-            let (one, _) = ddtree_kernels::check::random_bf16(rng, keys * ROW, -1.0, 1.0);
-            let caches: Vec<_> = (0..copies).map(|_| upload(s, &one)).collect::<Result<_, _>>()?;
-            let (qh, _) = ddtree_kernels::check::random_bf16(rng, rows * ROW, -1.0, 1.0);
-            let q = upload(s, &qh)?;
-            let (mask, words) = random_mask(rng, nodes, false);
-            let visible: usize = (0..nodes)
-                .map(|i| {
-                    ctx + mask[i * words..][..words]
-                        .iter()
-                        .map(|w| w.count_ones() as usize)
-                        .sum::<usize>()
-                })
-                .sum::<usize>()
-                * heads;
-            let flops = visible as f64 * 2.0 * (ROW + LATENT) as f64;
-            let dm = upload(s, &mask)?;
-            let dl = upload(s, &[ctx as u32])?;
-            let mut out = zeros::<bf16>(s, rows * LATENT)?;
-            let mut lse = zeros::<f32>(s, rows)?;
-            let sh = VerifyShape {
-                nodes,
-                heads,
-                prefix: ctx,
-                words,
-                scale: 0.1,
-            };
-            // (µs, symbol, splits) per variant: its best split count.
-            let mut timed = Vec::new();
-            for v in &mut verifiers {
-                let auto = v.auto_splits(sms, &sh);
-                let mut best: Option<(f64, usize)> = None;
-                let mut tries = vec![auto, (auto / 2).max(1), (auto * 2).min(MAX_SPLITS)];
-                tries.sort_unstable();
-                tries.dedup();
-                for splits in tries.into_iter().filter(|&n| rows * n <= BENCH_PARTIALS) {
-                    let us = median_us(s, 3, 20, |i| {
-                        v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &dl, &mut out, &mut lse)
-                    })?;
-                    if best.is_none_or(|b| us < b.0) {
-                        best = Some((us, splits));
-                    }
-                }
-                if let Some((us, splits)) = best {
-                    timed.push((us, v.variant().symbol(), splits));
+    for (ctx, heads, nodes) in [1024usize, 4096, 16384, 32768]
+        .into_iter()
+        .flat_map(|c| [8usize, 64].map(move |h| (c, h)))
+        .flat_map(|(c, h)| [1usize, 2, 4, 8, 16, 32, 64].map(move |n| (c, h, n)))
+    {
+        let rows = nodes * heads;
+        let keys = ctx + nodes;
+        let bytes = keys * ROW * 2;
+        let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
+        let (one, _) = ddtree_kernels::check::random_bf16(rng, keys * ROW, -1.0, 1.0);
+        let caches: Vec<_> = (0..copies).map(|_| upload(s, &one)).collect::<Result<_, _>>()?;
+        let (qh, _) = ddtree_kernels::check::random_bf16(rng, rows * ROW, -1.0, 1.0);
+        let q = upload(s, &qh)?;
+        let (mask, words) = random_mask(rng, nodes, false);
+        let visible: usize = (0..nodes)
+            .map(|i| {
+                ctx + mask[i * words..][..words]
+                    .iter()
+                    .map(|w| w.count_ones() as usize)
+                    .sum::<usize>()
+            })
+            .sum::<usize>()
+            * heads;
+        let flops = visible as f64 * 2.0 * (ROW + LATENT) as f64;
+        let dm = upload(s, &mask)?;
+        let dl = upload(s, &[ctx as u32])?;
+        let mut out = zeros::<bf16>(s, rows * LATENT)?;
+        let mut lse = zeros::<f32>(s, rows)?;
+        let sh = VerifyShape {
+            nodes,
+            heads,
+            prefix: ctx,
+            words,
+            scale: 0.1,
+        };
+        // (µs, symbol, splits) per variant: its best split count.
+        let mut timed = Vec::new();
+        for v in &mut verifiers {
+            let auto = v.auto_splits(sms, &sh);
+            let mut best: Option<(f64, usize)> = None;
+            let mut tries = vec![auto, (auto / 2).max(1), (auto * 2).min(MAX_SPLITS)];
+            tries.sort_unstable();
+            tries.dedup();
+            for splits in tries.into_iter().filter(|&n| rows * n <= BENCH_PARTIALS) {
+                let us = median_us(s, 3, 20, |i| {
+                    v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &dl, &mut out, &mut lse)
+                })?;
+                if best.is_none_or(|b| us < b.0) {
+                    best = Some((us, splits));
                 }
             }
-            let best_us = timed.iter().map(|t| t.0).fold(f64::INFINITY, f64::min);
-            for (us, sym, splits) in &timed {
-                let copy_pct = 100.0 * bytes as f64 / (bw * 1e9) / (us * 1e-6);
-                let tf = flops / (us * 1e-6) / 1e12;
-                let tf_pct = 100.0 * tf / tflops;
-                let mark = if *us == best_us { "*" } else { "" };
-                println!(
-                    "| {ctx} | {nodes} x {heads} | {sym} | {splits} | {us:.1} | {copy_pct:.0}% | {tf:.1} | {tf_pct:.0}% | {mark} |"
-                );
-                if *us == best_us {
-                    rows_out.push(format!(
-                        "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads} {us:>8.1} µs {copy_pct:>4.0}% copy {tf:>6.1} TF/s ({tf_pct:.0}%)  best [{sym} s={splits}]"
-                    ));
-                }
+            if let Some((us, splits)) = best {
+                timed.push((us, v.variant().symbol(), splits));
+            }
+        }
+        let naive_us = median_us(s, 1, 5, |i| {
+            verifiers[0].run_naive(s, &sh, &q, &caches[i % copies], &dm, &mut out, &mut lse)
+        })?;
+        // The case's best split pass (the first of equal times).
+        let best = (0..timed.len()).min_by(|&a, &b| timed[a].0.total_cmp(&timed[b].0));
+        timed.push((naive_us, "mla_verify_naive".to_string(), 1));
+        for (i, (us, sym, splits)) in timed.iter().enumerate() {
+            let copy_pct = 100.0 * bytes as f64 / (bw * 1e9) / (us * 1e-6);
+            let tf = flops / (us * 1e-6) / 1e12;
+            let tf_pct = 100.0 * tf / tflops;
+            let mark = if best == Some(i) { "*" } else { "" };
+            let case = format!("| {ctx} | {nodes} x {heads} | {sym} | {splits} | {us:.1} |");
+            println!("{case} {copy_pct:.0}% | {tf:.1} | {tf_pct:.0}% | {mark} |");
+            if best == Some(i) {
+                let speedup = naive_us / us;
+                rows_out.push(format!(
+                    "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads:<2} {us:>8.1} µs {copy_pct:>4.0}% copy \
+                     {tf:>6.1} TF/s ({tf_pct:.0}%)  best [{sym} s={splits}]  naive {naive_us:.1} µs ({speedup:.1}x)"
+                ));
             }
         }
     }

@@ -613,11 +613,14 @@ pub fn tree_build(
         if merging {
             // Rank the k winners (larger key, then earlier item = smaller token), best first;
             // `parts` adjacent lanes (a power of two) split each winner's comparisons when the
-            // block has threads to spare, and add their counts with shuffles.
+            // block has threads to spare, and add their counts with shuffles. Each lane scans
+            // a contiguous run of a multiple of 4 candidates (unit stride, so the compiler can
+            // read them 16 bytes at a time, as the one-lane scan of a large k needs).
             sync_threads();
             let sh = 31u32 - (p.block / k).min(32u32).max(1u32).leading_zeros();
             let parts = 1u32 << sh;
             let rspan = k << sh;
+            let run = (((k + parts - 1u32) >> sh) + 3u32) & !3u32;
             for t0 in (0..rspan).step_by(p.block) {
                 let t = t0 + tid;
                 let e = t >> sh;
@@ -626,7 +629,8 @@ pub fn tree_build(
                 let mut rank = 0u32;
                 if act {
                     key = ckey[e];
-                    for j in ((t & (parts - 1u32))..k).step_by(parts) {
+                    let j0 = (t & (parts - 1u32)) * run;
+                    for j in j0..(j0 + run).min(k) {
                         let kj = ckey[j];
                         if kj > key || (kj == key && j < e) {
                             rank += 1;
