@@ -300,7 +300,17 @@ fn bench_verify(
     let s = gpu.stream();
     let sms = 132;
     let mut verifiers = Vec::new();
+    let cc = gpu.fingerprint().compute_capability;
     for v in VerifyVariant::all() {
+        if !v.runs_on(cc) {
+            println!(
+                "skipping {}: wgmma needs an sm_90 GPU, this one is sm_{}{}",
+                v.symbol(),
+                cc.0,
+                cc.1
+            );
+            continue;
+        }
         match GpuVerify::new(gpu, &v, BENCH_PARTIALS) {
             Ok(g) => verifiers.push(g),
             Err(e) => println!("skipping {}: {e}", v.symbol()),
