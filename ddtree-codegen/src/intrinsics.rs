@@ -120,7 +120,7 @@ pub enum Intrinsic {
     /// stays in shared memory: make one per tile and add compile-time offsets, so a `wgmma`
     /// costs an add per operand instead of an address conversion.
     WgmmaDesc,
-    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], a: u32, b: u32)`, `N` 16, 32 or 64 (from `d`'s
+    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], a: u32, b: u32)`, `N` 8, 16, 32, 64, 128 or 256 (from `d`'s
     /// length), `a` and `b` from [`Intrinsic::WgmmaDesc`]: one warpgroup's `D[64, N] += A[64, 16]
     /// B[N, 16]^T` (`wgmma.mma_async` m64nNk16, bf16 in, f32 accumulators). Both operands are
     /// bf16 in shared memory, K-major and 128-byte swizzled: row `r` of an operand at byte `p`
@@ -455,11 +455,11 @@ impl Intrinsic {
                     Ty::Ref {
                         elem: Scalar::F32,
                         space: Space::Local,
-                        len: Some(8 | 16 | 32),
+                        len: Some(4 | 8 | 16 | 32 | 64 | 128),
                         mutable: true,
                     } => {}
                     other => op_bail!(
-                        "argument 1 of `{name}` must be `&mut [f32; 8]`, `[f32; 16]` or `[f32; 32]` (N = 16, 32 or 64), found {other}"
+                        "argument 1 of `{name}` must be `&mut [f32; N / 2]` with N 8, 16, 32, 64, 128 or 256, found {other}"
                     ),
                 }
                 expect(&mut args[1], Scalar::U32, name, 2)?;
@@ -817,7 +817,7 @@ __device__ __forceinline__ unsigned int wgmma_desc(const void* p) { return (smem
         );
         let regs = |n: usize, from: usize| (from..from + n).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
         let outs = |n: usize| (0..n).map(|i| format!("\"+f\"(d[{i}])")).collect::<Vec<_>>().join(", ");
-        for n in [16usize, 32, 64] {
+        for n in [8usize, 16, 32, 64, 128, 256] {
             let m = n / 2;
             s.push_str(&format!(
                 "__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[{m}], unsigned int a, unsigned int b) {{

@@ -42,6 +42,17 @@ pub enum Target<'g> {
     Gpu(&'g Gpu),
 }
 
+impl Target<'_> {
+    /// Whether `wgmma` kernels run here: the interpreter, or a GPU where
+    /// [`crate::wgmma_supported`] holds.
+    pub fn runs_wgmma(&self) -> bool {
+        match self {
+            Target::Interp => true,
+            Target::Gpu(g) => crate::wgmma_supported(g.fingerprint().compute_capability),
+        }
+    }
+}
+
 /// A buffer on a [`Target`].
 #[derive(Debug)]
 pub enum DevBuf<T: DeviceRepr> {

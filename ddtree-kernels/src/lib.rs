@@ -48,6 +48,13 @@ pub use topk::{RowTopk, RowTopkSplit, TopkParams, TopkRunner, TopkSplitParams};
 
 use ddtree_codegen::{CodegenError, Kernel};
 
+/// Whether a GPU of compute capability `cc` runs `wgmma` (`tree::MlaVerifyWg`,
+/// `w4a16::W4a16GemmWg`): sm_90 (Hopper) only; the kernels are built for `sm_90a` there, and
+/// later architectures have no `wgmma`.
+pub fn wgmma_supported(cc: (i32, i32)) -> bool {
+    cc == (9, 0)
+}
+
 /// One variant of one kernel: its symbol and generated source.
 #[derive(Clone, Debug)]
 pub struct Variant {
@@ -89,6 +96,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<FillRandomF32>()?);
     all.extend(variants::<FillRandomU32>()?);
     all.extend(variants::<w4a16::W4a16Gemm>()?);
+    all.extend(variants::<w4a16::W4a16GemmWg>()?);
     all.extend(variants::<w4a16::W4a16Reduce>()?);
     all.extend(variants::<w4a16::W4a16Repack>()?);
     all.extend(variants::<w4a16::MoeAlign>()?);

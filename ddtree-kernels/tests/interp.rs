@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Suite, Target};
-use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16Reduce, W4a16Repack};
+use ddtree_kernels::w4a16::{self, MoeAlign, MoeSum, W4a16Gemm, W4a16GemmWg, W4a16Reduce, W4a16Repack};
 use ddtree_kernels::{
     AddAssign, AddRmsNorm, CastBf16F32, CastF32Bf16, CopyRows, CopyRowsF32, Embedding, FillRandomBf16, FillRandomF32,
     FillRandomU32, GemmBf16, GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32,
@@ -41,7 +41,7 @@ fn verify_attention() {
         let results = ddtree_kernels::tree::check::verify_suite(t, Sizes::Small, rng)?;
         assert_covers::<ddtree_kernels::tree::MlaVerifySplit>(&results);
         assert_covers::<ddtree_kernels::tree::MlaVerifyWide>(&results);
-        if !matches!(t, Target::Gpu(g) if !ddtree_kernels::tree::wgmma_supported(g.fingerprint().compute_capability)) {
+        if t.runs_wgmma() {
             assert_covers::<ddtree_kernels::tree::MlaVerifyWg>(&results);
         }
         assert_covers::<ddtree_kernels::tree::MlaCombineOutput>(&results);
@@ -171,6 +171,9 @@ fn w4a16() {
         assert_covers::<W4a16Gemm>(&results);
         assert_covers::<W4a16Reduce>(&results);
         assert_covers::<W4a16Repack>(&results);
+        if t.runs_wgmma() {
+            assert_covers::<W4a16GemmWg>(&results);
+        }
         assert_covers::<MoeAlign>(&results);
         assert_covers::<MoeSum>(&results);
         Ok(results)

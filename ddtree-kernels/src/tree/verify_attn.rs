@@ -1068,12 +1068,6 @@ pub fn mla_verify_wg(
     }
 }
 
-/// Whether a GPU of compute capability `cc` runs `wgmma` ([`MlaVerifyWg`]): sm_90 (Hopper)
-/// only; the kernels are built for `sm_90a` there, and later architectures have no `wgmma`.
-pub fn wgmma_supported(cc: (i32, i32)) -> bool {
-    cc == (9, 0)
-}
-
 /// A split-pass variant: [`MlaVerifySplit`], [`MlaVerifyWide`] or [`MlaVerifyWg`]. All take the
 /// same arguments and grid shape and write the same partials for [`MlaVerifyCombine`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1102,9 +1096,9 @@ impl VerifyVariant {
             .collect()
     }
 
-    /// Whether the variant runs on a GPU of compute capability `cc` (`Wg`: [`wgmma_supported`]).
+    /// Whether the variant runs on a GPU of compute capability `cc` (`Wg`: [`crate::wgmma_supported`]).
     pub fn runs_on(&self, cc: (i32, i32)) -> bool {
-        !matches!(self, VerifyVariant::Wg(_)) || wgmma_supported(cc)
+        !matches!(self, VerifyVariant::Wg(_)) || crate::wgmma_supported(cc)
     }
 
     /// Query rows per block.

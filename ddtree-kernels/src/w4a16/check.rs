@@ -18,7 +18,8 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::gemm::{self, rows_per_block, DENSE_SPACE, FUSED_SPACE};
+use super::gemm::{self, rows_per_block, GemmTiling, W4a16Kernel, DENSE_SPACE, FUSED_SPACE};
+use super::gemm_wg::{W4a16GemmWg, W4a16WgParams, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use super::gemv::{self, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use super::layout::{interleaved_words, matmul, repack_interleaved, scale_words, PackedInt4, RepackParams};
 use super::moe::{self, AlignParams, SumParams};
@@ -113,26 +114,27 @@ impl Unused {
     }
 }
 
-/// Checks one dense variant at `m x n x k` with `splits` k splits.
-pub fn dense(
+/// Checks one dense variant of `K` at `m x n x k` with `splits` k splits.
+pub fn dense<K: W4a16Kernel>(
     t: &Target<'_>,
-    p: &W4a16Params,
+    p: &K::Params,
     m: usize,
     n: usize,
     k: usize,
     splits: u32,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let wq = PackedInt4::random(rng, n, k, p.group as usize, 1, 0.05);
+    let tl = p.tiling();
+    let wq = PackedInt4::random(rng, n, k, tl.group as usize, 1, 0.05);
     let (a, af) = random_bf16(rng, m * k, -1.0, 1.0);
     let (res, resf) = random_bf16(rng, m * n, -1.0, 1.0);
     let (da, dres, dsc) = (t.upload(&a)?, t.upload(&res)?, t.upload(&scale_words(&wq.scales))?);
-    let dw = device_weights(t, &wq, p.layout)?;
+    let dw = device_weights(t, &wq, tl.layout)?;
     let cols = gemm::out_cols(p, n as u32) as usize;
     let none = Unused::new(t)?;
-    let mut gemm_out = poisoned_bf16(t, if p.splitk { 1 } else { m * cols })?;
-    let mut part = t.upload(&vec![f32::NAN; if p.splitk { splits as usize * m * n } else { 1 }])?;
-    let residual = if p.epilogue == Epilogue::Residual {
+    let mut gemm_out = poisoned_bf16(t, if tl.splitk { 1 } else { m * cols })?;
+    let mut part = t.upload(&vec![f32::NAN; if tl.splitk { splits as usize * m * n } else { 1 }])?;
+    let residual = if tl.epilogue == Epilogue::Residual {
         &dres
     } else {
         &none.bf16s
@@ -154,12 +156,12 @@ pub fn dense(
     ];
     let grid = gemm::grid(p, m as u32, n as u32, splits);
     // SAFETY: buffers have the documented shapes; k is a multiple of 32 and of the group.
-    unsafe { t.launch::<W4a16Gemm>(p, grid, &mut args)? };
+    unsafe { t.launch::<K>(p, grid, &mut args)? };
     let rp = ReduceParams {
         block: 256,
-        epilogue: p.epilogue,
+        epilogue: tl.epilogue,
     };
-    let got = if p.splitk {
+    let got = if tl.splitk {
         let mut out = poisoned_bf16(t, m * cols)?;
         let rg = ((m * cols) as u32).div_ceil(rp.block).clamp(1, 65535);
         let mut args = [
@@ -177,7 +179,7 @@ pub fn dense(
         t.download(&gemm_out)?
     };
     let full = matmul(&af, &wq.dequantize_bf16(), m, n, k);
-    let want: Vec<f32> = match p.epilogue {
+    let want: Vec<f32> = match tl.epilogue {
         Epilogue::SiluMul => (0..m * cols)
             .map(|i| {
                 let (r, c) = (i / cols, i % cols);
@@ -189,11 +191,11 @@ pub fn dense(
         _ => full,
     };
     let case = format!("m={m} n={n} k={k} splits={splits}");
-    let mut symbols = vec![W4a16Gemm::symbol(p)];
-    if p.splitk {
+    let mut symbols = vec![K::symbol(p)];
+    if tl.splitk {
         symbols.push(W4a16Reduce::symbol(&rp));
     }
-    Ok(pipeline(W4a16Gemm::NAME, &symbols, case, &to_f32(&got), &want))
+    Ok(pipeline(K::NAME, &symbols, case, &to_f32(&got), &want))
 }
 
 /// Grouped (gate_up, down) candidate pairs with the same layout and rows per block.
@@ -231,9 +233,9 @@ pub fn random_routing(rng: &mut impl Rng, tokens: usize, topk: usize, route_expe
 /// down GEMMs and `moe_sum`, launched as [`super::MoeKernels::run`] does. Routing picks among
 /// `experts + 2` experts, so some pairs belong to another rank and must be skipped.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_block(
+pub fn moe_block<K: W4a16Kernel>(
     t: &Target<'_>,
-    pair: &(W4a16Params, W4a16Params),
+    pair: &(K::Params, K::Params),
     tokens: usize,
     experts: usize,
     hidden: usize,
@@ -242,14 +244,12 @@ pub fn moe_block(
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
     let (up, down) = pair;
+    let (tu, td) = (up.tiling(), down.tiling());
     let w13 = PackedInt4::random(rng, 2 * inter, hidden, 32, experts, 0.05);
     let w2 = PackedInt4::random(rng, hidden, inter, 32, experts, 0.05);
     let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
     let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
-    let (d13, d2) = (
-        device_weights(t, &w13, up.layout)?,
-        device_weights(t, &w2, down.layout)?,
-    );
+    let (d13, d2) = (device_weights(t, &w13, tu.layout)?, device_weights(t, &w2, td.layout)?);
     let (s13, s2) = (
         t.upload(&scale_words(&w13.scales))?,
         t.upload(&scale_words(&w2.scales))?,
@@ -292,7 +292,7 @@ pub fn moe_block(
         Arg::from(topk as u32),
     ];
     // SAFETY: x is [T, H], w13 / s13 hold the experts' [2I, H] weights, act [pairs, I].
-    unsafe { t.launch::<W4a16Gemm>(up, gemm::grid(up, mb, 2 * i, 1), &mut args)? };
+    unsafe { t.launch::<K>(up, gemm::grid(up, mb, 2 * i, 1), &mut args)? };
     let mut args = [
         Arg::In(&act),
         Arg::In(&d2),
@@ -309,7 +309,7 @@ pub fn moe_block(
         Arg::from(1u32),
     ];
     // SAFETY: act is [pairs, I], w2 / s2 hold the experts' [H, I] weights, y [pairs, H].
-    unsafe { t.launch::<W4a16Gemm>(down, gemm::grid(down, mb, h, 1), &mut args)? };
+    unsafe { t.launch::<K>(down, gemm::grid(down, mb, h, 1), &mut args)? };
     let sp = SumParams { block: 256 };
     let mut args = [
         Arg::In(&y),
@@ -348,8 +348,8 @@ pub fn moe_block(
         .collect();
     let symbols = [
         MoeAlign::symbol(&AlignParams { block: 1024 }),
-        W4a16Gemm::symbol(up),
-        W4a16Gemm::symbol(down),
+        K::symbol(up),
+        K::symbol(down),
         MoeSum::symbol(&sp),
     ];
     let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk}");
@@ -402,9 +402,12 @@ pub fn suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Check
                 n
             };
             for splits in if p.splitk { vec![1, 3] } else { vec![1] } {
-                out.push(dense(t, p, m, n, k, splits, rng)?);
+                out.push(dense::<W4a16Gemm>(t, p, m, n, k, splits, rng)?);
             }
         }
+    }
+    if t.runs_wgmma() {
+        out.extend(wg_cases(t, full, rng)?);
     }
     for (idx, pair) in moe_pairs().iter().enumerate() {
         // (16, 3, .., 4): about 13 pairs per local expert, so a half-m-tile (8-row) block is not
@@ -422,7 +425,64 @@ pub fn suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Check
             }
         }
         for (tk, e, h, i, topk) in mcases {
-            out.push(moe_block(t, pair, tk, e, h, i, topk, rng)?);
+            out.push(moe_block::<W4a16Gemm>(t, pair, tk, e, h, i, topk, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Grouped (gate_up, down) pairs of [`W4a16GemmWg`] with the same layout and rows per block.
+pub fn wg_moe_pairs() -> Vec<(W4a16WgParams, W4a16WgParams)> {
+    let moe: Vec<&W4a16WgParams> = WG_FUSED_SPACE.iter().filter(|p| p.moe).collect();
+    let mut out = Vec::new();
+    for up in moe.iter().filter(|p| p.epilogue == Epilogue::SiluMul) {
+        for down in moe.iter().filter(|p| p.epilogue == Epilogue::RouteScale) {
+            if up.layout == down.layout && up.bn == down.bn {
+                out.push((**up, **down));
+            }
+        }
+    }
+    out
+}
+
+/// Every [`W4a16GemmWg`] candidate: dense ones at ragged sizes (M past one block of the small
+/// `bn`, N past one block, K ending in half a k64 chunk where the group allows), split-K ones
+/// with 1 and 3 splits, and the grouped pairs in the MoE block.
+fn wg_cases(t: &Target<'_>, full: bool, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut out = Vec::new();
+    let mut cases: Vec<(usize, usize, usize)> = vec![(5, 136, 384), (37, 264, 288)];
+    if full {
+        cases = vec![
+            (1, 200, 512),
+            (19, 264, 1056),
+            (70, 520, 640),
+            (130, 384, 2048),
+            (257, 136, 256),
+        ];
+        cases.extend([(64, 7168, 2048), (128, 4096, 7168)]);
+    }
+    for p in WG_DENSE_SPACE.iter().chain(WG_FUSED_SPACE).filter(|p| !p.moe) {
+        for &(m, n, k) in &cases {
+            if k % p.group as usize != 0 || (n >= 4096 && p != &WG_DENSE_SPACE[0]) {
+                continue;
+            }
+            let n = if p.epilogue == Epilogue::SiluMul {
+                n.div_ceil(2) * 2
+            } else {
+                n
+            };
+            for splits in if p.splitk { vec![1, 3] } else { vec![1] } {
+                out.push(dense::<W4a16GemmWg>(t, p, m, n, k, splits, rng)?);
+            }
+        }
+    }
+    let mut mcases = vec![(3, 3, 128, 32, 2)];
+    if full {
+        mcases = vec![(5, 6, 256, 96, 3), (40, 9, 288, 128, 4), (16, 8, 7168, 2048, 8)];
+    }
+    for pair in wg_moe_pairs() {
+        for &(tk, e, h, i, topk) in &mcases {
+            out.push(moe_block::<W4a16GemmWg>(t, &pair, tk, e, h, i, topk, rng)?);
         }
     }
     Ok(out)

@@ -34,6 +34,7 @@
 use std::sync::Arc;
 
 use ddtree_codegen::dsl::*;
+use ddtree_codegen::Kernel;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, RuntimeError};
@@ -258,7 +259,7 @@ pub fn magic_pair_interleaved(y: u32) -> u32 {
 
 /// bf16 pair `128 + nibble` from nibbles `(0, 1)` of `y` (checkpoint words).
 #[device_fn]
-fn magic_pair_sequential(y: u32) -> u32 {
+pub fn magic_pair_sequential(y: u32) -> u32 {
     lop3(
         y << 12u32,
         0x000f0000u32,
@@ -684,32 +685,141 @@ pub struct GemmArgs<'a> {
     pub k: u32,
 }
 
+/// How a W4A16 GEMM variant tiles its launch: what the launcher, the checks and the bench
+/// read off either kernel's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiling {
+    /// Scale group size along K.
+    pub group: u32,
+    /// Weight layout.
+    pub layout: Layout,
+    /// Output epilogue.
+    pub epilogue: Epilogue,
+    /// Writes f32 partials per k split.
+    pub splitk: bool,
+    /// Grouped (MoE).
+    pub moe: bool,
+    /// A rows (dense) or pair slots (grouped) per block.
+    pub rows: u32,
+    /// Weight rows per block (both halves for SiLU-and-mul).
+    pub weight_rows: u32,
+}
+
+/// Parameters of a W4A16 GEMM kernel ([`W4a16Params`], [`super::W4a16WgParams`]).
+pub trait GemmTiling {
+    /// The variant's tiling.
+    fn tiling(&self) -> Tiling;
+}
+
+impl GemmTiling for W4a16Params {
+    fn tiling(&self) -> Tiling {
+        Tiling {
+            group: self.group,
+            layout: self.layout,
+            epilogue: self.epilogue,
+            splitk: self.splitk,
+            moe: self.moe,
+            rows: if self.m8 { 8 } else { 16 * self.mt },
+            weight_rows: self.warps * self.nt * 8,
+        }
+    }
+}
+
+/// A W4A16 GEMM kernel: [`W4a16Gemm`] or [`super::W4a16GemmWg`], which take the same
+/// arguments and write the same outputs.
+pub trait W4a16Kernel: Kernel<Params: GemmTiling + Copy> + Sized {
+    /// Launches a compiled variant with [`W4a16Gemm`]'s argument list.
+    ///
+    /// # Safety
+    /// As the kernel's `launch`: the buffers must have the documented shapes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_gemm(
+        kernel: &CompiledKernel<Self>,
+        s: &Arc<CudaStream>,
+        grid: (u32, u32, u32),
+        a: &CudaSlice<bf16>,
+        w: &CudaSlice<u32>,
+        scales: &CudaSlice<u32>,
+        residual: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+        part: &mut CudaSlice<f32>,
+        routing: (&CudaSlice<u32>, &CudaSlice<u32>, &CudaSlice<f32>),
+        mnk: (u32, u32, u32),
+        a_div: u32,
+    ) -> Result<(), RuntimeError>;
+}
+
+/// Implements [`W4a16Kernel`] by forwarding to the kernel's generated `launch`.
+macro_rules! w4a16_kernel {
+    ($k:ty) => {
+        impl $crate::w4a16::gemm::W4a16Kernel for $k {
+            unsafe fn launch_gemm(
+                kernel: &CompiledKernel<Self>,
+                s: &Arc<CudaStream>,
+                grid: (u32, u32, u32),
+                a: &CudaSlice<bf16>,
+                w: &CudaSlice<u32>,
+                scales: &CudaSlice<u32>,
+                residual: &CudaSlice<bf16>,
+                out: &mut CudaSlice<bf16>,
+                part: &mut CudaSlice<f32>,
+                (sorted, block_expert, route_w): (&CudaSlice<u32>, &CudaSlice<u32>, &CudaSlice<f32>),
+                (m, n, k): (u32, u32, u32),
+                a_div: u32,
+            ) -> Result<(), RuntimeError> {
+                // SAFETY: forwarded to the caller.
+                unsafe {
+                    <$k>::launch(
+                        kernel,
+                        s,
+                        grid,
+                        a,
+                        w,
+                        scales,
+                        residual,
+                        out,
+                        part,
+                        sorted,
+                        block_expert,
+                        route_w,
+                        m,
+                        n,
+                        k,
+                        a_div,
+                    )
+                }
+            }
+        }
+    };
+}
+pub(crate) use w4a16_kernel;
+
+w4a16_kernel!(W4a16Gemm);
+
 /// Output columns a variant writes for `n` weight rows.
-pub fn out_cols(p: &W4a16Params, n: u32) -> u32 {
-    if p.epilogue == Epilogue::SiluMul {
+pub fn out_cols(p: &impl GemmTiling, n: u32) -> u32 {
+    if p.tiling().epilogue == Epilogue::SiluMul {
         n / 2
     } else {
         n
     }
 }
 
-/// A rows (dense) or pair slots (grouped) per block: `16 mt`, or 8 with half m tiles.
-pub fn rows_per_block(p: &W4a16Params) -> u32 {
-    if p.m8 {
-        8
-    } else {
-        16 * p.mt
-    }
+/// A rows (dense) or pair slots (grouped) per block (`16 mt`, or 8 with half m tiles, for
+/// [`W4a16Gemm`]).
+pub fn rows_per_block(p: &impl GemmTiling) -> u32 {
+    p.tiling().rows
 }
 
 /// The grid of a launch: m blocks (dense) or `max_blocks` (grouped), n blocks, `splits`.
-pub fn grid(p: &W4a16Params, m_or_blocks: u32, n: u32, splits: u32) -> (u32, u32, u32) {
-    let x = if p.moe {
+pub fn grid(p: &impl GemmTiling, m_or_blocks: u32, n: u32, splits: u32) -> (u32, u32, u32) {
+    let t = p.tiling();
+    let x = if t.moe {
         m_or_blocks
     } else {
-        m_or_blocks.div_ceil(rows_per_block(p))
+        m_or_blocks.div_ceil(t.rows)
     };
-    let per_block = p.warps * p.nt * 8 / if p.epilogue == Epilogue::SiluMul { 2 } else { 1 };
+    let per_block = t.weight_rows / if t.epilogue == Epilogue::SiluMul { 2 } else { 1 };
     (x.max(1), out_cols(p, n).div_ceil(per_block), splits)
 }
 
@@ -719,8 +829,8 @@ pub fn grid(p: &W4a16Params, m_or_blocks: u32, n: u32, splits: u32) -> (u32, u32
 ///
 /// # Safety
 /// The buffers must have the shapes [`GemmArgs`] and the kernel docs give, in `gemm`'s layout.
-pub unsafe fn launch(
-    gemm: &CompiledKernel<W4a16Gemm>,
+pub unsafe fn launch<K: W4a16Kernel>(
+    gemm: &CompiledKernel<K>,
     reduce: Option<&CompiledKernel<W4a16Reduce>>,
     s: &Arc<CudaStream>,
     args: &GemmArgs,
@@ -728,7 +838,7 @@ pub unsafe fn launch(
     out: &mut CudaSlice<bf16>,
     splits: u32,
 ) -> Result<(), RuntimeError> {
-    let p = *gemm.params();
+    let p = gemm.params().tiling();
     let bad = |reason: String| RuntimeError::Launch {
         kernel: gemm.id().symbol.clone(),
         reason,
@@ -759,12 +869,14 @@ pub unsafe fn launch(
     if p.moe != args.routing.is_some() {
         return Err(bad("grouped variants need routing, dense ones none".into()));
     }
-    let g = grid(&p, blocks, args.n, splits);
+    let g = grid(gemm.params(), blocks, args.n, splits);
+    let routing = (sorted, block_expert, route_w);
+    let mnk = (args.m, args.n, args.k);
     if p.splitk {
         let red = reduce.expect("checked above");
         // SAFETY: forwarded to the caller; part holds splits * m * n values.
         unsafe {
-            W4a16Gemm::launch(
+            K::launch_gemm(
                 gemm,
                 s,
                 g,
@@ -774,22 +886,18 @@ pub unsafe fn launch(
                 residual,
                 &mut scratch.none_out,
                 &mut scratch.part,
-                sorted,
-                block_expert,
-                route_w,
-                args.m,
-                args.n,
-                args.k,
+                routing,
+                mnk,
                 a_div,
             )?;
-            let total = args.m * out_cols(&p, args.n);
+            let total = args.m * out_cols(gemm.params(), args.n);
             let rg = total.div_ceil(red.params().block).clamp(1, 65535);
             W4a16Reduce::launch(red, s, rg, &scratch.part, residual, out, args.m, args.n, splits)
         }
     } else {
         // SAFETY: forwarded to the caller.
         unsafe {
-            W4a16Gemm::launch(
+            K::launch_gemm(
                 gemm,
                 s,
                 g,
@@ -799,12 +907,8 @@ pub unsafe fn launch(
                 residual,
                 out,
                 &mut scratch.part,
-                sorted,
-                block_expert,
-                route_w,
-                args.m,
-                args.n,
-                args.k,
+                routing,
+                mnk,
                 a_div,
             )
         }

@@ -406,7 +406,7 @@ const MLA_ABSORB_OUTPUT_MAX_ROWS: usize = 2;
 /// (Hopper) only, so `auto` falls back to `mma` elsewhere and an explicit `wgmma` is an error.
 fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result<AttentionKernel> {
     match kind {
-        _ if tree::wgmma_supported(cc) => Ok(kind),
+        _ if ddtree_kernels::wgmma_supported(cc) => Ok(kind),
         AttentionKernel::Auto => Ok(AttentionKernel::Mma),
         AttentionKernel::Mma => Ok(kind),
         AttentionKernel::Wgmma => Err(EngineError::Backend {
