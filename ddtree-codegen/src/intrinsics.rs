@@ -120,7 +120,7 @@ pub enum Intrinsic {
     /// stays in shared memory: make one per tile and add compile-time offsets, so a `wgmma`
     /// costs an add per operand instead of an address conversion.
     WgmmaDesc,
-    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], a: u32, b: u32)`, `N` 8, 16, 32, 64, 128 or 256 (from `d`'s
+    /// `wgmma_bf16_ss(&mut d: [f32; N / 2], a: u32, b: u32)`, `N` 16, 32 or 64 (from `d`'s
     /// length), `a` and `b` from [`Intrinsic::WgmmaDesc`]: one warpgroup's `D[64, N] += A[64, 16]
     /// B[N, 16]^T` (`wgmma.mma_async` m64nNk16, bf16 in, f32 accumulators). Both operands are
     /// bf16 in shared memory, K-major and 128-byte swizzled: row `r` of an operand at byte `p`
@@ -138,6 +138,10 @@ pub enum Intrinsic {
     /// `p + 1024 (k / 8) + 128 (k % 8)`, chunks swizzled as for [`Intrinsic::WgmmaBf16Ss`], `p`
     /// 1024-byte aligned. `d` as there.
     WgmmaBf16RsMn,
+    /// `wgmma_bf16_rs(&mut d: [f32; N / 2], &a: [u32; 4], b: u32)`, `N` 8, 16, 32, 64, 128 or 256: `D[64, N] += A[64, 16] B[N, 16]^T` with `A` in registers (as
+    /// for [`Intrinsic::WgmmaBf16RsMn`]) and `B` K-major in shared memory as for
+    /// [`Intrinsic::WgmmaBf16Ss`]. `a` must not change until the `wgmma` is waited for.
+    WgmmaBf16Rs,
 }
 
 use Intrinsic::*;
@@ -193,6 +197,7 @@ pub const ALL: &[Intrinsic] = &[
     WgmmaDesc,
     WgmmaBf16Ss,
     WgmmaBf16RsMn,
+    WgmmaBf16Rs,
 ];
 
 impl Intrinsic {
@@ -248,6 +253,7 @@ impl Intrinsic {
             WgmmaDesc => "wgmma_desc",
             WgmmaBf16Ss => "wgmma_bf16_ss",
             WgmmaBf16RsMn => "wgmma_bf16_rs_mn",
+            WgmmaBf16Rs => "wgmma_bf16_rs",
         }
     }
 
@@ -265,8 +271,8 @@ impl Intrinsic {
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
-            AtomicCas | MmaBf16 | MmaF16 | WgmmaBf16Ss | WgmmaBf16RsMn | CpAsync16Zfill | CpAsync8Zfill
-            | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
+            AtomicCas | MmaBf16 | MmaF16 | WgmmaBf16Ss | WgmmaBf16RsMn | WgmmaBf16Rs | CpAsync16Zfill
+            | CpAsync8Zfill | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
             Lop3 => 4,
         }
     }
@@ -346,9 +352,10 @@ impl Intrinsic {
             Prmt => Helper::Prmt,
             FmaBf16x2 => Helper::FmaBf16x2,
             GridWait | GridLaunchDependents => Helper::GridDependency,
-            WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync | WgmmaDesc | WgmmaBf16Ss | WgmmaBf16RsMn => {
-                Helper::Wgmma
-            }
+            WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync | WgmmaDesc => Helper::Wgmma,
+            WgmmaBf16Ss => Helper::WgmmaSs,
+            WgmmaBf16Rs => Helper::WgmmaRs,
+            WgmmaBf16RsMn => Helper::WgmmaRsMn,
             _ => return None,
         })
     }
@@ -450,19 +457,33 @@ impl Intrinsic {
                 Ty::Void
             }
             CpAsyncWait => Ty::Void,
-            WgmmaBf16Ss => {
+            WgmmaBf16Ss | WgmmaBf16Rs => {
+                let ss = self == WgmmaBf16Ss;
                 match &args[0].ty {
                     Ty::Ref {
                         elem: Scalar::F32,
                         space: Space::Local,
-                        len: Some(4 | 8 | 16 | 32 | 64 | 128),
+                        len: Some(n),
                         mutable: true,
+                    } if if ss {
+                        matches!(n, 8 | 16 | 32)
+                    } else {
+                        matches!(n, 4 | 8 | 16 | 32 | 64 | 128)
                     } => {}
                     other => op_bail!(
-                        "argument 1 of `{name}` must be `&mut [f32; N / 2]` with N 8, 16, 32, 64, 128 or 256, found {other}"
+                        "argument 1 of `{name}` must be `&mut [f32; N / 2]` with N {}, found {other}",
+                        if ss {
+                            "16, 32 or 64"
+                        } else {
+                            "8, 16, 32, 64, 128 or 256"
+                        }
                     ),
                 }
-                expect(&mut args[1], Scalar::U32, name, 2)?;
+                if self == WgmmaBf16Rs {
+                    expect_row(&args[1], Scalar::U32, 4, false, Space::Local, name, 2)?;
+                } else {
+                    expect(&mut args[1], Scalar::U32, name, 2)?;
+                }
                 expect(&mut args[2], Scalar::U32, name, 3)?;
                 Ty::Void
             }
@@ -609,8 +630,14 @@ pub enum Helper {
     FmaBf16x2,
     /// `griddepcontrol` wait and launch_dependents.
     GridDependency,
-    /// Warpgroup MMA (`wgmma`), its fences and descriptors.
+    /// Warpgroup MMA (`wgmma`): fences, groups and descriptors.
     Wgmma,
+    /// `wgmma_bf16_ss`, one overload per N.
+    WgmmaSs,
+    /// `wgmma_bf16_rs`, one overload per N.
+    WgmmaRs,
+    /// `wgmma_bf16_rs_mn`.
+    WgmmaRsMn,
 }
 
 impl Helper {
@@ -620,6 +647,7 @@ impl Helper {
             Helper::Bf16Convert => &[Helper::Bf16Type],
             Helper::F16Convert => &[Helper::F16Type],
             Helper::Ldmatrix | Helper::CpAsync | Helper::CpAsyncSmall | Helper::Wgmma => &[Helper::SmemAddr],
+            Helper::WgmmaSs | Helper::WgmmaRs | Helper::WgmmaRsMn => &[Helper::Wgmma],
             _ => &[],
         }
     }
@@ -781,7 +809,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 }
 "
             }
-            Helper::Wgmma => wgmma_source(),
+            Helper::Wgmma => wgmma_source(WgmmaShape::Base),
+            Helper::WgmmaSs => wgmma_source(WgmmaShape::Ss),
+            Helper::WgmmaRs => wgmma_source(WgmmaShape::Rs),
+            Helper::WgmmaRsMn => wgmma_source(WgmmaShape::RsMn),
             Helper::GridDependency => {
                 "// Programmatic dependent launch (sm_90+; no-ops for a launch without it).
 __device__ __forceinline__ void grid_wait() {
@@ -800,11 +831,25 @@ __device__ __forceinline__ void grid_launch_dependents() {
     }
 }
 
-/// The `wgmma` helpers: fences, the shared-memory descriptor and one overload per shape.
-fn wgmma_source() -> &'static str {
-    static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SRC.get_or_init(|| {
-        let mut s = String::from(
+/// Which part of the `wgmma` helpers [`wgmma_source`] renders.
+#[derive(Clone, Copy)]
+enum WgmmaShape {
+    /// Fences, groups and the descriptor.
+    Base,
+    /// `wgmma_bf16_ss` at N 16, 32, 64.
+    Ss,
+    /// `wgmma_bf16_rs` at N 8 to 256.
+    Rs,
+    /// `wgmma_bf16_rs_mn` (N 64).
+    RsMn,
+}
+
+/// The `wgmma` helpers: fences and the shared-memory descriptor, or one overload per shape of
+/// one instruction form.
+fn wgmma_source(part: WgmmaShape) -> &'static str {
+    static SRC: std::sync::OnceLock<[String; 4]> = std::sync::OnceLock::new();
+    let all = SRC.get_or_init(|| {
+        let base = String::from(
             "__device__ __forceinline__ void wgmma_fence() { asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() { asm volatile(\"wgmma.wait_group.sync.aligned %0;\" :: \"n\"(N) : \"memory\"); }
@@ -817,9 +862,10 @@ __device__ __forceinline__ unsigned int wgmma_desc(const void* p) { return (smem
         );
         let regs = |n: usize, from: usize| (from..from + n).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
         let outs = |n: usize| (0..n).map(|i| format!("\"+f\"(d[{i}])")).collect::<Vec<_>>().join(", ");
-        for n in [8usize, 16, 32, 64, 128, 256] {
+        let mut ss = String::new();
+        for n in [16usize, 32, 64] {
             let m = n / 2;
-            s.push_str(&format!(
+            ss.push_str(&format!(
                 "__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[{m}], unsigned int a, unsigned int b) {{
     asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %{p}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, %{da}, %{db}, p, 1, 1, 0, 0; }}\"
                  : {outs}
@@ -833,7 +879,27 @@ __device__ __forceinline__ unsigned int wgmma_desc(const void* p) { return (smem
                 outs = outs(m),
             ));
         }
-        s.push_str(&format!(
+        let mut rs = String::new();
+        for n in [8usize, 16, 32, 64, 128, 256] {
+            let m = n / 2;
+            rs.push_str(&format!(
+                "__device__ __forceinline__ void wgmma_bf16_rs(float (&d)[{m}], const unsigned int* a, unsigned int b) {{
+    asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %{p}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{db}, p, 1, 1, 0; }}\"
+                 : {outs}
+                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(WGMMA_DESC_HI | b), \"r\"(1));
+}}
+",
+                d = regs(m, 0),
+                a0 = m,
+                a1 = m + 1,
+                a2 = m + 2,
+                a3 = m + 3,
+                db = m + 4,
+                p = m + 5,
+                outs = outs(m),
+            ));
+        }
+        let rs_mn = format!(
             "__device__ __forceinline__ void wgmma_bf16_rs_mn(float (&d)[32], const unsigned int* a, unsigned int b) {{
     asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {{{d}}}, {{%32, %33, %34, %35}}, %36, p, 1, 1, 1; }}\"
                  : {outs}
@@ -842,7 +908,8 @@ __device__ __forceinline__ unsigned int wgmma_desc(const void* p) { return (smem
 ",
             d = regs(32, 0),
             outs = outs(32),
-        ));
-        s
-    })
+        );
+        [base, ss, rs, rs_mn]
+    });
+    &all[part as usize]
 }

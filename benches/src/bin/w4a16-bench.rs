@@ -4,7 +4,8 @@
 //!    reference (fresh random data, poisoned outputs, ragged and Kimi sizes);
 //! 2. device copy bandwidth;
 //! 3. per shape and M: cuBLAS bf16, every g32 W4A16 candidate (split-K ones at several splits),
-//!    the best and the default, as µs, GB/s, % of copy bandwidth and speedup over cuBLAS;
+//!    the best and the default, as µs, GB/s, % of copy bandwidth and speedup over cuBLAS, and
+//!    the best candidate of the warpgroup (`wgmma`) kernel on GPUs that have it;
 //! 4. the MoE block on a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8).
 //!
 //! For the small-token path (`w4a16_gemv`) the dense table adds, at M <= 16, the best GEMV
@@ -20,7 +21,7 @@
 //! (with the default GEMM for reference) and the MoE EP8 slice at T = 1..16 (grouped GEMM vs
 //! every GEMV pair), µs and % of copy bandwidth, the best per row in bold.
 //!
-//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--gemv]`. Exits non-zero if any check fails.
+//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--no-moe] [--ms 16,64,..] [--gemv]`. Exits non-zero if any check fails.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -30,11 +31,14 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{DevBuf, Sizes, Target};
 use ddtree_kernels::w4a16::check::{self, moe_pairs, random_routing};
-use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, DENSE_SPACE};
+use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel, DENSE_SPACE};
+use ddtree_kernels::w4a16::gemm_wg::{WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::DeviceExperts;
-use ddtree_kernels::w4a16::{Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
+use ddtree_kernels::w4a16::{
+    Epilogue, Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16GemmWg, W4a16Params, W4a16Reduce, W4a16WgParams,
+};
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 use half::bf16;
@@ -59,6 +63,16 @@ struct Args {
     /// Only the small-token GEMV candidates: their checks, then every candidate per row.
     #[arg(long)]
     gemv: bool,
+    /// Token counts of the dense table.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16, 32, 64, 128, 256])]
+    ms: Vec<usize>,
+    /// Skip the MoE table.
+    #[arg(long)]
+    no_moe: bool,
+    /// Only the warpgroup (`wgmma`) kernel: a first launch of every candidate (printed as it
+    /// goes), its checks, then every candidate on 7168->36864 at `--ms` against cuBLAS.
+    #[arg(long)]
+    wg: bool,
 }
 
 const L2_BYTES: usize = 60 << 20;
@@ -149,17 +163,13 @@ fn dense_weights(gpu: &Gpu, n: usize, k: usize, rng: &mut StdRng) -> Result<Vec<
         .collect()
 }
 
-/// Times one dense W4A16 GEMM variant (`kern`: params, kernel, split-K reduce) at `[m, n, k]`
+/// Times one dense W4A16 GEMM variant of either kernel (`kern`: params, kernel, split-K reduce) at `[m, n, k]`
 /// with `splits`, rotating weights and activations.
 #[allow(clippy::too_many_arguments)]
-fn time_gemm(
+fn time_gemm<K: W4a16Kernel>(
     s: &Arc<CudaStream>,
     reps: usize,
-    kern: (
-        &W4a16Params,
-        &CompiledKernel<W4a16Gemm>,
-        Option<&CompiledKernel<W4a16Reduce>>,
-    ),
+    kern: (&K::Params, &CompiledKernel<K>, Option<&CompiledKernel<W4a16Reduce>>),
     wts: &[DenseCopy],
     acts: &[CudaSlice<bf16>],
     scratch: &mut Scratch,
@@ -170,7 +180,11 @@ fn time_gemm(
     let (p, gk, red) = kern;
     time_us(s, reps, |i| {
         let (wc, wi, sc) = &wts[i % wts.len()];
-        let w = if p.layout == Layout::Interleaved { wi } else { wc };
+        let w = if p.tiling().layout == Layout::Interleaved {
+            wi
+        } else {
+            wc
+        };
         let args = GemmArgs {
             a: &acts[i % acts.len()],
             w,
@@ -254,6 +268,17 @@ fn bench_shape(
         };
         kernels.push((*p, gpu.compile::<W4a16Gemm>(p)?, red));
     }
+    let reduce = gpu.compile::<W4a16Reduce>(&ReduceParams {
+        block: 256,
+        epilogue: Epilogue::Plain,
+    })?;
+    // The warpgroup kernel where the GPU has `wgmma` (plain g32 candidates in either layout).
+    let mut wg_kernels = Vec::new();
+    if ddtree_kernels::wgmma_supported(gpu.fingerprint().compute_capability) {
+        for p in WG_DENSE_SPACE.iter().filter(|p| p.group == 32) {
+            wg_kernels.push((*p, gpu.compile::<W4a16GemmWg>(p)?));
+        }
+    }
     let gemv_kernels: Vec<(GemvW4Params, _)> = GEMV_SPACE
         .iter()
         .filter(|p| p.mode == GemvMode::Dense)
@@ -306,9 +331,50 @@ fn bench_shape(
                 });
             }
         }
+        // The warpgroup kernel: candidates whose N tile is not far above M, split-K ones at up
+        // to 4 splits.
+        let mut wg: Vec<Timed> = Vec::new();
+        for (p, gk) in &wg_kernels {
+            if p.bn as usize > 4 * m.next_power_of_two().max(8) {
+                continue;
+            }
+            let splits: &[u32] = if p.splitk { &[1, 2, 3, 4] } else { &[1] };
+            for &sp in splits {
+                let red = p.splitk.then_some(&reduce);
+                let us = time_gemm(
+                    s,
+                    reps,
+                    (p, gk, red),
+                    &wts,
+                    &acts,
+                    &mut scratch,
+                    &mut out,
+                    [m, n, k],
+                    sp,
+                )?;
+                wg.push(Timed {
+                    label: format!("{} x{sp}", short_wg(p)),
+                    us,
+                });
+            }
+        }
+        wg.sort_by(|a, b| a.us.total_cmp(&b.us));
         timed.sort_by(|a, b| a.us.total_cmp(&b.us));
         let best = &timed[0];
         let bytes = (q_bytes + 2 * m * k + 2 * m * n) as f64;
+        let wg_col = match wg.first() {
+            Some(g) => {
+                let gg = bytes / (g.us * 1e-6) / 1e9;
+                format!(
+                    "{:.1} | {:.0}% | {:.2}x | {}",
+                    g.us,
+                    100.0 * gg / bw,
+                    cublas / g.us,
+                    g.label
+                )
+            }
+            None => "- | - | - | -".into(),
+        };
         let gbs = bytes / (best.us * 1e-6) / 1e9;
         // The small-token GEMV: every dense candidate that takes m rows.
         let mut gv: Vec<Timed> = Vec::new();
@@ -331,7 +397,7 @@ fn bench_shape(
             None => "- | - | -".into(),
         };
         println!(
-            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} | {gemv_col} |",
+            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} | {wg_col} | {gemv_col} |",
             best.us,
             100.0 * gbs / bw,
             cublas / best.us,
@@ -373,6 +439,23 @@ fn short(p: &W4a16Params) -> String {
         if p.mt == 1 && !p.aring { " ad" } else { "" },
         if p.splitk { " sk" } else { "" }
     )
+}
+
+/// A compact warpgroup-kernel variant label.
+fn short_wg(p: &W4a16WgParams) -> String {
+    let l = if p.layout == Layout::Interleaved { "il" } else { "ck" };
+    format!(
+        "wg{} mt{} bn{} st{}{}",
+        p.wgs,
+        p.mt,
+        p.bn,
+        p.stages,
+        if p.layout == Layout::Interleaved {
+            String::new()
+        } else {
+            format!(" {l}")
+        }
+    ) + if p.splitk { " sk" } else { "" }
 }
 
 /// The MoE bench data: a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8) in both
@@ -702,6 +785,9 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             .unwrap_or(1)
     });
     println!("seed: {seed}");
+    if args.wg {
+        return bench_wg(&gpu, args, seed);
+    }
     let mut all_passed = true;
     if !args.skip_checks {
         let mut rng = StdRng::seed_from_u64(seed);
@@ -735,16 +821,17 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
         return Ok(all_passed);
     }
     println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");
-    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits | GEMV µs | GEMV % of copy | best GEMV |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|");
+    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits | wgmma µs | wgmma % of copy | wgmma vs cuBLAS | best wgmma | GEMV µs | GEMV % of copy | best GEMV |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---|");
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-    let ms = [1, 2, 4, 8, 16, 32, 64, 128, 256];
     if !args.moe_only {
         for (k, n) in [(7168, 4096), (2048, 7168), (7168, 2048), (7168, 36864), (1536, 12288)] {
-            bench_shape(&gpu, k, n, &ms, bw, args.reps, &mut rng)?;
+            bench_shape(&gpu, k, n, &args.ms, bw, args.reps, &mut rng)?;
         }
     }
-    bench_moe(&gpu, bw, args.reps, &mut rng)?;
+    if !args.no_moe {
+        bench_moe(&gpu, bw, args.reps, &mut rng)?;
+    }
     println!(
         "\nW4A16 candidates: {}",
         DENSE_SPACE
@@ -755,6 +842,91 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             .join(", ")
     );
     Ok(all_passed)
+}
+
+/// `--wg`: every warpgroup-kernel candidate launched once (a small ragged case, printed as it
+/// goes, so a fault names its variant), the full checks of the kernel, then every candidate on
+/// 7168->36864 at `--ms` next to cuBLAS bf16 and the copy bandwidth.
+fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
+    let t = Target::Gpu(gpu);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut passed = true;
+    if !args.skip_checks {
+        for p in WG_DENSE_SPACE.iter().chain(WG_FUSED_SPACE).filter(|p| !p.moe) {
+            let r = check::dense::<W4a16GemmWg>(&t, p, 37, 264, 384, 1, &mut rng)?;
+            println!(
+                "{} {} {}: {:?}",
+                if r.passed { "PASS" } else { "FAIL" },
+                r.symbol,
+                r.case,
+                r.comparison
+            );
+            passed &= r.passed;
+        }
+        let results = check::wg_suite(&t, Sizes::Full, &mut rng)?;
+        for r in results.iter().filter(|r| !r.passed) {
+            println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
+        }
+        let worst = results.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
+        let ok = results.iter().filter(|r| r.passed).count();
+        println!("checks: {ok} of {} passed (worst rel L2 {worst:.2e})", results.len());
+        passed &= ok == results.len();
+    }
+    let bw = ddtree_benches::copy_bandwidth(gpu)?;
+    println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
+    let (k, n) = (7168, 36864);
+    let s = gpu.stream();
+    let wts = dense_weights(gpu, n, k, &mut rng)?;
+    let nb = copies(n * k * 2);
+    let bws: Vec<CudaSlice<bf16>> = (0..nb)
+        .map(|_| random_bf16_dev(s, &mut rng, n * k))
+        .collect::<Result<_, _>>()?;
+    let blas = ddtree_runtime::Blas::new(gpu)?;
+    let reduce = gpu.compile::<W4a16Reduce>(&ReduceParams {
+        block: 256,
+        epilogue: Epilogue::Plain,
+    })?;
+    println!("\n| M | variant x splits | µs | % of copy | vs cuBLAS |\n|---:|---|---:|---:|---:|");
+    for &m in &args.ms {
+        let acts: Vec<CudaSlice<bf16>> = (0..4)
+            .map(|_| random_bf16_dev(s, &mut rng, m * k))
+            .collect::<Result<_, _>>()?;
+        let mut out = s
+            .alloc_zeros::<bf16>(m * n)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let mut scratch = Scratch::new(s, 4 * m * n)?;
+        let cublas = time_us(s, args.reps, |i| {
+            // SAFETY: a is m x k, b is n x k, c is m x n.
+            unsafe { blas.linear(&acts[i % 4], &bws[i % nb], &mut out, m, n, k) }
+        })?;
+        let bytes = (q_bytes(n, k) + 2 * m * k + 2 * m * n) as f64;
+        println!("| {m} | cuBLAS bf16 | {cublas:.1} | | |");
+        for p in WG_DENSE_SPACE.iter().filter(|p| p.group == 32) {
+            let gk = gpu.compile::<W4a16GemmWg>(p)?;
+            let splits: &[u32] = if p.splitk { &[1, 2, 4] } else { &[1] };
+            for &sp in splits {
+                let red = p.splitk.then_some(&reduce);
+                let us = time_gemm(
+                    s,
+                    args.reps,
+                    (p, &gk, red),
+                    &wts,
+                    &acts,
+                    &mut scratch,
+                    &mut out,
+                    [m, n, k],
+                    sp,
+                )?;
+                let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
+                println!(
+                    "| {m} | {} x{sp} | {us:.1} | {pct:.0}% | {:.2}x |",
+                    short_wg(p),
+                    cublas / us
+                );
+            }
+        }
+    }
+    Ok(passed)
 }
 
 fn main() -> ExitCode {

@@ -291,13 +291,17 @@ pub(super) fn is_collective(i: Intrinsic) -> bool {
             | LdmatrixX4Trans
             | WgmmaBf16Ss
             | WgmmaBf16RsMn
+            | WgmmaBf16Rs
     )
 }
 
 /// Collectives that all 128 threads of a warpgroup (four warps from a multiple of 128) execute
 /// together.
 pub(super) fn is_warpgroup(i: Intrinsic) -> bool {
-    matches!(i, Intrinsic::WgmmaBf16Ss | Intrinsic::WgmmaBf16RsMn)
+    matches!(
+        i,
+        Intrinsic::WgmmaBf16Ss | Intrinsic::WgmmaBf16RsMn | Intrinsic::WgmmaBf16Rs
+    )
 }
 
 impl FnLower<'_, '_> {
@@ -594,7 +598,7 @@ impl FnLower<'_, '_> {
                 self.emit(Op::Call { func, args: cargs, dst });
             }
             Func::Intrinsic(i) => {
-                if *i == Intrinsic::WgmmaBf16Ss {
+                if matches!(i, Intrinsic::WgmmaBf16Ss | Intrinsic::WgmmaBf16Rs) {
                     // The accumulator row's length gives the shape (N = 2 len).
                     let Ty::Ref { len: Some(n), .. } = &args[0].ty else {
                         unreachable!("checked when the kernel was built")

@@ -1191,8 +1191,10 @@ impl<'k> Exec<'k, '_> {
             r
         };
         let ss = *op == Intrinsic::WgmmaBf16Ss;
-        // `ss` carries N as a fourth argument (from the accumulator row's type).
-        let n = if ss { vals[0][3].u32() as usize } else { 64 };
+        // B K-major (`ss`, `rs`) or N-major (`rs_mn`).
+        let b_kmajor = ss || *op == Intrinsic::WgmmaBf16Rs;
+        // `ss` and `rs` carry N as a fourth argument (from the accumulator row's type).
+        let n = if b_kmajor { vals[0][3].u32() as usize } else { 64 };
         let t0 = lanes[0].linear;
         let err = |s: &Self, h| s.error(&lanes[0], func, loc, h);
         // The shared array and byte offset a descriptor (`wgmma_desc` plus offsets) points at.
@@ -1265,7 +1267,7 @@ impl<'k> Exec<'k, '_> {
         }
         for (j, brow) in bm.iter_mut().enumerate() {
             for (kk, x) in brow.iter_mut().enumerate() {
-                *x = if ss {
+                *x = if b_kmajor {
                     read(self, 2, j, kk, false)
                 } else {
                     read(self, 2, kk, j, true)

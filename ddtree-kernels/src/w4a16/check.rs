@@ -407,7 +407,7 @@ pub fn suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Check
         }
     }
     if t.runs_wgmma() {
-        out.extend(wg_cases(t, full, rng)?);
+        out.extend(wg_suite(t, sizes, rng)?);
     }
     for (idx, pair) in moe_pairs().iter().enumerate() {
         // (16, 3, .., 4): about 13 pairs per local expert, so a half-m-tile (8-row) block is not
@@ -447,8 +447,9 @@ pub fn wg_moe_pairs() -> Vec<(W4a16WgParams, W4a16WgParams)> {
 
 /// Every [`W4a16GemmWg`] candidate: dense ones at ragged sizes (M past one block of the small
 /// `bn`, N past one block, K ending in half a k64 chunk where the group allows), split-K ones
-/// with 1 and 3 splits, and the grouped pairs in the MoE block.
-fn wg_cases(t: &Target<'_>, full: bool, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+/// with 1 and 3 splits, and the grouped pairs in the MoE block. Needs [`Target::runs_wgmma`].
+pub fn wg_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let full = sizes == Sizes::Full;
     let mut out = Vec::new();
     let mut cases: Vec<(usize, usize, usize)> = vec![(5, 136, 384), (37, 264, 288)];
     if full {

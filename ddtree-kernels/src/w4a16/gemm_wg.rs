@@ -2,18 +2,25 @@
 //! epilogues, split-K partials and MoE routing) on the Hopper warpgroup tensor cores
 //! (`wgmma`), for the token counts where the tensor rate matters (M about 16 to 256).
 //!
-//! Design: the weights are the `wgmma` A operand (64 weight rows per m64 tile, `mt` tiles per
-//! warpgroup, `wgs` warpgroups per block), the block's `bn` activation rows (tokens, or
-//! token-expert pairs) the B operand, both K-major in 128-byte-swizzled shared memory; the
-//! accumulators are `D[weight row, token]` in registers. K runs in k64 chunks through a
-//! shared-memory ring of `stages` slots, each filled by one `cp.async` group: the chunk's
-//! activations (zero-filled past M and K), its packed weights (each thread copies the 16-byte
-//! pieces it will dequantize: 32 k of one row, in either layout) and their scale words. Per
-//! chunk every thread dequantizes its pieces (`lop3` magic and `fma.rn.bf16x2`, the numerics of
-//! the mma.sync kernels: `bf16(q * scale)`) into one of two dequantized weight tiles while the
-//! previous chunk's `wgmma`s run; then one barrier, then this chunk's `wgmma`s (4 k16 steps per
-//! m64 tile) are issued and left running while the ring slot freed by the previous chunk is
-//! refilled `stages - 1` chunks ahead.
+//! Design: the weights are the `wgmma` A operand, dequantized straight into registers (64
+//! weight rows per m64 tile, `mt` tiles per warpgroup, `wgs` warpgroups per block); the block's
+//! `bn` activation rows (tokens, or token-expert pairs) are the B operand, K-major and
+//! 128-byte swizzled in shared memory; the accumulators are `D[weight row, token]`. K runs in
+//! k128 chunks through a shared-memory ring of `stages` slots, each filled by one `cp.async`
+//! group: the chunk's activations (zero-filled past M and K), its packed weights as 16-byte
+//! pieces (32 k of one row; a warp copies whole 512-byte interleaved tiles, and zero-fills
+//! with a zero scale past N and K) and their scale words. A `wgmma` A fragment needs, for rows
+//! `g` and `g + 8`, the k pairs `2 q, 2 q + 1` and `2 q + 8, 2 q + 9` of each k16 step, which is
+//! element pair `q` of two packed words: `magic(word >> 4 q)` in the interleaved layout (pairs
+//! sit at nibbles `i, i + 4`) or `>> 8 q` in the checkpoint one, then one `fma.rn.bf16x2` pair
+//! per register as in the mma.sync kernels (`bf16(q * scale)`). The four lanes of a row read
+//! the same 16 bytes (a broadcast), so the shared-memory reads cost a quarter of the bytes
+//! they return.
+//!
+//! Step `j` issues chunk `j - 1`'s `wgmma`s, refills the ring, waits for chunk `j`, and makes
+//! its A fragments (the other of two register sets) while those `wgmma`s run; it waits for
+//! them before the loop's back edge, since ptxas serializes every `wgmma` of a loop that
+//! carries one in flight past it (C7515) when the accumulators are zeroed before the loop.
 //!
 //! The grid and the epilogues are those of [`super::W4a16Gemm`] with `bn` A rows and
 //! `64 wgs mt` weight rows per block; SiLU-and-mul pairs tile `t` (gate rows) with tile
@@ -45,7 +52,7 @@ pub struct W4a16WgParams {
     pub mt: u32,
     /// A rows (tokens or pairs) per block: the `wgmma` N (8, 16, 32, 64, 128 or 256).
     pub bn: u32,
-    /// Ring slots (k64 chunks); `stages - 1` chunks are loading while one is computed.
+    /// Ring slots (k128 chunks, >= 3); `stages - 2` chunks are loading while one is computed.
     pub stages: u32,
     /// Output epilogue.
     pub epilogue: Epilogue,
@@ -61,10 +68,10 @@ impl W4a16WgParams {
         64 * self.wgs * self.mt
     }
 
-    /// Bytes of dynamic shared memory: two dequantized bf16 weight tiles `[rows, 64]`, then the
-    /// ring (per slot the activations `[bn, 64]` bf16 and the packed weights, 32 bytes a row).
+    /// Bytes of dynamic shared memory: the ring (per slot the activations `[bn, 128]` bf16 and
+    /// the packed weights, 64 bytes a row).
     pub const fn dyn_smem(&self) -> u32 {
-        2 * self.weight_rows() * 128 + self.stages * (self.bn * 128 + self.weight_rows() * 32)
+        self.stages * (self.bn * 256 + self.weight_rows() * 64)
     }
 }
 
@@ -98,30 +105,30 @@ const fn wg(wgs: u32, mt: u32, bn: u32, stages: u32, splitk: bool) -> W4a16WgPar
     }
 }
 
-/// Candidates of the plain dense product: 256 weight rows per block (two warpgroups of two
-/// tiles, or four of one) at N 64 and 128, 128-row blocks for more blocks per wave, small N
+/// Candidates of the plain dense product: 256 or 128 weight rows per block at N 64 and 128
+/// (some with rings small enough for two blocks per SM), one warpgroup of two tiles, small N
 /// with split-K for M <= 32, N 256 for the largest M, the checkpoint layout and g64 / g128.
 pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
-    wg(2, 2, 64, 8, false),
-    wg(2, 2, 128, 6, false),
-    wg(4, 1, 64, 8, false),
-    wg(4, 1, 128, 6, false),
+    wg(2, 2, 64, 5, false),
     wg(2, 1, 64, 8, false),
-    wg(2, 1, 128, 8, false),
+    wg(2, 1, 64, 4, false),
+    wg(2, 1, 128, 5, false),
+    wg(1, 2, 64, 4, false),
+    wg(4, 1, 64, 6, false),
     wg(2, 2, 16, 8, true),
-    wg(2, 2, 32, 8, true),
-    wg(2, 1, 256, 5, false),
+    wg(2, 2, 32, 7, true),
+    wg(2, 1, 256, 3, false),
     W4a16WgParams {
         layout: Layout::Checkpoint,
-        ..wg(2, 2, 64, 8, false)
+        ..wg(2, 2, 64, 5, false)
     },
     W4a16WgParams {
         group: 64,
-        ..wg(2, 2, 64, 8, false)
+        ..wg(2, 2, 64, 5, false)
     },
     W4a16WgParams {
         group: 128,
-        ..wg(2, 2, 64, 8, false)
+        ..wg(2, 2, 64, 5, false)
     },
 ];
 
@@ -129,11 +136,11 @@ pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
 pub const WG_FUSED_SPACE: &[W4a16WgParams] = &[
     W4a16WgParams {
         epilogue: Epilogue::SiluMul,
-        ..wg(2, 2, 64, 8, false)
+        ..wg(2, 2, 64, 5, false)
     },
     W4a16WgParams {
         epilogue: Epilogue::Residual,
-        ..wg(2, 2, 64, 8, false)
+        ..wg(2, 2, 64, 5, false)
     },
     W4a16WgParams {
         epilogue: Epilogue::SiluMul,
@@ -184,10 +191,10 @@ pub fn w4a16_gemm_wg(
         "bn must be 8, 16, 32, 64, 128 or 256"
     );
     comptime_assert!(
-        p.mt * p.bn <= 256,
-        "mt * bn must be at most 256 (128 accumulator registers)"
+        p.mt * p.bn <= 256 && p.mt <= 2,
+        "mt must be at most 2 and mt * bn at most 256 (128 accumulator registers, 64 mt for A)"
     );
-    comptime_assert!(p.stages >= 2 && p.stages <= 8, "stages must be 2..=8");
+    comptime_assert!(p.stages >= 3 && p.stages <= 12, "stages must be 3..=12");
     comptime_assert!(
         p.epilogue != Epilogue::SiluMul || p.mt % 2 == 0,
         "SiLU-and-mul needs an even mt"
@@ -198,25 +205,25 @@ pub fn w4a16_gemm_wg(
         "router weights apply to grouped launches"
     );
     comptime_assert!(
-        p.dyn_smem() + p.stages * p.mt * p.wgs * 128 * 4 <= 232448,
+        p.dyn_smem() + p.stages * p.weight_rows() * 16 <= 232448,
         "shared memory (the ring, the tiles and the scale words) is limited to 227 KiB per block"
     );
     let silu_epi = p.epilogue == Epilogue::SiluMul;
     let threads = p.wgs * 128;
     let rows = 64 * p.wgs * p.mt;
-    // bf16 elements: the dequantized tiles (m64 tile `i` at 4096 i), then the ring slots (the
-    // activations, then the packed weights: piece `i` at 8 i).
-    let ring = 2 * rows * 64;
-    let slot = p.bn * 64 + rows * 16;
+    // A ring slot (bf16 elements): the activations, two 64-k column blocks `[bn, 64]`, then the
+    // packed weights: piece `(kq, r)` (block row `r`, k32 quarter `kq` of the chunk) at
+    // `8 (kq rows + (r ^ 2 kq))` (the xor spreads both the copies and the reads over the
+    // banks); its scale word at `4 r + kq` of the slot's `4 rows` words in `ssc`.
+    let slot = p.bn * 128 + rows * 32;
     let sm = dyn_shared::<bf16>();
-    let ssc = shared::<u32>(p.stages * p.mt * p.wgs * 128);
+    let ssc = shared::<u32>(p.stages * 4 * p.wgs * 64 * p.mt);
     let tid = thread_idx_x();
     let h = tid / 128;
-    let wt = tid % 128;
     let lane = lane_id();
     let g = lane / 4;
     let q = lane % 4;
-    let wl = wt / 32;
+    let wl = (tid % 128) / 32;
     let mblk = block_idx_x();
     let gpr = k / p.group;
 
@@ -227,40 +234,57 @@ pub fn w4a16_gemm_wg(
             return;
         }
     }
-    // First weight row of each of this warpgroup's tiles (SiLU-and-mul: gate tiles, then the
-    // matching up tiles).
+    // With SiLU-and-mul a warpgroup's first `mt / 2` tiles are gate rows and the rest the
+    // matching up rows.
+    let half = p.mt / 2;
+    let by = block_idx_y();
+    // The first weight row of each of this warpgroup's tiles.
     let mut tbase = [0u32; p.mt];
     #[unroll]
-    for t in 0..p.mt {
+    for u in 0..p.mt {
         if silu_epi {
-            let half = p.mt / 2;
-            let c0 = block_idx_y() * (rows / 2) + (h * half + t % half) * 64;
-            tbase[t] = if t < half { c0 } else { n / 2 + c0 };
+            let c0 = by * (rows / 2) + (h * half + u % half) * 64;
+            tbase[u] = if u < half { c0 } else { n / 2 + c0 };
         } else {
-            tbase[t] = block_idx_y() * rows + (h * p.mt + t) * 64;
+            tbase[u] = by * rows + (h * p.mt + u) * 64;
+        }
+    }
+    // The pieces this thread copies, `tid + threads v`: lane `l` of the block's 8-row group
+    // `idx / 32` (row `8 (idx / 32) + l / 4`, quarter `l % 4`), so a warp copies whole 512-byte
+    // interleaved tiles; and their weight rows.
+    let pieces = 2 * p.mt;
+    let mut prow = [0u32; 2 * p.mt];
+    #[unroll]
+    for v in 0..pieces {
+        let idx = tid + threads * v;
+        let r = (idx / 32) * 8 + (idx % 32) / 4;
+        if silu_epi {
+            let t = r / 64;
+            let c0 = by * (rows / 2) + ((t / p.mt) * half + (t % p.mt) % half) * 64;
+            prow[v] = r % 64 + if t % p.mt < half { c0 } else { n / 2 + c0 };
+        } else {
+            prow[v] = by * rows + r;
         }
     }
     // Interleaved: tiles of 8 rows x 128 k, 128 words each.
+    let kbs = (k + 127u32) / 128u32;
     let wstride = if p.layout == Layout::Interleaved {
-        (n + 7u32) / 8u32 * ((k + 127u32) / 128u32) * 128u32
+        (n + 7u32) / 8u32 * kbs * 128u32
     } else {
         n * (k / 8)
     };
     let wbase = expert * wstride;
     let sbase = expert * n * gpr;
-    // This thread's pieces: row `wt / 2` of each tile, the k32 half `wt % 2` of every chunk.
-    let pr = wt / 2;
-    let qq = wt % 2;
-    // The A rows of this thread's activation copies: row `idx / 8`, 16-byte chunk `idx % 8`
+    // The A rows of this thread's activation copies: row `idx / 16`, 16-byte chunk `idx % 16`
     // with `idx = tid + threads v` (u32::MAX: zero-filled).
-    let acopies = (p.bn * 8 + threads - 1) / threads;
+    let acopies = (p.bn * 16 + threads - 1) / threads;
     let mut arow = [0u32; acopies];
     #[unroll]
     for v in 0..acopies {
         let idx = tid + threads * v;
-        let slot_row = mblk * p.bn + idx / 8;
+        let slot_row = mblk * p.bn + idx / 16;
         arow[v] = u32::MAX;
-        if idx < p.bn * 8 {
+        if idx < p.bn * 16 {
             if p.moe {
                 let pair = sorted[slot_row];
                 arow[v] = if pair == u32::MAX { u32::MAX } else { pair / a_div };
@@ -270,118 +294,154 @@ pub fn w4a16_gemm_wg(
         }
     }
 
-    let nk = (k + 63u32) / 64u32;
-    let per = (nk + grid_dim_z() - 1) / grid_dim_z();
+    let per = (kbs + grid_dim_z() - 1) / grid_dim_z();
     let c_lo = block_idx_z() * per;
-    let c_hi = (c_lo + per).min(nk);
+    let c_hi = (c_lo + per).min(kbs);
     let nloc = if c_hi > c_lo { c_hi - c_lo } else { 0u32 };
     let mut acc = [[0.0f32; p.bn / 2]; p.mt];
+    // A fragments of a chunk's 8 k16 steps per tile, two sets (chunk `j` in set `j % 2`).
+    let mut af = [[0u32; 4]; 16 * p.mt];
 
-    // Issues chunk `i`'s copies into ring slot `i % stages` (nothing past the split's end),
-    // then closes the group.
-    for it in 0..nloc + p.stages - 1 {
-        if it + 1 >= p.stages {
-            // Chunk `i` (this thread's copies) has landed.
-            let i = it + 1 - p.stages;
-            let c = c_lo + i;
-            let rs = ring + (i % p.stages) * slot;
-            cp_async_wait(p.stages - 2);
-            // Dequantize this thread's pieces of chunk `i` into tile set `i % 2` (last read by
-            // chunk `i - 2`'s `wgmma`s, which this warpgroup waited for).
-            let dq = (i % 2) * rows * 64;
-            #[unroll]
-            for u in 0..p.mt {
-                let raw = sm.vload(rs + p.bn * 64 + (u * threads + tid) * 8);
-                let sw = ssc[((i % p.stages) * p.mt + u) * threads + tid];
-                let sidx = sbase + (tbase[u] + pr) * gpr + (c * 64 + 32 * qq) / p.group;
-                let s2 = prmt(sw, 0u32, if sidx % 2 == 1 { 0x3232u32 } else { 0x1010u32 });
-                let mut o = raw;
-                let mut words = [0u32; 4];
-                words[0] = raw.x;
-                words[1] = raw.y;
-                words[2] = raw.z;
-                words[3] = raw.w;
-                #[unroll]
-                for j in 0..4 {
-                    let x = words[j];
-                    let mut d = [0u32; 4];
+    // Step `j` issues chunk `j - 1`'s `wgmma`s (A from set `(j - 1) % 2`), copies chunk
+    // `j + stages - 3` into the slot of chunk `j - 3` (its `wgmma`s were waited for in step
+    // `j - 2`, before every thread's barrier of step `j - 1`), waits for chunk `j`'s copies,
+    // makes chunk `j`'s A fragments while chunk `j - 1`'s `wgmma`s run, then waits for them:
+    // no `wgmma` is in flight across the loop's back edge (ptxas would serialize them), and
+    // the two fragment sets alternate in an unrolled pair of steps.
+    for jj in 0..(nloc + 2) / 2 {
+        #[unroll]
+        for hf in 0..2 {
+            let j = 2 * jj + hf;
+            if j <= nloc {
+                if j >= 1 {
+                    let i = j - 1;
+                    let bd = wgmma_desc(&sm[(i % p.stages) * slot]);
+                    wgmma_fence();
                     #[unroll]
-                    for e in 0..4 {
-                        if p.layout == Layout::Interleaved {
-                            d[e] = dequant_pair(magic_pair_interleaved(x >> (4 * e)), s2);
-                        } else {
-                            d[e] = dequant_pair(magic_pair_sequential(x >> (8 * e)), s2);
+                    for kk in 0..8 {
+                        #[unroll]
+                        for u in 0..p.mt {
+                            // k16 step `kk`: column block `kk / 4` (`bn * 64` elements, `bn * 8`
+                            // descriptor units), 32 bytes per step inside it.
+                            wgmma_bf16_rs(
+                                &mut acc[u],
+                                &af[((1 - hf) * 8 + kk) * p.mt + u],
+                                bd + (kk / 4) * p.bn * 8 + 2 * (kk % 4),
+                            );
                         }
                     }
-                    o.x = d[0];
-                    o.y = d[1];
-                    o.z = d[2];
-                    o.w = d[3];
-                    let dst =
-                        dq + (h * p.mt + u) * 4096 + (pr / 8) * 512 + (pr % 8) * 64 + ((4 * qq + j) ^ (pr % 8)) * 8;
-                    sm.vstore(dst, o);
+                    wgmma_commit();
                 }
-            }
-            // Chunk `i - 1`'s `wgmma`s are done (their ring slot is refilled below), then every
-            // thread's stores and landed copies become visible to this chunk's `wgmma`s.
-            wgmma_wait(0);
-            fence_proxy_async();
-            sync_threads();
-            let bd = wgmma_desc(&sm[rs]);
-            wgmma_fence();
-            #[unroll]
-            for u in 0..p.mt {
-                let ad = wgmma_desc(&sm[dq + (h * p.mt + u) * 4096]);
-                #[unroll]
-                for kk in 0..4 {
-                    wgmma_bf16_ss(&mut acc[u], ad + 2 * kk, bd + 2 * kk);
+                // Copies, one group per chunk: chunks `0 .. stages - 2` in step 0, then chunk
+                // `j + stages - 3`.
+                let lo = if j == 0 { 0u32 } else { j + p.stages - 3 };
+                let hi = if j == 0 { p.stages - 2 } else { lo + 1 };
+                for cl in lo..hi {
+                    if cl < nloc {
+                        let rs = (cl % p.stages) * slot;
+                        let c = c_lo + cl;
+                        #[unroll]
+                        for v in 0..acopies {
+                            let idx = tid + threads * v;
+                            if idx < p.bn * 16 {
+                                let r = idx / 16;
+                                let cc = idx % 16;
+                                let kk = c * 128 + cc * 8;
+                                let ok = arow[v] != u32::MAX && kk < k;
+                                let src = if ok { arow[v] * k + kk } else { 0u32 };
+                                let dst = rs
+                                    + (cc / 8) * p.bn * 64
+                                    + (r / 8) * 512
+                                    + (r % 8) * 64
+                                    + (((cc % 8) ^ (r % 8)) * 8);
+                                cp_async_16_zfill(&mut sm[dst], &a[src], ok);
+                            }
+                        }
+                        #[unroll]
+                        for v in 0..pieces {
+                            let idx = tid + threads * v;
+                            let r = (idx / 32) * 8 + (idx % 32) / 4;
+                            let kq = idx % 4;
+                            let row = prow[v];
+                            let kw = 4 * c + kq;
+                            let ok = row < n && kw * 32 < k;
+                            let mut src = 0u32;
+                            let mut ssrc = 0u32;
+                            if ok {
+                                src = if p.layout == Layout::Interleaved {
+                                    wbase + ((row / 8 * kbs + c) * 32 + (row % 8) * 4 + kq) * 4
+                                } else {
+                                    wbase + row * (k / 8) + kw * 4
+                                };
+                                ssrc = (sbase + row * gpr + kw * 32 / p.group) / 2;
+                            }
+                            let dst = rs + p.bn * 128 + (kq * rows + (r ^ (2 * kq))) * 8;
+                            cp_async_16_zfill(&mut sm[dst], &w[src], ok);
+                            cp_async_4_zfill(&mut ssc[(cl % p.stages) * 4 * rows + 4 * r + kq], &scales[ssrc], ok);
+                        }
+                    }
+                    cp_async_commit();
                 }
+                cp_async_wait(p.stages - 3);
+                fence_proxy_async();
+                sync_threads();
+                if j < nloc {
+                    // Rows `16 wl + g` and `+ 8` of each tile: per k32 quarter `kq` the packed
+                    // words and their scales, then the A fragments of k16 steps `2 kq` and
+                    // `2 kq + 1`.
+                    let c = c_lo + j;
+                    let rs = (j % p.stages) * slot + p.bn * 128;
+                    let ss = (j % p.stages) * 4 * rows;
+                    #[unroll]
+                    for kq in 0..4 {
+                        #[unroll]
+                        for u in 0..p.mt {
+                            let r0 = (h * p.mt + u) * 64 + 16 * wl + g;
+                            let w0 = sm.vload(rs + (kq * rows + (r0 ^ (2 * kq))) * 8);
+                            let w1 = sm.vload(rs + (kq * rows + ((r0 + 8) ^ (2 * kq))) * 8);
+                            let sw0 = ssc[ss + 4 * r0 + kq];
+                            let sw1 = ssc[ss + 4 * (r0 + 8) + kq];
+                            let si0 = sbase + (tbase[u] + 16 * wl + g) * gpr + (c * 128 + 32 * kq) / p.group;
+                            let si1 = si0 + 8 * gpr;
+                            let s0 = prmt(sw0, 0u32, if si0 % 2 == 1 { 0x3232u32 } else { 0x1010u32 });
+                            let s1 = prmt(sw1, 0u32, if si1 % 2 == 1 { 0x3232u32 } else { 0x1010u32 });
+                            let mut x0 = [0u32; 4];
+                            let mut x1 = [0u32; 4];
+                            x0[0] = w0.x;
+                            x0[1] = w0.y;
+                            x0[2] = w0.z;
+                            x0[3] = w0.w;
+                            x1[0] = w1.x;
+                            x1[1] = w1.y;
+                            x1[2] = w1.z;
+                            x1[3] = w1.w;
+                            #[unroll]
+                            for k2 in 0..2 {
+                                // k16 step `2 kq + k2`: words `2 k2` (its k 0..8) and `2 k2 + 1`
+                                // (k 8..16), element pair `q` of each.
+                                let f = (hf * 8 + 2 * kq + k2) * p.mt + u;
+                                #[unroll]
+                                for e in 0..2 {
+                                    if p.layout == Layout::Interleaved {
+                                        af[f][2 * e] =
+                                            dequant_pair(magic_pair_interleaved(x0[2 * k2 + e] >> (4 * q)), s0);
+                                        af[f][2 * e + 1] =
+                                            dequant_pair(magic_pair_interleaved(x1[2 * k2 + e] >> (4 * q)), s1);
+                                    } else {
+                                        af[f][2 * e] =
+                                            dequant_pair(magic_pair_sequential(x0[2 * k2 + e] >> (8 * q)), s0);
+                                        af[f][2 * e + 1] =
+                                            dequant_pair(magic_pair_sequential(x1[2 * k2 + e] >> (8 * q)), s1);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                wgmma_wait(0);
             }
-            wgmma_commit();
         }
-        // Copies of chunk `it` into the slot chunk `it - stages` used.
-        if it < nloc {
-            let c = c_lo + it;
-            let rs = ring + (it % p.stages) * slot;
-            #[unroll]
-            for v in 0..acopies {
-                let idx = tid + threads * v;
-                if idx < p.bn * 8 {
-                    let r = idx / 8;
-                    let cc = idx % 8;
-                    let kk = c * 64 + cc * 8;
-                    let ok = arow[v] != u32::MAX && kk < k;
-                    let src = if ok { arow[v] * k + kk } else { 0u32 };
-                    let dst = rs + (r / 8) * 512 + (r % 8) * 64 + ((cc ^ (r % 8)) * 8);
-                    cp_async_16_zfill(&mut sm[dst], &a[src], ok);
-                }
-            }
-            #[unroll]
-            for u in 0..p.mt {
-                let row = tbase[u] + pr;
-                let kq = 2 * c + qq;
-                let ok = row < n && kq * 32 < k;
-                let mut src = 0u32;
-                let mut ssrc = 0u32;
-                if ok {
-                    src = if p.layout == Layout::Interleaved {
-                        wbase + ((row / 8 * ((k + 127u32) / 128u32) + kq / 4) * 32 + (row % 8) * 4 + kq % 4) * 4
-                    } else {
-                        wbase + row * (k / 8) + kq * 4
-                    };
-                    ssrc = (sbase + row * gpr + kq * 32 / p.group) / 2;
-                }
-                cp_async_16_zfill(&mut sm[rs + p.bn * 64 + (u * threads + tid) * 8], &w[src], ok);
-                cp_async_4_zfill(
-                    &mut ssc[((it % p.stages) * p.mt + u) * threads + tid],
-                    &scales[ssrc],
-                    ok,
-                );
-            }
-        }
-        cp_async_commit();
     }
-    wgmma_wait(0);
 
     // Accumulator `acc[u][4 j + e]`: weight row `tbase[u] + 16 wl + g + 8 (e / 2)`, A row slot
     // `mblk bn + 8 j + 2 q + e % 2`.
