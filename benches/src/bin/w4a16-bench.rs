@@ -35,7 +35,7 @@ use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scr
 use ddtree_kernels::w4a16::gemm_wg::{WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
-use ddtree_kernels::w4a16::moe::DeviceExperts;
+use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair};
 use ddtree_kernels::w4a16::{
     Epilogue, Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16GemmWg, W4a16Params, W4a16Reduce, W4a16WgParams,
 };
@@ -577,7 +577,7 @@ type MoePair<P> = (MoeKernels, (P, P));
 fn grouped_kernels(gpu: &Gpu) -> Result<Vec<MoePair<W4a16Params>>, RuntimeError> {
     moe_pairs()
         .into_iter()
-        .map(|(u, d)| Ok((MoeKernels::new(gpu, &u, &d)?, (u, d))))
+        .map(|(u, d)| Ok((MoeKernels::new(gpu, GroupedPair::Mma(u, d))?, (u, d))))
         .collect()
 }
 
@@ -586,7 +586,12 @@ fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeErro
     let (gu, gd) = pairs_default();
     check::gemv_moe_pairs()
         .into_iter()
-        .map(|(u, d)| Ok((MoeKernels::new(gpu, &gu, &gd)?.with_gemv(gpu, Some((&u, &d)))?, (u, d))))
+        .map(|(u, d)| {
+            Ok((
+                MoeKernels::new(gpu, GroupedPair::Mma(gu, gd))?.with_gemv(gpu, Some((&u, &d)))?,
+                (u, d),
+            ))
+        })
         .collect()
 }
 
@@ -924,6 +929,35 @@ fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
                     cublas / us
                 );
             }
+        }
+    }
+    // The MoE block on the EP8 slice: the best grouped mma.sync pair against each warpgroup pair.
+    let mb = MoeBench::new(gpu, &mut rng)?;
+    let kernels = grouped_kernels(gpu)?;
+    let wg_pairs: Vec<(MoeKernels, (W4a16WgParams, W4a16WgParams))> = check::wg_moe_pairs()
+        .into_iter()
+        .map(|(u, d)| Ok((MoeKernels::new(gpu, GroupedPair::Wg(u, d))?, (u, d))))
+        .collect::<Result<_, RuntimeError>>()?;
+    println!("\nMoE, EP8 slice ({MOE_EXPERTS} experts, {MOE_HIDDEN} / {MOE_INTER}, top-{MOE_TOPK}), grouped path");
+    println!("| T | touched MB | mma.sync pair µs | % of copy | wgmma pair | µs | % of copy |\n|---:|---:|---:|---:|---|---:|---:|");
+    for tokens in [8usize, 16, 32, 64] {
+        let routes = mb.routes(s, tokens, &mut rng)?;
+        let x = random_bf16_dev(s, &mut rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let (us, _) = best_grouped(&mb, s, args.reps, &kernels, tokens, &routes, &x, &mut out)?;
+        let bytes = routes.touched * mb.per_expert as f64;
+        let pct = |us: f64| 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
+        for (kern, (up, _)) in &wg_pairs {
+            let wus = mb.time(s, args.reps, kern, up.layout, false, tokens, &routes, &x, &mut out)?;
+            println!(
+                "| {tokens} | {:.0} | {us:.1} | {:.0}% | {} | {wus:.1} | {:.0}% |",
+                bytes / 1e6,
+                pct(us),
+                short_wg(up),
+                pct(wus)
+            );
         }
     }
     Ok(passed)

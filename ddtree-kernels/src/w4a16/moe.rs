@@ -20,10 +20,10 @@ use ddtree_macros::{kernel, KernelParams};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 
-use super::gemm::{self, GemmArgs, Routing, Scratch};
+use super::gemm::{self, GemmArgs, GemmTiling, Routing, Scratch, W4a16Kernel};
 use super::gemv::{self, GemvMode, GemvW4Params, W4a16Gemv};
 use super::layout::{matmul, PackedInt4};
-use super::{Epilogue, W4a16Gemm, W4a16Params};
+use super::{Epilogue, W4a16Gemm, W4a16GemmWg, W4a16Params, W4a16WgParams};
 
 /// Compile-time parameters of [`MoeAlign`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
@@ -171,14 +171,29 @@ pub fn reference_stage(x: &[f32], ids: &[u32], topk: usize, w: &PackedInt4, rout
     out
 }
 
+/// The grouped (gate_up, down) variants of a [`MoeKernels`], of either GEMM kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GroupedPair {
+    /// [`W4a16Gemm`] (mma.sync).
+    Mma(W4a16Params, W4a16Params),
+    /// [`W4a16GemmWg`] (`wgmma`, sm_90).
+    Wg(W4a16WgParams, W4a16WgParams),
+}
+
+/// The compiled grouped pair.
+#[derive(Debug)]
+enum GroupedKernels {
+    Mma(CompiledKernel<W4a16Gemm>, CompiledKernel<W4a16Gemm>),
+    Wg(CompiledKernel<W4a16GemmWg>, CompiledKernel<W4a16GemmWg>),
+}
+
 /// The compiled kernels of one MoE configuration: gate_up and down variants must be grouped,
-/// with [`Epilogue::SiluMul`] and [`Epilogue::RouteScale`], the same `mt` and `m8`, and layouts matching
-/// the expert weights they are given.
+/// with [`Epilogue::SiluMul`] and [`Epilogue::RouteScale`], the same rows per block, group and
+/// layout, the layout matching the expert weights they are given.
 #[derive(Debug)]
 pub struct MoeKernels {
     align: CompiledKernel<MoeAlign>,
-    gate_up: CompiledKernel<W4a16Gemm>,
-    down: CompiledKernel<W4a16Gemm>,
+    grouped: GroupedKernels,
     sum: CompiledKernel<MoeSum>,
     /// Small-token (gate_up, down) [`W4a16Gemv`] pairs, fewest tokens first (interleaved g32
     /// experts only).
@@ -227,27 +242,33 @@ pub struct DeviceExperts<'a> {
 }
 
 impl MoeKernels {
-    /// Compiles the four kernels. `gate_up` and `down` must share `layout`, `mt` and `m8`.
-    pub fn new(gpu: &Gpu, gate_up: &W4a16Params, down: &W4a16Params) -> Result<MoeKernels, RuntimeError> {
-        let ok = gate_up.moe
-            && down.moe
-            && gate_up.epilogue == Epilogue::SiluMul
-            && down.epilogue == Epilogue::RouteScale
-            && gate_up.mt == down.mt
-            && gate_up.m8 == down.m8
-            && gate_up.layout == down.layout;
+    /// Compiles the kernels. The pair's variants must share rows per block, group and layout.
+    pub fn new(gpu: &Gpu, pair: GroupedPair) -> Result<MoeKernels, RuntimeError> {
+        let (tu, td) = match &pair {
+            GroupedPair::Mma(u, d) => (u.tiling(), d.tiling()),
+            GroupedPair::Wg(u, d) => (u.tiling(), d.tiling()),
+        };
+        let ok = tu.moe
+            && td.moe
+            && tu.epilogue == Epilogue::SiluMul
+            && td.epilogue == Epilogue::RouteScale
+            && tu.rows == td.rows
+            && tu.group == td.group
+            && tu.layout == td.layout;
         if !ok {
             return Err(RuntimeError::Launch {
                 kernel: "moe_w4a16".into(),
-                reason: format!("incompatible variants: {gate_up:?} / {down:?}"),
+                reason: format!("incompatible variants: {pair:?}"),
             });
         }
         Ok(MoeKernels {
             align: gpu.compile::<MoeAlign>(&AlignParams { block: 1024 })?,
-            gate_up: gpu.compile::<W4a16Gemm>(gate_up)?,
-            down: gpu.compile::<W4a16Gemm>(down)?,
+            grouped: match &pair {
+                GroupedPair::Mma(u, d) => GroupedKernels::Mma(gpu.compile(u)?, gpu.compile(d)?),
+                GroupedPair::Wg(u, d) => GroupedKernels::Wg(gpu.compile(u)?, gpu.compile(d)?),
+            },
             sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
-            gemv: if gate_up.layout == super::Layout::Interleaved && gate_up.group == 32 {
+            gemv: if tu.layout == super::Layout::Interleaved && tu.group == 32 {
                 let mut v = Vec::new();
                 let mut chunks = vec![GEMV_MAX_TOKENS.min(8), GEMV_MAX_TOKENS];
                 chunks.dedup();
@@ -305,7 +326,10 @@ impl MoeKernels {
 
     /// Slots per block (the per-expert block size).
     pub fn block_m(&self) -> u32 {
-        gemm::rows_per_block(self.gate_up.params())
+        match &self.grouped {
+            GroupedKernels::Mma(u, _) => gemm::rows_per_block(u.params()),
+            GroupedKernels::Wg(u, _) => gemm::rows_per_block(u.params()),
+        }
     }
 
     /// Buffers for `tokens` tokens of `topk` slots.
@@ -486,9 +510,9 @@ impl MoeKernels {
                 n: 2 * ex.inter,
                 k: ex.hidden,
             };
-            gemm::launch(&self.gate_up, None, s, &up, &mut bufs.scratch, &mut bufs.act, 1)?;
+            // (`a` is `bufs.act`, set once the gate_up GEMM has written it.)
             let down = GemmArgs {
-                a: &bufs.act,
+                a: x,
                 w: ex.w2,
                 scales: ex.s2,
                 residual: None,
@@ -497,12 +521,42 @@ impl MoeKernels {
                 n: ex.hidden,
                 k: ex.inter,
             };
-            gemm::launch(&self.down, None, s, &down, &mut bufs.scratch, &mut bufs.y, 1)?;
+            match &self.grouped {
+                GroupedKernels::Mma(u, d) => {
+                    grouped_pair(s, u, d, &up, down, &mut bufs.scratch, &mut bufs.act, &mut bufs.y)?
+                }
+                GroupedKernels::Wg(u, d) => {
+                    grouped_pair(s, u, d, &up, down, &mut bufs.scratch, &mut bufs.act, &mut bufs.y)?
+                }
+            }
             let total = tokens * ex.hidden;
             let g = total.div_ceil(self.sum.params().block).clamp(1, 65535);
             MoeSum::launch(
                 &self.sum, s, g, &bufs.y, topk_ids, out, tokens, ex.hidden, topk, ex.experts,
             )
         }
+    }
+}
+
+/// The grouped gate_up GEMM into `act`, then the down GEMM with `act` as its A into `y`.
+///
+/// # Safety
+/// As [`gemm::launch`] for both launches.
+#[allow(clippy::too_many_arguments)]
+unsafe fn grouped_pair<K: W4a16Kernel>(
+    s: &Arc<CudaStream>,
+    up_k: &CompiledKernel<K>,
+    down_k: &CompiledKernel<K>,
+    up: &GemmArgs,
+    down: GemmArgs,
+    scratch: &mut Scratch,
+    act: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), RuntimeError> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        gemm::launch(up_k, None, s, up, scratch, act, 1)?;
+        let down = GemmArgs { a: act, ..down };
+        gemm::launch(down_k, None, s, &down, scratch, y, 1)
     }
 }

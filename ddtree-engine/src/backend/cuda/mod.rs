@@ -25,7 +25,7 @@ use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
-use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeKernels};
+use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeKernels};
 use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
 use ddtree_kernels::{add, fill, topk, tree, tune};
 use ddtree_kernels::{
@@ -933,8 +933,7 @@ impl CudaBackend {
         };
         let k = Arc::new(MoeKernels::new(
             self.gpu(),
-            &pick(Epilogue::SiluMul)?,
-            &pick(Epilogue::RouteScale)?,
+            GroupedPair::Mma(pick(Epilogue::SiluMul)?, pick(Epilogue::RouteScale)?),
         )?);
         self.state().moe.push(((m8, group), k.clone()));
         Ok(k)
