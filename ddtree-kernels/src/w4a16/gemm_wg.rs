@@ -277,7 +277,7 @@ pub fn w4a16_gemm_wg(
     let sbase = expert * n * gpr;
     // The A rows of this thread's activation copies: row `idx / 16`, 16-byte chunk `idx % 16`
     // with `idx = tid + threads v` (u32::MAX: zero-filled).
-    let acopies = (p.bn * 16 + threads - 1) / threads;
+    let acopies = (p.bn * 16 - 1) / threads + 1;
     let mut arow = [0u32; acopies];
     #[unroll]
     for v in 0..acopies {
