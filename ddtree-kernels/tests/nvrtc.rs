@@ -1,4 +1,5 @@
-//! Compiles every variant of every kernel with NVRTC for `sm_90a` and runs `ptxas` on the PTX.
+//! Compiles every variant of every kernel with NVRTC for `sm_90a` and runs `ptxas` on the PTX
+//! (which must not report serialized `wgmma`s).
 //!
 //! Needs `libnvrtc.so.13` on the loader path and `ptxas` on PATH (or `DDTREE_PTXAS`). Where they
 //! are absent the test says so and skips, except under CI (`CI` set), where it fails.
@@ -159,6 +160,11 @@ fn every_variant_compiles_for_sm90a() {
                             let log = String::from_utf8_lossy(&out.stderr).into_owned();
                             if !out.status.success() {
                                 return Err(format!("ptxas failed on {}:\n{log}", v.symbol));
+                            }
+                            // A serialized `wgmma` waits for each one before issuing the next
+                            // (C7515, C7520, ...): a regression that compiles and passes checks.
+                            if log.contains("wgmma.mma_async instructions are serialized") {
+                                return Err(format!("ptxas serialized the wgmmas of {}:\n{log}", v.symbol));
                             }
                             let (regs, spills) = parse_ptxas(&log);
                             Ok((v.symbol.clone(), regs, spills))
