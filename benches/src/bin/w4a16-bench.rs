@@ -200,6 +200,29 @@ fn time_gemm<K: W4a16Kernel>(
     })
 }
 
+/// The inputs [`time_splits`] rotates and writes: weights, activations, scratch, output.
+type DenseData<'a> = (
+    &'a [DenseCopy],
+    &'a [CudaSlice<bf16>],
+    &'a mut Scratch,
+    &'a mut CudaSlice<bf16>,
+);
+
+/// [`time_gemm`] at each k split count of `splits`: (splits, µs) pairs.
+fn time_splits<K: W4a16Kernel>(
+    s: &Arc<CudaStream>,
+    reps: usize,
+    kern: (&K::Params, &CompiledKernel<K>, Option<&CompiledKernel<W4a16Reduce>>),
+    (wts, acts, scratch, out): DenseData<'_>,
+    mnk: [usize; 3],
+    splits: &[u32],
+) -> Result<Vec<(u32, f64)>, RuntimeError> {
+    splits
+        .iter()
+        .map(|&sp| Ok((sp, time_gemm(s, reps, kern, wts, acts, scratch, out, mnk, sp)?)))
+        .collect()
+}
+
 /// Times one dense [`W4a16Gemv`] variant at `[m, n, k]`, rotating weights and activations;
 /// `none` is any non-empty f32 buffer (the unused router weights).
 #[allow(clippy::too_many_arguments)]
@@ -310,18 +333,8 @@ fn bench_shape(
             } else {
                 vec![1]
             };
-            for sp in splits {
-                let us = time_gemm(
-                    s,
-                    reps,
-                    (p, gk, red.as_ref()),
-                    &wts,
-                    &acts,
-                    &mut scratch,
-                    &mut out,
-                    [m, n, k],
-                    sp,
-                )?;
+            let data = (&wts[..], &acts[..], &mut scratch, &mut out);
+            for (sp, us) in time_splits(s, reps, (p, gk, red.as_ref()), data, [m, n, k], &splits)? {
                 if *p == dp && sp == dsplits {
                     default_us = us;
                 }
@@ -339,19 +352,8 @@ fn bench_shape(
                 continue;
             }
             let splits: &[u32] = if p.splitk { &[1, 2, 3, 4] } else { &[1] };
-            for &sp in splits {
-                let red = p.splitk.then_some(&reduce);
-                let us = time_gemm(
-                    s,
-                    reps,
-                    (p, gk, red),
-                    &wts,
-                    &acts,
-                    &mut scratch,
-                    &mut out,
-                    [m, n, k],
-                    sp,
-                )?;
+            let data = (&wts[..], &acts[..], &mut scratch, &mut out);
+            for (sp, us) in time_splits(s, reps, (p, gk, p.splitk.then_some(&reduce)), data, [m, n, k], splits)? {
                 wg.push(Timed {
                     label: format!("{} x{sp}", short_wg(p)),
                     us,
@@ -909,19 +911,9 @@ fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
         for p in WG_DENSE_SPACE.iter().filter(|p| p.group == 32) {
             let gk = gpu.compile::<W4a16GemmWg>(p)?;
             let splits: &[u32] = if p.splitk { &[1, 2, 4] } else { &[1] };
-            for &sp in splits {
-                let red = p.splitk.then_some(&reduce);
-                let us = time_gemm(
-                    s,
-                    args.reps,
-                    (p, &gk, red),
-                    &wts,
-                    &acts,
-                    &mut scratch,
-                    &mut out,
-                    [m, n, k],
-                    sp,
-                )?;
+            let data = (&wts[..], &acts[..], &mut scratch, &mut out);
+            let kern = (p, &gk, p.splitk.then_some(&reduce));
+            for (sp, us) in time_splits(s, args.reps, kern, data, [m, n, k], splits)? {
                 let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
                 println!(
                     "| {m} | {} x{sp} | {us:.1} | {pct:.0}% | {:.2}x |",
