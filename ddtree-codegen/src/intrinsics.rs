@@ -142,6 +142,22 @@ pub enum Intrinsic {
     /// for [`Intrinsic::WgmmaBf16RsMn`]) and `B` K-major in shared memory as for
     /// [`Intrinsic::WgmmaBf16Ss`]. `a` must not change until the `wgmma` is waited for.
     WgmmaBf16Rs,
+    /// `mbar_init(&mut bar[i], count)`: initializes an mbarrier (a `u64` in shared memory)
+    /// expecting `count` arrivals per phase (`mbarrier.init` plus the init fence). Once, by one
+    /// thread, then `sync_threads()` before any other use.
+    MbarInit,
+    /// `mbar_arrive_tx(&mut bar[i], bytes)`: arrives at the mbarrier and adds `bytes` to the
+    /// bytes its current phase waits for (`mbarrier.arrive.expect_tx`).
+    MbarArriveTx,
+    /// `mbar_wait(&bar[i], parity)`: waits until the phase of parity `parity` (0 for the
+    /// first, then alternating) has completed: all its arrivals made and its bytes landed.
+    /// The phase before the first counts as completed (parity 1 passes at once).
+    MbarWait,
+    /// `cp_async_bulk(&mut smem[i], &global[j], bytes, &mut bar[k])`: copies `bytes` (a multiple
+    /// of 16; both addresses 16-byte aligned) through the async proxy and counts them on the
+    /// mbarrier when they land (`cp.async.bulk ... mbarrier::complete_tx`). Readers wait on the
+    /// mbarrier; no proxy fence is needed, for `wgmma` reads either.
+    CpAsyncBulk,
 }
 
 use Intrinsic::*;
@@ -198,6 +214,10 @@ pub const ALL: &[Intrinsic] = &[
     WgmmaBf16Ss,
     WgmmaBf16RsMn,
     WgmmaBf16Rs,
+    MbarInit,
+    MbarArriveTx,
+    MbarWait,
+    CpAsyncBulk,
 ];
 
 impl Intrinsic {
@@ -254,6 +274,10 @@ impl Intrinsic {
             WgmmaBf16Ss => "wgmma_bf16_ss",
             WgmmaBf16RsMn => "wgmma_bf16_rs_mn",
             WgmmaBf16Rs => "wgmma_bf16_rs",
+            MbarInit => "mbar_init",
+            MbarArriveTx => "mbar_arrive_tx",
+            MbarWait => "mbar_wait",
+            CpAsyncBulk => "cp_async_bulk",
         }
     }
 
@@ -269,11 +293,12 @@ impl Intrinsic {
             | FenceProxyAsync => 0,
             Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait | WgmmaWait | WgmmaDesc => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
-            | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 => 2,
+            | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 | MbarInit | MbarArriveTx
+            | MbarWait => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
             AtomicCas | MmaBf16 | MmaF16 | WgmmaBf16Ss | WgmmaBf16RsMn | WgmmaBf16Rs | CpAsync16Zfill
             | CpAsync8Zfill | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
-            Lop3 => 4,
+            Lop3 | CpAsyncBulk => 4,
         }
     }
 
@@ -356,6 +381,8 @@ impl Intrinsic {
             WgmmaBf16Ss => Helper::WgmmaSs,
             WgmmaBf16Rs => Helper::WgmmaRs,
             WgmmaBf16RsMn => Helper::WgmmaRsMn,
+            MbarInit | MbarArriveTx | MbarWait => Helper::Mbarrier,
+            CpAsyncBulk => Helper::CpAsyncBulk,
             _ => return None,
         })
     }
@@ -457,6 +484,18 @@ impl Intrinsic {
                 Ty::Void
             }
             CpAsyncWait => Ty::Void,
+            MbarInit | MbarArriveTx | MbarWait => {
+                expect_mbarrier(&args[0], self != MbarWait, name, 1)?;
+                expect(&mut args[1], Scalar::U32, name, 2)?;
+                Ty::Void
+            }
+            CpAsyncBulk => {
+                expect_elem_ref(&args[0], Space::Shared, true, name, 1)?;
+                expect_elem_ref(&args[1], Space::Global, false, name, 2)?;
+                expect(&mut args[2], Scalar::U32, name, 3)?;
+                expect_mbarrier(&args[3], true, name, 4)?;
+                Ty::Void
+            }
             WgmmaBf16Ss | WgmmaBf16Rs => {
                 let ss = self == WgmmaBf16Ss;
                 match &args[0].ty {
@@ -569,6 +608,22 @@ fn expect_bf16_shared(e: &Expr, name: &str, pos: usize) -> Result<(), OpError> {
     }
 }
 
+/// An mbarrier operand: `&x[i]` (or `&mut x[i]`) into a shared `u64` array.
+fn expect_mbarrier(e: &Expr, mutable: bool, name: &str, pos: usize) -> Result<(), OpError> {
+    match &e.ty {
+        Ty::Ref {
+            elem: Scalar::U64,
+            space: Space::Shared,
+            len: None,
+            mutable: m,
+        } if *m || !mutable => Ok(()),
+        other => op_bail!(
+            "argument {pos} of `{name}` must be `&{}bar[i]` into a shared `u64` array (an mbarrier), found {other}",
+            if mutable { "mut " } else { "" }
+        ),
+    }
+}
+
 fn expect_elem_ref(e: &Expr, space: Space, mutable: bool, name: &str, pos: usize) -> Result<(), OpError> {
     match &e.ty {
         Ty::Ref {
@@ -638,6 +693,10 @@ pub enum Helper {
     WgmmaRs,
     /// `wgmma_bf16_rs_mn`.
     WgmmaRsMn,
+    /// mbarrier init, arrive with expected bytes, wait.
+    Mbarrier,
+    /// `cp.async.bulk` global to shared, completing on an mbarrier.
+    CpAsyncBulk,
 }
 
 impl Helper {
@@ -648,6 +707,7 @@ impl Helper {
             Helper::F16Convert => &[Helper::F16Type],
             Helper::Ldmatrix | Helper::CpAsync | Helper::CpAsyncSmall | Helper::Wgmma => &[Helper::SmemAddr],
             Helper::WgmmaSs | Helper::WgmmaRs | Helper::WgmmaRsMn => &[Helper::Wgmma],
+            Helper::Mbarrier | Helper::CpAsyncBulk => &[Helper::SmemAddr],
             _ => &[],
         }
     }
@@ -813,6 +873,31 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
             Helper::WgmmaSs => wgmma_source(WgmmaShape::Ss),
             Helper::WgmmaRs => wgmma_source(WgmmaShape::Rs),
             Helper::WgmmaRsMn => wgmma_source(WgmmaShape::RsMn),
+            Helper::Mbarrier => {
+                "__device__ __forceinline__ void mbar_init(void* bar, unsigned int count) {
+    asm volatile(\"mbarrier.init.shared::cta.b64 [%0], %1;\" :: \"r\"(smem_addr(bar)), \"r\"(count) : \"memory\");
+    asm volatile(\"fence.mbarrier_init.release.cluster;\" ::: \"memory\");
+}
+__device__ __forceinline__ void mbar_arrive_tx(void* bar, unsigned int bytes) {
+    asm volatile(\"mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\" :: \"r\"(smem_addr(bar)), \"r\"(bytes) : \"memory\");
+}
+__device__ __forceinline__ void mbar_wait(const void* bar, unsigned int parity) {
+    const unsigned int a = smem_addr(bar);
+    unsigned int done = 0;
+    while (!done) {
+        asm volatile(\"{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\"
+                     : \"=r\"(done) : \"r\"(a), \"r\"(parity) : \"memory\");
+    }
+}
+"
+            }
+            Helper::CpAsyncBulk => {
+                "__device__ __forceinline__ void cp_async_bulk(void* dst, const void* src, unsigned int bytes, void* bar) {
+    asm volatile(\"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\"
+                 :: \"r\"(smem_addr(dst)), \"l\"(src), \"r\"(bytes), \"r\"(smem_addr(bar)) : \"memory\");
+}
+"
+            }
             Helper::GridDependency => {
                 "// Programmatic dependent launch (sm_90+; no-ops for a launch without it).
 __device__ __forceinline__ void grid_wait() {

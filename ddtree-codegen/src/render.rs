@@ -93,13 +93,42 @@ pub fn render(k: &KernelIr) -> String {
         // `wgmma` operands are 128-byte-swizzled atoms, which start 1024-byte aligned.
         body = body.replace(DYN_SHARED, "extern __shared__ __align__(1024) ");
     }
-    out.push_str(&body);
+    out.push_str(&drop_unused_shared(&body));
     out.push_str("}\n");
     out
 }
 
 /// How the dynamic shared-memory array is declared (16-byte aligned, or 1024 with `wgmma`).
 const DYN_SHARED: &str = "extern __shared__ __align__(16) ";
+
+/// The prefix of a static shared array's declaration.
+const STATIC_SHARED: &str = "__shared__ __align__(16) ";
+
+/// `body` without the declarations of static shared arrays it never names again (an array
+/// only some variants use, such as `w4a16_gemm_wg`'s mbarriers without `bulk`).
+fn drop_unused_shared(body: &str) -> String {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let named = |name: &str, skip: usize| {
+        body.match_indices(name).any(|(i, _)| {
+            let before = body[..i].chars().next_back().is_some_and(ident);
+            let after = body[i + name.len()..].chars().next().is_some_and(ident);
+            i != skip && !before && !after
+        })
+    };
+    let mut out = String::with_capacity(body.len());
+    let mut at = 0;
+    for line in body.split_inclusive('\n') {
+        let decl = line.trim_start().strip_prefix(STATIC_SHARED).and_then(|rest| {
+            let name = rest.split('[').next()?.split_whitespace().last()?;
+            Some((name, at + line.find(name)?))
+        });
+        if !matches!(decl, Some((name, pos)) if !named(name, pos)) {
+            out.push_str(line);
+        }
+        at += line.len();
+    }
+    out
+}
 
 /// Whether the kernel's body places the grid dependency itself (calls `grid_wait()` or
 /// `grid_launch_dependents()`); otherwise it is rendered with `grid_wait();
@@ -320,7 +349,7 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
                     let _ = writeln!(out, "{DYN_SHARED}{} {name}[];", c_scalar(*elem));
                 }
                 Space::Shared => {
-                    let _ = writeln!(out, "__shared__ __align__(16) {} {name}{dims_s};", c_scalar(*elem));
+                    let _ = writeln!(out, "{STATIC_SHARED}{} {name}{dims_s};", c_scalar(*elem));
                 }
                 _ => match fill {
                     None => {

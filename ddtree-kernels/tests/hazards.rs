@@ -178,6 +178,46 @@ pub fn write_after_grid_wait(x: &[f32], out: &mut [f32]) {
     out[t] = v;
 }
 
+/// Two 256-byte bulk copies (the halves of `x`), issued by lanes 0 and 1 on one mbarrier
+/// whose phase lane 0 arms for 512 bytes; every lane waits for the phase, then reads.
+#[kernel(block = 32)]
+pub fn bulk_copy_ok(x: &[u32], out: &mut [u32]) {
+    let s = shared::<u32>(128);
+    let bar = shared::<u64>(1);
+    let t = thread_idx_x();
+    if t == 0 {
+        mbar_init(&mut bar[0], 1u32);
+    }
+    sync_threads();
+    if t == 0 {
+        mbar_arrive_tx(&mut bar[0], 512u32);
+    }
+    if t < 2 {
+        cp_async_bulk(&mut s[64 * t], &x[64 * t], 256u32, &mut bar[0]);
+    }
+    sync_threads();
+    mbar_wait(&bar[0], 0u32);
+    out[t] = s[127 - 4 * t];
+}
+
+/// Waits on a phase nobody has armed yet.
+#[kernel(block = 32)]
+pub fn mbar_wait_first(x: &[u32], out: &mut [u32]) {
+    let s = shared::<u32>(64);
+    let bar = shared::<u64>(1);
+    let t = thread_idx_x();
+    if t == 0 {
+        mbar_init(&mut bar[0], 1u32);
+    }
+    sync_threads();
+    mbar_wait(&bar[0], 0u32); // HAZARD mbar_wait_first
+    if t == 0 {
+        mbar_arrive_tx(&mut bar[0], 256u32);
+        cp_async_bulk(&mut s[0], &x[0], 256u32, &mut bar[0]);
+    }
+    out[t] = s[t];
+}
+
 /// The 1-based line of the statement marked `// HAZARD name` in this file.
 fn marked_line(name: &str) -> u32 {
     let marker = format!("// HAZARD {name}");
@@ -393,4 +433,28 @@ fn global_write_before_grid_wait() {
     prog.launch([1, 1, 1], &mut [HostArg::In(&x), HostArg::Out(&mut out)])
         .expect("a write after the wait is fine");
     assert_eq!(out.to_vec::<f32>(), vec![3.0f32; 32]);
+}
+
+#[test]
+fn bulk_copies_land_when_their_mbarrier_phase_completes() {
+    let xs: Vec<u32> = (0..128).collect();
+    let x = Buffer::from_slice(&xs);
+    let mut out = Buffer::from_slice(&[u32::MAX; 32]);
+    Program::of::<BulkCopyOk>(&())
+        .expect("lowers")
+        .launch([1, 1, 1], &mut [HostArg::In(&x), HostArg::Out(&mut out)])
+        .expect("no hazard");
+    let want: Vec<u32> = (0..32).map(|t| 127 - 4 * t).collect();
+    assert_eq!(out.to_vec::<u32>(), want);
+}
+
+#[test]
+fn mbarrier_wait_before_its_phase_is_armed() {
+    let x = Buffer::from_slice(&[7u32; 64]);
+    let mut out = Buffer::from_slice(&[0u32; 32]);
+    let e = hazard_of::<MbarWaitFirst>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
+    assert!(
+        matches!(&e.hazard, Hazard::Unsupported(m) if m.contains("would block")),
+        "{e}"
+    );
 }

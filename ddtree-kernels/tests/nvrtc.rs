@@ -76,6 +76,16 @@ fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [
     cp_async_commit();
     cp_async_wait(0);
     sync_threads();
+    let bar = shared::<u64>(1);
+    if t == 0 {
+        mbar_init(&mut bar[0], 1u32);
+    }
+    sync_threads();
+    if t == 0 {
+        mbar_arrive_tx(&mut bar[0], 256u32);
+        cp_async_bulk(&mut tile[256], &g[256], 256u32, &mut bar[0]);
+    }
+    mbar_wait(&bar[0], 0u32);
     let mut a = [[0u32; 4]; 2];
     let mut b = [[0u32; 2]; 2];
     let mut one = [0u32; 1];

@@ -88,6 +88,16 @@ struct CopyAsync {
     data: [u8; 16],
 }
 
+/// An mbarrier: arrivals still expected and bytes still in flight in the current phase, the
+/// phase number, and the copies that land when the phase completes.
+struct Mbar {
+    count: u32,
+    pending: u32,
+    tx: i64,
+    phase: u32,
+    copies: Vec<CopyAsync>,
+}
+
 struct Thread {
     tid: [u32; 3],
     linear: u32,
@@ -115,6 +125,8 @@ struct Exec<'k, 'a> {
     k: &'k Lowered,
     globals: Vec<GBuf<'a>>,
     shared: Vec<SharedMem>,
+    /// The block's mbarriers by (shared array, element).
+    mbars: std::collections::HashMap<(u32, u64), Mbar>,
     grid: [u32; 3],
     block: [u32; 3],
     epoch: u32,
@@ -166,6 +178,7 @@ pub(super) fn launch(k: &Lowered, grid: [u32; 3], args: &mut [HostArg<'_>]) -> R
         k,
         globals,
         shared: Vec::new(),
+        mbars: std::collections::HashMap::new(),
         grid,
         block: [0; 3],
         epoch: 1,
@@ -251,6 +264,7 @@ impl<'k> Exec<'k, '_> {
 
     fn run_block(&mut self, block: [u32; 3], init: &[Val]) -> Result<(), InterpError> {
         self.block = block;
+        self.mbars.clear();
         let n = self.k.block.iter().product::<u32>();
         let mut next = 0u64;
         self.shared = self
@@ -753,6 +767,77 @@ impl<'k> Exec<'k, '_> {
     }
 
     /// Delivers `cp.async` copies to shared memory.
+    /// A copy of `n` bytes from `src` to shared `dst`, checked and recorded now; its data lands
+    /// when the caller's completion mechanism (a `cp.async` wait, an mbarrier phase) says so.
+    fn copy_async(
+        &mut self,
+        th: &mut Thread,
+        (dp, dst): (&Place, Ref),
+        (sp, src): (&Place, Ref),
+        n: u64,
+        pred: bool,
+    ) -> Result<CopyAsync, Hazard> {
+        let data = if pred {
+            self.aligned_access(th, sp, src.arr, src.idx, n, None)?
+        } else {
+            [0u8; 16]
+        };
+        let es = dp.elem.size() as u64;
+        let len = self.shared[dst.arr as usize].shadow.len() as u64;
+        if dst.idx * es % n != 0 {
+            return Err(Hazard::Misaligned {
+                buffer: dp.name.clone(),
+                index: dst.idx,
+                bytes: n as u32,
+            });
+        }
+        let end = (dst.idx * es + n).div_ceil(es);
+        if end > len {
+            let index = (end - 1) as i64;
+            return Err(Hazard::OutOfBounds {
+                buffer: dp.name.clone(),
+                space: Space::Shared,
+                index,
+                len,
+                write: true,
+            });
+        }
+        let (byte, n) = ((dst.idx * es) as usize, n as usize);
+        // Check and record the write now (it may land any time until it completes)...
+        let old = self.shared[dst.arr as usize].bytes[byte..byte + n].to_vec();
+        self.shared_access(th.linear, dst.arr, byte, n, Some(&old))?;
+        // ...but deliver the data only then.
+        let m = &mut self.shared[dst.arr as usize];
+        for e in byte / m.esize..(byte + n).div_ceil(m.esize) {
+            m.shadow[e].pending = true;
+        }
+        Ok(CopyAsync {
+            arr: dst.arr,
+            byte,
+            len: n,
+            data,
+        })
+    }
+
+    /// The initialized mbarrier at `r`.
+    fn mbar(&mut self, p: &Place, r: Ref) -> Result<&mut Mbar, Hazard> {
+        self.mbars
+            .get_mut(&(r.arr, r.idx))
+            .ok_or_else(|| Hazard::Unsupported(format!("mbarrier `{}`[{}] used before `mbar_init`", p.name, r.idx)))
+    }
+
+    /// Completes the mbarrier's phase once every arrival is made and every byte counted: its
+    /// copies land and the next phase starts.
+    fn mbar_complete(&mut self, key: (u32, u64)) {
+        let m = self.mbars.get_mut(&key).expect("an initialized mbarrier");
+        if m.pending == 0 && m.tx == 0 {
+            let copies = std::mem::take(&mut m.copies);
+            m.phase += 1;
+            m.pending = m.count;
+            self.land(copies);
+        }
+    }
+
     fn land(&mut self, copies: Vec<CopyAsync>) {
         for c in copies {
             let m = &mut self.shared[c.arr as usize];
@@ -929,51 +1014,84 @@ impl<'k> Exec<'k, '_> {
                 old
             }
             CpAsync16 | CpAsync16Zfill | CpAsync8 | CpAsync8Zfill | CpAsync4 | CpAsync4Zfill => {
+                let (n, zfill) = i.cp_async_bytes().expect("a cp.async copy");
+                let pred = !zfill || a[2].bool();
+                let c = self.copy_async(th, (place(0), r(0)), (place(1), r(1)), n as u64, pred)?;
+                th.open.push(c);
+                Val::Void
+            }
+            MbarInit => {
+                let key = (r(0).arr, r(0).idx);
+                let count = a[1].u32();
+                self.mbars.insert(
+                    key,
+                    Mbar {
+                        count,
+                        pending: count,
+                        tx: 0,
+                        phase: 0,
+                        copies: Vec::new(),
+                    },
+                );
+                Val::Void
+            }
+            MbarArriveTx => {
+                let m = self.mbar(place(0), r(0))?;
+                if m.pending == 0 {
+                    return Err(Hazard::Unsupported(format!(
+                        "`mbar_arrive_tx` on `{}`[{}]: more arrivals than its count",
+                        place(0).name,
+                        r(0).idx
+                    )));
+                }
+                m.pending -= 1;
+                m.tx += i64::from(a[1].u32());
+                self.mbar_complete((r(0).arr, r(0).idx));
+                Val::Void
+            }
+            MbarWait => {
+                let m = self.mbar(place(0), r(0))?;
+                if m.phase % 2 == a[1].u32() % 2 {
+                    return Err(Hazard::Unsupported(format!(
+                        "`mbar_wait` on `{}`[{}] would block: the interpreter runs each thread up to \
+                         a barrier, so the arrivals and copies a wait needs must come before it in \
+                         thread order (behind a `sync_threads()`)",
+                        place(0).name,
+                        r(0).idx
+                    )));
+                }
+                Val::Void
+            }
+            CpAsyncBulk => {
+                let bytes = u64::from(a[2].u32());
                 let (dp, sp) = (place(0), place(1));
                 let (dst, src) = (r(0), r(1));
-                let (n, zfill) = i.cp_async_bytes().expect("a cp.async copy");
-                let n = n as u64;
-                let pred = !zfill || a[2].bool();
-                let data = if pred {
-                    self.aligned_access(th, sp, src.arr, src.idx, n, None)?
-                } else {
-                    [0u8; 16]
-                };
-                let es = dp.elem.size() as u64;
-                let len = self.shared[dst.arr as usize].shadow.len() as u64;
-                if dst.idx * es % n != 0 {
+                if bytes % 16 != 0 {
                     return Err(Hazard::Misaligned {
-                        buffer: dp.name.clone(),
-                        index: dst.idx,
-                        bytes: n as u32,
+                        buffer: sp.name.clone(),
+                        index: src.idx,
+                        bytes: 16,
                     });
                 }
-                let end = (dst.idx * es + n).div_ceil(es);
-                if end > len {
-                    let index = (end - 1) as i64;
-                    return Err(Hazard::OutOfBounds {
-                        buffer: dp.name.clone(),
-                        space: Space::Shared,
-                        index,
-                        len,
-                        write: true,
-                    });
+                self.mbar(place(3), r(3))?;
+                let (de, se) = (dp.elem.size() as u64, sp.elem.size() as u64);
+                let mut copies = Vec::new();
+                for off in (0..bytes).step_by(16) {
+                    let d = Ref {
+                        idx: dst.idx + off / de,
+                        ..dst
+                    };
+                    let s = Ref {
+                        idx: src.idx + off / se,
+                        ..src
+                    };
+                    copies.push(self.copy_async(th, (dp, d), (sp, s), 16, true)?);
                 }
-                let (byte, n) = ((dst.idx * es) as usize, n as usize);
-                // Check and record the write now (it may land any time until the wait)...
-                let old = self.shared[dst.arr as usize].bytes[byte..byte + n].to_vec();
-                self.shared_access(th.linear, dst.arr, byte, n, Some(&old))?;
-                // ...but deliver the data only at the wait.
-                let m = &mut self.shared[dst.arr as usize];
-                for e in byte / m.esize..(byte + n).div_ceil(m.esize) {
-                    m.shadow[e].pending = true;
-                }
-                th.open.push(CopyAsync {
-                    arr: dst.arr,
-                    byte,
-                    len: n,
-                    data,
-                });
+                let key = (r(3).arr, r(3).idx);
+                let m = self.mbars.get_mut(&key).expect("checked above");
+                m.copies.extend(copies);
+                m.tx -= bytes as i64;
+                self.mbar_complete(key);
                 Val::Void
             }
             CpAsyncCommit => {

@@ -60,6 +60,10 @@ pub struct W4a16WgParams {
     pub splitk: bool,
     /// Grouped (MoE): A rows are token-expert pairs from `moe_align`.
     pub moe: bool,
+    /// The packed weights come in through the async proxy: one 512-byte `cp_async_bulk` per
+    /// 8-row tile and chunk, completing on the slot's mbarrier (interleaved layout only); the
+    /// activation and scale copies stay `cp.async`.
+    pub bulk: bool,
 }
 
 impl W4a16WgParams {
@@ -102,6 +106,7 @@ const fn wg(wgs: u32, mt: u32, bn: u32, stages: u32, splitk: bool) -> W4a16WgPar
         epilogue: Epilogue::Plain,
         splitk,
         moe: false,
+        bulk: false,
     }
 }
 
@@ -110,6 +115,14 @@ const fn wg(wgs: u32, mt: u32, bn: u32, stages: u32, splitk: bool) -> W4a16WgPar
 /// with split-K for M <= 32, N 256 for the largest M, the checkpoint layout and g64 / g128.
 pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
     wg(2, 2, 64, 5, false),
+    W4a16WgParams {
+        bulk: true,
+        ..wg(2, 2, 64, 5, false)
+    },
+    W4a16WgParams {
+        bulk: true,
+        ..wg(2, 1, 128, 5, false)
+    },
     wg(2, 1, 64, 8, false),
     wg(2, 1, 64, 4, false),
     wg(2, 1, 128, 5, false),
@@ -201,6 +214,10 @@ pub fn w4a16_gemm_wg(
     );
     comptime_assert!(!(p.moe && p.splitk), "grouped launches do not split K");
     comptime_assert!(
+        !p.bulk || p.layout == Layout::Interleaved,
+        "bulk weight copies need the interleaved layout (whole 512-byte tiles)"
+    );
+    comptime_assert!(
         p.moe || p.epilogue != Epilogue::RouteScale,
         "router weights apply to grouped launches"
     );
@@ -218,6 +235,9 @@ pub fn w4a16_gemm_wg(
     let slot = p.bn * 128 + rows * 32;
     let sm = dyn_shared::<bf16>();
     let ssc = shared::<u32>(p.stages * 4 * p.wgs * 64 * p.mt);
+    // With `bulk`, slot `s`'s mbarrier: its phase `u` completes when chunk `s + stages u`'s
+    // weights have landed.
+    let bars = shared::<u64>(p.stages);
     let tid = thread_idx_x();
     let h = tid / 128;
     let lane = lane_id();
@@ -248,6 +268,15 @@ pub fn w4a16_gemm_wg(
         } else {
             tbase[u] = by * rows + (h * p.mt + u) * 64;
         }
+    }
+    if p.bulk {
+        if tid == 0 {
+            #[unroll]
+            for st in 0..p.stages {
+                mbar_init(&mut bars[st], 1u32);
+            }
+        }
+        sync_threads();
     }
     // The pieces this thread copies, `tid + threads v`: lane `l` of the block's 8-row group
     // `idx / 32` (row `8 (idx / 32) + l / 4`, quarter `l % 4`), so a warp copies whole 512-byte
@@ -365,19 +394,47 @@ pub fn w4a16_gemm_wg(
                             let row = prow[v];
                             let kw = 4 * c + kq;
                             let ok = row < n && kw * 32 < k;
-                            let mut src = 0u32;
-                            let mut ssrc = 0u32;
-                            if ok {
-                                src = if p.layout == Layout::Interleaved {
-                                    wbase + ((row / 8 * kbs + c) * 32 + (row % 8) * 4 + kq) * 4
-                                } else {
-                                    wbase + row * (k / 8) + kw * 4
-                                };
-                                ssrc = (sbase + row * gpr + kw * 32 / p.group) / 2;
+                            let ssrc = if ok {
+                                (sbase + row * gpr + kw * 32 / p.group) / 2
+                            } else {
+                                0u32
+                            };
+                            if !p.bulk {
+                                let mut src = 0u32;
+                                if ok {
+                                    src = if p.layout == Layout::Interleaved {
+                                        wbase + ((row / 8 * kbs + c) * 32 + (row % 8) * 4 + kq) * 4
+                                    } else {
+                                        wbase + row * (k / 8) + kw * 4
+                                    };
+                                }
+                                let dst = rs + p.bn * 128 + (kq * rows + (r ^ (2 * kq))) * 8;
+                                cp_async_16_zfill(&mut sm[dst], &w[src], ok);
                             }
-                            let dst = rs + p.bn * 128 + (kq * rows + (r ^ (2 * kq))) * 8;
-                            cp_async_16_zfill(&mut sm[dst], &w[src], ok);
                             cp_async_4_zfill(&mut ssc[(cl % p.stages) * 4 * rows + 4 * r + kq], &scales[ssrc], ok);
+                        }
+                        if p.bulk {
+                            // Whole tiles, in their own lane order, at `256 t` in the slot.
+                            let sl = cl % p.stages;
+                            if tid == 0 {
+                                mbar_arrive_tx(&mut bars[sl], rows * 64);
+                            }
+                            if tid < rows / 8 {
+                                // Thread `t` copies the block's 8-row group `t` (one past N
+                                // copies the matrix's first tile instead, read with zero scales).
+                                let mut trow = by * rows + 8 * tid;
+                                if silu_epi {
+                                    let t = tid / 8;
+                                    let c0 = by * (rows / 2) + ((t / p.mt) * half + (t % p.mt) % half) * 64;
+                                    trow = (8 * tid) % 64 + if t % p.mt < half { c0 } else { n / 2 + c0 };
+                                }
+                                let src = if trow < n {
+                                    wbase + (trow / 8 * kbs + c) * 128
+                                } else {
+                                    wbase
+                                };
+                                cp_async_bulk(&mut sm[rs + p.bn * 128 + tid * 256], &w[src], 512u32, &mut bars[sl]);
+                            }
                         }
                     }
                     cp_async_commit();
@@ -392,13 +449,22 @@ pub fn w4a16_gemm_wg(
                     let c = c_lo + j;
                     let rs = (j % p.stages) * slot + p.bn * 128;
                     let ss = (j % p.stages) * 4 * rows;
+                    if p.bulk {
+                        mbar_wait(&bars[j % p.stages], (j / p.stages) % 2);
+                    }
                     #[unroll]
                     for kq in 0..4 {
                         #[unroll]
                         for u in 0..p.mt {
                             let r0 = (h * p.mt + u) * 64 + 16 * wl + g;
-                            let w0 = sm.vload(rs + (kq * rows + (r0 ^ (2 * kq))) * 8);
-                            let w1 = sm.vload(rs + (kq * rows + ((r0 + 8) ^ (2 * kq))) * 8);
+                            let mut o0 = (kq * rows + (r0 ^ (2 * kq))) * 8;
+                            let mut o1 = (kq * rows + ((r0 + 8) ^ (2 * kq))) * 8;
+                            if p.bulk {
+                                o0 = ((r0 / 8) * 32 + (r0 % 8) * 4 + kq) * 8;
+                                o1 = o0 + 256;
+                            }
+                            let w0 = sm.vload(rs + o0);
+                            let w1 = sm.vload(rs + o1);
                             let sw0 = ssc[ss + 4 * r0 + kq];
                             let sw1 = ssc[ss + 4 * (r0 + 8) + kq];
                             let si0 = sbase + (tbase[u] + 16 * wl + g) * gpr + (c * 128 + 32 * kq) / p.group;
