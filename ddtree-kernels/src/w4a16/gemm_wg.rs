@@ -48,7 +48,7 @@ pub struct W4a16WgParams {
     pub layout: Layout,
     /// Warpgroups per block (1..=4).
     pub wgs: u32,
-    /// m64 tiles of weight rows per warpgroup (1..=4; even for SiLU-and-mul).
+    /// m64 tiles of weight rows per warpgroup (1 or 2; 2 for SiLU-and-mul).
     pub mt: u32,
     /// A rows (tokens or pairs) per block: the `wgmma` N (8, 16, 32, 64, 128 or 256).
     pub bn: u32,
@@ -198,14 +198,17 @@ pub fn w4a16_gemm_wg(
         "group must be 32, 64 or 128"
     );
     comptime_assert!(p.wgs >= 1 && p.wgs <= 4, "wgs must be 1..=4");
-    comptime_assert!(p.mt >= 1 && p.mt <= 4, "mt must be 1..=4");
+    comptime_assert!(
+        p.mt == 1 || p.mt == 2,
+        "mt must be 1 or 2 (its A fragments take 64 mt registers)"
+    );
     comptime_assert!(
         p.bn == 8 || p.bn == 16 || p.bn == 32 || p.bn == 64 || p.bn == 128 || p.bn == 256,
         "bn must be 8, 16, 32, 64, 128 or 256"
     );
     comptime_assert!(
-        p.mt * p.bn <= 256 && p.mt <= 2,
-        "mt must be at most 2 and mt * bn at most 256 (128 accumulator registers, 64 mt for A)"
+        p.mt * p.bn <= 256,
+        "mt * bn must be at most 256 (128 accumulator registers)"
     );
     comptime_assert!(p.stages >= 3 && p.stages <= 12, "stages must be 3..=12");
     comptime_assert!(
