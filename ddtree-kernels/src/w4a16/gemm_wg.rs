@@ -281,23 +281,6 @@ pub fn w4a16_gemm_wg(
         }
         sync_threads();
     }
-    // The pieces this thread copies, `tid + threads v`: lane `l` of the block's 8-row group
-    // `idx / 32` (row `8 (idx / 32) + l / 4`, quarter `l % 4`), so a warp copies whole 512-byte
-    // interleaved tiles; and their weight rows.
-    let pieces = 2 * p.mt;
-    let mut prow = [0u32; 2 * p.mt];
-    #[unroll]
-    for v in 0..pieces {
-        let idx = tid + threads * v;
-        let r = (idx / 32) * 8 + (idx % 32) / 4;
-        if silu_epi {
-            let t = r / 64;
-            let c0 = by * (rows / 2) + ((t / p.mt) * half + (t % p.mt) % half) * 64;
-            prow[v] = r % 64 + if t % p.mt < half { c0 } else { n / 2 + c0 };
-        } else {
-            prow[v] = by * rows + r;
-        }
-    }
     // Interleaved: tiles of 8 rows x 128 k, 128 words each.
     let kbs = (k + 127u32) / 128u32;
     let wstride = if p.layout == Layout::Interleaved {
@@ -307,25 +290,60 @@ pub fn w4a16_gemm_wg(
     };
     let wbase = expert * wstride;
     let sbase = expert * n * gpr;
-    // The A rows of this thread's activation copies: row `idx / 16`, 16-byte chunk `idx % 16`
-    // with `idx = tid + threads v` (u32::MAX: zero-filled).
+    // What this thread's copies need that does not change with the chunk, so that a copy in the
+    // loop costs an add, a compare and the `cp.async`. Activations: copy `v` is 16-byte chunk
+    // `ac = tid % 16` of slot row `ar0 + 8 wgs v` (`ar0 = tid / 16`), at `adst + 512 wgs v` in
+    // the slot, from `asrc[v] + 128 c` for chunk `c` (u32::MAX: a zero row).
     let acopies = (p.bn * 16 - 1) / threads + 1;
-    let mut arow = [0u32; acopies];
+    let ac = tid % 16;
+    let ar0 = tid / 16;
+    let adst = (ac / 8) * p.bn * 64 + (ar0 / 8) * 512 + (ar0 % 8) * 64 + (((ac % 8) ^ (ar0 % 8)) * 8);
+    let mut asrc = [0u32; acopies];
     #[unroll]
     for v in 0..acopies {
-        let idx = tid + threads * v;
-        let slot_row = mblk * p.bn + idx / 16;
-        arow[v] = u32::MAX;
-        if idx < p.bn * 16 {
+        let slot_row = mblk * p.bn + ar0 + 8 * p.wgs * v;
+        asrc[v] = u32::MAX;
+        if ar0 + 8 * p.wgs * v < p.bn {
             if p.moe {
                 let pair = sorted[slot_row];
-                arow[v] = if pair == u32::MAX { u32::MAX } else { pair / a_div };
+                if pair != u32::MAX {
+                    asrc[v] = pair / a_div * k + ac * 8;
+                }
             } else if slot_row < m {
-                arow[v] = slot_row;
+                asrc[v] = slot_row * k + ac * 8;
             }
         }
     }
-
+    // Weights: piece `v` is k32 quarter `wq = lane % 4` of block row `wr0 + 32 wgs v` (`wr0 =
+    // 8 warp + lane / 4`, so a warp copies whole 512-byte interleaved tiles), at `wdst + 256
+    // wgs v` in the slot, from `wsrc[v] + 128 c` (checkpoint: `+ 16 c`), its scale word from
+    // `(ssrc[v] + c 128 / group) / 2` (u32::MAX: past N, zero-filled with a zero scale).
+    let pieces = 2 * p.mt;
+    let wq = lane % 4;
+    let wr0 = 8 * (tid / 32) + lane / 4;
+    let wdst = p.bn * 128 + (wq * rows + (wr0 ^ (2 * wq))) * 8;
+    let mut wsrc = [0u32; 2 * p.mt];
+    let mut ssrc = [0u32; 2 * p.mt];
+    #[unroll]
+    for v in 0..pieces {
+        let r = wr0 + 32 * p.wgs * v;
+        let mut row = by * rows + r;
+        if silu_epi {
+            let t = r / 64;
+            let c0 = by * (rows / 2) + ((t / p.mt) * half + (t % p.mt) % half) * 64;
+            row = r % 64 + if t % p.mt < half { c0 } else { n / 2 + c0 };
+        }
+        wsrc[v] = u32::MAX;
+        ssrc[v] = u32::MAX;
+        if row < n {
+            wsrc[v] = if p.layout == Layout::Interleaved {
+                wbase + ((row / 8 * kbs) * 32 + (row % 8) * 4 + wq) * 4
+            } else {
+                wbase + row * (k / 8) + wq * 4
+            };
+            ssrc[v] = sbase + row * gpr + wq * 32 / p.group;
+        }
+    }
     let per = (kbs + grid_dim_z() - 1) / grid_dim_z();
     let c_lo = block_idx_z() * per;
     let c_hi = (c_lo + per).min(kbs);
@@ -372,49 +390,30 @@ pub fn w4a16_gemm_wg(
                     if cl < nloc {
                         let rs = (cl % p.stages) * slot;
                         let c = c_lo + cl;
+                        // Columns left in the matrix from this chunk's first.
+                        let lim = k - c * 128;
                         #[unroll]
                         for v in 0..acopies {
-                            let idx = tid + threads * v;
-                            if idx < p.bn * 16 {
-                                let r = idx / 16;
-                                let cc = idx % 16;
-                                let kk = c * 128 + cc * 8;
-                                let ok = arow[v] != u32::MAX && kk < k;
-                                let src = if ok { arow[v] * k + kk } else { 0u32 };
-                                let dst = rs
-                                    + (cc / 8) * p.bn * 64
-                                    + (r / 8) * 512
-                                    + (r % 8) * 64
-                                    + (((cc % 8) ^ (r % 8)) * 8);
-                                cp_async_16_zfill(&mut sm[dst], &a[src], ok);
+                            if (p.bn * 16) % threads == 0 || ar0 + 8 * p.wgs * v < p.bn {
+                                let ok = asrc[v] != u32::MAX && ac * 8 < lim;
+                                let src = if ok { asrc[v] + c * 128 } else { 0u32 };
+                                cp_async_16_zfill(&mut sm[rs + adst + 512 * p.wgs * v], &a[src], ok);
                             }
                         }
                         #[unroll]
                         for v in 0..pieces {
-                            let idx = tid + threads * v;
-                            let r = (idx / 32) * 8 + (idx % 32) / 4;
-                            let kq = idx % 4;
-                            let row = prow[v];
-                            let kw = 4 * c + kq;
-                            let ok = row < n && kw * 32 < k;
-                            let ssrc = if ok {
-                                (sbase + row * gpr + kw * 32 / p.group) / 2
-                            } else {
-                                0u32
-                            };
+                            let ok = wsrc[v] != u32::MAX && wq * 32 < lim;
                             if !p.bulk {
-                                let mut src = 0u32;
-                                if ok {
-                                    src = if p.layout == Layout::Interleaved {
-                                        wbase + ((row / 8 * kbs + c) * 32 + (row % 8) * 4 + kq) * 4
-                                    } else {
-                                        wbase + row * (k / 8) + kw * 4
-                                    };
-                                }
-                                let dst = rs + p.bn * 128 + (kq * rows + (r ^ (2 * kq))) * 8;
-                                cp_async_16_zfill(&mut sm[dst], &w[src], ok);
+                                let step = if p.layout == Layout::Interleaved { 128u32 } else { 16u32 };
+                                let src = if ok { wsrc[v] + c * step } else { 0u32 };
+                                cp_async_16_zfill(&mut sm[rs + wdst + 256 * p.wgs * v], &w[src], ok);
                             }
-                            cp_async_4_zfill(&mut ssc[(cl % p.stages) * 4 * rows + 4 * r + kq], &scales[ssrc], ok);
+                            let sw = if ok { (ssrc[v] + c * (128 / p.group)) / 2 } else { 0u32 };
+                            cp_async_4_zfill(
+                                &mut ssc[(cl % p.stages) * 4 * rows + 4 * (wr0 + 32 * p.wgs * v) + wq],
+                                &scales[sw],
+                                ok,
+                            );
                         }
                         if p.bulk {
                             // Whole tiles, in their own lane order, at `256 t` in the slot.
