@@ -17,10 +17,14 @@
 //! the same 16 bytes (a broadcast), so the shared-memory reads cost a quarter of the bytes
 //! they return.
 //!
-//! Step `j` issues chunk `j - 1`'s `wgmma`s, refills the ring, waits for chunk `j`, and makes
-//! its A fragments (the other of two register sets) while those `wgmma`s run; it waits for
-//! them before the loop's back edge, since ptxas serializes every `wgmma` of a loop that
-//! carries one in flight past it (C7515) when the accumulators are zeroed before the loop.
+//! Step `j` issues chunk `j - 2`'s `wgmma`s, waits for chunk `j - 1` and the block's barrier,
+//! refills the slot freed at the end of the previous step (the copies go out after the
+//! barrier, a whole step before their chunk is needed), and makes chunk `j - 1`'s A fragments
+//! (the other of two register sets) while those `wgmma`s run; it waits for them before the
+//! loop's back edge, since ptxas serializes every `wgmma` of a loop that carries one in flight
+//! past it (C7515) when the accumulators are zeroed before the loop. Copy issue costs an add,
+//! a compare and the `cp.async` per copy: everything else about a thread's copies is worked
+//! out once before the loop.
 //!
 //! The grid and the epilogues are those of [`super::W4a16Gemm`] with `bn` A rows and
 //! `64 wgs mt` weight rows per block; SiLU-and-mul pairs tile `t` (gate rows) with tile
@@ -52,7 +56,8 @@ pub struct W4a16WgParams {
     pub mt: u32,
     /// A rows (tokens or pairs) per block: the `wgmma` N (8, 16, 32, 64, 128 or 256).
     pub bn: u32,
-    /// Ring slots (k128 chunks, >= 3); `stages - 2` chunks are loading while one is computed.
+    /// Ring slots (k128 chunks, >= 3): one being computed, one read by the `wgmma`s before it,
+    /// one being refilled, and `stages - 3` more loading ahead.
     pub stages: u32,
     /// Output epilogue.
     pub epilogue: Epilogue,
@@ -111,8 +116,9 @@ const fn wg(wgs: u32, mt: u32, bn: u32, stages: u32, splitk: bool) -> W4a16WgPar
 }
 
 /// Candidates of the plain dense product: 256 or 128 weight rows per block at N 64 and 128
-/// (some with rings small enough for two blocks per SM), one warpgroup of two tiles, small N
-/// with split-K for M <= 32, N 256 for the largest M, the checkpoint layout and g64 / g128.
+/// (some with rings small enough for two or three blocks per SM), one warpgroup of one or two
+/// tiles, small N with split-K for M <= 32, N 256 for the largest M, the checkpoint layout and
+/// g64 / g128.
 pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
     wg(2, 2, 64, 5, false),
     W4a16WgParams {
@@ -125,6 +131,9 @@ pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
     },
     wg(2, 1, 64, 8, false),
     wg(2, 1, 64, 4, false),
+    wg(2, 1, 64, 3, false),
+    wg(1, 1, 64, 3, false),
+    wg(1, 2, 64, 3, false),
     wg(2, 1, 128, 5, false),
     wg(1, 2, 64, 4, false),
     wg(4, 1, 64, 6, false),
@@ -352,19 +361,20 @@ pub fn w4a16_gemm_wg(
     // A fragments of a chunk's 8 k16 steps per tile, two sets (chunk `j` in set `j % 2`).
     let mut af = [[0u32; 4]; 16 * p.mt];
 
-    // Step `j` issues chunk `j - 1`'s `wgmma`s (A from set `(j - 1) % 2`), copies chunk
-    // `j + stages - 3` into the slot of chunk `j - 3` (its `wgmma`s were waited for in step
-    // `j - 2`, before every thread's barrier of step `j - 1`), waits for chunk `j`'s copies,
-    // makes chunk `j`'s A fragments while chunk `j - 1`'s `wgmma`s run, then waits for them:
-    // no `wgmma` is in flight across the loop's back edge (ptxas would serialize them), and
-    // the two fragment sets alternate in an unrolled pair of steps.
-    for jj in 0..(nloc + 2) / 2 {
+    // Step `j` issues chunk `j - 2`'s `wgmma`s (A from set `j % 2`), waits for chunk `j - 1`'s
+    // copies and the block's barrier, copies chunk `j + stages - 3` into the slot of chunk
+    // `j - 3` (its `wgmma`s were waited for at the end of step `j - 1`, before every thread's
+    // barrier of step `j`; step 0 copies chunks `0 .. stages - 2`), makes chunk `j - 1`'s A
+    // fragments while chunk `j - 2`'s `wgmma`s run, then waits for them: `stages - 2` chunks
+    // load while one is computed, no `wgmma` is in flight across the loop's back edge (ptxas
+    // would serialize them), and the two fragment sets alternate in an unrolled pair of steps.
+    for jj in 0..(nloc + 3) / 2 {
         #[unroll]
         for hf in 0..2 {
             let j = 2 * jj + hf;
-            if j <= nloc {
-                if j >= 1 {
-                    let i = j - 1;
+            if j <= nloc + 1 {
+                if j >= 2 {
+                    let i = j - 2;
                     let bd = wgmma_desc(&sm[(i % p.stages) * slot]);
                     wgmma_fence();
                     #[unroll]
@@ -375,12 +385,17 @@ pub fn w4a16_gemm_wg(
                             // descriptor units), 32 bytes per step inside it.
                             wgmma_bf16_rs(
                                 &mut acc[u],
-                                &af[((1 - hf) * 8 + kk) * p.mt + u],
+                                &af[(hf * 8 + kk) * p.mt + u],
                                 bd + (kk / 4) * p.bn * 8 + 2 * (kk % 4),
                             );
                         }
                     }
                     wgmma_commit();
+                }
+                if j >= 1 {
+                    cp_async_wait(p.stages - 3);
+                    fence_proxy_async();
+                    sync_threads();
                 }
                 // Copies, one group per chunk: chunks `0 .. stages - 2` in step 0, then chunk
                 // `j + stages - 3`.
@@ -441,18 +456,16 @@ pub fn w4a16_gemm_wg(
                     }
                     cp_async_commit();
                 }
-                cp_async_wait(p.stages - 3);
-                fence_proxy_async();
-                sync_threads();
-                if j < nloc {
+                if j >= 1 && j - 1 < nloc {
                     // Rows `16 wl + g` and `+ 8` of each tile: per k32 quarter `kq` the packed
                     // words and their scales, then the A fragments of k16 steps `2 kq` and
                     // `2 kq + 1`.
-                    let c = c_lo + j;
-                    let rs = (j % p.stages) * slot + p.bn * 128;
-                    let ss = (j % p.stages) * 4 * rows;
+                    let i = j - 1;
+                    let c = c_lo + i;
+                    let rs = (i % p.stages) * slot + p.bn * 128;
+                    let ss = (i % p.stages) * 4 * rows;
                     if p.bulk {
-                        mbar_wait(&bars[j % p.stages], (j / p.stages) % 2);
+                        mbar_wait(&bars[i % p.stages], (i / p.stages) % 2);
                     }
                     #[unroll]
                     for kq in 0..4 {
@@ -487,7 +500,7 @@ pub fn w4a16_gemm_wg(
                             for k2 in 0..2 {
                                 // k16 step `2 kq + k2`: words `2 k2` (its k 0..8) and `2 k2 + 1`
                                 // (k 8..16), element pair `q` of each.
-                                let f = (hf * 8 + 2 * kq + k2) * p.mt + u;
+                                let f = ((1 - hf) * 8 + 2 * kq + k2) * p.mt + u;
                                 #[unroll]
                                 for e in 0..2 {
                                     if p.layout == Layout::Interleaved {
