@@ -323,6 +323,31 @@ fn fused_decode_ops_equal_the_ops_they_replace() {
     }
 }
 
+/// A dense INT4 `linear` gives the same rows whichever kernel the row count picks (the GEMV up
+/// to 16 rows, the mma.sync tile GEMM, and on sm_90 the `wgmma` GEMM from
+/// `gemm_wg::WG_MIN_ROWS` rows): every product against the GEMV's, eight rows at a time, within
+/// two bf16 steps (the sums run in another order). NaN fails.
+#[test]
+fn int4_linear_agrees_across_its_kernels() {
+    let Some(b) = gpu() else { return };
+    for (n, k) in [(2048, 7168), (264, 384)] {
+        let w = b.random_weight(n, k, Some(32), 7).unwrap();
+        for rows in [17, 47, 48, 64, 130] {
+            let x = b.random_matrix(rows, k, rows as u64).unwrap();
+            let got = b.to_host(&b.linear(&x, &w).unwrap()).unwrap();
+            let mut want = Vec::with_capacity(rows * n);
+            for lo in (0..rows).step_by(8) {
+                let idx: Vec<usize> = (lo..rows.min(lo + 8)).collect();
+                let part = b.linear(&b.take_rows(&x, &idx).unwrap(), &w).unwrap();
+                want.extend(b.to_host(&part).unwrap().data);
+            }
+            let case = format!("int4 linear {k}->{n}, {rows} rows");
+            let same = assert_within_bf16_steps(&got.data, &want, 2.0, &case);
+            eprintln!("{case}: {:.2}% bit-identical to the GEMV's rows", 100.0 * same);
+        }
+    }
+}
+
 /// Forwards with concurrent branches (the shared experts beside the routed ones, the latent path
 /// beside the query path, on a second stream) and with programmatic dependent launch give the
 /// logits of one-stream forwards without it bit for bit (the same kernels, only their order and

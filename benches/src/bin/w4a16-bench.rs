@@ -4,8 +4,9 @@
 //!    reference (fresh random data, poisoned outputs, ragged and Kimi sizes);
 //! 2. device copy bandwidth;
 //! 3. per shape and M: cuBLAS bf16, every g32 W4A16 candidate (split-K ones at several splits),
-//!    the best and the default, as µs, GB/s, % of copy bandwidth and speedup over cuBLAS, and
-//!    the best candidate of the warpgroup (`wgmma`) kernel on GPUs that have it;
+//!    the best and the engine's default (the warpgroup kernel's from `WG_MIN_ROWS` rows on
+//!    GPUs with `wgmma`, else the tile GEMM's), as µs, GB/s, % of copy bandwidth and speedup
+//!    over cuBLAS, and the best candidate of the warpgroup (`wgmma`) kernel where it runs;
 //! 4. the MoE block on a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8).
 //!
 //! For the small-token path (`w4a16_gemv`) the dense table adds, at M <= 16, the best GEMV
@@ -32,7 +33,7 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{DevBuf, Sizes, Target};
 use ddtree_kernels::w4a16::check::{self, moe_pairs, random_routing};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel, DENSE_SPACE};
-use ddtree_kernels::w4a16::gemm_wg::{WG_DENSE_SPACE, WG_FUSED_SPACE};
+use ddtree_kernels::w4a16::gemm_wg::{self, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair};
@@ -321,7 +322,9 @@ fn bench_shape(
             unsafe { blas.linear(&acts[i % na], &bws[i % nb], &mut out, m, n, k) }
         })?;
         let kbs = k.div_ceil(128) as u32;
+        // The engine's pick: the warpgroup kernel's default where it has one, else the tile GEMM's.
         let (dp, dsplits) = default_dense(m as u32, n as u32, k as u32);
+        let wg_default = gemm_wg::default_dense(m as u32, n as u32, k as u32).filter(|_| !wg_kernels.is_empty());
         let mut timed: Vec<Timed> = Vec::new();
         let mut default_us = f64::NAN;
         for (p, gk, red) in &kernels {
@@ -335,7 +338,7 @@ fn bench_shape(
             };
             let data = (&wts[..], &acts[..], &mut scratch, &mut out);
             for (sp, us) in time_splits(s, reps, (p, gk, red.as_ref()), data, [m, n, k], &splits)? {
-                if *p == dp && sp == dsplits {
+                if wg_default.is_none() && *p == dp && sp == dsplits {
                     default_us = us;
                 }
                 timed.push(Timed {
@@ -348,12 +351,15 @@ fn bench_shape(
         // to 4 splits.
         let mut wg: Vec<Timed> = Vec::new();
         for (p, gk) in &wg_kernels {
-            if p.bn as usize > 4 * m.next_power_of_two().max(8) {
+            if p.bn as usize > 4 * m.next_power_of_two().max(8) && wg_default.map(|d| d.0) != Some(*p) {
                 continue;
             }
             let splits: &[u32] = if p.splitk { &[1, 2, 3, 4] } else { &[1] };
             let data = (&wts[..], &acts[..], &mut scratch, &mut out);
             for (sp, us) in time_splits(s, reps, (p, gk, p.splitk.then_some(&reduce)), data, [m, n, k], splits)? {
+                if wg_default == Some((*p, sp)) {
+                    default_us = us;
+                }
                 wg.push(Timed {
                     label: format!("{} x{sp}", short_wg(p)),
                     us,

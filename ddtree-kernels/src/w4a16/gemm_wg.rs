@@ -39,7 +39,8 @@ use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, RuntimeError};
 
 use super::gemm::{
-    dequant_pair, magic_pair_interleaved, magic_pair_sequential, w4a16_kernel, Epilogue, GemmTiling, Layout, Tiling,
+    dequant_pair, grid, magic_pair_interleaved, magic_pair_sequential, w4a16_kernel, Epilogue, GemmTiling, Layout,
+    Tiling,
 };
 use crate::silu_mul::silu;
 
@@ -133,6 +134,7 @@ pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
     wg(2, 1, 64, 4, false),
     wg(2, 1, 64, 3, false),
     wg(1, 1, 64, 3, false),
+    wg(1, 1, 64, 3, true),
     wg(1, 2, 64, 3, false),
     wg(2, 1, 128, 5, false),
     wg(1, 2, 64, 4, false),
@@ -140,6 +142,7 @@ pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
     wg(2, 2, 16, 8, true),
     wg(2, 2, 32, 7, true),
     wg(2, 1, 256, 3, false),
+    wg(2, 1, 256, 3, true),
     W4a16WgParams {
         layout: Layout::Checkpoint,
         ..wg(2, 2, 64, 5, false)
@@ -175,6 +178,26 @@ pub const WG_FUSED_SPACE: &[W4a16WgParams] = &[
         ..wg(2, 2, 16, 8, false)
     },
 ];
+
+/// Fewest rows (tokens) for which [`default_dense`] picks this kernel over the mma.sync tile
+/// GEMM ([`super::gemm::default_dense`]): below, that one is faster on the H200
+/// (`w4a16-bench`, BENCHMARKS.md).
+pub const WG_MIN_ROWS: u32 = 48;
+
+/// The default variant (g32, interleaved) and k splits of a plain dense `m x n x k` product,
+/// `None` below [`WG_MIN_ROWS`] rows. Up to 128 rows one warpgroup of 64 weight rows at N 64 with
+/// a three-slot ring (three blocks per SM), above N 256; K is split (at most 4 ways, at least
+/// two k128 chunks a split) until about three blocks per SM are launched. Only for GPUs with
+/// `wgmma` ([`crate::wgmma_supported`]).
+pub fn default_dense(m: u32, n: u32, k: u32) -> Option<(W4a16WgParams, u32)> {
+    if m < WG_MIN_ROWS {
+        return None;
+    }
+    let p = if m <= 128 { wg(1, 1, 64, 3, true) } else { wg(2, 1, 256, 3, true) };
+    let (mx, ny, _) = grid(&p, m, n, 1);
+    let want = (3 * 132u32).div_ceil(mx * ny).min((k.div_ceil(128) / 2).max(1)).min(4);
+    Some((W4a16WgParams { splitk: want > 1, ..p }, want))
+}
 
 /// Every candidate: [`WG_DENSE_SPACE`], then [`WG_FUSED_SPACE`].
 pub fn wg_candidates() -> Vec<W4a16WgParams> {

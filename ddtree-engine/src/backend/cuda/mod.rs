@@ -22,7 +22,8 @@ use ddtree_kernels::gemv::{
 };
 use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
-use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, Scratch, FUSED_SPACE};
+use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel, FUSED_SPACE};
+use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg, W4a16WgParams};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeKernels};
@@ -312,6 +313,9 @@ pub struct CudaBackend {
     pdl: bool,
     /// The verify attention's kernel (`--attention`).
     attention: AttentionKernel,
+    /// The GPU has `wgmma`: dense INT4 products of [`gemm_wg::WG_MIN_ROWS`] rows or more run
+    /// on [`W4a16GemmWg`].
+    wgmma: bool,
 }
 
 /// Most rows of a forward whose kernels launch with programmatic dependent launch. A forward
@@ -456,7 +460,8 @@ impl CudaBackend {
     /// The backend on `gpu`, with tuned variants from `gpu`'s tune cache (defaults with
     /// `options.no_autotune`).
     pub fn new(gpu: Gpu, options: CudaOptions) -> Result<CudaBackend> {
-        let attention = resolve_attention(options.attention, gpu.fingerprint().compute_capability)?;
+        let gpu_cc = gpu.fingerprint().compute_capability;
+        let attention = resolve_attention(options.attention, gpu_cc)?;
         let stream = gpu.stream().clone();
         // cudarc's per-buffer event tracking only costs time here.
         // SAFETY: a buffer is used on the stream that allocated it, or on the other stream in a
@@ -516,6 +521,7 @@ impl CudaBackend {
             reads: Default::default(),
             pdl: !options.no_pdl,
             attention,
+            wgmma: ddtree_kernels::wgmma_supported(gpu_cc),
         })
     }
 
@@ -909,6 +915,45 @@ impl CudaBackend {
                 seed as u32,
                 lo,
                 hi,
+            )?
+        };
+        Ok(())
+    }
+
+    /// A dense W4A16 product on either GEMM kernel (weights interleaved), with its split-K
+    /// reduction when the variant splits K.
+    fn int4_gemm<K: W4a16Kernel>(
+        &self,
+        kern: &CompiledKernel<K>,
+        splits: u32,
+        args: &GemmArgs,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let reduce = if kern.params().tiling().splitk {
+            Some(self.variant::<gemm::W4a16Reduce>(&ddtree_kernels::w4a16::ReduceParams {
+                block: 256,
+                epilogue: Epilogue::Plain,
+            })?)
+        } else {
+            None
+        };
+        let mut st = self.state();
+        let need = splits as usize * args.m as usize * args.n as usize;
+        let lane = self.lane();
+        if st.w4a16[lane].part.len() < need {
+            st.graphs.replaced("the W4A16 split-K scratch");
+            st.w4a16[lane] = Scratch::new(self.stream(), need.next_power_of_two())?;
+        }
+        // SAFETY: weights in the variant's (interleaved) layout; partials sized above.
+        unsafe {
+            gemm::launch(
+                kern,
+                reduce.as_deref(),
+                self.stream(),
+                args,
+                &mut st.w4a16[lane],
+                out,
+                splits,
             )?
         };
         Ok(())
@@ -1444,20 +1489,6 @@ impl Backend for CudaBackend {
                     };
                     return Ok(out);
                 }
-                let (p, splits) = default_dense(x.rows as u32, n as u32, k as u32);
-                let p = W4a16Params {
-                    group: *group as u32,
-                    ..p
-                };
-                let gemm_k = self.variant::<gemm::W4a16Gemm>(&p)?;
-                let reduce = if p.splitk {
-                    Some(self.variant::<gemm::W4a16Reduce>(&ddtree_kernels::w4a16::ReduceParams {
-                        block: 256,
-                        epilogue: Epilogue::Plain,
-                    })?)
-                } else {
-                    None
-                };
                 let args = GemmArgs {
                     a,
                     w: packed,
@@ -1468,26 +1499,19 @@ impl Backend for CudaBackend {
                     n: n as u32,
                     k: k as u32,
                 };
-                let mut st = self.state();
-                let need = splits as usize * x.rows * n;
-                let lane = self.lane();
-                if st.w4a16[lane].part.len() < need {
-                    st.graphs.replaced("the W4A16 split-K scratch");
-                    st.w4a16[lane] = Scratch::new(self.stream(), need.next_power_of_two())?;
-                }
                 let dst = out.bf16_mut("linear")?;
-                // SAFETY: weights in the variant's (interleaved) layout; partials sized above.
-                unsafe {
-                    gemm::launch(
-                        &gemm_k,
-                        reduce.as_deref(),
-                        self.stream(),
-                        &args,
-                        &mut st.w4a16[lane],
-                        dst,
-                        splits,
-                    )?
-                };
+                let group = *group as u32;
+                match gemm_wg::default_dense(x.rows as u32, n as u32, k as u32).filter(|_| self.wgmma) {
+                    Some((p, splits)) => {
+                        let kern = self.variant::<W4a16GemmWg>(&W4a16WgParams { group, ..p })?;
+                        self.int4_gemm(&kern, splits, &args, dst)?
+                    }
+                    None => {
+                        let (p, splits) = default_dense(x.rows as u32, n as u32, k as u32);
+                        let kern = self.variant::<gemm::W4a16Gemm>(&W4a16Params { group, ..p })?;
+                        self.int4_gemm(&kern, splits, &args, dst)?
+                    }
+                }
             }
         }
         Ok(out)
