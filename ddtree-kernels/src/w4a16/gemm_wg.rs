@@ -185,18 +185,29 @@ pub const WG_FUSED_SPACE: &[W4a16WgParams] = &[
 pub const WG_MIN_ROWS: u32 = 48;
 
 /// The default variant (g32, interleaved) and k splits of a plain dense `m x n x k` product,
-/// `None` below [`WG_MIN_ROWS`] rows. Up to 128 rows one warpgroup of 64 weight rows at N 64 with
-/// a three-slot ring (three blocks per SM), above N 256; K is split (at most 4 ways, at least
-/// two k128 chunks a split) until about three blocks per SM are launched. Only for GPUs with
-/// `wgmma` ([`crate::wgmma_supported`]).
+/// `None` below [`WG_MIN_ROWS`] rows (H200 runs, BENCHMARKS.md): up to 128 rows one warpgroup of
+/// 64 weight rows at N 64 with a three-slot ring (three blocks per SM), K split (at most 4
+/// ways, at least two k128 chunks a split) to about two blocks per SM when the grid is under
+/// one block per SM; above 128 rows N 256, split only under 48 blocks (the f32 partials of
+/// that many rows cost more than the idle SMs). Only for GPUs with `wgmma`
+/// ([`crate::wgmma_supported`]).
 pub fn default_dense(m: u32, n: u32, k: u32) -> Option<(W4a16WgParams, u32)> {
     if m < WG_MIN_ROWS {
         return None;
     }
-    let p = if m <= 128 { wg(1, 1, 64, 3, true) } else { wg(2, 1, 256, 3, true) };
+    let (p, few) = if m <= 128 {
+        (wg(1, 1, 64, 3, true), 132)
+    } else {
+        (wg(2, 1, 256, 3, true), 48)
+    };
     let (mx, ny, _) = grid(&p, m, n, 1);
-    let want = (3 * 132u32).div_ceil(mx * ny).min((k.div_ceil(128) / 2).max(1)).min(4);
-    Some((W4a16WgParams { splitk: want > 1, ..p }, want))
+    let blocks = mx * ny;
+    let splits = if blocks >= few {
+        1
+    } else {
+        (2 * 132u32).div_ceil(blocks).min((k.div_ceil(128) / 2).max(1)).min(4)
+    };
+    Some((W4a16WgParams { splitk: splits > 1, ..p }, splits))
 }
 
 /// Every candidate: [`WG_DENSE_SPACE`], then [`WG_FUSED_SPACE`].
