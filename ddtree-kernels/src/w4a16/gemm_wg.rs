@@ -207,7 +207,13 @@ pub fn default_dense(m: u32, n: u32, k: u32) -> Option<(W4a16WgParams, u32)> {
     } else {
         (2 * 132u32).div_ceil(blocks).min((k.div_ceil(128) / 2).max(1)).min(4)
     };
-    Some((W4a16WgParams { splitk: splits > 1, ..p }, splits))
+    Some((
+        W4a16WgParams {
+            splitk: splits > 1,
+            ..p
+        },
+        splits,
+    ))
 }
 
 /// Every candidate: [`WG_DENSE_SPACE`], then [`WG_FUSED_SPACE`].
