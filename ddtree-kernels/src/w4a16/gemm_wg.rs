@@ -157,7 +157,8 @@ pub const WG_DENSE_SPACE: &[W4a16WgParams] = &[
     },
 ];
 
-/// Fused-epilogue and grouped variants.
+/// Fused-epilogue and grouped variants (the grouped ones also with a three-slot ring of 42 KiB:
+/// five blocks per SM).
 pub const WG_FUSED_SPACE: &[W4a16WgParams] = &[
     W4a16WgParams {
         epilogue: Epilogue::SiluMul,
@@ -176,6 +177,16 @@ pub const WG_FUSED_SPACE: &[W4a16WgParams] = &[
         epilogue: Epilogue::RouteScale,
         moe: true,
         ..wg(2, 2, 16, 8, false)
+    },
+    W4a16WgParams {
+        epilogue: Epilogue::SiluMul,
+        moe: true,
+        ..wg(1, 2, 16, 3, false)
+    },
+    W4a16WgParams {
+        epilogue: Epilogue::RouteScale,
+        moe: true,
+        ..wg(1, 2, 16, 3, false)
     },
 ];
 
