@@ -34,7 +34,7 @@
 use std::sync::Arc;
 
 use ddtree_codegen::dsl::*;
-use ddtree_macros::{kernel, KernelParams};
+use ddtree_macros::{device_fn, kernel, KernelParams};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, RuntimeError};
 
@@ -232,6 +232,21 @@ pub fn wg_candidates() -> Vec<W4a16WgParams> {
     WG_DENSE_SPACE.iter().chain(WG_FUSED_SPACE).copied().collect()
 }
 
+/// The weight row of block row `r` of block `by` (`rows` weight rows a block, `mt` m64 tiles a
+/// warpgroup): `by rows + r`, or with SiLU-and-mul (`silu`) the gate rows in each warpgroup's
+/// first `mt / 2` tiles and the matching up rows (from `n / 2`) in the rest.
+#[device_fn]
+fn weight_row(r: u32, by: u32, rows: u32, mt: u32, n: u32, silu: bool) -> u32 {
+    if silu {
+        let t = r / 64;
+        let half = mt / 2;
+        let c0 = by * (rows / 2) + ((t / mt) * half + (t % mt) % half) * 64;
+        r % 64 + if t % mt < half { c0 } else { n / 2 + c0 }
+    } else {
+        by * rows + r
+    }
+}
+
 /// Arguments as [`super::W4a16Gemm`]'s. Grid: `(ceil(m / bn)` (grouped: the routing's
 /// `max_blocks`), `ceil(cols / weight rows per block)`, `splits)` with `cols` the output
 /// columns, whose weight rows per block are `64 wgs mt` (half of them for SiLU-and-mul, which
@@ -317,20 +332,12 @@ pub fn w4a16_gemm_wg(
             return;
         }
     }
-    // With SiLU-and-mul a warpgroup's first `mt / 2` tiles are gate rows and the rest the
-    // matching up rows.
-    let half = p.mt / 2;
     let by = block_idx_y();
-    // The first weight row of each of this warpgroup's tiles.
+    // The first weight row of each of this warpgroup's tiles ([`weight_row`]).
     let mut tbase = [0u32; p.mt];
     #[unroll]
     for u in 0..p.mt {
-        if silu_epi {
-            let c0 = by * (rows / 2) + (h * half + u % half) * 64;
-            tbase[u] = if u < half { c0 } else { n / 2 + c0 };
-        } else {
-            tbase[u] = by * rows + (h * p.mt + u) * 64;
-        }
+        tbase[u] = weight_row((h * p.mt + u) * 64, by, rows, p.mt, n, silu_epi);
     }
     if p.bulk {
         if tid == 0 {
@@ -386,13 +393,7 @@ pub fn w4a16_gemm_wg(
     let mut ssrc = [0u32; 2 * p.mt];
     #[unroll]
     for v in 0..pieces {
-        let r = wr0 + 32 * p.wgs * v;
-        let mut row = by * rows + r;
-        if silu_epi {
-            let t = r / 64;
-            let c0 = by * (rows / 2) + ((t / p.mt) * half + (t % p.mt) % half) * 64;
-            row = r % 64 + if t % p.mt < half { c0 } else { n / 2 + c0 };
-        }
+        let row = weight_row(wr0 + 32 * p.wgs * v, by, rows, p.mt, n, silu_epi);
         wsrc[v] = u32::MAX;
         ssrc[v] = u32::MAX;
         if row < n {
@@ -490,12 +491,7 @@ pub fn w4a16_gemm_wg(
                             if tid < rows / 8 {
                                 // Thread `t` copies the block's 8-row group `t` (one past N
                                 // copies the matrix's first tile instead, read with zero scales).
-                                let mut trow = by * rows + 8 * tid;
-                                if silu_epi {
-                                    let t = tid / 8;
-                                    let c0 = by * (rows / 2) + ((t / p.mt) * half + (t % p.mt) % half) * 64;
-                                    trow = (8 * tid) % 64 + if t % p.mt < half { c0 } else { n / 2 + c0 };
-                                }
+                                let trow = weight_row(8 * tid, by, rows, p.mt, n, silu_epi);
                                 let src = if trow < n {
                                     wbase + (trow / 8 * kbs + c) * 128
                                 } else {
