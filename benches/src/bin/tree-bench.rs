@@ -7,11 +7,13 @@
 //! (measured copy bandwidth and cuBLAS bf16 rate) and the naive per-(node, head) kernel.
 //! Verify attention times every candidate of `mla_verify_wide`, `mla_verify_split` and
 //! `mla_verify_wg` (rows per block, KV tile, ring depth) at the automatic split count, half and
-//! twice it, prints each candidate's best and marks the case's best; the prefix length is
-//! passed on the device, as the engine does. Prints a compact table
-//! at the end; exits non-zero if a check fails.
+//! twice it (split pass + combine, graph-timed as the builder, each call on another copy of
+//! the cache so that it comes from DRAM; the naive kernel is timed eagerly), prints each
+//! candidate's best and marks the case's best; the prefix length is passed on the device, as
+//! the engine does. Prints a compact table at the end; exits non-zero if a check fails.
 //!
-//! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench]`.
+//! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench] [--build-only | --verify-only]
+//! [--contexts 1024,32768] [--heads 8] [--nodes 1,64]`.
 
 use std::process::ExitCode;
 
@@ -42,20 +44,40 @@ struct Args {
     #[arg(long)]
     skip_bench: bool,
     /// Only the builder and accept (checks and timings), not the verify attention.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "verify_only")]
     build_only: bool,
+    /// Only the verify-attention timings, not the builder's (the checks are all run).
+    #[arg(long)]
+    verify_only: bool,
     /// For a profiler: two builds (L = 7, B = 64, V = 163840, `random` or `confident` logits)
     /// stopped after stage 0-3 (slice, merge, expansion, all), nothing else.
     #[arg(long, value_names = ["STAGE", "LOGITS"], num_args = 2)]
     profile_build: Option<Vec<String>>,
-    /// For a profiler: two launches of the verify attention (NODES nodes x 64 heads, the
-    /// automatic split count) at context CTX, nothing else: `mla_verify_wg` bn64 for trees and
-    /// past 16K keys, as the engine's `--attention auto` on sm_90, else `mla_verify_wide` rg2.
+    /// For a profiler: two launches of the verify attention (`--profile-nodes` nodes x
+    /// `--profile-heads` heads, the automatic split count) at context CTX, nothing else:
+    /// `--profile-variant`, or `mla_verify_wg` bn64 for trees and past 16K keys, as the
+    /// engine's `--attention auto` on sm_90, else `mla_verify_wide` rg2.
     #[arg(long, value_name = "CTX")]
     profile_verify: Option<usize>,
     /// Nodes of `--profile-verify` (a random tree).
     #[arg(long, value_name = "NODES", default_value_t = 1)]
     profile_nodes: usize,
+    /// Heads of `--profile-verify`.
+    #[arg(long, value_name = "HEADS", default_value_t = 64)]
+    profile_heads: usize,
+    /// The split-pass variant of `--profile-verify`: the first whose symbol contains this
+    /// (default: as the engine picks, see `--profile-verify`).
+    #[arg(long, value_name = "SYMBOL")]
+    profile_variant: Option<String>,
+    /// Verify timings only at these contexts (comma-separated; default 1024,4096,16384,32768).
+    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096, 16384, 32768])]
+    contexts: Vec<usize>,
+    /// Verify timings only at these head counts (default 8,64).
+    #[arg(long, value_delimiter = ',', default_values_t = [8usize, 64])]
+    heads: Vec<usize>,
+    /// Verify timings only at these node counts (default 1,2,4,8,16,32,64).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4, 8, 16, 32, 64])]
+    nodes: Vec<usize>,
 }
 
 /// `--profile-build STAGE LOGITS`: two launches of the default builder (profile the second).
@@ -89,18 +111,24 @@ fn profile_build(gpu: &Gpu, rng: &mut StdRng, stage: &str, logits: &str) -> Resu
 
 /// `--profile-verify CTX --profile-nodes NODES`: two launches of the verify attention
 /// (profile the second).
-fn profile_verify(gpu: &Gpu, rng: &mut StdRng, ctx: usize, nodes: usize) -> Result<(), RuntimeError> {
+fn profile_verify(gpu: &Gpu, rng: &mut StdRng, args: &Args, ctx: usize) -> Result<(), RuntimeError> {
     let s = gpu.stream();
-    let heads = 64usize;
-    let v = if nodes > 1 || ctx > 16384 {
-        VerifyVariant::Wg(WgParams { bn: 64, stages: 2 })
-    } else {
-        VerifyVariant::Wide(WideParams {
+    let (nodes, heads) = (args.profile_nodes, args.profile_heads);
+    let v = match &args.profile_variant {
+        Some(name) => VerifyVariant::all()
+            .into_iter()
+            .find(|v| v.symbol().contains(name.as_str()))
+            .ok_or_else(|| RuntimeError::Launch {
+                kernel: name.clone(),
+                reason: "no verify variant's symbol contains this".into(),
+            })?,
+        None if nodes > 1 || ctx > 16384 => VerifyVariant::Wg(WgParams { bn: 64, stages: 2 }),
+        None => VerifyVariant::Wide(WideParams {
             rg: 2,
             bn: 64,
             stages: 2,
             qk: 16,
-        })
+        }),
     };
     let mut verify = GpuVerify::new(gpu, &v, BENCH_PARTIALS)?;
     let (cache, _) = ddtree_kernels::check::random_bf16(rng, (ctx + nodes) * ROW, -1.0, 1.0);
@@ -293,6 +321,7 @@ const BENCH_PARTIALS: usize = 64 * 64 * 64;
 fn bench_verify(
     gpu: &Gpu,
     rng: &mut StdRng,
+    args: &Args,
     bw: f64,
     tflops: f64,
     rows_out: &mut Vec<String>,
@@ -316,13 +345,15 @@ fn bench_verify(
             Err(e) => println!("skipping {}: {e}", v.symbol()),
         }
     }
+    println!("\nVerify: split pass + combine, device time per call, {PER_GRAPH} calls back to back in a CUDA graph (naive: eager).");
     println!("\n| ctx | nodes x heads | variant | splits | µs | % copy floor | TFLOP/s | % bf16 rate | best |");
     println!("|---:|---|---|---:|---:|---:|---:|---:|---|");
-    for (ctx, heads, nodes) in [1024usize, 4096, 16384, 32768]
-        .into_iter()
-        .flat_map(|c| [8usize, 64].map(move |h| (c, h)))
-        .flat_map(|(c, h)| [1usize, 2, 4, 8, 16, 32, 64].map(move |n| (c, h, n)))
-    {
+    let cases = args
+        .contexts
+        .iter()
+        .flat_map(|&c| args.heads.iter().map(move |&h| (c, h)))
+        .flat_map(|(c, h)| args.nodes.iter().map(move |&n| (c, h, n)));
+    for (ctx, heads, nodes) in cases {
         let rows = nodes * heads;
         let keys = ctx + nodes;
         let bytes = keys * ROW * 2;
@@ -362,7 +393,7 @@ fn bench_verify(
             tries.sort_unstable();
             tries.dedup();
             for splits in tries.into_iter().filter(|&n| rows * n <= BENCH_PARTIALS) {
-                let us = median_us(s, 3, 20, |i| {
+                let us = graph_us(s, PER_GRAPH, 3, 20, |i| {
                     v.run(s, &sh, splits, &q, &caches[i % copies], &dm, &dl, &mut out, &mut lse)
                 })?;
                 if best.is_none_or(|b| us < b.0) {
@@ -422,7 +453,7 @@ fn main() -> ExitCode {
     // The profiler modes run their launches and nothing else.
     let profiled = match (&args.profile_build, args.profile_verify) {
         (Some(v), _) => Some(profile_build(&gpu, &mut rng, &v[0], &v[1])),
-        (None, Some(ctx)) => Some(profile_verify(&gpu, &mut rng, ctx, args.profile_nodes).map_err(|e| e.to_string())),
+        (None, Some(ctx)) => Some(profile_verify(&gpu, &mut rng, &args, ctx).map_err(|e| e.to_string())),
         (None, None) => None,
     };
     if let Some(result) = profiled {
@@ -459,11 +490,13 @@ fn main() -> ExitCode {
         });
         println!("copy bandwidth {bw:.0} GB/s, cuBLAS bf16 8192^3 {tf:.0} TFLOP/s");
         summary.push(format!("floor: copy {bw:.0} GB/s, bf16 {tf:.0} TFLOP/s"));
-        if let Err(e) = bench_build(&gpu, &mut rng, &mut summary) {
-            println!("build bench failed: {e}");
+        if !args.verify_only {
+            if let Err(e) = bench_build(&gpu, &mut rng, &mut summary) {
+                println!("build bench failed: {e}");
+            }
         }
         if !args.build_only {
-            if let Err(e) = bench_verify(&gpu, &mut rng, bw, tf, &mut summary) {
+            if let Err(e) = bench_verify(&gpu, &mut rng, &args, bw, tf, &mut summary) {
                 println!("verify bench failed: {e}");
             }
         }
