@@ -20,7 +20,8 @@ pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{
     combine_grid, combine_output_grid, combine_warps, CombineOutputParams, MlaCombineOutput, MlaVerifyCombine,
-    MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, VerifyParams, VerifyVariant, WgParams, WideParams,
+    MlaVerifyNaive, MlaVerifySplit, MlaVerifyStream, MlaVerifyWg, MlaVerifyWide, StreamParams, VerifyParams,
+    VerifyVariant, WgParams, WideParams, STREAM_BN, STREAM_ROWS,
 };
 pub mod check;
 pub mod gpu;
