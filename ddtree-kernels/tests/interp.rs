@@ -41,7 +41,6 @@ fn verify_attention() {
         let results = ddtree_kernels::tree::check::verify_suite(t, Sizes::Small, rng)?;
         assert_covers::<ddtree_kernels::tree::MlaVerifySplit>(&results);
         assert_covers::<ddtree_kernels::tree::MlaVerifyWide>(&results);
-        assert_covers::<ddtree_kernels::tree::MlaVerifyStream>(&results);
         if t.runs_wgmma() {
             assert_covers::<ddtree_kernels::tree::MlaVerifyWg>(&results);
         }

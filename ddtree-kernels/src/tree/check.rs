@@ -11,7 +11,7 @@ use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, combine_grid, combine_output_grid, combine_warps, sample_rows,
     verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
-    MlaVerifyStream, MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::attention::mla_absorb::output_reference;
 use crate::check::{
@@ -320,7 +320,6 @@ pub fn verify(
                 VerifyVariant::Split(p) => t.launch::<MlaVerifySplit>(p, grid, &mut args)?,
                 VerifyVariant::Wide(p) => t.launch::<MlaVerifyWide>(p, grid, &mut args)?,
                 VerifyVariant::Wg(p) => t.launch::<MlaVerifyWg>(p, grid, &mut args)?,
-                VerifyVariant::Stream(p) => t.launch::<MlaVerifyStream>(p, grid, &mut args)?,
             }
         };
         let mut args = [

@@ -14,8 +14,8 @@ use half::bf16;
 use super::build::expansion_candidates;
 use super::{
     combine_grid, combine_output_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
-    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyStream, MlaVerifyWg, MlaVerifyWide, TreeAccept,
-    TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept, TreeBuild,
+    TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {
@@ -441,7 +441,6 @@ enum SplitKernel {
     Split(CompiledKernel<MlaVerifySplit>),
     Wide(CompiledKernel<MlaVerifyWide>),
     Wg(CompiledKernel<MlaVerifyWg>),
-    Stream(CompiledKernel<MlaVerifyStream>),
 }
 
 /// The verify attention: split-KV + combine for one variant and split count, or naive.
@@ -484,7 +483,6 @@ impl GpuVerify {
                 VerifyVariant::Split(p) => SplitKernel::Split(gpu.compile::<MlaVerifySplit>(p)?),
                 VerifyVariant::Wide(p) => SplitKernel::Wide(gpu.compile::<MlaVerifyWide>(p)?),
                 VerifyVariant::Wg(p) => SplitKernel::Wg(gpu.compile::<MlaVerifyWg>(p)?),
-                VerifyVariant::Stream(p) => SplitKernel::Stream(gpu.compile::<MlaVerifyStream>(p)?),
             },
             combine: gpu.compile::<MlaVerifyCombine>(&())?,
             combine_output: gpu.compile::<MlaCombineOutput>(&MlaCombineOutput::space()[0])?,
@@ -541,9 +539,6 @@ impl GpuVerify {
                 }
                 SplitKernel::Wg(k) => {
                     MlaVerifyWg::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
-                }
-                SplitKernel::Stream(k) => {
-                    MlaVerifyStream::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
                 }
             }
         }

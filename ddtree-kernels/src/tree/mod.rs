@@ -20,8 +20,7 @@ pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{
     combine_grid, combine_output_grid, combine_warps, CombineOutputParams, MlaCombineOutput, MlaVerifyCombine,
-    MlaVerifyNaive, MlaVerifySplit, MlaVerifyStream, MlaVerifyWg, MlaVerifyWide, StreamParams, VerifyParams,
-    VerifyVariant, WgParams, WideParams, STREAM_BN, STREAM_ROWS,
+    MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, VerifyParams, VerifyVariant, WgParams, WideParams,
 };
 pub mod check;
 pub mod gpu;

@@ -1068,361 +1068,7 @@ pub fn mla_verify_wg(
     }
 }
 
-/// Compile-time parameters of [`MlaVerifyStream`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
-pub struct StreamParams {
-    /// Warps per block, each streaming its own tiles of the block's keys: 1..=8.
-    pub warps: u32,
-    /// Depth of each warp's tile ring (tiles in flight plus the one being computed), >= 2.
-    pub stages: u32,
-}
-
-/// Keys per tile of [`MlaVerifyStream`]: two `mma` N extents.
-pub const STREAM_BN: u32 = 16;
-
-/// Query rows per block of [`MlaVerifyStream`]: one `mma` N extent.
-pub const STREAM_ROWS: u32 = 8;
-
-/// Row stride of [`MlaVerifyStream`]'s shared tiles in u32 (bf16 pairs): a 576-wide row
-/// (1152 bytes, one bulk copy) padded by 16 bytes, so that the 8 rows of an `ldmatrix` read
-/// fall in distinct banks.
-const STREAM_ROW: u32 = 292;
-
-/// Padded row stride (f32) of [`MlaVerifyStream`]'s per-warp sums: rows `2 qd + e` of the
-/// lanes' output fragments then fall in distinct banks.
-const STREAM_SUM_STRIDE: u32 = 516;
-
-impl StreamParams {
-    /// Query rows per block.
-    pub const fn rows_per_block(&self) -> u32 {
-        STREAM_ROWS
-    }
-
-    /// Bytes of dynamic shared memory: the Q tile plus every warp's ring, padded bf16 rows.
-    pub const fn dyn_smem(&self) -> u32 {
-        (STREAM_ROWS + self.warps * self.stages * STREAM_BN) * STREAM_ROW * 4
-    }
-}
-
-/// Split-KV pass for few query rows (the memory-bound decode step of a few heads): the same
-/// grid shape, inputs and partial outputs as [`MlaVerifySplit`], 8 query rows per block. Each
-/// warp streams its own 16-key tiles of the block's chunk (tiles `warp, warp + warps, ..`)
-/// through its own `stages`-deep ring, one bulk copy (`cp.async.bulk`, the async proxy) per key
-/// row completing on the slot's mbarrier, with no block barrier in the loop (a warp waits on its
-/// own mbarriers and syncs with itself), so a slow warp never holds the others and every warp
-/// keeps `stages - 1` tiles in flight for 16 copy instructions a tile. Rows are padded to
-/// 1168 bytes for conflict-free `ldmatrix`. The products are swapped so that the 8 rows
-/// are the `mma` N extent and nothing is computed for padding rows in `P V`: scores `S = Q
-/// K^T` (`m16n8k16`, rows 8..16 of A zero, 36 k16 steps x two key octets), whose
-/// accumulator layout is already the B fragment of `P^T`, then `O^T += V^T P^T` (32 M tiles of
-/// 16 output columns, `ldmatrix.trans` of the values), each warp holding `O^T` `[512, 8]` in
-/// 128 registers per lane; online softmax in f32. At the end the warps' partials meet in
-/// shared memory (rescaled to the block's row maxima, summed in warp order).
-/// The queries come in by `cp.async`, after the wait for the predecessor.
-#[kernel(block = p.warps * 32, dyn_smem = p.dyn_smem(), space = [
-    StreamParams { warps: 4, stages: 2 },
-    StreamParams { warps: 5, stages: 2 },
-    StreamParams { warps: 3, stages: 3 },
-    StreamParams { warps: 2, stages: 5 },
-    StreamParams { warps: 2, stages: 2 },
-])]
-pub fn mla_verify_stream(
-    #[comptime] p: &StreamParams,
-    q: &[bf16],
-    cache: &[bf16],
-    mask: &[u32],
-    lens: &[u32],
-    part_o: &mut [u32],
-    part_lse: &mut [f32],
-    rows: u32,
-    heads: u32,
-    nodes: u32,
-    words: u32,
-    scale: f32,
-) {
-    comptime_assert!(p.warps >= 1 && p.warps <= 8, "warps must be 1..=8");
-    comptime_assert!(p.stages >= 2, "stages must be at least 2");
-    comptime_assert!(
-        p.dyn_smem() + 2 * 8 * p.warps * 4 + p.warps * p.stages * 8 <= 232448,
-        "shared memory is limited to 227 KiB per block"
-    );
-    comptime_assert!(
-        p.dyn_smem() >= p.warps * 8 * STREAM_SUM_STRIDE * 4,
-        "the warps' partial sums reuse the dynamic shared memory"
-    );
-    // u32 units (bf16 pairs): Q rows `[8, 292]` at 0, then warp `w`'s ring of `stages` tiles
-    // `[16, 292]`, one mbarrier per slot. After the loop the first `warps * 8 * 516` words hold
-    // the warps' f32 sums.
-    let sm = dyn_shared::<u32>();
-    let stat = shared::<f32>(2 * 8 * p.warps);
-    let bars = shared::<u64>(p.warps * p.stages);
-    let tid = thread_idx_x();
-    let lane = lane_id();
-    let warp = warp_id();
-    let g = lane / 4;
-    let qd = lane % 4;
-    let blk0 = block_idx_x() * 8;
-    let prefix = lens[0];
-    let total = prefix + nodes;
-    let splits = grid_dim_y();
-    let chunk = ((total + splits - 1) / splits + 15) / 16 * 16;
-    let kv0 = block_idx_y() * chunk;
-    let kv1 = (kv0 + chunk).min(total);
-    let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let ntiles = if kv1 > kv0 { (kv1 - kv0 + 15) / 16 } else { 0u32 };
-    // This warp's tiles `warp + warps i`, `i < wt`.
-    let wt = if ntiles > warp {
-        (ntiles - warp + p.warps - 1) / p.warps
-    } else {
-        0u32
-    };
-    let ring = 8 * STREAM_ROW + warp * p.stages * 16 * STREAM_ROW;
-    // The node of this lane's score row `g`.
-    let node = ((blk0 + g) / heads).min(nodes - 1);
-    // This lane's ldmatrix offsets: Q row `lane % 8` at 16-byte chunk `lane / 8` (plus 4 per
-    // two k16 steps); key / value row `8 (lane / 16) + lane % 8` at chunk `(lane / 8) % 2` (plus
-    // 2 per k16 step of two key octets, or per 16-column M tile).
-    let qoff = (lane % 8) * STREAM_ROW + (lane / 8) * 4;
-    let koff = ((lane / 16) * 8 + lane % 8) * STREAM_ROW + ((lane / 8) % 2) * 4;
-
-    if tid == 0 {
-        #[unroll]
-        for i in 0..p.warps * p.stages {
-            mbar_init(&mut bars[i], 1u32);
-        }
-    }
-    grid_wait();
-    grid_launch_dependents();
-    // The block's query rows (zero past `rows`).
-    for ch in (tid..8 * 72).step_by(p.warps * 32) {
-        let r = ch / 72;
-        let c = ch % 72;
-        let ok = blk0 + r < rows;
-        let src = if ok { (blk0 + r) * 576 + c * 8 } else { 0u32 };
-        cp_async_16_zfill(&mut sm[r * STREAM_ROW + c * 4], &q[src], ok);
-    }
-    cp_async_commit();
-    cp_async_wait(0);
-    // The queries and the mbarriers, for the whole block.
-    sync_threads();
-
-    let mut o = [[0.0f32; 4]; 32];
-    let mut s = [[0.0f32; 4]; 8];
-    let mut qa = [0u32; 4];
-    let mut a = [0u32; 4];
-    let mut kb = [0u32; 4];
-    let mut b = [0u32; 2];
-    let mut va = [0u32; 4];
-    let mut pb = [0u32; 2];
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0.0f32;
-
-    // Step `it` issues this warp's tile `it` into ring slot `it % stages` (lane `r < 16` copies
-    // key row `r`; rows past the chunk copy its last row, whose scores are masked) and computes
-    // tile `it - (stages - 1)` once its slot's mbarrier completes the phase of that use.
-    for it in 0..wt + p.stages - 1 {
-        if it < wt {
-            let kt = kv0 + (warp + it * p.warps) * 16;
-            let sl = warp * p.stages + it % p.stages;
-            let slot = ring + (it % p.stages) * 16 * STREAM_ROW;
-            if lane == 0 {
-                mbar_arrive_tx(&mut bars[sl], 16u32 * 1152u32);
-            }
-            if lane < 16 {
-                // The slot's last reads (generic proxy) come before the async-proxy writes.
-                fence_proxy_async();
-                let key = (kt + lane).min(kv1 - 1);
-                cp_async_bulk(
-                    &mut sm[slot + lane * STREAM_ROW],
-                    &cache[key * 576],
-                    1152u32,
-                    &mut bars[sl],
-                );
-            }
-        }
-        // (Free on the GPU; the CPU interpreter runs a warp's copies before any lane waits.)
-        sync_warp();
-        if it + 1 >= p.stages {
-            let ti = it + 1 - p.stages;
-            mbar_wait(&bars[warp * p.stages + ti % p.stages], (ti / p.stages) % 2);
-            let kt = kv0 + (warp + ti * p.warps) * 16;
-            let st = ring + (ti % p.stages) * 16 * STREAM_ROW;
-
-            // Scores: rows `g` (c0, c1) of key octets 0 and 1 (rows 8..16 of A are zero), in
-            // four accumulators per octet (k16 step `kk` into `kk % 4`) so that the `mma`s of a
-            // tile form four short dependency chains, not one of 36.
-            #[unroll]
-            for x in 0..8 {
-                #[unroll]
-                for e in 0..4 {
-                    s[x][e] = 0.0f32;
-                }
-            }
-            #[unroll]
-            for kp in 0..18 {
-                ldmatrix_x4(&mut qa, &sm[qoff + 16 * kp]);
-                #[unroll]
-                for h in 0..2 {
-                    let kk = 2 * kp + h;
-                    ldmatrix_x4(&mut kb, &sm[st + koff + 8 * kk]);
-                    a[0] = qa[2 * h];
-                    a[1] = 0u32;
-                    a[2] = qa[2 * h + 1];
-                    a[3] = 0u32;
-                    b[0] = kb[0];
-                    b[1] = kb[1];
-                    mma_m16n8k16_bf16(&mut s[kk % 4], &a, &b);
-                    b[0] = kb[2];
-                    b[1] = kb[3];
-                    mma_m16n8k16_bf16(&mut s[4 + kk % 4], &a, &b);
-                }
-            }
-            #[unroll]
-            for n in 0..2 {
-                #[unroll]
-                for e in 0..2 {
-                    s[4 * n][e] += s[4 * n + 1][e] + s[4 * n + 2][e] + s[4 * n + 3][e];
-                }
-            }
-            // Mask (the mask words are read for tree keys only), scale, row maxima over the quad.
-            let mut mx = f32::NEG_INFINITY;
-            if kt + 16 <= prefix.min(kv1) {
-                #[unroll]
-                for n in 0..2 {
-                    #[unroll]
-                    for e in 0..2 {
-                        s[4 * n][e] *= scale_log2;
-                        mx = mx.max(s[4 * n][e]);
-                    }
-                }
-            } else {
-                #[unroll]
-                for n in 0..2 {
-                    #[unroll]
-                    for e in 0..2 {
-                        let key = kt + n * 8 + qd * 2 + e;
-                        let t = key - prefix;
-                        let vis = key < kv1 && (key < prefix || ((mask[node * words + t / 32] >> (t % 32)) & 1) == 1);
-                        s[4 * n][e] = if vis {
-                            s[4 * n][e] * scale_log2
-                        } else {
-                            f32::NEG_INFINITY
-                        };
-                        mx = mx.max(s[4 * n][e]);
-                    }
-                }
-            }
-            mx = mx.max(shfl_xor(mx, 1u32));
-            mx = mx.max(shfl_xor(mx, 2u32));
-            // Online softmax; rows with no visible key yet keep m = -inf (exponent base 0).
-            let mn = m.max(mx);
-            let base = if mn == f32::NEG_INFINITY { 0.0f32 } else { mn };
-            let alpha = (m - base).exp2();
-            m = mn;
-            l *= alpha;
-            #[unroll]
-            for n in 0..2 {
-                let p0 = (s[4 * n][0] - base).exp2();
-                let p1 = (s[4 * n][1] - base).exp2();
-                l += p0 + p1;
-                pb[n] = pack_bf16x2(p0, p1);
-            }
-            // `O^T` columns are rows `2 qd` and `2 qd + 1`, whose factors lanes `8 qd` and
-            // `8 qd + 4` hold; skipped once the maxima settle.
-            let a0 = shfl_idx(alpha, 8 * qd);
-            let a1 = shfl_idx(alpha, 8 * qd + 4);
-            if !vote_all(a0 == 1.0f32 && a1 == 1.0f32) {
-                #[unroll]
-                for mt in 0..32 {
-                    o[mt][0] *= a0;
-                    o[mt][1] *= a1;
-                    o[mt][2] *= a0;
-                    o[mt][3] *= a1;
-                }
-            }
-            // `O^T += V^T P^T`: M tile `mt` is output columns `16 mt ..`.
-            #[unroll]
-            for mt in 0..32 {
-                ldmatrix_x4_trans(&mut va, &sm[st + koff + 8 * mt]);
-                mma_m16n8k16_bf16(&mut o[mt], &va, &pb);
-            }
-            // Every lane is done with the slot before the next step refills it.
-            sync_warp();
-        }
-    }
-
-    // Row sums over the quad; the warps' maxima and sums meet in shared memory.
-    l += shfl_xor(l, 1u32);
-    l += shfl_xor(l, 2u32);
-    if qd == 0 {
-        stat[warp * 8 + g] = m;
-        stat[(p.warps + warp) * 8 + g] = l;
-    }
-    // Also: every warp is done with its ring, which the sums reuse.
-    sync_threads();
-    // This warp's weights for its `O^T` columns (rows `2 qd + e`): 2^(m_warp - m_block).
-    let mut wgt = [0.0f32; 2];
-    #[unroll]
-    for e in 0..2 {
-        let r = 2 * qd + e;
-        let mut mb = f32::NEG_INFINITY;
-        #[unroll]
-        for w in 0..p.warps {
-            mb = mb.max(stat[w * 8 + r]);
-        }
-        let base = if mb == f32::NEG_INFINITY { 0.0f32 } else { mb };
-        wgt[e] = (stat[warp * 8 + r] - base).exp2();
-    }
-    // Each warp's rescaled `O^T` as f32 bits `[8, 516]` at `w * 8 * 516`, summed below in warp
-    // order.
-    #[unroll]
-    for mt in 0..32 {
-        #[unroll]
-        for e in 0..4 {
-            let idx = (warp * 8 + 2 * qd + e % 2) * STREAM_SUM_STRIDE + 16 * mt + g + 8 * (e / 2);
-            sm[idx] = (o[mt][e] * wgt[e % 2]).to_bits();
-        }
-    }
-    sync_threads();
-    let split = block_idx_y();
-    for idx in (tid..8 * 256).step_by(p.warps * 32) {
-        let r = idx / 256;
-        let cp = idx % 256;
-        let mut mb = f32::NEG_INFINITY;
-        #[unroll]
-        for w in 0..p.warps {
-            mb = mb.max(stat[w * 8 + r]);
-        }
-        let base = if mb == f32::NEG_INFINITY { 0.0f32 } else { mb };
-        let mut ls = 0.0f32;
-        #[unroll]
-        for w in 0..p.warps {
-            ls += (stat[w * 8 + r] - base).exp2() * stat[(p.warps + w) * 8 + r];
-        }
-        let inv = if ls > 0.0f32 { 1.0f32 / ls } else { 0.0f32 };
-        let row = blk0 + r;
-        if row < rows {
-            let mut v0 = 0.0f32;
-            let mut v1 = 0.0f32;
-            #[unroll]
-            for w in 0..p.warps {
-                v0 += f32::from_bits(sm[(w * 8 + r) * STREAM_SUM_STRIDE + 2 * cp]);
-                v1 += f32::from_bits(sm[(w * 8 + r) * STREAM_SUM_STRIDE + 2 * cp + 1]);
-            }
-            part_o[(split * rows + row) * 256 + cp] = pack_bf16x2(v0 * inv, v1 * inv);
-            if cp == 0 {
-                part_lse[split * rows + row] = if ls > 0.0f32 {
-                    (base + ls.log2()) * std::f32::consts::LN_2
-                } else {
-                    f32::NEG_INFINITY
-                };
-            }
-        }
-    }
-}
-
-/// A split-pass variant: [`MlaVerifySplit`], [`MlaVerifyWide`], [`MlaVerifyWg`] or
-/// [`MlaVerifyStream`]. All take the
+/// A split-pass variant: [`MlaVerifySplit`], [`MlaVerifyWide`] or [`MlaVerifyWg`]. All take the
 /// same arguments and grid shape and write the same partials for [`MlaVerifyCombine`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VerifyVariant {
@@ -1432,8 +1078,6 @@ pub enum VerifyVariant {
     Wide(WideParams),
     /// The warpgroup (`wgmma`) kernel.
     Wg(WgParams),
-    /// The few-row streaming kernel.
-    Stream(StreamParams),
 }
 
 impl Default for VerifyVariant {
@@ -1449,7 +1093,6 @@ impl VerifyVariant {
         let wide = MlaVerifyWide::space().into_iter().map(VerifyVariant::Wide);
         wide.chain(MlaVerifySplit::space().into_iter().map(VerifyVariant::Split))
             .chain(MlaVerifyWg::space().into_iter().map(VerifyVariant::Wg))
-            .chain(MlaVerifyStream::space().into_iter().map(VerifyVariant::Stream))
             .collect()
     }
 
@@ -1464,17 +1107,15 @@ impl VerifyVariant {
             VerifyVariant::Split(p) => p.rows_per_block(),
             VerifyVariant::Wide(p) => p.rows_per_block(),
             VerifyVariant::Wg(p) => p.rows_per_block(),
-            VerifyVariant::Stream(p) => p.rows_per_block(),
         }
     }
 
-    /// Keys per tile (of the whole block: [`MlaVerifyStream`]'s warps each take their own).
+    /// Keys per tile.
     pub fn bn(&self) -> u32 {
         match self {
             VerifyVariant::Split(p) => p.bn,
             VerifyVariant::Wide(p) => p.bn,
             VerifyVariant::Wg(p) => p.bn,
-            VerifyVariant::Stream(p) => STREAM_BN * p.warps,
         }
     }
 
@@ -1484,7 +1125,6 @@ impl VerifyVariant {
             VerifyVariant::Split(p) => MlaVerifySplit::symbol(p),
             VerifyVariant::Wide(p) => MlaVerifyWide::symbol(p),
             VerifyVariant::Wg(p) => MlaVerifyWg::symbol(p),
-            VerifyVariant::Stream(p) => MlaVerifyStream::symbol(p),
         }
     }
 }
