@@ -509,11 +509,12 @@ impl GpuVerify {
         )
     }
 
-    /// The split pass into the partials: `q` `[nodes, heads, 576]`, `cache` `[lens[0] + nodes,
+    /// The split pass alone, into this verifier's partials (what [`GpuVerify::run`] runs before
+    /// the combine; public for timing it): `q` `[nodes, heads, 576]`, `cache` `[lens[0] + nodes,
     /// 576]` (at least), `mask` `[nodes, words]`, `lens[0]` the committed prefix length on the
     /// device (at most `sh.prefix`, which only sizes the grid).
     #[allow(clippy::too_many_arguments)]
-    fn split_pass(
+    pub fn split_pass(
         &mut self,
         s: &Arc<CudaStream>,
         sh: &VerifyShape,
