@@ -10,7 +10,8 @@
 //! twice it (split pass + combine, graph-timed as the builder, each call on another copy of
 //! the cache so that it comes from DRAM; the naive kernel is timed eagerly), prints each
 //! candidate's best and marks the case's best, and times the best one's split pass alone (the
-//! rest is the combine); the prefix length is passed on the device, as the engine does. Prints a compact table at the end; exits non-zero if a check fails.
+//! rest is the combine); the prefix length is passed on the device, as the engine does. Prints
+//! a compact table at the end; exits non-zero if a check fails.
 //!
 //! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench] [--build-only | --verify-only]
 //! [--contexts 1024,32768] [--heads 8] [--nodes 1,64]`.
@@ -109,8 +110,8 @@ fn profile_build(gpu: &Gpu, rng: &mut StdRng, stage: &str, logits: &str) -> Resu
     run().map_err(|e| e.to_string())
 }
 
-/// `--profile-verify CTX --profile-nodes NODES`: two launches of the verify attention
-/// (profile the second).
+/// `--profile-verify CTX` (with `--profile-nodes`, `--profile-heads`, `--profile-variant`): two
+/// launches of the verify attention (profile the second).
 fn profile_verify(gpu: &Gpu, rng: &mut StdRng, args: &Args, ctx: usize) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let (nodes, heads) = (args.profile_nodes, args.profile_heads);
@@ -417,8 +418,10 @@ fn bench_verify(
             None => f64::NAN,
         };
         timed.push((naive_us, "mla_verify_naive".to_string(), 1, None));
+        // Percent of the copy floor (reading the cache once at the measured copy bandwidth).
+        let of_copy = |us: f64| 100.0 * bytes as f64 / (bw * 1e9) / (us * 1e-6);
         for (i, (us, sym, splits, _)) in timed.iter().enumerate() {
-            let copy_pct = 100.0 * bytes as f64 / (bw * 1e9) / (us * 1e-6);
+            let copy_pct = of_copy(*us);
             let tf = flops / (us * 1e-6) / 1e12;
             let tf_pct = 100.0 * tf / tflops;
             let mark = if best == Some(i) { "*" } else { "" };
@@ -426,7 +429,7 @@ fn bench_verify(
             println!("{case} {copy_pct:.0}% | {tf:.1} | {tf_pct:.0}% | {mark} |");
             if best == Some(i) {
                 let speedup = naive_us / us;
-                let split_pct = 100.0 * bytes as f64 / (bw * 1e9) / (split_us * 1e-6);
+                let split_pct = of_copy(split_us);
                 rows_out.push(format!(
                     "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads:<2} {us:>8.1} µs {copy_pct:>4.0}% copy \
                      {tf:>6.1} TF/s ({tf_pct:.0}%)  best [{sym} s={splits}]  split pass alone {split_us:.1} µs \
