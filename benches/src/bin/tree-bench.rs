@@ -25,7 +25,7 @@ use ddtree_kernels::tree::check::{self, random_mask, LOGITS_PROFILES};
 use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
-use ddtree_kernels::tree::{TreeBuild, VerifyVariant, WgParams, WideParams, LATENT, ROW};
+use ddtree_kernels::tree::{MlaVerifyWg, TreeBuild, VerifyVariant, WideParams, LATENT, ROW};
 use ddtree_runtime::timing::{graph_us, median_us};
 use ddtree_runtime::{Gpu, RuntimeError};
 use half::bf16;
@@ -56,7 +56,7 @@ struct Args {
     profile_build: Option<Vec<String>>,
     /// For a profiler: two launches of the verify attention (`--profile-nodes` nodes x
     /// `--profile-heads` heads, the automatic split count) at context CTX, nothing else:
-    /// `--profile-variant`, or `mla_verify_wg` bn64 for trees and past 16K keys, as the
+    /// `--profile-variant`, or `mla_verify_wg`'s default for trees and past 16K keys, as the
     /// engine's `--attention auto` on sm_90, else `mla_verify_wide` rg2.
     #[arg(long, value_name = "CTX")]
     profile_verify: Option<usize>,
@@ -123,7 +123,7 @@ fn profile_verify(gpu: &Gpu, rng: &mut StdRng, args: &Args, ctx: usize) -> Resul
                 kernel: name.clone(),
                 reason: "no verify variant's symbol contains this".into(),
             })?,
-        None if nodes > 1 || ctx > 16384 => VerifyVariant::Wg(WgParams { bn: 64, stages: 2 }),
+        None if nodes > 1 || ctx > 16384 => VerifyVariant::Wg(MlaVerifyWg::default_params()),
         None => VerifyVariant::Wide(WideParams {
             rg: 2,
             bn: 64,

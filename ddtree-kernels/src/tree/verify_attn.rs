@@ -743,10 +743,14 @@ pub fn mla_verify_wide(
 /// Compile-time parameters of [`MlaVerifyWg`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct WgParams {
-    /// KV tile (keys per step): 32 or 64; each warpgroup scores half of it.
+    /// KV tile (keys per step): 32 or 64.
     pub bn: u32,
     /// Depth of the shared-memory tile ring, >= 2.
     pub stages: u32,
+    /// Warpgroups that score each tile: 2 (each scores half the keys, `wgmma` N = `bn / 2`,
+    /// and both copy the ring) or 1 (warpgroup 0 scores all `bn` keys and runs the softmax,
+    /// warpgroup 1 copies the ring; an N = `bn` `wgmma` reads each Q and K chunk once per tile).
+    pub scorers: u32,
 }
 
 impl WgParams {
@@ -772,12 +776,14 @@ impl WgParams {
 /// (`ldmatrix`) and the values in shared memory (`wgmma_bf16_rs_mn`). The operands are
 /// descriptors made once per tile plus compile-time offsets (an add per `wgmma` operand), and
 /// for trees the scores are issued before the next tile's `cp.async` copies, which then overlap
-/// them. Online softmax in f32; partial outputs as bf16 pairs, as [`MlaVerifyCombine`] reads
+/// them, and each tile's `P V` is left running behind the next tile's scores (its ring slot is
+/// refilled once both warpgroups have waited for it). Online softmax in f32; partial outputs as bf16 pairs, as [`MlaVerifyCombine`] reads
 /// them.
 #[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
-    WgParams { bn: 64, stages: 2 },
-    WgParams { bn: 32, stages: 4 },
-    WgParams { bn: 32, stages: 3 },
+    WgParams { bn: 64, stages: 2, scorers: 1 },
+    WgParams { bn: 64, stages: 2, scorers: 2 },
+    WgParams { bn: 32, stages: 4, scorers: 2 },
+    WgParams { bn: 32, stages: 3, scorers: 2 },
 ])]
 pub fn mla_verify_wg(
     #[comptime] p: &WgParams,
@@ -795,13 +801,14 @@ pub fn mla_verify_wg(
 ) {
     comptime_assert!(p.bn == 32 || p.bn == 64, "bn must be 32 or 64");
     comptime_assert!(p.stages >= 2, "stages must be at least 2");
+    comptime_assert!(p.scorers == 1 || p.scorers == 2, "scorers must be 1 or 2");
     comptime_assert!(
         (64 + p.stages * p.bn) * 1152 + 1024 + 64 * (p.bn + 8) * 2 + 4 * 64 * 4 <= 232448,
         "shared memory is limited to 227 KiB per block"
     );
-    // Keys each warpgroup scores, u32 (bf16 pairs) per row of the P tile (padded against bank
-    // conflicts), elements per 64-column block of a KV tile.
-    let half = p.bn / 2;
+    // Keys each scoring warpgroup scores (the score `wgmma`'s N), u32 (bf16 pairs) per row of
+    // the P tile (padded against bank conflicts), elements per 64-column block of a KV tile.
+    let nk = p.bn / p.scorers;
     let psw = (p.bn + 8) / 2;
     let kblk = p.bn * 64;
     // Q at 0: column block `b` at `4096 b`, row `r` at `64 r` in it, 16-byte chunk `c` at `c ^ (r
@@ -813,8 +820,16 @@ pub fn mla_verify_wg(
     let ssum = shared::<f32>(2 * 64);
     let lane = lane_id();
     let warp = warp_id();
-    let h = warp / 4;
+    // The warpgroup, through a lane-0 shuffle so the compiler knows it is warp-uniform and keeps
+    // the `wgmma` descriptors built from it in uniform registers.
+    let h = shfl_idx(warp / 4, 0u32);
     let wl = warp % 4;
+    // Whether this warpgroup scores (and runs the softmax) and whether it copies the ring; the
+    // copying warps, and this warp's place among them.
+    let scores = p.scorers == 2 || h == 0;
+    let copies = p.scorers == 2 || h == 1;
+    let cw = 4 * p.scorers;
+    let lw = warp % cw;
     let g = lane / 4;
     let qd = lane % 4;
     let blk0 = block_idx_x() * 64;
@@ -860,7 +875,7 @@ pub fn mla_verify_wg(
         let kt = kv0 + ti * p.bn;
         let st = ring + (ti % p.stages) * p.bn * 576;
         // This step's scores (a fresh row per step: nothing carried to the next).
-        let mut sacc = [0.0f32; p.bn / 4];
+        let mut sacc = [0.0f32; p.bn / p.scorers / 2];
         if computes {
             // Tile `ti` and the queries have landed; every warpgroup is done with tile
             // `it - stages` (its `wgmma` groups were waited for), whose slot tile `it` reuses.
@@ -878,11 +893,10 @@ pub fn mla_verify_wg(
         let load_phase = if early { 0u32 } else { 1u32 };
         #[unroll]
         for phase in 0..2 {
-            if computes && phase != load_phase {
-                // All 64 rows against this warpgroup's `bn / 2` keys: k16 step `kk` is 2
-                // descriptor units into a column block, a column block 512 (Q) or `kblk / 8`
-                // apart.
-                let kd = wgmma_desc(&sm[st + h * half * 64]);
+            if computes && phase != load_phase && scores {
+                // All 64 rows against this warpgroup's `nk` keys: k16 step `kk` is 2 descriptor
+                // units into a column block, a column block 512 (Q) or `kblk / 8` apart.
+                let kd = wgmma_desc(&sm[st + h * nk * 64]);
                 wgmma_fence();
                 #[unroll]
                 for kk in 0..36 {
@@ -896,20 +910,33 @@ pub fn mla_verify_wg(
                 wgmma_commit();
             }
             if phase == load_phase {
-                if it < ntiles {
-                    // Warp `w` copies rows `w + 8 i` (the swizzle `c ^ w` is per lane) and lane
-                    // `l` the chunks `l`, `l + 32` and, for lanes 0..8, `l + 64`.
-                    let ld = ring + (it % p.stages) * p.bn * 576 + warp * 64;
-                    let kl = kv0 + it * p.bn + warp;
+                if computes && ti > 0 && it < ntiles && !early {
+                    // Trees leave the previous tile's `P V` running behind this tile's scores
+                    // (issued in phase 0); its slot takes this load once both warpgroups are
+                    // done with it.
+                    if scores {
+                        wgmma_wait(1);
+                    } else {
+                        wgmma_wait(0);
+                    }
+                    sync_threads();
+                }
+                if it < ntiles && copies {
+                    // Copying warp `w` of `cw` copies rows `w + cw i` and lane `l` the chunks
+                    // `l`, `l + 32` and, for lanes 0..8, `l + 64` (chunk `c` of row `r` at `c ^
+                    // (r % 8)`).
+                    let ld = ring + (it % p.stages) * p.bn * 576 + lw * 64;
+                    let kl = kv0 + it * p.bn + lw;
                     #[unroll]
-                    for i in 0..p.bn / 8 {
-                        let ok = kl + 8 * i < kv1;
-                        let src = if ok { (kl + 8 * i) * 576 } else { 0u32 };
+                    for i in 0..p.bn / cw {
+                        let ok = kl + cw * i < kv1;
+                        let src = if ok { (kl + cw * i) * 576 } else { 0u32 };
+                        let sw = (lw + cw * i) % 8;
                         #[unroll]
                         for j in 0..3 {
                             let c = lane + 32 * j;
                             if c < 72 {
-                                let dst = ld + (c / 8) * kblk + i * 8 * 64 + ((c % 8) ^ warp) * 8;
+                                let dst = ld + (c / 8) * kblk + i * cw * 64 + ((c % 8) ^ sw) * 8;
                                 cp_async_16_zfill(&mut sm[dst], &cache[src + c * 8], ok);
                             }
                         }
@@ -941,61 +968,88 @@ pub fn mla_verify_wg(
             cp_async_commit();
         }
         if computes {
-            wgmma_wait(0);
+            if scores {
+                // This tile's scores (and for trees the previous tile's `P V`).
+                wgmma_wait(0);
 
-            // Mask (tree keys only), scale, this warpgroup's row maxima.
-            mx[0] = f32::NEG_INFINITY;
-            mx[1] = f32::NEG_INFINITY;
-            let key0 = kt + h * half;
-            if kt + p.bn <= prefix.min(kv1) {
-                #[unroll]
-                for e in 0..p.bn / 4 {
-                    sacc[e] *= scale_log2;
-                    mx[(e % 4) / 2] = mx[(e % 4) / 2].max(sacc[e]);
+                // Mask (tree keys only), scale, this warpgroup's row maxima.
+                mx[0] = f32::NEG_INFINITY;
+                mx[1] = f32::NEG_INFINITY;
+                let key0 = kt + h * nk;
+                if kt + p.bn <= prefix.min(kv1) {
+                    #[unroll]
+                    for e in 0..p.bn / p.scorers / 2 {
+                        sacc[e] *= scale_log2;
+                        mx[(e % 4) / 2] = mx[(e % 4) / 2].max(sacc[e]);
+                    }
+                } else {
+                    #[unroll]
+                    for e in 0..p.bn / p.scorers / 2 {
+                        let i = (e % 4) / 2;
+                        let key = key0 + (e / 4) * 8 + qd * 2 + e % 2;
+                        let t = key - prefix;
+                        let vis =
+                            key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
+                        sacc[e] = if vis { sacc[e] * scale_log2 } else { f32::NEG_INFINITY };
+                        mx[i] = mx[i].max(sacc[e]);
+                    }
                 }
-            } else {
-                #[unroll]
-                for e in 0..p.bn / 4 {
-                    let i = (e % 4) / 2;
-                    let key = key0 + (e / 4) * 8 + qd * 2 + e % 2;
-                    let t = key - prefix;
-                    let vis = key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
-                    sacc[e] = if vis { sacc[e] * scale_log2 } else { f32::NEG_INFINITY };
-                    mx[i] = mx[i].max(sacc[e]);
-                }
-            }
-            #[unroll]
-            for i in 0..2 {
-                mx[i] = mx[i].max(shfl_xor(mx[i], 1u32));
-                mx[i] = mx[i].max(shfl_xor(mx[i], 2u32));
-                if qd == 0 {
-                    smax[h * 64 + lr[i]] = mx[i];
-                }
-            }
-            sync_threads();
-
-            // Online softmax: both warpgroups form the same new maxima.
-            #[unroll]
-            for i in 0..2 {
-                let mn = m[i].max(smax[lr[i]].max(smax[64 + lr[i]]));
-                // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
-                let base = if mn == f32::NEG_INFINITY { 0.0f32 } else { mn };
-                al[i] = (m[i] - base).exp2();
-                m[i] = mn;
-                l[i] *= al[i];
-                mx[i] = base;
-            }
-            #[unroll]
-            for j in 0..p.bn / 16 {
                 #[unroll]
                 for i in 0..2 {
-                    let a = (sacc[4 * j + 2 * i] - mx[i]).exp2();
-                    let b = (sacc[4 * j + 2 * i + 1] - mx[i]).exp2();
-                    l[i] += a + b;
-                    sp[lr[i] * psw + (h * half + j * 8 + qd * 2) / 2] = pack_bf16x2(a, b);
+                    mx[i] = mx[i].max(shfl_xor(mx[i], 1u32));
+                    mx[i] = mx[i].max(shfl_xor(mx[i], 2u32));
+                }
+            } else {
+                // The previous tile's `P V`, before its output columns are rescaled.
+                wgmma_wait(0);
+            }
+            if p.scorers == 2 {
+                // The two halves' row maxima meet in shared memory.
+                #[unroll]
+                for i in 0..2 {
+                    if qd == 0 {
+                        smax[h * 64 + lr[i]] = mx[i];
+                    }
+                }
+                sync_threads();
+                #[unroll]
+                for i in 0..2 {
+                    mx[i] = smax[lr[i]].max(smax[64 + lr[i]]);
+                }
+            }
+            if scores {
+                // Online softmax (with two scorers both form the same new maxima).
+                #[unroll]
+                for i in 0..2 {
+                    let mn = m[i].max(mx[i]);
+                    // Rows with no visible key yet keep m = -inf; use 0 as the exponent base then.
+                    let base = if mn == f32::NEG_INFINITY { 0.0f32 } else { mn };
+                    al[i] = (m[i] - base).exp2();
+                    m[i] = mn;
+                    l[i] *= al[i];
+                    mx[i] = base;
+                }
+                #[unroll]
+                for j in 0..p.bn / p.scorers / 8 {
+                    #[unroll]
+                    for i in 0..2 {
+                        let a = (sacc[4 * j + 2 * i] - mx[i]).exp2();
+                        let b = (sacc[4 * j + 2 * i + 1] - mx[i]).exp2();
+                        l[i] += a + b;
+                        sp[lr[i] * psw + (h * nk + j * 8 + qd * 2) / 2] = pack_bf16x2(a, b);
+                    }
+                }
+                if p.scorers == 1 && qd == 0 {
+                    // The rescale, for the other warpgroup's output columns.
+                    smax[lr[0]] = al[0];
+                    smax[lr[1]] = al[1];
                 }
             }
             sync_threads();
+            if !scores {
+                al[0] = smax[lr[0]];
+                al[1] = smax[lr[1]];
+            }
 
             // P V over all rows and this warpgroup's 256 output columns.
             #[unroll]
@@ -1026,24 +1080,29 @@ pub fn mla_verify_wg(
                 }
             }
             wgmma_commit();
-            wgmma_wait(0);
+            if early {
+                wgmma_wait(0);
+            }
         }
     }
+    wgmma_wait(0);
 
-    // Row sums: this warpgroup's keys, then the two halves meet in shared memory.
-    #[unroll]
-    for i in 0..2 {
-        l[i] += shfl_xor(l[i], 1u32);
-        l[i] += shfl_xor(l[i], 2u32);
-        if qd == 0 {
-            ssum[h * 64 + lr[i]] = l[i];
+    // Row sums: each scorer's keys, then (two scorers) the two halves meet in shared memory.
+    if scores {
+        #[unroll]
+        for i in 0..2 {
+            l[i] += shfl_xor(l[i], 1u32);
+            l[i] += shfl_xor(l[i], 2u32);
+            if qd == 0 {
+                ssum[h * 64 + lr[i]] = l[i];
+            }
         }
     }
     sync_threads();
     let split = block_idx_y();
     #[unroll]
     for i in 0..2 {
-        let ls = ssum[lr[i]] + ssum[64 + lr[i]];
+        let ls = if p.scorers == 2 { ssum[lr[i]] + ssum[64 + lr[i]] } else { ssum[lr[i]] };
         let inv = if ls > 0.0f32 { 1.0f32 / ls } else { 0.0f32 };
         let row = blk0 + lr[i];
         if row < rows {

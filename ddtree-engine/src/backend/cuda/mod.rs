@@ -424,11 +424,11 @@ fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result<AttentionK
 }
 
 /// The verify attention variant for `rows` (node, head) query rows and a length bucket of
-/// `keys` keys, by `kind` ([`AttentionKernel`]): `mla_verify_wg` with a 2-deep ring of 64-key
-/// tiles, or the full-width `mma` split pass (`mla_verify_wide`, the same ring) with 32 rows
-/// per block up to one node of 64 heads (the decode step), else 64. From `tree-bench` on the
-/// H200 (BENCHMARKS.md), 64 heads at 32K: `wg` 38.8 / 115.2 / 718.3 µs at 1 / 8 / 64 nodes
-/// against the best `wide` 43.4 / 164.7 / 1080.6.
+/// `keys` keys, by `kind` ([`AttentionKernel`]): `mla_verify_wg`'s default (a 2-deep ring of
+/// 64-key tiles, one scoring warpgroup), or the full-width `mma` split pass (`mla_verify_wide`,
+/// the same ring) with 32 rows per block up to one node of 64 heads (the decode step), else 64.
+/// From `tree-bench` on the H200 (BENCHMARKS.md, seed 504), 64 heads at 32K: `wg` 32.5 / 92.0
+/// / 584.0 µs at 1 / 8 / 64 nodes against the best `wide` 37.3 / 159.3 / 1073.0.
 fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
     let wg = match kind {
         AttentionKernel::Auto => rows > 64 || keys > WG_DECODE_MIN_KEYS,
