@@ -1102,7 +1102,11 @@ pub fn mla_verify_wg(
     let split = block_idx_y();
     #[unroll]
     for i in 0..2 {
-        let ls = if p.scorers == 2 { ssum[lr[i]] + ssum[64 + lr[i]] } else { ssum[lr[i]] };
+        let ls = if p.scorers == 2 {
+            ssum[lr[i]] + ssum[64 + lr[i]]
+        } else {
+            ssum[lr[i]]
+        };
         let inv = if ls > 0.0f32 { 1.0f32 / ls } else { 0.0f32 };
         let row = blk0 + lr[i];
         if row < rows {
