@@ -769,16 +769,19 @@ impl WgParams {
 /// outputs as [`MlaVerifySplit`], 64 query rows per block (all 64 heads of a node), two
 /// warpgroups. The Q tile and the KV ring sit in shared memory as nine 64-column blocks of
 /// 128-byte-swizzled rows (`wgmma`'s canonical K-major layout, which is also the N-major layout
-/// of the values). Warpgroup `h` scores keys `h bn / 2 ..` of each tile for all 64 rows
-/// (`wgmma_bf16_ss`, 36 k16 steps over the 576 dims, Q and K from shared memory); the row
-/// maxima of the two halves meet in shared memory, the probabilities go to a bf16 `P` tile there,
-/// and warpgroup `h` accumulates output columns `256 h ..` of all rows from `P` in registers
-/// (`ldmatrix`) and the values in shared memory (`wgmma_bf16_rs_mn`). The operands are
-/// descriptors made once per tile plus compile-time offsets (an add per `wgmma` operand), and
-/// for trees the scores are issued before the next tile's `cp.async` copies, which then overlap
-/// them, and each tile's `P V` is left running behind the next tile's scores (its ring slot is
-/// refilled once both warpgroups have waited for it). Online softmax in f32; partial outputs as bf16 pairs, as [`MlaVerifyCombine`] reads
-/// them.
+/// of the values). With one scorer (the default) warpgroup 0 scores all `bn` keys of each tile
+/// for all 64 rows (`wgmma_bf16_ss`, 36 k16 steps over the 576 dims, Q and K from shared memory,
+/// each Q chunk read once per tile), runs the whole softmax and passes each tile's rescale to
+/// warpgroup 1 through shared memory, while warpgroup 1 copies the ring; with two, warpgroup `h`
+/// scores keys `h bn / 2 ..` and the row maxima of the two halves meet in shared memory. The
+/// probabilities go to a bf16 `P` tile in shared memory, and warpgroup `h` accumulates output
+/// columns `256 h ..` of all rows from `P` in registers (`ldmatrix`) and the values in shared
+/// memory (`wgmma_bf16_rs_mn`). The operands are descriptors made once per tile plus
+/// compile-time offsets (an add per `wgmma` operand, in uniform registers). For trees the scores
+/// are issued before the next tile's `cp.async` copies, which then overlap them, and each tile's
+/// `P V` is left running behind the next tile's scores (its ring slot is refilled once both
+/// warpgroups have waited for it). Online softmax in f32; partial outputs as bf16 pairs, as
+/// [`MlaVerifyCombine`] reads them.
 #[kernel(block = 256, dyn_smem = p.dyn_smem(), space = [
     WgParams { bn: 64, stages: 2, scorers: 1 },
     WgParams { bn: 64, stages: 2, scorers: 2 },
