@@ -6,27 +6,33 @@
 //!
 //! 1. **Slice** (every block): block `b` of depth `row` reads logits `[b * span, (b + 1) *
 //!    span)` of its row once into registers (`vpt` per thread, coalesced), takes the slice's
-//!    max and sum of exponentials (the block's partials are reduced by the last warp while
-//!    warp 0 scans the first histogram, so they cost no barrier), and selects the slice's top
-//!    `min(k, slice)` by radix select over order keys: 8-bit digits from below the prefix
+//!    max and sum of exponentials (the block's partials are reduced by the last warp after
+//!    the floor's barrier), and selects the slice's top `min(k, slice)`. **Direct select**
+//!    (`direct > 0`): the keys at or above a floor (below) and their items are staged in
+//!    shared memory; when there are at most `direct` of them they are ranked by counting
+//!    (larger key, then smaller token) and written best first, with no radix pass. Else (or
+//!    with `direct = 0`) by radix select over order keys: 8-bit digits from below the prefix
 //!    shared by the top key and a floor under the k-th key, one block-wide histogram per digit
 //!    (two barriers each), stopping as soon as the digit bucket of the k-th key is taken whole,
 //!    or (`ties > 0`) holds at most `ties` keys: those are staged in shared memory and ranked
 //!    exactly (larger key, then smaller token). The floor: when `k <= 2 * warps`, the lowest
 //!    of the warps' second-largest keys, else 0. With `ties > 0` only warps with items count,
 //!    and past `k = 2 * warps` a slice takes the lowest of the warps' m-th largest of their
-//!    lanes' second-largest keys (`m = ceil(k / (2 * warps)) <= 32`), a merge the least key
-//!    (no key is dropped, but the digits start below the prefix all keys share, so the first
-//!    histogram is not one hot bin, as it is with floor 0). Keys below the floor are never
+//!    lanes' second-largest keys (`m = ceil(k / (2 * warps)) <= 32`), a merge the lowest of
+//!    the warps' m-th largest of their lanes' largest keys (`m = ceil(k / warps) <= 32`; with
+//!    one slice's candidates to a warp and the slice written best first, that slice's m-th
+//!    key), else the least key (no key is dropped, but the digits start below the prefix all
+//!    keys share, so the first histogram is not one hot bin, as it is with floor 0). Keys below the floor are never
 //!    counted, which keeps the histogram atomics few and spread. The selected keys and tokens
 //!    go to the candidate buffers (places from ballots and warp totals): in token order, or
 //!    with an exactly ranked bucket, the keys above it in token order and then the bucket's
-//!    best by rank. Either way equal keys stay in token order, which the merge relies on.
+//!    best by rank. Every way equal keys stay in token order, which the merge relies on.
 //! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
 //!    warp), the same select over the `nb * k` candidates (at most `block * vpt`, one per
 //!    register slot; equal keys by earlier candidate = smaller token), and the `k` winners
-//!    ranked (larger key, then smaller token; adjacent lanes split each winner's comparisons)
-//!    into the depth's log-probs `min(x - lse, 0)` and tokens.
+//!    ranked (larger key, then smaller token; adjacent lanes split each winner's comparisons;
+//!    the direct select's ranking is this one) into the depth's log-probs `min(x - lse, 0)`
+//!    and tokens.
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -44,7 +50,8 @@
 //!    ancestor-or-self mask rows.
 //!
 //! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
-//! threads: one for the floor, two per histogram pass (with `ties = 0` typically two or three
+//! threads: with the direct select one for the floor, one for the staged keys and two around
+//! the counter; with the radix select one for the floor, two per histogram pass (with `ties = 0` typically two or three
 //! passes in a slice and three or four in a merge, whose floor 0 puts every candidate in one
 //! bin of the first pass; one pass with `ties = 32`), one for the warp totals, one before a
 //! merge's ranking, two around the counter.
@@ -68,6 +75,10 @@ pub struct TreeBuildParams {
     /// warp and else the least key (see the module docs). 0: radix passes until the bucket is
     /// taken whole or the keys are equal, and floor 0 past two keys per warp.
     pub ties: u32,
+    /// The most keys at or above the floor that a select ranks directly (larger key, then
+    /// earlier item, by counting), with no radix pass; more fall back to the radix select.
+    /// 0: always the radix select. At most 1024.
+    pub direct: u32,
 }
 
 impl TreeBuildParams {
@@ -193,11 +204,14 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32 },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 0 },
-    TreeBuildParams { block: 512, vpt: 28, ties: 32 },
-    TreeBuildParams { block: 512, vpt: 28, ties: 0 },
-    TreeBuildParams { block: 512, vpt: 16, ties: 0 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 0 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 0, direct: 0 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 512 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 0 },
+    TreeBuildParams { block: 512, vpt: 28, ties: 0, direct: 0 },
+    TreeBuildParams { block: 512, vpt: 16, ties: 0, direct: 0 },
 ])]
 pub fn tree_build(
     #[comptime] p: &TreeBuildParams,
@@ -231,6 +245,7 @@ pub fn tree_build(
     );
     comptime_assert!(p.vpt >= 1 && p.vpt <= 32, "vpt must be in 1..=32");
     comptime_assert!(p.ties <= 256, "ties must be at most 256");
+    comptime_assert!(p.direct <= 1024, "direct must be at most 1024");
     let tie_mode = p.ties > 0u32;
     let nw = p.block / 32;
     let tid = thread_idx_x();
@@ -242,7 +257,8 @@ pub fn tree_build(
     let red_m = shared::<f32>(32);
     let red_s = shared::<f32>(32);
     let hist = shared::<u32>(512);
-    let st = shared::<u32>(4);
+    let st = shared::<u32>(6);
+    let wq = shared::<u32>(128);
     let wcount = shared::<u32>(64);
     let wfloor = shared::<u32>(32);
     let wtop = shared::<u32>(32);
@@ -266,10 +282,15 @@ pub fn tree_build(
         let per = (n + p.block - 1) / p.block;
         let first = warp * 32u32 * per + lane;
         let mut keys = [0u32; p.vpt];
+        // Bit j: item j exists (the keys of missing items stay 0, below every logit's key
+        // but one, so the per-item code below needs this mask only where 0 would count).
+        let mut vm = 0u32;
         // Whether this warp holds any item (warp-uniform: warps past the items skip the
         // per-item code).
         let wact = warp * 32u32 * per < n;
         if wact {
+            // Every load goes out before any is used (one memory latency, not one per group
+            // of loads), then the logits become order keys.
             #[unroll]
             for j in 0..p.vpt {
                 let i = first + 32u32 * j;
@@ -277,8 +298,17 @@ pub fn tree_build(
                     keys[j] = if merging {
                         cand_key[base + i]
                     } else {
-                        order_key(logits[base + i])
+                        logits[base + i].to_bits()
                     };
+                    vm = vm | (1u32 << j);
+                }
+            }
+            if !merging {
+                #[unroll]
+                for j in 0..p.vpt {
+                    if ((vm >> j) & 1u32) == 1u32 {
+                        keys[j] = order_key(f32::from_bits(keys[j]));
+                    }
                 }
             }
         }
@@ -302,28 +332,24 @@ pub fn tree_build(
                 }
             }
         } else {
-            // The slice's max and sum of exponentials.
+            // The slice's max and sum of exponentials (a missing item's key 0 is a NaN, which
+            // the max skips).
             let mut m = f32::NEG_INFINITY;
-            if wact {
-                #[unroll]
-                for j in 0..p.vpt {
-                    if j < per && first + 32u32 * j < n {
-                        m = m.max(key_value(keys[j]));
-                    }
-                }
+            #[unroll]
+            for j in 0..p.vpt {
+                m = m.max(key_value(keys[j]));
             }
             let mut s = 0.0f32;
             if m != f32::NEG_INFINITY {
                 #[unroll]
                 for j in 0..p.vpt {
-                    if j < per && first + 32u32 * j < n {
-                        s += ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
-                    }
+                    let e = ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
+                    s += if ((vm >> j) & 1u32) == 1u32 { e } else { 0.0f32 };
                 }
             }
             let wm = warp_max(m);
             let ws = warp_sum_exp(m, s, wm);
-            // The block's partials: the last warp, while warp 0 scans the first histogram.
+            // The block's partials: the last warp, after the floor's barrier.
             if lane == 0 {
                 red_m[warp] = wm;
                 red_s[warp] = ws;
@@ -335,36 +361,65 @@ pub fn tree_build(
         // of each warp's second-largest key (2 keys per warp at or above it) when kk <= 2 nw;
         // else 0. With `ties > 0` only the nwa warps with items count; past kk = 2 nwa a slice
         // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
-        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge (or a larger m) the least key.
+        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge each warp's m-th largest of
+        // its lanes' largest keys (m = ceil(kk / nwa) <= 32), else the least key.
         let mut b1 = 0u32;
         let mut b2 = 0u32;
         let mut bmin = u32::MAX;
-        if wact {
+        #[unroll]
+        for j in 0..p.vpt {
+            let x = keys[j];
+            if tie_mode {
+                if ((vm >> j) & 1u32) == 1u32 {
+                    bmin = bmin.min(x);
+                }
+            }
+            b2 = b2.max(b1.min(x));
+            b1 = b1.max(x);
+        }
+        // The warp's two largest; with the direct select its four largest of its lanes' two
+        // largest (`q`, best first; exchanged as sorted lists, the better four of two kept by
+        // a bitonic merge).
+        let mut w1 = b1;
+        let mut w2 = b2;
+        let mut q = [0u32; 4];
+        if p.direct > 0u32 {
+            q[0] = b1;
+            q[1] = b2;
             #[unroll]
-            for j in 0..p.vpt {
-                if j < per && first + 32u32 * j < n {
-                    let x = keys[j];
-                    if tie_mode {
-                        bmin = bmin.min(x);
-                    }
-                    if x > b1 {
-                        b2 = b1;
-                        b1 = x;
-                    } else if x > b2 {
-                        b2 = x;
+            for o in 0..5u32 {
+                let mut r = [0u32; 4];
+                #[unroll]
+                for i in 0..4u32 {
+                    r[i] = shfl_xor(q[i], 1u32 << o);
+                }
+                #[unroll]
+                for i in 0..4u32 {
+                    q[i] = q[i].max(r[3u32 - i]);
+                }
+                #[unroll]
+                for h in 0..2u32 {
+                    let d = 2u32 >> h;
+                    #[unroll]
+                    for i in 0..4u32 {
+                        if (i & d) == 0u32 {
+                            let hi = q[i].max(q[i + d]);
+                            q[i + d] = q[i].min(q[i + d]);
+                            q[i] = hi;
+                        }
                     }
                 }
             }
-        }
-        // The warp's two largest.
-        let mut w1 = b1;
-        let mut w2 = b2;
-        #[unroll]
-        for o in 0..5u32 {
-            let o1 = shfl_xor(w1, 16u32 >> o);
-            let o2 = shfl_xor(w2, 16u32 >> o);
-            w2 = w1.min(o1).max(w2.max(o2));
-            w1 = w1.max(o1);
+            w1 = q[0];
+            w2 = q[1];
+        } else {
+            #[unroll]
+            for o in 0..5u32 {
+                let o1 = shfl_xor(w1, 16u32 >> o);
+                let o2 = shfl_xor(w2, 16u32 >> o);
+                w2 = w1.min(o1).max(w2.max(o2));
+                w1 = w1.max(o1);
+            }
         }
         // Whether the warps' floors make the floor (else 0, or the least key).
         let mut warp_floor = kk <= 2u32 * nw;
@@ -372,9 +427,14 @@ pub fn tree_build(
             bmin = warp_min_u32(bmin);
             let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
             let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
-            warp_floor = m == 1u32 || (!merging && m <= 32u32);
+            let m1 = (kk + nwa - 1u32) / nwa;
+            warp_floor = m == 1u32 || (!merging && m <= 32u32) || (merging && m1 <= 32u32);
             if m > 1u32 && warp_floor {
-                w2 = warp_kth_largest(b2, m);
+                if merging {
+                    w2 = warp_kth_largest(b1, m1);
+                } else {
+                    w2 = warp_kth_largest(b2, m);
+                }
             }
         }
         if lane == 0 {
@@ -385,14 +445,20 @@ pub fn tree_build(
                 wfloor[warp] = w2;
             }
             wtop[warp] = w1;
+            if p.direct > 0u32 {
+                #[unroll]
+                for i in 0..4u32 {
+                    wq[warp * 4u32 + i] = q[i];
+                }
+            }
         }
         if tid < 256 {
             hist[tid] = 0u32;
         }
-        if tie_mode {
-            if tid == 0 {
-                st[3] = 0u32;
-            }
+        if tid == 0 {
+            st[3] = 0u32;
+            st[4] = 0u32;
+            st[5] = 0u32;
         }
         sync_threads();
         let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
@@ -402,6 +468,22 @@ pub fn tree_build(
         } else if tie_mode {
             floor = warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX });
         }
+        if p.direct > 0u32 {
+            // A higher floor, by counting: this warp's floor value `w2` when the warps' four
+            // largest (distinct items) hold at least kk keys at or above it; the floor is the
+            // highest such value (or the one above, when none is).
+            let wv = wq.vload((lane % nw) * 4u32);
+            let mut c = 0u32;
+            if lane < nw {
+                c = (wv.x >= w2) as u32 + (wv.y >= w2) as u32 + (wv.z >= w2) as u32 + (wv.w >= w2) as u32;
+            }
+            let cnt = warp_sum_u32(c);
+            if lane == 0 && wact && cnt >= kk {
+                st.atomic_max(5u32, w2);
+            }
+            sync_threads();
+            floor = floor.max(st[5]);
+        }
 
         // This thread's items at or above the floor (bit j: item j); a row j of the warp with
         // none is skipped below (one ballot instead of its code).
@@ -409,232 +491,271 @@ pub fn tree_build(
         if wact {
             #[unroll]
             for j in 0..p.vpt {
-                if j < per && first + 32u32 * j < n && keys[j] >= floor {
+                if ((vm >> j) & 1u32) == 1u32 && keys[j] >= floor {
                     sv = sv | (1u32 << j);
                 }
             }
         }
 
-        // Radix select of the kk-th largest key among those at or above the floor, 8 bits at a
-        // time from below the prefix they all share (that of the floor and the top key), until
-        // the bucket holding it is taken whole. Histograms alternate between two buffers, so
-        // the next one is cleared while warp 0 scans this one.
-        let common = (top ^ floor).leading_zeros();
-        let mut pmask = if common == 0u32 {
-            0u32
-        } else {
-            u32::MAX << (32u32 - common)
-        };
-        let mut prefix = top & pmask;
-        let mut left = 32u32 - common;
-        let mut remaining = kk;
-        let mut eq_count = 0u32;
-        let mut pass = 0u32;
-        while pass == 0u32 || (left > 0u32 && eq_count != remaining && eq_count > p.ties) {
-            let width = left.min(8u32);
-            let shift = left - width;
-            let dmask = (1u32 << width) - 1u32;
-            let hb = (pass % 2u32) * 256u32;
+        // The slice's partials, from the warps' (written before the barrier above).
+        if !merging && warp == nw - 1u32 {
+            let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
+            let so = if lane < nw { red_s[lane] } else { 0.0f32 };
+            let bm = warp_max(mo);
+            let bs = warp_sum_exp(mo, so, bm);
+            if lane == 0 {
+                part_ms[(row * nb + blk) * 2] = bm;
+                part_ms[(row * nb + blk) * 2 + 1] = bs;
+            }
+        }
+
+        // Direct select: the keys at or above the floor and their items go to `ckey` / `ctok`
+        // (any order; one shared atomic per warp, places in the warp from ballots); when at
+        // most `p.direct` of them, they are ranked below and the radix select is skipped.
+        let mut staged = kk;
+        let mut direct = false;
+        if p.direct > 0u32 {
+            let wn = warp_sum_u32(sv.count_ones());
+            let mut at = 0u32;
+            if lane == 0 && wn > 0u32 {
+                at = st.atomic_add(4u32, wn);
+            }
+            at = shfl_idx(at, 0u32);
             #[unroll]
             for j in 0..p.vpt {
-                let mine = ((sv >> j) & 1u32) == 1u32 && (keys[j] & pmask) == prefix;
-                if ballot(mine) != 0u32 && mine {
-                    hist.atomic_add(hb + ((keys[j] >> shift) & dmask), 1u32);
+                let mine = ((sv >> j) & 1u32) == 1u32;
+                let b = ballot(mine);
+                let x = at + (b & below).count_ones();
+                if mine && x < p.direct {
+                    ckey[x] = keys[j];
+                    ctok[x] = first + 32u32 * j;
                 }
+                at += b.count_ones();
             }
             sync_threads();
-            if warp == 0 {
-                let lo4 = hist.vload(hb + lane * 8);
-                let hi4 = hist.vload(hb + lane * 8 + 4);
-                let mut h = [0u32; 8];
-                h[0] = lo4.x;
-                h[1] = lo4.y;
-                h[2] = lo4.z;
-                h[3] = lo4.w;
-                h[4] = hi4.x;
-                h[5] = hi4.y;
-                h[6] = hi4.z;
-                h[7] = hi4.w;
-                let mut tot = 0u32;
+            direct = st[4] <= p.direct;
+            if direct {
+                staged = st[4];
+            }
+        }
+
+        let out = (row * nb + blk) * k;
+        if !direct {
+            // Radix select of the kk-th largest key among those at or above the floor, 8 bits at a
+            // time from below the prefix they all share (that of the floor and the top key), until
+            // the bucket holding it is taken whole. Histograms alternate between two buffers, so
+            // the next one is cleared while warp 0 scans this one.
+            let common = (top ^ floor).leading_zeros();
+            let mut pmask = if common == 0u32 {
+                0u32
+            } else {
+                u32::MAX << (32u32 - common)
+            };
+            let mut prefix = top & pmask;
+            let mut left = 32u32 - common;
+            let mut remaining = kk;
+            let mut eq_count = 0u32;
+            let mut pass = 0u32;
+            while pass == 0u32 || (left > 0u32 && eq_count != remaining && eq_count > p.ties) {
+                let width = left.min(8u32);
+                let shift = left - width;
+                let dmask = (1u32 << width) - 1u32;
+                let hb = (pass % 2u32) * 256u32;
                 #[unroll]
-                for bb in 0..8u32 {
-                    tot += h[bb];
-                }
-                // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
-                let mut sfx = tot;
-                #[unroll]
-                for o in 0..5u32 {
-                    let v = shfl_down(sfx, 1u32 << o);
-                    if lane + (1u32 << o) < 32 {
-                        sfx += v;
+                for j in 0..p.vpt {
+                    let mine = ((sv >> j) & 1u32) == 1u32 && (keys[j] & pmask) == prefix;
+                    if ballot(mine) != 0u32 && mine {
+                        hist.atomic_add(hb + ((keys[j] >> shift) & dmask), 1u32);
                     }
                 }
-                let above = sfx - tot;
-                if above < remaining && remaining <= sfx {
-                    let mut c = above;
-                    let mut found = false;
+                sync_threads();
+                if warp == 0 {
+                    let lo4 = hist.vload(hb + lane * 8);
+                    let hi4 = hist.vload(hb + lane * 8 + 4);
+                    let mut h = [0u32; 8];
+                    h[0] = lo4.x;
+                    h[1] = lo4.y;
+                    h[2] = lo4.z;
+                    h[3] = lo4.w;
+                    h[4] = hi4.x;
+                    h[5] = hi4.y;
+                    h[6] = hi4.z;
+                    h[7] = hi4.w;
+                    let mut tot = 0u32;
                     #[unroll]
-                    for i in 0..8u32 {
-                        let bb = 7u32 - i;
-                        if !found {
-                            if c + h[bb] >= remaining {
-                                st[0] = lane * 8 + bb;
-                                st[1] = c;
-                                st[2] = h[bb];
-                                found = true;
+                    for bb in 0..8u32 {
+                        tot += h[bb];
+                    }
+                    // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
+                    let mut sfx = tot;
+                    #[unroll]
+                    for o in 0..5u32 {
+                        let v = shfl_down(sfx, 1u32 << o);
+                        if lane + (1u32 << o) < 32 {
+                            sfx += v;
+                        }
+                    }
+                    let above = sfx - tot;
+                    if above < remaining && remaining <= sfx {
+                        let mut c = above;
+                        let mut found = false;
+                        #[unroll]
+                        for i in 0..8u32 {
+                            let bb = 7u32 - i;
+                            if !found {
+                                if c + h[bb] >= remaining {
+                                    st[0] = lane * 8 + bb;
+                                    st[1] = c;
+                                    st[2] = h[bb];
+                                    found = true;
+                                } else {
+                                    c += h[bb];
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    for t in (tid - 32..256u32).step_by(p.block - 32) {
+                        hist[256 - hb + t] = 0u32;
+                    }
+                }
+                sync_threads();
+                prefix = prefix | (st[0] << shift);
+                pmask = pmask | (dmask << shift);
+                remaining -= st[1];
+                eq_count = st[2];
+                left = shift;
+                pass += 1;
+            }
+            // Take every key above the prefix (the prefix's bucket too when it is taken whole), else
+            // the first `remaining` keys equal to the kk-th (smallest token ids), in item order: an
+            // item's place counts the taken items of earlier warps (block totals), earlier rows of
+            // its warp and earlier lanes of its row (ballots).
+            let all_eq = eq_count == remaining;
+            // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
+            // (larger key, then earlier item), after the keys above it.
+            let mut ranked = false;
+            if tie_mode {
+                ranked = !all_eq && eq_count <= p.ties;
+            }
+            // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
+            let mut sb = 0u32;
+            let mut tb = 0u32;
+            #[unroll]
+            for j in 0..p.vpt {
+                let m = keys[j] & pmask;
+                if ((sv >> j) & 1u32) == 1u32 {
+                    if m > prefix || (m == prefix && all_eq) {
+                        sb = sb | (1u32 << j);
+                    } else if m == prefix {
+                        tb = tb | (1u32 << j);
+                    }
+                }
+            }
+            if tie_mode {
+                if ranked {
+                    // Stage the bucket's keys and items in `hist` (any order: ranked below).
+                    #[unroll]
+                    for j in 0..p.vpt {
+                        if ((tb >> j) & 1u32) == 1u32 {
+                            let at = st.atomic_add(3u32, 1u32);
+                            hist[at] = keys[j];
+                            hist[256 + at] = first + 32u32 * j;
+                        }
+                    }
+                }
+            }
+            let sc = warp_sum_u32(sb.count_ones());
+            let tc = warp_sum_u32(tb.count_ones());
+            if lane == 0 {
+                wcount[warp] = sc;
+                wcount[32 + warp] = tc;
+            }
+            sync_threads();
+            let mut sp = lanes_below_sum(if lane < nw { wcount[lane] } else { 0u32 }, warp);
+            let mut tp = lanes_below_sum(if lane < nw { wcount[32 + lane] } else { 0u32 }, warp);
+            #[unroll]
+            for j in 0..p.vpt {
+                let strict = ((sb >> j) & 1u32) == 1u32;
+                let tie = ((tb >> j) & 1u32) == 1u32;
+                let bs = ballot(strict);
+                let bt = ballot(tie);
+                if (bs | bt) != 0u32 {
+                    let s_at = sp + (bs & below).count_ones();
+                    let t_at = tp + (bt & below).count_ones();
+                    let i = first + 32u32 * j;
+                    if strict || (tie && !ranked && t_at < remaining) {
+                        let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
+                        if merging {
+                            ckey[pos] = keys[j];
+                            ctok[pos] = i;
+                        } else {
+                            cand_key[out + pos] = keys[j];
+                            cand_tok[out + pos] = lo + i;
+                        }
+                    }
+                    sp += bs.count_ones();
+                    tp += bt.count_ones();
+                }
+            }
+            if tie_mode {
+                if ranked {
+                    // The best `remaining` of the bucket (larger key, then earlier item = smaller
+                    // token) go after the `kk - remaining` keys above it, by rank.
+                    for t in (tid..eq_count).step_by(p.block) {
+                        let key = hist[t];
+                        let i = hist[256 + t];
+                        let mut rank = 0u32;
+                        for u in 0..eq_count {
+                            let ku = hist[u];
+                            if ku > key || (ku == key && hist[256 + u] < i) {
+                                rank += 1;
+                            }
+                        }
+                        if rank < remaining {
+                            let pos = kk - remaining + rank;
+                            if merging {
+                                ckey[pos] = key;
+                                ctok[pos] = i;
                             } else {
-                                c += h[bb];
+                                cand_key[out + pos] = key;
+                                cand_tok[out + pos] = lo + i;
                             }
                         }
                     }
                 }
-            } else {
-                for t in (tid - 32..256u32).step_by(p.block - 32) {
-                    hist[256 - hb + t] = 0u32;
-                }
-                if !merging && pass == 0u32 && warp == nw - 1u32 {
-                    let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
-                    let so = if lane < nw { red_s[lane] } else { 0.0f32 };
-                    let bm = warp_max(mo);
-                    let bs = warp_sum_exp(mo, so, bm);
-                    if lane == 0 {
-                        part_ms[(row * nb + blk) * 2] = bm;
-                        part_ms[(row * nb + blk) * 2 + 1] = bs;
-                    }
-                }
-            }
-            sync_threads();
-            prefix = prefix | (st[0] << shift);
-            pmask = pmask | (dmask << shift);
-            remaining -= st[1];
-            eq_count = st[2];
-            left = shift;
-            pass += 1;
-        }
-        // Take every key above the prefix (the prefix's bucket too when it is taken whole), else
-        // the first `remaining` keys equal to the kk-th (smallest token ids), in item order: an
-        // item's place counts the taken items of earlier warps (block totals), earlier rows of
-        // its warp and earlier lanes of its row (ballots).
-        let all_eq = eq_count == remaining;
-        // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
-        // (larger key, then earlier item), after the keys above it.
-        let mut ranked = false;
-        if tie_mode {
-            ranked = !all_eq && eq_count <= p.ties;
-        }
-        // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
-        let mut sb = 0u32;
-        let mut tb = 0u32;
-        #[unroll]
-        for j in 0..p.vpt {
-            let m = keys[j] & pmask;
-            if ((sv >> j) & 1u32) == 1u32 {
-                if m > prefix || (m == prefix && all_eq) {
-                    sb = sb | (1u32 << j);
-                } else if m == prefix {
-                    tb = tb | (1u32 << j);
-                }
             }
         }
-        if tie_mode {
-            if ranked {
-                // Stage the bucket's keys and items in `hist` (any order: ranked below).
-                #[unroll]
-                for j in 0..p.vpt {
-                    if ((tb >> j) & 1u32) == 1u32 {
-                        let at = st.atomic_add(3u32, 1u32);
-                        hist[at] = keys[j];
-                        hist[256 + at] = first + 32u32 * j;
-                    }
-                }
+        if merging || direct {
+            // Rank the `staged` entries of `ckey` / `ctok` (larger key, then earlier item),
+            // best first, and write the first `kk`: a merge's log-probs and tokens, a direct
+            // slice's candidates. `parts` adjacent lanes (a power of two) split each entry's
+            // comparisons when the block has threads to spare, and add their counts with
+            // shuffles. Each lane scans a contiguous run of a multiple of 4 entries (unit
+            // stride, so the compiler can read them 16 bytes at a time).
+            if !direct {
+                sync_threads();
             }
-        }
-        let sc = warp_sum_u32(sb.count_ones());
-        let tc = warp_sum_u32(tb.count_ones());
-        if lane == 0 {
-            wcount[warp] = sc;
-            wcount[32 + warp] = tc;
-        }
-        sync_threads();
-        let mut sp = lanes_below_sum(if lane < nw { wcount[lane] } else { 0u32 }, warp);
-        let mut tp = lanes_below_sum(if lane < nw { wcount[32 + lane] } else { 0u32 }, warp);
-        let out = (row * nb + blk) * k;
-        #[unroll]
-        for j in 0..p.vpt {
-            let strict = ((sb >> j) & 1u32) == 1u32;
-            let tie = ((tb >> j) & 1u32) == 1u32;
-            let bs = ballot(strict);
-            let bt = ballot(tie);
-            if (bs | bt) != 0u32 {
-                let s_at = sp + (bs & below).count_ones();
-                let t_at = tp + (bt & below).count_ones();
-                let i = first + 32u32 * j;
-                if strict || (tie && !ranked && t_at < remaining) {
-                    let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
-                    if merging {
-                        ckey[pos] = keys[j];
-                        ctok[pos] = cand_tok[base + i];
-                    } else {
-                        cand_key[out + pos] = keys[j];
-                        cand_tok[out + pos] = lo + i;
-                    }
-                }
-                sp += bs.count_ones();
-                tp += bt.count_ones();
-            }
-        }
-        if tie_mode {
-            if ranked {
-                // The best `remaining` of the bucket (larger key, then earlier item = smaller
-                // token) go after the `kk - remaining` keys above it, by rank.
-                for t in (tid..eq_count).step_by(p.block) {
-                    let key = hist[t];
-                    let i = hist[256 + t];
-                    let mut rank = 0u32;
-                    for u in 0..eq_count {
-                        let ku = hist[u];
-                        if ku > key || (ku == key && hist[256 + u] < i) {
-                            rank += 1;
-                        }
-                    }
-                    if rank < remaining {
-                        let pos = kk - remaining + rank;
-                        if merging {
-                            ckey[pos] = key;
-                            ctok[pos] = cand_tok[base + i];
-                        } else {
-                            cand_key[out + pos] = key;
-                            cand_tok[out + pos] = lo + i;
-                        }
-                    }
-                }
-            }
-        }
-        if merging {
-            // Rank the k winners (larger key, then earlier item = smaller token), best first;
-            // `parts` adjacent lanes (a power of two) split each winner's comparisons when the
-            // block has threads to spare, and add their counts with shuffles. Each lane scans
-            // a contiguous run of a multiple of 4 candidates (unit stride, so the compiler can
-            // read them 16 bytes at a time, as the one-lane scan of a large k needs).
-            sync_threads();
-            let sh = 31u32 - (p.block / k).min(32u32).max(1u32).leading_zeros();
+            let sh = 31u32 - (p.block / staged).min(32u32).max(1u32).leading_zeros();
             let parts = 1u32 << sh;
-            let rspan = k << sh;
-            let run = (((k + parts - 1u32) >> sh) + 3u32) & !3u32;
+            let rspan = staged << sh;
+            let run = (((staged + parts - 1u32) >> sh) + 3u32) & !3u32;
             for t0 in (0..rspan).step_by(p.block) {
                 let t = t0 + tid;
                 let e = t >> sh;
                 let act = t < rspan;
                 let mut key = 0u32;
+                let mut item = 0u32;
                 let mut rank = 0u32;
                 if act {
                     key = ckey[e];
+                    item = ctok[e];
                     let j0 = (t & (parts - 1u32)) * run;
-                    for j in j0..(j0 + run).min(k) {
+                    // Branch-free: both words of every entry, compares as 0 / 1.
+                    for j in j0..(j0 + run).min(staged) {
                         let kj = ckey[j];
-                        if kj > key || (kj == key && j < e) {
-                            rank += 1;
-                        }
+                        let tj = ctok[j];
+                        rank += (kj > key) as u32 | ((kj == key) as u32 & (tj < item) as u32);
                     }
                 }
                 #[unroll]
@@ -643,12 +764,18 @@ pub fn tree_build(
                         rank += shfl_xor(rank, 1u32 << b);
                     }
                 }
-                if act && (t & (parts - 1u32)) == 0u32 {
-                    lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
-                    tok[row * k + rank] = ctok[e];
+                if act && (t & (parts - 1u32)) == 0u32 && rank < kk {
+                    if merging {
+                        lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
+                        tok[row * k + rank] = cand_tok[base + item];
+                    } else {
+                        cand_key[out + rank] = key;
+                        cand_tok[out + rank] = lo + item;
+                    }
                 }
             }
-        } else {
+        }
+        if !merging {
             // Unused slots: key 0, below every logit's key.
             for t in (kk + tid..k).step_by(p.block) {
                 cand_key[out + t] = 0u32;
