@@ -5,34 +5,39 @@
 //! brings a counter to its end carries on, and resets the counter for the next launch):
 //!
 //! 1. **Slice** (every block): block `b` of depth `row` reads logits `[b * span, (b + 1) *
-//!    span)` of its row once into registers (`vpt` per thread, coalesced), takes the slice's
-//!    max and sum of exponentials (the block's partials are reduced by the last warp after
-//!    the floor's barrier), and selects the slice's top `min(k, slice)`. **Direct select**
-//!    (`direct > 0`): the keys at or above a floor (below) and their items are staged in
-//!    shared memory; when there are at most `direct` of them they are ranked by counting
-//!    (larger key, then smaller token) and written best first, with no radix pass. Else (or
-//!    with `direct = 0`) by radix select over order keys: 8-bit digits from below the prefix
-//!    shared by the top key and a floor under the k-th key, one block-wide histogram per digit
-//!    (two barriers each), stopping as soon as the digit bucket of the k-th key is taken whole,
-//!    or (`ties > 0`) holds at most `ties` keys: those are staged in shared memory and ranked
-//!    exactly (larger key, then smaller token). The floor: when `k <= 2 * warps`, the lowest
-//!    of the warps' second-largest keys, else 0. With `ties > 0` only warps with items count,
-//!    and past `k = 2 * warps` a slice takes the lowest of the warps' m-th largest of their
-//!    lanes' second-largest keys (`m = ceil(k / (2 * warps)) <= 32`), a merge the lowest of
-//!    the warps' m-th largest of their lanes' largest keys (`m = ceil(k / warps) <= 32`; with
-//!    one slice's candidates to a warp and the slice written best first, that slice's m-th
-//!    key), else the least key (no key is dropped, but the digits start below the prefix all
-//!    keys share, so the first histogram is not one hot bin, as it is with floor 0). Keys below the floor are never
-//!    counted, which keeps the histogram atomics few and spread. The selected keys and tokens
-//!    go to the candidate buffers (places from ballots and warp totals): in token order, or
-//!    with an exactly ranked bucket, the keys above it in token order and then the bucket's
-//!    best by rank. Every way equal keys stay in token order, which the merge relies on.
+//!    span)` of its row once into registers (`vpt` per thread, coalesced, every load issued
+//!    before any is used), takes the slice's max and sum of exponentials (the block's
+//!    partials are reduced by the last warp after the floor's barrier) and selects the
+//!    slice's top `min(k, slice)` above a **floor**, a key with at least that many keys at or
+//!    above it: when `k <= 2 * warps`, the lowest of the warps' second-largest keys, else 0.
+//!    With `ties > 0` only warps with items count, and past `k = 2 * warps` a slice takes
+//!    the lowest of the warps' m-th largest of their lanes' second-largest keys
+//!    (`m = ceil(k / (2 * warps)) <= 32`), a merge the lowest of the warps' m-th largest of
+//!    their lanes' largest keys (`m = ceil(k / warps) <= 32`: with a slice's candidates to a
+//!    warp, written best first, that slice's m-th key), else the least key.
+//!    - **Direct select** (`direct > 0`): each warp also keeps the four largest of its lanes'
+//!      two largest keys (distinct items), so at most `m <= 4` keys per warp come from these
+//!      lists, and the floor is raised by counting: the highest warp floor value with at
+//!      least `k` of the warps' listed keys at or above it. The keys at or above the floor
+//!      (about 70 of a 9216-logit slice at `k = 64`) and their items are staged in shared
+//!      memory; when at most `direct` of them, they are ranked by counting (larger key, then
+//!      smaller token; branch-free, adjacent lanes splitting each key's comparisons) and the
+//!      first `k` written best first, with no radix pass.
+//!    - Else (more keys above the floor, or `direct = 0`) **radix select** over the order
+//!      keys at or above the floor: 8-bit digits from below the prefix shared by the top key
+//!      and the floor, one block-wide histogram per digit (two barriers each), stopping as
+//!      soon as the digit bucket of the k-th key is taken whole, or (`ties > 0`) holds at
+//!      most `ties` keys, which are then staged and ranked exactly. The selected keys and
+//!      tokens go to the candidate buffers (places from ballots and warp totals): in token
+//!      order, or with an exactly ranked bucket, the keys above it in token order and then
+//!      the bucket's best by rank.
+//!
+//!    Every way, equal keys stay in token order, which the merge relies on.
 //! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
 //!    warp), the same select over the `nb * k` candidates (at most `block * vpt`, one per
 //!    register slot; equal keys by earlier candidate = smaller token), and the `k` winners
-//!    ranked (larger key, then smaller token; adjacent lanes split each winner's comparisons;
-//!    the direct select's ranking is this one) into the depth's log-probs `min(x - lse, 0)`
-//!    and tokens.
+//!    ranked as the direct select ranks (by counting) into the depth's log-probs
+//!    `min(x - lse, 0)` and tokens.
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -42,19 +47,20 @@
 //!    of rank r of the j-th depth d - 1 member of G (0-based) has at least (j + 1) (r + 1) - 1
 //!    better tuples (the children of rank <= r of the depth d - 1 members before it, ranked by
 //!    the same row of log-probs), so only children with (j + 1) (r + 1) <= budget (and, when
-//!    G is full, better than its worst member) are candidates: at most [`expansion_candidates`] per round. Equal scores
-//!    compare pre-order indices in G (a child of member p with rank r sits right after p).
+//!    G is full, better than its worst member) are candidates: at most
+//!    [`expansion_candidates`] per round. Equal scores compare pre-order indices in G (a
+//!    child of member p with rank r sits right after p).
 //!    A round that adds no member of its depth ends the loop (later rounds could only expand
 //!    members of that depth). Each round's log-probs are read one round ahead into registers.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
 //!
 //! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
-//! threads: with the direct select one for the floor, one for the staged keys and two around
-//! the counter; with the radix select one for the floor, two per histogram pass (with `ties = 0` typically two or three
-//! passes in a slice and three or four in a merge, whose floor 0 puts every candidate in one
-//! bin of the first pass; one pass with `ties = 32`), one for the warp totals, one before a
-//! merge's ranking, two around the counter.
+//! threads: with the direct select one for the floor, one for the counted floor, one for the
+//! staged keys and two around the counter; with the radix select one for the floor, two per
+//! histogram pass (with `ties = 0` typically two or three passes in a slice and three or four
+//! in a merge; one pass with `ties = 32`), one for the warp totals, one before a merge's
+//! ranking, two around the counter.
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
@@ -196,10 +202,10 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 ///
 /// Inputs: `logits` `[depth, vocab]`, `root[0]` (the root token). Scratch: `cand_key` /
 /// `cand_tok` (`[depth, nb, k]`, and at least [`expansion_candidates`] (the expansion's
-/// candidates past the first 512)), `part_ms`
-/// (`[depth, nb, 2]`), `counters` (`depth + 1` zeros; left zero). Outputs: `lp` / `tok` (`[depth, k]`, best first),
-/// `lse` (`[depth]`), the tree arrays (capacity `budget + 1`), the node count `n_out[0]` and the
-/// mask rows (`[n, ceil(n / 32)]`). `stop` ends the launch early, for timing the stages:
+/// candidates past the first 512)), `part_ms` (`[depth, nb, 2]`), `counters` (`depth + 1`
+/// zeros; left zero). Outputs: `lp` / `tok` (`[depth, k]`, best first), `lse` (`[depth]`),
+/// the tree arrays (capacity `budget + 1`), the node count `n_out[0]` and the mask rows
+/// (`[n, ceil(n / 32)]`). `stop` ends the launch early, for timing the stages:
 /// 0 after the slices, 1 after the merges, 2 after the expansion loop (before the tree arrays
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
@@ -430,7 +436,10 @@ pub fn tree_build(
             let m1 = (kk + nwa - 1u32) / nwa;
             warp_floor = m == 1u32 || (!merging && m <= 32u32) || (merging && m1 <= 32u32);
             if m > 1u32 && warp_floor {
-                if merging {
+                if p.direct > 0u32 && m1 <= 4u32 {
+                    // m1 keys of this warp's `q` (distinct items) at or above its m1-th.
+                    w2 = if m1 == 3u32 { q[2] } else { q[3] };
+                } else if merging {
                     w2 = warp_kth_largest(b1, m1);
                 } else {
                     w2 = warp_kth_largest(b2, m);
@@ -627,10 +636,10 @@ pub fn tree_build(
                 left = shift;
                 pass += 1;
             }
-            // Take every key above the prefix (the prefix's bucket too when it is taken whole), else
-            // the first `remaining` keys equal to the kk-th (smallest token ids), in item order: an
-            // item's place counts the taken items of earlier warps (block totals), earlier rows of
-            // its warp and earlier lanes of its row (ballots).
+            // Take every key above the prefix (the prefix's bucket too when it is taken
+            // whole), else the first `remaining` keys equal to the kk-th (smallest token ids),
+            // in item order: an item's place counts the taken items of earlier warps (block
+            // totals), earlier rows of its warp and earlier lanes of its row (ballots).
             let all_eq = eq_count == remaining;
             // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
             // (larger key, then earlier item), after the keys above it.
