@@ -15,9 +15,10 @@
 //!    (`m = ceil(k / (2 * warps)) <= 32`), a merge the lowest of the warps' m-th largest of
 //!    their lanes' largest keys (`m = ceil(k / warps) <= 32`: with a slice's candidates to a
 //!    warp, written best first, that slice's m-th key), else the least key.
-//!    - **Direct select** (`direct > 0`): each warp also keeps the four largest of its lanes'
-//!      two largest keys (distinct items), so at most `m <= 4` keys per warp come from these
-//!      lists, and the floor is raised by counting: the highest warp floor value with at
+//!    - **Direct select** (`direct > 0`, tried when `k <= 4 * warps` with items): each warp
+//!      also keeps the four largest of its lanes' two largest keys (distinct items), the warp
+//!      floors needing at most four keys per warp come from these lists, and the floor is
+//!      raised by counting: the highest warp floor value with at
 //!      least `k` of the warps' listed keys at or above it. The keys at or above the floor
 //!      (about 70 of a 9216-logit slice at `k = 64`) and their items are staged in shared
 //!      memory; when at most `direct` of them, they are ranked by counting (larger key, then
@@ -427,11 +428,14 @@ pub fn tree_build(
                 w1 = w1.max(o1);
             }
         }
+        // The warps with items, and whether the direct select is tried: when the warps' four
+        // largest can hold kk keys (else the keys above the floor are too many to rank).
+        let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+        let try_direct = p.direct > 0u32 && kk <= 4u32 * nwa;
         // Whether the warps' floors make the floor (else 0, or the least key).
         let mut warp_floor = kk <= 2u32 * nw;
         if tie_mode {
             bmin = warp_min_u32(bmin);
-            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
             let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
             let m1 = (kk + nwa - 1u32) / nwa;
             warp_floor = m == 1u32 || (!merging && m <= 32u32) || (merging && m1 <= 32u32);
@@ -477,7 +481,7 @@ pub fn tree_build(
         } else if tie_mode {
             floor = warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX });
         }
-        if p.direct > 0u32 {
+        if try_direct {
             // A higher floor, by counting: this warp's floor value `w2` when the warps' four
             // largest (distinct items) hold at least kk keys at or above it; the floor is the
             // highest such value (or the one above, when none is).
@@ -523,7 +527,7 @@ pub fn tree_build(
         // most `p.direct` of them, they are ranked below and the radix select is skipped.
         let mut staged = kk;
         let mut direct = false;
-        if p.direct > 0u32 {
+        if try_direct {
             let wn = warp_sum_u32(sv.count_ones());
             let mut at = 0u32;
             if lane == 0 && wn > 0u32 {
