@@ -12,13 +12,12 @@
 //!    above it: when `k <= 2 * warps`, the lowest of the warps' second-largest keys, else 0.
 //!    With `ties > 0` only warps with items count, and past `k = 2 * warps` a slice takes
 //!    the lowest of the warps' m-th largest of their lanes' second-largest keys
-//!    (`m = ceil(k / (2 * warps)) <= 32`), a merge the lowest of the warps' m-th largest of
-//!    their lanes' largest keys (`m = ceil(k / warps) <= 32`: with a slice's candidates to a
-//!    warp, written best first, that slice's m-th key), else the least key.
+//!    (`m = ceil(k / (2 * warps)) <= 32`), a merge the least key.
 //!    - **Direct select** (`direct > 0`, tried when `k <= 4 * warps` with items): each warp
-//!      also keeps the four largest of its lanes' two largest keys (distinct items), the warp
-//!      floors needing at most four keys per warp come from these lists, and the floor is
-//!      raised by counting: the highest warp floor value with at
+//!      also keeps the four largest of its lanes' two largest keys (distinct items); a warp
+//!      floor needing m <= 4 keys per warp is the m-th of this list (in a merge, with one
+//!      slice's candidates to a warp and the slice written best first, that slice's m-th key),
+//!      and the floor is raised by counting: the highest warp floor value with at
 //!      least `k` of the warps' listed keys at or above it. The keys at or above the floor
 //!      (about 70 of a 9216-logit slice at `k = 64`) and their items are staged in shared
 //!      memory; when at most `direct` of them, they are ranked by counting (larger key, then
@@ -368,8 +367,8 @@ pub fn tree_build(
         // of each warp's second-largest key (2 keys per warp at or above it) when kk <= 2 nw;
         // else 0. With `ties > 0` only the nwa warps with items count; past kk = 2 nwa a slice
         // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
-        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge each warp's m-th largest of
-        // its lanes' largest keys (m = ceil(kk / nwa) <= 32), else the least key.
+        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge the least key; with the
+        // direct select tried, each warp's m1-th largest listed key (m1 = ceil(kk / nwa) <= 4).
         let mut b1 = 0u32;
         let mut b2 = 0u32;
         let mut bmin = u32::MAX;
@@ -437,14 +436,13 @@ pub fn tree_build(
         if tie_mode {
             bmin = warp_min_u32(bmin);
             let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
-            let m1 = (kk + nwa - 1u32) / nwa;
-            warp_floor = m == 1u32 || (!merging && m <= 32u32) || (merging && m1 <= 32u32);
+            warp_floor = m == 1u32 || (!merging && m <= 32u32) || try_direct;
             if m > 1u32 && warp_floor {
-                if p.direct > 0u32 && m1 <= 4u32 {
-                    // m1 keys of this warp's `q` (distinct items) at or above its m1-th.
+                if try_direct {
+                    // m1 = ceil(kk / nwa) <= 4 keys of this warp's `q` (distinct items) at or
+                    // above its m1-th.
+                    let m1 = (kk + nwa - 1u32) / nwa;
                     w2 = if m1 == 3u32 { q[2] } else { q[3] };
-                } else if merging {
-                    w2 = warp_kth_largest(b1, m1);
                 } else {
                     w2 = warp_kth_largest(b2, m);
                 }
