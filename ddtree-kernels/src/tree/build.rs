@@ -762,11 +762,20 @@ pub fn tree_build(
                     key = ckey[e];
                     item = ctok[e];
                     let j0 = (t & (parts - 1u32)) * run;
-                    // Branch-free: both words of every entry, compares as 0 / 1.
-                    for j in j0..(j0 + run).min(staged) {
-                        let kj = ckey[j];
-                        let tj = ctok[j];
-                        rank += (kj > key) as u32 | ((kj == key) as u32 & (tj < item) as u32);
+                    // Branch-free, compares as 0 / 1. The radix select's winners sit in item
+                    // order among equal keys, so their places break ties (one word per entry);
+                    // the direct select's staged entries are in no order (both words).
+                    if direct {
+                        for j in j0..(j0 + run).min(staged) {
+                            let kj = ckey[j];
+                            let tj = ctok[j];
+                            rank += (kj > key) as u32 | ((kj == key) as u32 & (tj < item) as u32);
+                        }
+                    } else {
+                        for j in j0..(j0 + run).min(staged) {
+                            let kj = ckey[j];
+                            rank += (kj > key) as u32 | ((kj == key) as u32 & (j < e) as u32);
+                        }
                     }
                 }
                 #[unroll]
