@@ -74,6 +74,11 @@ struct Args {
     /// goes), its checks, then every candidate on 7168->36864 at `--ms` against cuBLAS.
     #[arg(long)]
     wg: bool,
+    /// Only a few launches for a profiler (no checks, no tables): the default dense GEMV on
+    /// 7168->36864 at one row (20 calls), then the first small-token MoE pair at one and at
+    /// eight tokens (20 calls each).
+    #[arg(long)]
+    profile: bool,
 }
 
 const L2_BYTES: usize = 60 << 20;
@@ -781,6 +786,33 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), R
     Ok(())
 }
 
+/// `--profile`: the default dense GEMV at 7168->36864, one row, then the first small-token MoE
+/// pair at one and eight tokens, 20 calls each (one untimed sample: see [`time_us`]).
+fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
+    let s = gpu.stream();
+    let (n, k) = (36864, 7168);
+    let p = w4gemv::default_params(GemvMode::Dense, 1).expect("a one-row dense GEMV");
+    let gk = gpu.compile::<W4a16Gemv>(&p)?;
+    let wts = dense_weights(gpu, n, k, rng)?;
+    let acts = vec![random_bf16_dev(s, rng, k)?];
+    let none = s.alloc_zeros::<f32>(1).map_err(RuntimeError::driver("allocating"))?;
+    let mut out = s.alloc_zeros::<bf16>(n).map_err(RuntimeError::driver("allocating"))?;
+    let us = time_gemv(s, 1, &gk, &wts, &acts, &none, &mut out, [1, n, k])?;
+    println!("{} at 1 x {k} -> {n}: {us:.1} µs", W4a16Gemv::symbol(&p));
+    let mb = MoeBench::new(gpu, rng)?;
+    let (kern, (up, down)) = gemv_moe_kernels(gpu)?.swap_remove(0);
+    for tokens in [1usize, 8] {
+        let routes = mb.routes(s, tokens, rng)?;
+        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let us = mb.time(s, 1, &kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?;
+        println!("MoE pair {} / {} at T = {tokens}: {us:.1} µs", short_gemv(&up), short_gemv(&down));
+    }
+    Ok(())
+}
+
 fn run(args: &Args) -> Result<bool, RuntimeError> {
     let gpu = Gpu::open(0)?;
     let f = gpu.fingerprint();
@@ -800,6 +832,9 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     println!("seed: {seed}");
     if args.wg {
         return bench_wg(&gpu, args, seed);
+    }
+    if args.profile {
+        return profile_gemv(&gpu, &mut StdRng::seed_from_u64(seed)).map(|()| true);
     }
     let mut all_passed = true;
     if !args.skip_checks {
