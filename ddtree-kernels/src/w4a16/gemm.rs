@@ -268,16 +268,10 @@ pub fn magic_pair_sequential(y: u32) -> u32 {
     )
 }
 
-/// `pair - 136` on two bf16 lanes: the signed codes `-8..=7` of a magic pair (exact).
-#[device_fn]
-pub fn code_pair(pair: u32) -> u32 {
-    fma_bf16x2(pair, 0x3f803f80u32, 0xc308c308u32)
-}
-
 /// `(pair - 136) * scale` on two bf16 lanes: the signed code (exact) times the scale pair.
 #[device_fn]
 pub fn dequant_pair(pair: u32, scale2: u32) -> u32 {
-    fma_bf16x2(code_pair(pair), scale2, 0x80008000u32)
+    fma_bf16x2(fma_bf16x2(pair, 0x3f803f80u32, 0xc308c308u32), scale2, 0x80008000u32)
 }
 
 /// `a` `[M, K]` bf16 (MoE: `[T, K]` tokens, or `[pairs, K]`), `w` packed weights in `p.layout`

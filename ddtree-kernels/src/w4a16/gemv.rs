@@ -30,7 +30,7 @@
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
 
-use super::gemm::{code_pair, dequant_pair, magic_pair_interleaved};
+use super::gemm::{dequant_pair, magic_pair_interleaved};
 use crate::common::warp_incl_scan;
 use crate::silu_mul::silu;
 
@@ -70,13 +70,6 @@ pub struct GemvW4Params {
     /// the weights (4 bytes, `stages` steps ahead) and reads it back from shared memory at use,
     /// instead of holding `stages` steps of scale words in registers.
     pub sr: bool,
-    /// Group columns (`Dense`, one chunk, at most two rows): the n8 columns of each mma are
-    /// (group, row) pairs `2 q + row`, so a k step's four g32 groups (one per lane quad
-    /// position `q`) land in separate f32 sums. The weights dequantize to their exact signed
-    /// codes (a shift, a `lop3` and one `fma` per pair, no scale multiply), and each k step's
-    /// sums take their group's scale in f32 after the mma; the groups are summed once at the
-    /// end. Rounding: `scale * sum(code * x)` in f32, not `sum(bf16(code * scale) * x)`.
-    pub gc: bool,
 }
 
 const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: bool) -> GemvW4Params {
@@ -88,7 +81,6 @@ const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: b
         chunks,
         xr,
         sr: false,
-        gc: false,
     }
 }
 
@@ -97,15 +89,6 @@ const fn gvs(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: 
     GemvW4Params {
         sr: true,
         ..gv(mode, warps, mt, stages, chunks, xr)
-    }
-}
-
-/// A dense one-chunk variant with group columns (`gc`), scales in the ring or not.
-const fn gvc(warps: u32, mt: u32, stages: u32, sr: bool) -> GemvW4Params {
-    GemvW4Params {
-        sr,
-        gc: true,
-        ..gv(GemvMode::Dense, warps, mt, stages, 1, false)
     }
 }
 
@@ -152,12 +135,6 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 2, 2, 2, 1, false),
     gvs(D, 8, 1, 4, 1, true),
     gvs(D, 4, 2, 4, 1, true),
-    gvc(4, 2, 2, true),
-    gvc(4, 2, 4, true),
-    gvc(8, 2, 2, true),
-    gvc(2, 2, 2, true),
-    gvc(4, 4, 2, true),
-    gvc(4, 2, 2, false),
     gvs(G, 4, 2, 2, 1, false),
     gvs(G, 4, 2, 2, 2, false),
     gv(G, 4, 1, 4, 2, false),
@@ -191,13 +168,9 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(W, 8, 2, 2, 2, false),
 ];
 
-/// Tokens one variant takes: `8 chunks`, or two with group columns (`gc`).
+/// Tokens one variant takes: `8 chunks`.
 pub fn max_tokens(p: &GemvW4Params) -> u32 {
-    if p.gc {
-        2
-    } else {
-        8 * p.chunks
-    }
+    8 * p.chunks
 }
 
 /// The default variant of `mode` for `tokens` tokens (dense rows, or MoE tokens), if one takes
@@ -282,10 +255,6 @@ pub fn w4a16_gemv(
     comptime_assert!(p.stages >= 1 && p.stages <= 8, "stages must be 1..=8");
     comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
     comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
-    comptime_assert!(
-        !p.gc || (p.mode == GemvMode::Dense && p.chunks == 1 && !p.xr),
-        "group columns (gc) need the dense mode, one chunk and x out of the ring"
-    );
     let rb = comptime!(p.ring_bytes());
     comptime_assert!(
         rb <= 200 * 1024,
@@ -356,10 +325,6 @@ pub fn w4a16_gemv(
     #[unroll]
     for c in 0..nc {
         xrow[c] = if g + 8 * c < m { g + 8 * c } else { u32::MAX };
-    }
-    if p.gc {
-        // Column g is group g / 2 of row g % 2: only the lanes of that group's k hold x.
-        xrow[0] = if g / 2 == q && g % 2 < m { g % 2 } else { u32::MAX };
     }
     // Experts this block walks (GateUp: its leader pair's; Down: every distinct local one).
     let mut ne = 1u32;
@@ -516,10 +481,6 @@ pub fn w4a16_gemv(
         "x loaded a step ahead needs an even number of stages"
     );
     let mut xn = [[0u32; 4]; xpn];
-    // Group columns: lanes whose column is not their group's hold zeros in B.
-    let xz = p.gc && xrow[0] == u32::MAX;
-    // Group columns: one k step's f32 sums per m16 tile, before their scales.
-    let mut cst = [[0.0f32; 4]; mtt];
 
     let mut acc = [[0.0f32; 4]; mtt * nc];
     let mut oacc = [[0.0f32; 4]; on];
@@ -620,10 +581,10 @@ pub fn w4a16_gemv(
             #[unroll]
             for j in 0..4 {
                 let v = x.vload(xb + kx + 8 * j);
-                xn[c * 4 + j][0] = if xz { 0u32 } else { v.x };
-                xn[c * 4 + j][1] = if xz { 0u32 } else { v.y };
-                xn[c * 4 + j][2] = if xz { 0u32 } else { v.z };
-                xn[c * 4 + j][3] = if xz { 0u32 } else { v.w };
+                xn[c * 4 + j][0] = v.x;
+                xn[c * 4 + j][1] = v.y;
+                xn[c * 4 + j][2] = v.z;
+                xn[c * 4 + j][3] = v.w;
             }
         }
     }
@@ -709,10 +670,10 @@ pub fn w4a16_gemv(
                         #[unroll]
                         for j in 0..4 {
                             let v = x.vload(xb + kx + 8 * j);
-                            xn[xs1 + c * 4 + j][0] = if xz { 0u32 } else { v.x };
-                            xn[xs1 + c * 4 + j][1] = if xz { 0u32 } else { v.y };
-                            xn[xs1 + c * 4 + j][2] = if xz { 0u32 } else { v.z };
-                            xn[xs1 + c * 4 + j][3] = if xz { 0u32 } else { v.w };
+                            xn[xs1 + c * 4 + j][0] = v.x;
+                            xn[xs1 + c * 4 + j][1] = v.y;
+                            xn[xs1 + c * 4 + j][2] = v.z;
+                            xn[xs1 + c * 4 + j][3] = v.w;
                         }
                     }
                 }
@@ -775,63 +736,16 @@ pub fn w4a16_gemv(
                         );
                         #[unroll]
                         for h in 0..2 {
-                            if p.gc {
-                                // The exact codes; the scales come after the step's mmas.
-                                af[0][0] = code_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h)));
-                                af[0][2] = code_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h + 4)));
-                                af[0][1] = code_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h)));
-                                af[0][3] = code_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h + 4)));
-                                bf[0][0] = xv[0][2 * h];
-                                bf[0][1] = xv[0][2 * h + 1];
-                                mma_m16n8k16_bf16(&mut cst[i], &af[0], &bf[0]);
-                            } else {
-                                af[0][0] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h)), sa);
-                                af[0][2] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h + 4)), sa);
-                                af[0][1] = dequant_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h)), sb);
-                                af[0][3] = dequant_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h + 4)), sb);
-                                #[unroll]
-                                for c in 0..nc {
-                                    bf[c][0] = xv[c][2 * h];
-                                    bf[c][1] = xv[c][2 * h + 1];
-                                    mma_m16n8k16_bf16(&mut acc[i * nc + c], &af[0], &bf[c]);
-                                }
+                            af[0][0] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h)), sa);
+                            af[0][2] = dequant_pair(magic_pair_interleaved(wv[2 * i][j] >> (8 * h + 4)), sa);
+                            af[0][1] = dequant_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h)), sb);
+                            af[0][3] = dequant_pair(magic_pair_interleaved(wv[2 * i + 1][j] >> (8 * h + 4)), sb);
+                            #[unroll]
+                            for c in 0..nc {
+                                bf[c][0] = xv[c][2 * h];
+                                bf[c][1] = xv[c][2 * h + 1];
+                                mma_m16n8k16_bf16(&mut acc[i * nc + c], &af[0], &bf[c]);
                             }
-                        }
-                    }
-                }
-                if p.gc {
-                    // Each column's group scale, rows g and g + 8, as f32 (the bf16 in the high
-                    // half), on the step's sums; the sums start again at zero.
-                    #[unroll]
-                    for i in 0..mtt {
-                        let sel = if (e * n * gpr + soff[2 * i]) % 2 == 1 {
-                            0x3244u32
-                        } else {
-                            0x1044u32
-                        };
-                        let fa = f32::from_bits(prmt(
-                            if p.sr {
-                                ring[wbase + u * sw + so + 64 * i + lane]
-                            } else {
-                                sc[u * tt + 2 * i]
-                            },
-                            0u32,
-                            sel,
-                        ));
-                        let fb = f32::from_bits(prmt(
-                            if p.sr {
-                                ring[wbase + u * sw + so + 64 * i + 32 + lane]
-                            } else {
-                                sc[u * tt + 2 * i + 1]
-                            },
-                            0u32,
-                            sel,
-                        ));
-                        #[unroll]
-                        for r in 0..4 {
-                            let sf = if r < 2 { fa } else { fb };
-                            acc[i][r] += sf * cst[i][r];
-                            cst[i][r] = 0.0f32;
                         }
                     }
                 }
@@ -900,19 +814,6 @@ pub fn w4a16_gemv(
         }
     }
     cp_async_wait(0);
-    if p.gc {
-        // Sum the four groups' columns of each row: lane q = 0 then holds rows 0 and 1 as
-        // columns 0 and 1 of the mma layout, which the flush below reads (the other lanes'
-        // columns are past `m`).
-        #[unroll]
-        for i in 0..mtt {
-            #[unroll]
-            for r in 0..4 {
-                acc[i][r] += shfl_xor(acc[i][r], 1u32);
-                acc[i][r] += shfl_xor(acc[i][r], 2u32);
-            }
-        }
-    }
     if down {
         #[unroll]
         for c in 0..nc {
