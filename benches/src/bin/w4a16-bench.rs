@@ -76,7 +76,7 @@ struct Args {
     wg: bool,
     /// Only a few launches for a profiler (no checks, no tables): the default dense GEMV on
     /// 7168->36864 at one row (20 calls), then the first small-token MoE pair at one and at
-    /// eight tokens (20 calls each).
+    /// eight tokens, then the tables' grouped MoE pair at 16 and 64 tokens (20 calls each).
     #[arg(long)]
     profile: bool,
 }
@@ -787,7 +787,8 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), R
 }
 
 /// `--profile`: the default dense GEMV at 7168->36864, one row, then the first small-token MoE
-/// pair at one and eight tokens, 20 calls each (one untimed sample: see [`time_us`]).
+/// pair at one and eight tokens and the grouped pair at 16 and 64, 20 calls each (one untimed
+/// sample: see [`time_us`]).
 fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let (n, k) = (36864, 7168);
@@ -809,6 +810,24 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
             .map_err(RuntimeError::driver("allocating"))?;
         let us = mb.time(s, 1, &kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?;
         println!("MoE pair {} / {} at T = {tokens}: {us:.1} µs", short_gemv(&up), short_gemv(&down));
+    }
+    // The grouped pairs that won at these token counts (BENCHMARKS.md): m8 tiles up to 32
+    // tokens, one m16 tile at 64; interleaved, 4 warps, 4 n8 tiles, 2 stages.
+    let grouped = grouped_kernels(gpu)?;
+    for tokens in [16usize, 64] {
+        let (kern, (up, down)) = grouped
+            .iter()
+            .find(|(_, (u, _))| {
+                u.layout == Layout::Interleaved && u.warps == 4 && u.nt == 4 && u.stages == 2 && u.m8 == (tokens <= 32)
+            })
+            .expect("the grouped pair of the tables");
+        let routes = mb.routes(s, tokens, rng)?;
+        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let us = mb.time(s, 1, kern, up.layout, false, tokens, &routes, &x, &mut out)?;
+        println!("MoE grouped pair {} / {} at T = {tokens}: {us:.1} µs", short(up), short(down));
     }
     Ok(())
 }
