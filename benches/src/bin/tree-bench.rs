@@ -246,6 +246,7 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
                 }
                 let mut bld = GpuBuilder::with_params(gpu, &p, l, v, b)?;
                 let us = graph_us(s, PER_GRAPH, 3, 20, |i| bld.build(s, &copies[i % copies.len()], &root))?;
+                println!("  {} at L = {l}, B = {b}: {us:.1} µs", TreeBuild::symbol(&p));
                 if i == 0 {
                     default_us = us;
                 }

@@ -809,7 +809,11 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
             .map_err(RuntimeError::driver("allocating"))?;
         let us = mb.time(s, 1, &kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?;
-        println!("MoE pair {} / {} at T = {tokens}: {us:.1} µs", short_gemv(&up), short_gemv(&down));
+        println!(
+            "MoE pair {} / {} at T = {tokens}: {us:.1} µs",
+            short_gemv(&up),
+            short_gemv(&down)
+        );
     }
     // The grouped pairs that won at these token counts (BENCHMARKS.md): m8 tiles up to 32
     // tokens, one m16 tile at 64; interleaved, 4 warps, 4 n8 tiles, 2 stages.
@@ -827,7 +831,11 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
             .map_err(RuntimeError::driver("allocating"))?;
         let us = mb.time(s, 1, kern, up.layout, false, tokens, &routes, &x, &mut out)?;
-        println!("MoE grouped pair {} / {} at T = {tokens}: {us:.1} µs", short(up), short(down));
+        println!(
+            "MoE grouped pair {} / {} at T = {tokens}: {us:.1} µs",
+            short(up),
+            short(down)
+        );
     }
     Ok(())
 }
