@@ -95,6 +95,7 @@ pub struct Builder {
     args: Vec<Arg>,
     block: [u32; 3],
     dyn_smem: u32,
+    min_blocks: u32,
     dyn_declared: bool,
     ret: Option<Ty>,
     blocks: Vec<Vec<Stmt>>,
@@ -126,6 +127,7 @@ impl Builder {
             args: Vec::new(),
             block: [1, 1, 1],
             dyn_smem: 0,
+            min_blocks: 0,
             dyn_declared: false,
             ret: Some(ret),
             blocks: vec![Vec::new()],
@@ -229,6 +231,16 @@ impl Builder {
             );
         }
         self.dyn_smem = bytes as u32;
+        Ok(())
+    }
+
+    /// Sets the blocks per SM the kernel's registers must allow (`min_blocks` of `#[kernel]`,
+    /// the second `__launch_bounds__` argument): 0 (no bound) to 32.
+    pub fn min_blocks(&mut self, blocks: i128, loc: Loc) -> Result<()> {
+        if !(0..=32).contains(&blocks) {
+            return self.fail(loc, format!("min_blocks = {blocks} must be between 0 and 32"));
+        }
+        self.min_blocks = blocks as u32;
         Ok(())
     }
 
@@ -598,6 +610,7 @@ impl Builder {
             args: self.args,
             block: self.block,
             dyn_smem: self.dyn_smem,
+            min_blocks: self.min_blocks,
             body,
             device_fns: self.device_fns,
         })

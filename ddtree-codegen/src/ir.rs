@@ -590,6 +590,9 @@ pub struct KernelIr {
     pub block: [u32; 3],
     /// Bytes of dynamic shared memory every launch passes (`dyn_smem` of `#[kernel]`; 0: none).
     pub dyn_smem: u32,
+    /// Blocks per SM the registers must allow (`min_blocks` of `#[kernel]`, the second
+    /// `__launch_bounds__` argument; 0: none).
+    pub min_blocks: u32,
     /// Body.
     pub body: Vec<Stmt>,
     /// Device functions called, in first-use order.

@@ -3,7 +3,7 @@
 //! Output is deterministic (same IR, same bytes): a header naming the kernel and every
 //! parameter, a prelude holding only the helpers the kernel uses (bf16/f16 as raw bits, so NVRTC
 //! needs no include path), the device functions it calls, then the kernel with
-//! `extern "C" __global__ __launch_bounds__(threads)`. A kernel that does not place
+//! `extern "C" __global__ __launch_bounds__(threads[, min_blocks])`. A kernel that does not place
 //! `grid_wait()` itself starts with `grid_wait(); grid_launch_dependents();` (programmatic
 //! dependent launch: wait for the previous kernel's writes, then let the next one launch).
 
@@ -77,10 +77,14 @@ pub fn render(k: &KernelIr) -> String {
     }
     out.push('\n');
     let args: Vec<String> = k.args.iter().map(|a| param_decl(&a.name, &a.ty)).collect();
+    let bounds = if k.min_blocks > 0 {
+        format!("{}, {}", k.threads(), k.min_blocks)
+    } else {
+        k.threads().to_string()
+    };
     let _ = writeln!(
         out,
-        "extern \"C\" __global__ void __launch_bounds__({}) {}({}) {{",
-        k.threads(),
+        "extern \"C\" __global__ void __launch_bounds__({bounds}) {}({}) {{",
         k.symbol,
         args.join(", ")
     );

@@ -53,8 +53,9 @@ fn parse_ptxas(log: &str) -> (u32, u32) {
 }
 
 /// Uses every intrinsic and built-in of the DSL once, so NVRTC and ptxas check every prelude
-/// helper (the catalogue's kernels use only some of them).
-#[kernel(block = 128)]
+/// helper (the catalogue's kernels use only some of them), and the two-argument
+/// `__launch_bounds__` of `min_blocks`.
+#[kernel(block = 128, min_blocks = 2)]
 fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [u64], hs: &mut [f16], g: &[bf16]) {
     let t = thread_idx_x()
         + block_idx_y()

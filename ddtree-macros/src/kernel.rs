@@ -21,6 +21,7 @@ struct Attr {
     block: Option<Expr>,
     space: Option<Expr>,
     dyn_smem: Option<Expr>,
+    min_blocks: Option<Expr>,
 }
 
 /// A runtime argument.
@@ -54,8 +55,13 @@ fn parse_attr(args: TokenStream, kind: Kind, errors: &mut Vec<syn::Error>) -> At
         } else if meta.path.is_ident("dyn_smem") {
             attr.dyn_smem = Some(meta.value()?.parse()?);
             Ok(())
+        } else if meta.path.is_ident("min_blocks") {
+            attr.min_blocks = Some(meta.value()?.parse()?);
+            Ok(())
         } else {
-            Err(meta.error("unknown `#[kernel]` argument; expected `block = ..`, `space = ..` or `dyn_smem = ..`"))
+            Err(meta.error(
+                "unknown `#[kernel]` argument; expected `block = ..`, `space = ..`, `dyn_smem = ..` or `min_blocks = ..`",
+            ))
         }
     });
     if let Err(e) = syn::parse::Parser::parse2(parser, args) {
@@ -351,6 +357,15 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
             quote!(__b.dyn_smem((#e) as i128, #fn_loc)?;)
         }
     };
+    let min_blocks = match &attr.min_blocks {
+        None => quote!(),
+        Some(e) => {
+            if !cx.is_comptime(e) {
+                errors.push(syn::Error::new_spanned(e, "`min_blocks` must be a compile-time value"));
+            }
+            quote!(__b.min_blocks((#e) as i128, #fn_loc)?;)
+        }
+    };
 
     if !errors.is_empty() {
         return fallback(errors, &func, quote!(#vis struct #type_name;));
@@ -396,6 +411,7 @@ pub fn expand(args: TokenStream, item: TokenStream, kind: Kind) -> TokenStream {
                 let mut __b = ::ddtree_codegen::Builder::kernel(#name, ::core::file!(), __params);
                 #block
                 #dyn_smem
+                #min_blocks
                 #(#arg_decls)*
                 #body
                 __b.finish()

@@ -16,8 +16,10 @@ use proc_macro::TokenStream;
 /// PascalCase) implementing `ddtree_codegen::Kernel`, with a typed launcher.
 ///
 /// Arguments: `block = <comptime expr>` or `block = (x, y, z)` (threads per block; it also
-/// becomes `__launch_bounds__`), and `space = [Params { .. }, ..]` or `space = <expr>` (the
-/// candidate list; index 0 is the default). See `docs/dsl.md`.
+/// becomes `__launch_bounds__`), `space = [Params { .. }, ..]` or `space = <expr>` (the
+/// candidate list; index 0 is the default), `dyn_smem = <comptime expr>` (bytes of dynamic
+/// shared memory) and `min_blocks = <comptime expr>` (blocks per SM the registers must allow,
+/// the second `__launch_bounds__` argument; 0: none). See `docs/dsl.md`.
 #[proc_macro_attribute]
 pub fn kernel(args: TokenStream, item: TokenStream) -> TokenStream {
     kernel::expand(args.into(), item.into(), kernel::Kind::Kernel).into()

@@ -184,6 +184,27 @@ fn dynamic_shared_memory_is_extern_sized_by_the_launch_and_interpreted() {
     assert!(e.message.contains("needs `dyn_smem"), "{e}");
 }
 
+/// Doubles `x`; its registers must allow `p.block / 16` blocks per SM.
+#[kernel(block = p.block, min_blocks = p.block / 16, space = [Block { block: 64 }, Block { block: 1024 }])]
+pub fn bounded(#[comptime] p: &Block, x: &mut [f32]) {
+    let i = block_idx_x() * p.block + thread_idx_x();
+    x[i] = 2.0 * x[i];
+}
+
+#[test]
+fn min_blocks_is_the_second_launch_bound() {
+    let src = Bounded::source(&Block { block: 64 }).unwrap();
+    assert!(
+        src.contains("__global__ void __launch_bounds__(64, 4) bounded__block64("),
+        "{src}"
+    );
+    let e = Bounded::ir(&Block { block: 1024 }).unwrap_err();
+    assert!(e.message.contains("min_blocks = 64 must be between 0 and 32"), "{e}");
+    // Without `min_blocks`, one argument.
+    let src = ReverseDyn::source(&Block { block: 64 }).unwrap();
+    assert!(src.contains("__launch_bounds__(64) reverse_dyn__block64("), "{src}");
+}
+
 #[kernel(block = 32)]
 pub fn small_copies(x: &[u32], out: &mut [u32]) {
     let s = shared::<u32>(128);
