@@ -14,7 +14,7 @@
 //! a compact table at the end; exits non-zero if a check fails.
 //!
 //! Usage: `tree-bench [--seed N] [--skip-checks] [--skip-bench] [--build-only | --verify-only]
-//! [--contexts 1024,32768] [--heads 8] [--nodes 1,64]`.
+//! [--contexts 1024,32768] [--heads 8] [--nodes 1,64] [--pdl]`.
 
 use std::process::ExitCode;
 
@@ -79,6 +79,10 @@ struct Args {
     /// Verify timings only at these node counts (default 1,2,4,8,16,32,64).
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4, 8, 16, 32, 64])]
     nodes: Vec<usize>,
+    /// Launch every kernel with programmatic dependent launch (each kernel's launch overlaps
+    /// its predecessor's tail), as the engine does for steps of at most 8 tokens.
+    #[arg(long)]
+    pdl: bool,
 }
 
 /// `--profile-build STAGE LOGITS`: two launches of the default builder (profile the second).
@@ -461,7 +465,16 @@ fn main() -> ExitCode {
     // every launch and break stream capture.
     // SAFETY: every buffer of this run lives on the GPU's one stream.
     unsafe { gpu.context().disable_event_tracking() };
-    println!("tree-bench on {} (seed {seed})", gpu.arch());
+    gpu.set_programmatic_launch(args.pdl);
+    println!(
+        "tree-bench on {} (seed {seed}{})",
+        gpu.arch(),
+        if gpu.programmatic_launch() {
+            ", programmatic dependent launch"
+        } else {
+            ""
+        }
+    );
     let mut rng = StdRng::seed_from_u64(seed);
     // The profiler modes run their launches and nothing else.
     let profiled = match (&args.profile_build, args.profile_verify) {

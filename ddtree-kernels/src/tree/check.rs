@@ -7,7 +7,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept, GpuBuilder};
-use super::reference::{build_with_lse, fill_mask, logsumexp_rows};
+use super::reference::{build_with_lse, combine_reference, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, combine_grid, combine_output_grid, combine_warps, sample_rows,
     verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
@@ -243,6 +243,69 @@ fn combine_output(
     Ok(results)
 }
 
+/// Checks [`MlaVerifyCombine`] (and every [`MlaCombineOutput`] candidate on the same partials)
+/// on synthetic split partials of `tokens * heads` rows over `splits` splits against the f64
+/// merge: log-sum-exps that grow with the split index (so a warp's running maximum moves in
+/// every round and its earlier sums are rescaled), about one split in eight at `-inf` with a
+/// NaN partial (never written by a split that saw no key), bf16 partials.
+fn combine_merge(
+    t: &Target<'_>,
+    (tokens, heads, splits): (usize, usize, usize),
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    let rows = tokens * heads;
+    let (mut ph, mut pf) = random_bf16(rng, splits * rows * LATENT, -1.0, 1.0);
+    let mut lse = vec![0f32; splits * rows];
+    for s in 0..splits {
+        for r in 0..rows {
+            let dead = rng.random_range(0..8) == 0;
+            lse[s * rows + r] = if dead {
+                f32::NEG_INFINITY
+            } else {
+                -20.0 + 24.0 * s as f32 / splits as f32 + rng.random_range(-4.0f32..4.0)
+            };
+            if dead {
+                let at = (s * rows + r) * LATENT;
+                ph[at..at + LATENT].fill(half::bf16::NAN);
+                pf[at..at + LATENT].fill(f32::NAN);
+            }
+        }
+    }
+    let (want, want_lse) = combine_reference(&pf, &lse, rows, splits);
+    let pairs: Vec<u32> = ph
+        .chunks(2)
+        .map(|p| p[0].to_bits() as u32 | (p[1].to_bits() as u32) << 16)
+        .collect();
+    let (po, pl) = (t.upload(&pairs)?, t.upload(&lse)?);
+    let wps = combine_warps(splits as u32);
+    let case = format!("tokens={tokens} heads={heads} splits={splits} wps={wps} synthetic partials");
+    let mut o = poisoned_bf16(t, rows * LATENT)?;
+    let mut l = t.upload(&vec![f32::NAN; rows])?;
+    let mut args = [
+        Arg::In(&po),
+        Arg::In(&pl),
+        Arg::Out(&mut o),
+        Arg::Out(&mut l),
+        Arg::from(rows as u32),
+        Arg::from(splits as u32),
+        Arg::from(wps),
+    ];
+    // SAFETY: the partials hold splits * rows rows; out and lse hold rows rows.
+    unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
+    let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
+    let ltol = Tolerance {
+        rtol: 1e-3,
+        atol: 1e-3,
+        rel_l2: 1e-3,
+    };
+    let mut out = vec![
+        result::<MlaVerifyCombine>(&(), case.clone(), &got, &want, Tolerance::bf16_sums(&want)),
+        result::<MlaVerifyCombine>(&(), format!("{case} lse"), &t.download(&l)?, &want_lse, ltol),
+    ];
+    out.extend(combine_output(t, &po, &pl, &got, (tokens, heads, splits), &case, rng)?);
+    Ok(out)
+}
+
 /// Checks split-KV + combine for each of `variants` (and the naive kernel when `naive`) on one
 /// case against the f64 CPU reference, computed once: fresh random inputs, poisoned outputs and
 /// partials (NaN) per run, bf16 tolerance on the output (absolute part scaled by its RMS), 1e-3
@@ -437,6 +500,10 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
     let mut out = Vec::new();
     for &c in &cases {
         out.extend(verify(t, &variants, c, true, rng)?);
+    }
+    // The merge alone over many live splits (several rounds per combine warp).
+    for shape in [(1, 8, 150), (2, 64, 132), (1, 3, 5)] {
+        out.extend(combine_merge(t, shape, rng)?);
     }
     Ok(out)
 }

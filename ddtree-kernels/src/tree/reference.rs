@@ -488,3 +488,38 @@ pub fn verify_attention_reference(
     }
     (out, lse)
 }
+
+/// The split-KV merge in f64: row `r` of the output is the sum over splits `s` of
+/// `exp(lse[s, r] - m) part[s, r]` divided by the sum of the weights, `m` the row's largest
+/// split log-sum-exp, and its log-sum-exp is `m + ln(sum of weights)`. `part` is `[splits,
+/// rows, 512]`, `lse` `[splits, rows]`; a split at `-inf` saw no key and its partial is not read
+/// (it may be anything, NaN included). A row whose splits are all `-inf` merges to zeros and
+/// `-inf`.
+pub fn combine_reference(part: &[f32], lse: &[f32], rows: usize, splits: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![0f32; rows * LATENT];
+    let mut out_lse = vec![f32::NEG_INFINITY; rows];
+    for r in 0..rows {
+        let live: Vec<usize> = (0..splits)
+            .filter(|&s| lse[s * rows + r] != f32::NEG_INFINITY)
+            .collect();
+        let m = live
+            .iter()
+            .map(|&s| lse[s * rows + r] as f64)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if live.is_empty() {
+            continue;
+        }
+        let w: Vec<f64> = live.iter().map(|&s| (lse[s * rows + r] as f64 - m).exp()).collect();
+        let l: f64 = w.iter().sum();
+        for (c, dst) in out[r * LATENT..][..LATENT].iter_mut().enumerate() {
+            let sum: f64 = live
+                .iter()
+                .zip(&w)
+                .map(|(&s, wi)| wi * part[(s * rows + r) * LATENT + c] as f64)
+                .sum();
+            *dst = (sum / l) as f32;
+        }
+        out_lse[r] = (m + l.ln()) as f32;
+    }
+    (out, out_lse)
+}
