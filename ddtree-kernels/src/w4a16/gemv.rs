@@ -104,8 +104,11 @@ const W: GemvMode = GemvMode::Down;
 /// 4 warps x 2 stages, `Down` 8 warps x 2 stages: each half 4-6% faster than the one-tile pair,
 /// 80.8 µs for the Kimi EP8 slice at one token, vs 88.8): more independent mma chains and
 /// dequant work per warp beat more warps. The two-chunk defaults are their two-chunk twins
-/// (84.5 µs at 7168->36864, M = 16, vs 116.3 for 4 warps x 8 stages with one tile; the pair
-/// 556.5 µs at T = 16, vs 632.8, still behind the grouped GEMM's 418.9). The `xr` ones (x in
+/// (the pair 556.5 µs at T = 16, vs 632.8, still behind the grouped GEMM's 418.9), except
+/// `Dense`, whose two-chunk default takes three m16 tiles per block with x loaded a step ahead:
+/// every block reads the whole x of its rows, so more rows per block cut the L2 traffic of x
+/// (62.9 µs at 7168->36864, M = 16, vs 80.5 for two tiles and 84.3 for two tiles without x
+/// ahead; the four-tile twin 67.5). The `xr` ones (x in
 /// the ring) trade shared memory (2 KiB per chunk and stage) for no exposed x latency per k
 /// step: 8-16
 /// warps splitting k for the narrow shapes (a chain of 2-4 k steps per warp: about two DRAM
@@ -116,6 +119,7 @@ const W: GemvMode = GemvMode::Down;
 /// of each mode, with and without `xr`, at one and two m16 tiles.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 4, 2, 2, 1, false),
+    gvs(D, 4, 3, 2, 2, false),
     gvs(D, 4, 2, 2, 2, false),
     gv(D, 8, 1, 4, 1, false),
     gv(D, 4, 1, 8, 2, false),
@@ -135,6 +139,7 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 2, 2, 2, 1, false),
     gvs(D, 8, 1, 4, 1, true),
     gvs(D, 4, 2, 4, 1, true),
+    gvs(D, 4, 4, 2, 2, false),
     gvs(G, 4, 2, 2, 1, false),
     gvs(G, 4, 2, 2, 2, false),
     gv(G, 4, 1, 4, 2, false),
@@ -415,8 +420,10 @@ pub fn w4a16_gemv(
     // registers from a clamped address (Dense and GateUp: row 0 for unused token columns; Down:
     // a row of the expert, see `prow`; the last 32 k for the K tail): an unused column only
     // feeds its own discarded (or zero-weighted) outputs, and the tail's weights are zero
-    // (scale 0). (Two chunks would hold 32 more registers.)
-    let xpre = !p.xr && p.chunks == 1;
+    // (scale 0). Two chunks hold 32 more registers: Dense prefetches them with at least two
+    // m16 tiles, whose dequantization hides the extra pressure (7168->36864 at 16 rows: 71.1
+    // -> 62.9 µs with three tiles, 85.6 -> 80.5 with two; one tile and the MoE modes were slower).
+    let xpre = !p.xr && (p.chunks == 1 || (p.mode == GemvMode::Dense && p.mt >= 2));
     if down && (p.xr || xpre) {
         for idx in (tid..ne * cap).step_by(nw * 32) {
             let e = list[idx / cap];
@@ -475,7 +482,13 @@ pub fn w4a16_gemv(
     }
     // Two register slots of a k step's x, `[slot][chunk][j]`, alternating with the step slot's
     // parity (an even number of stages keeps the pattern across the unrolled ring).
-    let xpn = comptime!(if !p.xr && p.chunks == 1 { 8 } else { 1 });
+    let xpn = comptime!(
+        if !p.xr && (p.chunks == 1 || (p.mode == GemvMode::Dense && p.mt >= 2)) {
+            8 * p.chunks
+        } else {
+            1
+        }
+    );
     comptime_assert!(
         xpn == 1 || p.stages % 2 == 0,
         "x loaded a step ahead needs an even number of stages"
