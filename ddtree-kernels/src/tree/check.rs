@@ -243,6 +243,40 @@ fn combine_output(
     Ok(results)
 }
 
+/// Tolerance of a merged log-sum-exp.
+const LSE_TOL: Tolerance = Tolerance {
+    rtol: 1e-3,
+    atol: 1e-3,
+    rel_l2: 1e-3,
+};
+
+/// Runs [`MlaVerifyCombine`] on the split partials `po` / `pl` (`splits` x `rows`) into poisoned
+/// outputs; returns the merged rows and log-sum-exps.
+fn run_combine(
+    t: &Target<'_>,
+    po: &DevBuf<u32>,
+    pl: &DevBuf<f32>,
+    rows: usize,
+    splits: usize,
+) -> Result<(Vec<f32>, Vec<f32>), CheckError> {
+    let wps = combine_warps(splits as u32);
+    let mut o = poisoned_bf16(t, rows * LATENT)?;
+    let mut l = t.upload(&vec![f32::NAN; rows])?;
+    let mut args = [
+        Arg::In(po),
+        Arg::In(pl),
+        Arg::Out(&mut o),
+        Arg::Out(&mut l),
+        Arg::from(rows as u32),
+        Arg::from(splits as u32),
+        Arg::from(wps),
+    ];
+    // SAFETY: the partials hold splits * rows rows; out and lse hold rows rows.
+    unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
+    let got = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
+    Ok((got, t.download(&l)?))
+}
+
 /// Checks [`MlaVerifyCombine`] (and every [`MlaCombineOutput`] candidate on the same partials)
 /// on synthetic split partials of `tokens * heads` rows over `splits` splits against the f64
 /// merge: log-sum-exps that grow with the split index (so a warp's running maximum moves in
@@ -279,28 +313,10 @@ fn combine_merge(
     let (po, pl) = (t.upload(&pairs)?, t.upload(&lse)?);
     let wps = combine_warps(splits as u32);
     let case = format!("tokens={tokens} heads={heads} splits={splits} wps={wps} synthetic partials");
-    let mut o = poisoned_bf16(t, rows * LATENT)?;
-    let mut l = t.upload(&vec![f32::NAN; rows])?;
-    let mut args = [
-        Arg::In(&po),
-        Arg::In(&pl),
-        Arg::Out(&mut o),
-        Arg::Out(&mut l),
-        Arg::from(rows as u32),
-        Arg::from(splits as u32),
-        Arg::from(wps),
-    ];
-    // SAFETY: the partials hold splits * rows rows; out and lse hold rows rows.
-    unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
-    let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
-    let ltol = Tolerance {
-        rtol: 1e-3,
-        atol: 1e-3,
-        rel_l2: 1e-3,
-    };
+    let (got, got_lse) = run_combine(t, &po, &pl, rows, splits)?;
     let mut out = vec![
         result::<MlaVerifyCombine>(&(), case.clone(), &got, &want, Tolerance::bf16_sums(&want)),
-        result::<MlaVerifyCombine>(&(), format!("{case} lse"), &t.download(&l)?, &want_lse, ltol),
+        result::<MlaVerifyCombine>(&(), format!("{case} lse"), &got_lse, &want_lse, LSE_TOL),
     ];
     out.extend(combine_output(t, &po, &pl, &got, (tokens, heads, splits), &case, rng)?);
     Ok(out)
@@ -345,11 +361,6 @@ pub fn verify(
         atol: 1e-2 * vrms,
         ..Tolerance::bf16_sums(&want)
     };
-    let ltol = Tolerance {
-        rtol: 1e-3,
-        atol: 1e-3,
-        rel_l2: 1e-3,
-    };
     let kind = if chain { "chain" } else { "tree" };
     let mut out = Vec::new();
     for (vi, v) in variants.iter().enumerate() {
@@ -360,8 +371,6 @@ pub fn verify(
         let case = format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} wps={wps}");
         let mut po = t.upload(&vec![0x7fc0_7fc0u32; splits * rows * LATENT / 2])?;
         let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
-        let mut o = poisoned_bf16(t, rows * LATENT)?;
-        let mut l = t.upload(&vec![f32::NAN; rows])?;
         let grid = ((rows as u32).div_ceil(v.rows_per_block()), splits as u32);
         let mut args = [
             Arg::In(&dq),
@@ -385,26 +394,14 @@ pub fn verify(
                 VerifyVariant::Wg(p) => t.launch::<MlaVerifyWg>(p, grid, &mut args)?,
             }
         };
-        let mut args = [
-            Arg::In(&po),
-            Arg::In(&pl),
-            Arg::Out(&mut o),
-            Arg::Out(&mut l),
-            Arg::from(rows as u32),
-            Arg::from(splits as u32),
-            Arg::from(wps),
-        ];
-        // SAFETY: the partials of the split pass; out and lse hold rows rows.
-        unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
-        let got: Vec<f32> = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
-        let got_lse = t.download(&l)?;
+        let (got, got_lse) = run_combine(t, &po, &pl, rows, splits)?;
         // On the first variant's partials (every split pass writes the same format).
         if vi == 0 && nodes <= COMBINE_OUTPUT_MAX_TOKENS {
             out.extend(combine_output(t, &po, &pl, &got, (nodes, heads, splits), &case, rng)?);
         }
         for (case, got, want, tol) in [
             (case.clone(), &got, &want, tol),
-            (format!("{case} lse"), &got_lse, &want_lse, ltol),
+            (format!("{case} lse"), &got_lse, &want_lse, LSE_TOL),
         ] {
             let comparison = compare(got, want, tol);
             out.push(CheckResult {
@@ -441,7 +438,7 @@ pub fn verify(
             format!("{case} lse"),
             &t.download(&l)?,
             &want_lse,
-            ltol,
+            LSE_TOL,
         ));
     }
     Ok(out)
