@@ -279,9 +279,9 @@ fn run_combine(
 
 /// Checks [`MlaVerifyCombine`] (and every [`MlaCombineOutput`] candidate on the same partials)
 /// on synthetic split partials of `tokens * heads` rows over `splits` splits against the f64
-/// merge: log-sum-exps that grow with the split index (so a warp's running maximum moves in
-/// every round and its earlier sums are rescaled), about one split in eight at `-inf` with a
-/// NaN partial (never written by a split that saw no key), bf16 partials.
+/// merge: log-sum-exps that grow with the split index (the row's largest in a warp's last
+/// rounds), about one split in eight at `-inf` with a NaN partial (never written by a split that
+/// saw no key), bf16 partials.
 fn combine_merge(
     t: &Target<'_>,
     (tokens, heads, splits): (usize, usize, usize),
@@ -498,7 +498,7 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
     for &c in &cases {
         out.extend(verify(t, &variants, c, true, rng)?);
     }
-    // The merge alone over many live splits (several rounds per combine warp).
+    // The merge alone: many live splits (several rounds per combine warp), and a few.
     for shape in [(1, 8, 150), (2, 64, 132), (1, 3, 5)] {
         out.extend(combine_merge(t, shape, rng)?);
     }

@@ -222,6 +222,14 @@ impl GemvW4Params {
         self.scale_offset() + if self.sr { 32 * self.tiles() } else { 0 }
     }
 
+    /// Whether x is loaded a k step ahead into registers (without `xr`): one chunk always;
+    /// two chunks only for `Dense` with at least two m16 tiles, whose dequantization hides the
+    /// 32 more registers (7168->36864 at 16 rows: 71.1 -> 62.9 µs with three tiles, 85.6 -> 80.5
+    /// with two; one tile and the MoE modes were slower).
+    pub const fn x_ahead(&self) -> bool {
+        !self.xr && (self.chunks == 1 || (matches!(self.mode, GemvMode::Dense) && self.mt >= 2))
+    }
+
     /// Dynamic shared-memory bytes of the ring (every warp's `stages` k steps).
     pub const fn ring_bytes(&self) -> u32 {
         self.warps * self.stages * self.stage_words() * 4
@@ -416,14 +424,12 @@ pub fn w4a16_gemv(
         sync_threads();
         ne = count_s[0];
     }
-    // Dense, GateUp and Down without `xr`, one chunk: x is loaded one k step ahead into
+    // Without `xr`, where [`GemvW4Params::x_ahead`] says so: x is loaded one k step ahead into
     // registers from a clamped address (Dense and GateUp: row 0 for unused token columns; Down:
     // a row of the expert, see `prow`; the last 32 k for the K tail): an unused column only
     // feeds its own discarded (or zero-weighted) outputs, and the tail's weights are zero
-    // (scale 0). Two chunks hold 32 more registers: Dense prefetches them with at least two
-    // m16 tiles, whose dequantization hides the extra pressure (7168->36864 at 16 rows: 71.1
-    // -> 62.9 µs with three tiles, 85.6 -> 80.5 with two; one tile and the MoE modes were slower).
-    let xpre = !p.xr && (p.chunks == 1 || (p.mode == GemvMode::Dense && p.mt >= 2));
+    // (scale 0). Which variants do: [`GemvW4Params::x_ahead`].
+    let xpre = comptime!(p.x_ahead());
     if down && (p.xr || xpre) {
         for idx in (tid..ne * cap).step_by(nw * 32) {
             let e = list[idx / cap];
@@ -482,13 +488,7 @@ pub fn w4a16_gemv(
     }
     // Two register slots of a k step's x, `[slot][chunk][j]`, alternating with the step slot's
     // parity (an even number of stages keeps the pattern across the unrolled ring).
-    let xpn = comptime!(
-        if !p.xr && (p.chunks == 1 || (p.mode == GemvMode::Dense && p.mt >= 2)) {
-            8 * p.chunks
-        } else {
-            1
-        }
-    );
+    let xpn = comptime!(if p.x_ahead() { 8 * p.chunks } else { 1 });
     comptime_assert!(
         xpn == 1 || p.stages % 2 == 0,
         "x loaded a step ahead needs an even number of stages"
