@@ -929,6 +929,8 @@ impl Tunable for W4a16Gemv {
                 sc,
                 &w.ids,
                 &w.route_w,
+                &w.ids,
+                &w.ids,
                 &mut w.out[c],
                 tokens as u32,
                 n as u32,

@@ -256,6 +256,8 @@ fn time_gemv(
                 sc,
                 &ids,
                 none,
+                &ids,
+                &ids,
                 out,
                 m as u32,
                 n as u32,
@@ -552,7 +554,7 @@ impl MoeBench {
         })
     }
 
-    /// Times `kern` on `tokens` tokens: its small-token path when `gemv`, else the grouped one.
+    /// Times `kern`'s `path` on `tokens` tokens.
     #[allow(clippy::too_many_arguments)]
     fn time(
         &self,
@@ -560,7 +562,7 @@ impl MoeBench {
         reps: usize,
         kern: &MoeKernels,
         layout: Layout,
-        gemv: bool,
+        path: MoePath,
         tokens: usize,
         routes: &Routes,
         x: &CudaSlice<bf16>,
@@ -573,14 +575,25 @@ impl MoeBench {
             let (ids, w) = &routes.sets[i % routes.sets.len()];
             // SAFETY: shapes as documented; weights in the kernels' layout.
             unsafe {
-                if gemv {
-                    kern.run_gemv(s, &ex, x, ids, w, out, &mut bufs, t, k)
-                } else {
-                    kern.run_grouped(s, &ex, x, ids, w, out, &mut bufs, t, k)
+                match path {
+                    MoePath::Gemv => kern.run_gemv(s, &ex, x, ids, w, out, &mut bufs, t, k),
+                    MoePath::GroupedGemv => kern.run_grouped_gemv(s, &ex, x, ids, w, out, &mut bufs, t, k),
+                    MoePath::Grouped => kern.run_grouped(s, &ex, x, ids, w, out, &mut bufs, t, k),
                 }
             }
         })
     }
+}
+
+/// Which of [`MoeKernels`]' paths a timing runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MoePath {
+    /// The grouped GEMMs (`run_grouped`).
+    Grouped,
+    /// The small-token GEMVs (`run_gemv`).
+    Gemv,
+    /// The grouped GEMVs (`run_grouped_gemv`).
+    GroupedGemv,
 }
 
 /// Compiled MoE kernels and the (gate_up, down) pair they were made for.
@@ -608,6 +621,20 @@ fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeErro
         .collect()
 }
 
+/// Every grouped GEMV (gate_up, down) pair, compiled (next to the default grouped pair).
+fn grouped_gemv_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeError> {
+    let (gu, gd) = pairs_default();
+    check::grouped_gemv_pairs()
+        .into_iter()
+        .map(|(u, d)| {
+            Ok((
+                MoeKernels::new(gpu, GroupedPair::Mma(gu, gd))?.with_grouped_gemv(gpu, Some((&u, &d)))?,
+                (u, d),
+            ))
+        })
+        .collect()
+}
+
 /// The fastest grouped pair at `tokens`: µs and label.
 #[allow(clippy::too_many_arguments)]
 fn best_grouped(
@@ -622,7 +649,7 @@ fn best_grouped(
 ) -> Result<(f64, String), RuntimeError> {
     let mut best: Option<(f64, String)> = None;
     for (kern, (up, down)) in kernels {
-        let us = mb.time(s, reps, kern, up.layout, false, tokens, routes, x, out)?;
+        let us = mb.time(s, reps, kern, up.layout, MoePath::Grouped, tokens, routes, x, out)?;
         if best.as_ref().is_none_or(|(b, _)| us < *b) {
             best = Some((us, format!("{} / {}", short(up), short(down))));
         }
@@ -634,42 +661,61 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
     let s = gpu.stream();
     let mb = MoeBench::new(gpu, rng)?;
     println!("\nMoE W4A16, Kimi K2.6 EP8 slice: {MOE_EXPERTS} local experts, hidden {MOE_HIDDEN}, inter {MOE_INTER}, top-{MOE_TOPK} routed among the local experts; {:.1} MB per expert", mb.per_expert as f64 / 1e6);
-    println!("| T | touched experts | touched MB | grouped µs | GB/s | % of copy | best grouped pair | gemv µs | GB/s | % of copy | best gemv pair |");
-    println!("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|");
+    println!("| T | touched experts | touched MB | grouped µs | GB/s | % of copy | best grouped pair | gemv µs | GB/s | % of copy | best gemv pair | grouped gemv µs | GB/s | % of copy | best grouped gemv pair |");
+    println!("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|");
     let gemv_kernels = gemv_moe_kernels(gpu)?;
+    let grouped_gemv = grouped_gemv_kernels(gpu)?;
     let kernels = grouped_kernels(gpu)?;
-    for tokens in [1usize, 2, 4, 8, 16, 32, 64] {
+    let token_counts = [1usize, 2, 4, 8, 16, 32, 64];
+    // Every grouped GEMV pair's µs per token count, for the table after this one.
+    let mut grouped_gemv_us = vec![Vec::new(); grouped_gemv.len()];
+    for tokens in token_counts {
         let routes = mb.routes(s, tokens, rng)?;
         let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
             .map_err(RuntimeError::driver("allocating"))?;
         let (us, label) = best_grouped(&mb, s, reps, &kernels, tokens, &routes, &x, &mut out)?;
-        let mut gbest: Option<(f64, String)> = None;
-        for (kern, (up, down)) in &gemv_kernels {
-            if !kern.uses_gemv(tokens as u32, MOE_TOPK as u32) {
-                continue;
-            }
-            let us = mb.time(s, reps, kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?;
-            if gbest.as_ref().is_none_or(|(b, _)| us < *b) {
-                gbest = Some((us, format!("{} / {}", short_gemv(up), short_gemv(down))));
-            }
-        }
         let bytes = routes.touched * mb.per_expert as f64;
         let gbs = bytes / (us * 1e-6) / 1e9;
-        let gemv_col = match gbest {
-            Some((gus, gl)) => {
-                let gg = bytes / (gus * 1e-6) / 1e9;
-                format!("{gus:.1} | {gg:.0} | {:.0}% | {gl}", 100.0 * gg / bw)
+        // The best pair of `pairs` on `path` (those that take `tokens`) as table cells.
+        let mut column = |pairs: &[MoePair<GemvW4Params>], path: MoePath| -> Result<String, RuntimeError> {
+            let mut best: Option<(f64, String)> = None;
+            for (i, (kern, (up, down))) in pairs.iter().enumerate() {
+                if path == MoePath::Gemv && !kern.uses_gemv(tokens as u32, MOE_TOPK as u32) {
+                    continue;
+                }
+                let us = mb.time(s, reps, kern, Layout::Interleaved, path, tokens, &routes, &x, &mut out)?;
+                if path == MoePath::GroupedGemv {
+                    grouped_gemv_us[i].push(us);
+                }
+                if best.as_ref().is_none_or(|(b, _)| us < *b) {
+                    best = Some((us, format!("{} / {}", short_gemv(up), short_gemv(down))));
+                }
             }
-            None => "- | - | - | (grouped path)".into(),
+            Ok(match best {
+                Some((gus, gl)) => {
+                    let gg = bytes / (gus * 1e-6) / 1e9;
+                    format!("{gus:.1} | {gg:.0} | {:.0}% | {gl}", 100.0 * gg / bw)
+                }
+                None => "- | - | - | (not taken)".into(),
+            })
         };
+        let gemv_col = column(&gemv_kernels, MoePath::Gemv)?;
+        let grouped_gemv_col = column(&grouped_gemv, MoePath::GroupedGemv)?;
         println!(
-            "| {tokens} | {:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} | {gemv_col} |",
+            "| {tokens} | {:.1} | {:.0} | {us:.1} | {gbs:.0} | {:.0}% | {label} | {gemv_col} | {grouped_gemv_col} |",
             routes.touched,
             bytes / 1e6,
             100.0 * gbs / bw
         );
+    }
+    println!("\nGrouped GEMV pairs (align + 2 GEMVs + sum), µs");
+    println!("| pair | {} |", token_counts.map(|t| format!("T = {t}")).join(" | "));
+    println!("|---|{}", "---:|".repeat(token_counts.len()));
+    for ((_, (up, down)), us) in grouped_gemv.iter().zip(&grouped_gemv_us) {
+        let cells: Vec<String> = us.iter().map(|u| format!("{u:.1}")).collect();
+        println!("| {} / {} | {} |", short_gemv(up), short_gemv(down), cells.join(" | "));
     }
     Ok(())
 }
@@ -775,7 +821,17 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), R
         for (kern, (up, down)) in &gemv_kernels {
             let takes = w4gemv::max_tokens(up).min(w4gemv::max_tokens(down)) as usize >= tokens;
             times.push(if takes {
-                Some(mb.time(s, reps, kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?)
+                Some(mb.time(
+                    s,
+                    reps,
+                    kern,
+                    Layout::Interleaved,
+                    MoePath::Gemv,
+                    tokens,
+                    &routes,
+                    &x,
+                    &mut out,
+                )?)
             } else {
                 None
             });
@@ -808,7 +864,17 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
             .map_err(RuntimeError::driver("allocating"))?;
-        let us = mb.time(s, 1, &kern, Layout::Interleaved, true, tokens, &routes, &x, &mut out)?;
+        let us = mb.time(
+            s,
+            1,
+            &kern,
+            Layout::Interleaved,
+            MoePath::Gemv,
+            tokens,
+            &routes,
+            &x,
+            &mut out,
+        )?;
         println!(
             "MoE pair {} / {} at T = {tokens}: {us:.1} µs",
             short_gemv(&up),
@@ -830,11 +896,36 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
             .map_err(RuntimeError::driver("allocating"))?;
-        let us = mb.time(s, 1, kern, up.layout, false, tokens, &routes, &x, &mut out)?;
+        let us = mb.time(s, 1, kern, up.layout, MoePath::Grouped, tokens, &routes, &x, &mut out)?;
         println!(
             "MoE grouped pair {} / {} at T = {tokens}: {us:.1} µs",
             short(up),
             short(down)
+        );
+    }
+    // The default grouped GEMV pair (align + 2 GEMVs + sum) at 16 and 32 tokens.
+    let (kern, (up, down)) = grouped_gemv_kernels(gpu)?.swap_remove(0);
+    for tokens in [16usize, 32] {
+        let routes = mb.routes(s, tokens, rng)?;
+        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let us = mb.time(
+            s,
+            1,
+            &kern,
+            Layout::Interleaved,
+            MoePath::GroupedGemv,
+            tokens,
+            &routes,
+            &x,
+            &mut out,
+        )?;
+        println!(
+            "MoE grouped GEMV pair {} / {} at T = {tokens}: {us:.1} µs",
+            short_gemv(&up),
+            short_gemv(&down)
         );
     }
     Ok(())
@@ -1010,7 +1101,17 @@ fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
         let bytes = routes.touched * mb.per_expert as f64;
         let pct = |us: f64| 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
         for (kern, (up, _)) in &wg_pairs {
-            let wus = mb.time(s, args.reps, kern, up.layout, false, tokens, &routes, &x, &mut out)?;
+            let wus = mb.time(
+                s,
+                args.reps,
+                kern,
+                up.layout,
+                MoePath::Grouped,
+                tokens,
+                &routes,
+                &x,
+                &mut out,
+            )?;
             println!(
                 "| {tokens} | {:.0} | {us:.1} | {:.0}% | {} | {wus:.1} | {:.0}% |",
                 bytes / 1e6,

@@ -229,9 +229,9 @@ pub fn random_routing(rng: &mut impl Rng, tokens: usize, topk: usize, route_expe
     (ids, w)
 }
 
-/// Checks the MoE block with one (gate_up, down) pair: `moe_align`, the grouped gate_up and
-/// down GEMMs and `moe_sum`, launched as [`super::MoeKernels::run`] does. Routing picks among
-/// `experts + 2` experts, so some pairs belong to another rank and must be skipped.
+/// Checks the MoE block with one grouped (gate_up, down) GEMM pair: `moe_align`, the grouped
+/// gate_up and down GEMMs and `moe_sum`, launched as [`super::MoeKernels::run`] does (see
+/// [`moe_check`]).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_block<K: W4a16Kernel>(
     t: &Target<'_>,
@@ -244,26 +244,200 @@ pub fn moe_block<K: W4a16Kernel>(
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
     let (up, down) = pair;
-    let (tu, td) = (up.tiling(), down.tiling());
+    let products = MoeProducts {
+        bm: rows_per_block(up),
+        layouts: [up.tiling().layout, down.tiling().layout],
+        symbols: [K::symbol(up), K::symbol(down)],
+    };
+    let shape = MoeShape {
+        tokens,
+        experts,
+        hidden,
+        inter,
+        topk,
+    };
+    moe_check(t, &products, shape, rng, |io, act, y| {
+        let mut part = t.upload(&[0f32])?;
+        let (h, i) = (hidden as u32, inter as u32);
+        let mut args = [
+            Arg::In(io.x),
+            Arg::In(io.w13),
+            Arg::In(io.s13),
+            Arg::In(&io.none.bf16s),
+            Arg::Out(act),
+            Arg::Out(&mut part),
+            Arg::In(io.sorted),
+            Arg::In(io.block_expert),
+            Arg::In(&io.none.f32s),
+            Arg::from(io.pairs),
+            Arg::from(2 * i),
+            Arg::from(h),
+            Arg::from(topk as u32),
+        ];
+        // SAFETY: x is [T, H], w13 / s13 hold the experts' [2I, H] weights, act [pairs, I].
+        unsafe { t.launch::<K>(up, gemm::grid(up, io.mb, 2 * i, 1), &mut args)? };
+        let mut args = [
+            Arg::In(act),
+            Arg::In(io.w2),
+            Arg::In(io.s2),
+            Arg::In(&io.none.bf16s),
+            Arg::Out(y),
+            Arg::Out(&mut part),
+            Arg::In(io.sorted),
+            Arg::In(io.block_expert),
+            Arg::In(io.route_w),
+            Arg::from(io.pairs),
+            Arg::from(h),
+            Arg::from(i),
+            Arg::from(1u32),
+        ];
+        // SAFETY: act is [pairs, I], w2 / s2 hold the experts' [H, I] weights, y [pairs, H].
+        unsafe { t.launch::<K>(down, gemm::grid(down, io.mb, h, 1), &mut args) }
+    })
+}
+
+/// Checks the MoE block with one grouped (gate_up, down) pair of [`W4a16Gemv`] variants (the
+/// same `chunks`): `moe_align` at `8 chunks` slots per block, the two GEMVs and `moe_sum`, as
+/// [`super::MoeKernels::run_grouped_gemv`] launches them (see [`moe_check`]).
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemv_moe(
+    t: &Target<'_>,
+    up: &GemvW4Params,
+    down: &GemvW4Params,
+    shape: MoeShape,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    assert_eq!(up.chunks, down.chunks, "a grouped GEMV pair shares its slots per block");
+    let products = MoeProducts {
+        bm: 8 * up.chunks,
+        layouts: [Layout::Interleaved; 2],
+        symbols: [W4a16Gemv::symbol(up), W4a16Gemv::symbol(down)],
+    };
+    let MoeShape {
+        experts,
+        hidden,
+        inter,
+        topk,
+        ..
+    } = shape;
+    moe_check(t, &products, shape, rng, |io, act, y| {
+        let bufs = |x, w, s| GemvBufs {
+            x,
+            w,
+            s,
+            ids: io.ids,
+            route_w: io.route_w,
+            sorted: io.sorted,
+            block_expert: io.block_expert,
+        };
+        let pairs = io.pairs as usize;
+        let mb = io.mb as usize;
+        launch_gemv(
+            t,
+            up,
+            bufs(io.x, io.w13, io.s13),
+            act,
+            pairs,
+            2 * inter,
+            hidden,
+            topk,
+            experts,
+            mb,
+        )?;
+        launch_gemv(
+            t,
+            down,
+            bufs(act, io.w2, io.s2),
+            y,
+            pairs,
+            hidden,
+            inter,
+            topk,
+            experts,
+            mb,
+        )
+    })
+}
+
+/// A MoE block's shape: tokens, local experts, hidden size H, expert intermediate size I, top-k.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeShape {
+    /// Tokens T.
+    pub tokens: usize,
+    /// Local experts.
+    pub experts: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Expert intermediate size I.
+    pub inter: usize,
+    /// Slots per token.
+    pub topk: usize,
+}
+
+/// The grouped products a [`moe_check`] runs: `moe_align`'s slots per block, the weights'
+/// layouts (gate_up, down) and the variants' symbols.
+struct MoeProducts {
+    bm: u32,
+    layouts: [Layout; 2],
+    symbols: [String; 2],
+}
+
+/// What the grouped products of a [`moe_check`] read: the inputs, the weights and `moe_align`'s
+/// blocks.
+struct MoeIo<'a> {
+    x: &'a DevBuf<bf16>,
+    w13: &'a DevBuf<u32>,
+    s13: &'a DevBuf<u32>,
+    w2: &'a DevBuf<u32>,
+    s2: &'a DevBuf<u32>,
+    ids: &'a DevBuf<u32>,
+    route_w: &'a DevBuf<f32>,
+    sorted: &'a DevBuf<u32>,
+    block_expert: &'a DevBuf<u32>,
+    none: &'a Unused,
+    pairs: u32,
+    mb: u32,
+}
+
+/// Runs `moe_align`, the products (`launch`: gate_up into `act`, then down into `y`) and
+/// `moe_sum` on fresh random data, and checks them stage by stage: `act` against
+/// [`moe::reference_stage`] of `x`, `y` against the reference of the kernels' own `act`, `out`
+/// against the sum of the kernels' own `y` (see the module docs), over the pairs whose expert
+/// is local. Routing picks among `experts + 2` experts, so some pairs belong to another rank
+/// and must be skipped.
+fn moe_check(
+    t: &Target<'_>,
+    products: &MoeProducts,
+    shape: MoeShape,
+    rng: &mut StdRng,
+    launch: impl FnOnce(&MoeIo<'_>, &mut DevBuf<bf16>, &mut DevBuf<bf16>) -> Result<(), CheckError>,
+) -> Result<CheckResult, CheckError> {
+    let MoeShape {
+        tokens,
+        experts,
+        hidden,
+        inter,
+        topk,
+    } = shape;
     let w13 = PackedInt4::random(rng, 2 * inter, hidden, 32, experts, 0.05);
     let w2 = PackedInt4::random(rng, hidden, inter, 32, experts, 0.05);
     let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
     let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
-    let (d13, d2) = (device_weights(t, &w13, tu.layout)?, device_weights(t, &w2, td.layout)?);
+    let [l13, l2] = products.layouts;
+    let (d13, d2) = (device_weights(t, &w13, l13)?, device_weights(t, &w2, l2)?);
     let (s13, s2) = (
         t.upload(&scale_words(&w13.scales))?,
         t.upload(&scale_words(&w2.scales))?,
     );
     let (dx, dids, dw) = (t.upload(&x)?, t.upload(&ids)?, t.upload(&wts)?);
     let none = Unused::new(t)?;
-    let (pairs, bm) = ((tokens * topk) as u32, rows_per_block(up));
+    let (pairs, bm) = ((tokens * topk) as u32, products.bm);
     let mb = moe::max_blocks(pairs as usize, experts, bm as usize) as u32;
     let mut sorted = t.upload(&vec![0u32; (mb * bm) as usize])?;
     let mut block_expert = t.upload(&vec![0u32; mb as usize])?;
     let mut act = poisoned_bf16(t, pairs as usize * inter)?;
     let mut y = poisoned_bf16(t, pairs as usize * hidden)?;
     let mut out = poisoned_bf16(t, tokens * hidden)?;
-    let mut part = t.upload(&[0f32])?;
     let mut args = [
         Arg::In(&dids),
         Arg::Out(&mut sorted),
@@ -275,41 +449,22 @@ pub fn moe_block<K: W4a16Kernel>(
     ];
     // SAFETY: sorted holds mb * bm slots and block_expert mb >= the blocks align makes.
     unsafe { t.launch::<MoeAlign>(&AlignParams { block: 1024 }, 1, &mut args)? };
-    let (h, i) = (hidden as u32, inter as u32);
-    let mut args = [
-        Arg::In(&dx),
-        Arg::In(&d13),
-        Arg::In(&s13),
-        Arg::In(&none.bf16s),
-        Arg::Out(&mut act),
-        Arg::Out(&mut part),
-        Arg::In(&sorted),
-        Arg::In(&block_expert),
-        Arg::In(&none.f32s),
-        Arg::from(pairs),
-        Arg::from(2 * i),
-        Arg::from(h),
-        Arg::from(topk as u32),
-    ];
-    // SAFETY: x is [T, H], w13 / s13 hold the experts' [2I, H] weights, act [pairs, I].
-    unsafe { t.launch::<K>(up, gemm::grid(up, mb, 2 * i, 1), &mut args)? };
-    let mut args = [
-        Arg::In(&act),
-        Arg::In(&d2),
-        Arg::In(&s2),
-        Arg::In(&none.bf16s),
-        Arg::Out(&mut y),
-        Arg::Out(&mut part),
-        Arg::In(&sorted),
-        Arg::In(&block_expert),
-        Arg::In(&dw),
-        Arg::from(pairs),
-        Arg::from(h),
-        Arg::from(i),
-        Arg::from(1u32),
-    ];
-    // SAFETY: act is [pairs, I], w2 / s2 hold the experts' [H, I] weights, y [pairs, H].
-    unsafe { t.launch::<K>(down, gemm::grid(down, mb, h, 1), &mut args)? };
+    let io = MoeIo {
+        x: &dx,
+        w13: &d13,
+        s13: &s13,
+        w2: &d2,
+        s2: &s2,
+        ids: &dids,
+        route_w: &dw,
+        sorted: &sorted,
+        block_expert: &block_expert,
+        none: &none,
+        pairs,
+        mb,
+    };
+    launch(&io, &mut act, &mut y)?;
+    let h = hidden as u32;
     let sp = SumParams { block: 256 };
     let mut args = [
         Arg::In(&y),
@@ -346,10 +501,11 @@ pub fn moe_block<K: W4a16Kernel>(
                 .sum()
         })
         .collect();
+    let [su, sd] = products.symbols.clone();
     let symbols = [
         MoeAlign::symbol(&AlignParams { block: 1024 }),
-        K::symbol(up),
-        K::symbol(down),
+        su,
+        sd,
         MoeSum::symbol(&sp),
     ];
     let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk}");
@@ -489,36 +645,39 @@ pub fn wg_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Ch
     Ok(out)
 }
 
-/// The input buffers of a [`W4a16Gemv`] launch: x, weights, scale words, ids, router weights.
-type GemvInputs<'a> = (
-    &'a DevBuf<bf16>,
-    &'a DevBuf<u32>,
-    &'a DevBuf<u32>,
-    &'a DevBuf<u32>,
-    &'a DevBuf<f32>,
-);
+/// The input buffers of a [`W4a16Gemv`] launch.
+struct GemvBufs<'a> {
+    x: &'a DevBuf<bf16>,
+    w: &'a DevBuf<u32>,
+    s: &'a DevBuf<u32>,
+    ids: &'a DevBuf<u32>,
+    route_w: &'a DevBuf<f32>,
+    sorted: &'a DevBuf<u32>,
+    block_expert: &'a DevBuf<u32>,
+}
 
-/// The launch of one [`W4a16Gemv`] variant.
+/// The launch of one [`W4a16Gemv`] variant (`ys`: [`gemv::grid`]'s).
 #[allow(clippy::too_many_arguments)]
 fn launch_gemv(
     t: &Target<'_>,
     p: &GemvW4Params,
-    bufs: GemvInputs<'_>,
+    bufs: GemvBufs<'_>,
     out: &mut DevBuf<bf16>,
     m: usize,
     n: usize,
     k: usize,
     topk: usize,
     experts: usize,
-    pairs: usize,
+    ys: usize,
 ) -> Result<(), CheckError> {
-    let (x, w, s, ids, rw) = bufs;
     let mut args = [
-        Arg::In(x),
-        Arg::In(w),
-        Arg::In(s),
-        Arg::In(ids),
-        Arg::In(rw),
+        Arg::In(bufs.x),
+        Arg::In(bufs.w),
+        Arg::In(bufs.s),
+        Arg::In(bufs.ids),
+        Arg::In(bufs.route_w),
+        Arg::In(bufs.sorted),
+        Arg::In(bufs.block_expert),
         Arg::Out(out),
         Arg::from(m as u32),
         Arg::from(n as u32),
@@ -526,7 +685,7 @@ fn launch_gemv(
         Arg::from(topk as u32),
         Arg::from(experts as u32),
     ];
-    let grid = gemv::grid(p, n as u32, pairs as u32);
+    let grid = gemv::grid(p, n as u32, ys as u32);
     // SAFETY: buffers have the shapes the kernel docs give; k is a multiple of 32.
     unsafe { t.launch::<W4a16Gemv>(p, grid, &mut args) }
 }
@@ -546,18 +705,16 @@ pub fn gemv_dense(
     let dw = device_weights(t, &wq, Layout::Interleaved)?;
     let none = Unused::new(t)?;
     let mut out = poisoned_bf16(t, m * n)?;
-    launch_gemv(
-        t,
-        p,
-        (&da, &dw, &dsc, &none.u32s, &none.f32s),
-        &mut out,
-        m,
-        n,
-        k,
-        1,
-        1,
-        1,
-    )?;
+    let bufs = GemvBufs {
+        x: &da,
+        w: &dw,
+        s: &dsc,
+        ids: &none.u32s,
+        route_w: &none.f32s,
+        sorted: &none.u32s,
+        block_expert: &none.u32s,
+    };
+    launch_gemv(t, p, bufs, &mut out, m, n, k, 1, 1, 1)?;
     let want = matmul(&af, &wq.dequantize_bf16(), m, n, k);
     let got = to_f32(&t.download(&out)?);
     let case = format!("m={m} n={n} k={k}");
@@ -597,10 +754,19 @@ pub fn gemv_moe(
     let pairs = tokens * topk;
     let mut act = poisoned_bf16(t, pairs * inter)?;
     let mut out = poisoned_bf16(t, tokens * hidden)?;
+    let bufs = |x, w, s| GemvBufs {
+        x,
+        w,
+        s,
+        ids: &dids,
+        route_w: &dw,
+        sorted: &dids,
+        block_expert: &dids,
+    };
     launch_gemv(
         t,
         up,
-        (&dx, &d13, &s13, &dids, &dw),
+        bufs(&dx, &d13, &s13),
         &mut act,
         pairs,
         2 * inter,
@@ -612,7 +778,7 @@ pub fn gemv_moe(
     launch_gemv(
         t,
         down,
-        (&act, &d2, &s2, &dids, &dw),
+        bufs(&act, &d2, &s2),
         &mut out,
         tokens,
         hidden,
@@ -685,6 +851,29 @@ pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
     out
 }
 
+/// Grouped (gate_up, down) pairs of [`W4a16Gemv`] variants covering every grouped candidate:
+/// each gate_up one with the first down one of the same `chunks` (slots per block), and each
+/// down one likewise.
+pub fn grouped_gemv_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
+    let of = |mode| GEMV_SPACE.iter().filter(move |p| p.mode == mode);
+    let mut out = Vec::new();
+    for up in of(GemvMode::GroupedGateUp) {
+        let d = of(GemvMode::GroupedDown)
+            .find(|d| d.chunks == up.chunks)
+            .expect("a grouped down variant per chunks");
+        out.push((*up, *d));
+    }
+    for d in of(GemvMode::GroupedDown) {
+        if !out.iter().any(|(_, x)| x == d) {
+            let up = of(GemvMode::GroupedGateUp)
+                .find(|u| u.chunks == d.chunks)
+                .expect("a grouped gate_up variant per chunks");
+            out.push((*up, *d));
+        }
+    }
+    out
+}
+
 /// Every [`W4a16Gemv`] candidate: dense ones at ragged sizes with 1 and the most rows they take,
 /// routed pairs on small MoE blocks (and, with [`Sizes::Full`], Kimi-sized ones).
 pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
@@ -737,6 +926,26 @@ pub fn gemv_moe_suite(
         }
         for (tk, e, h, i, topk) in cases {
             out.push(gemv_moe(t, &up, &down, tk, e, h, i, topk, rng)?);
+        }
+    }
+    // The grouped pairs: some experts get more pairs than a block's slots (several blocks).
+    for (up, down) in grouped_gemv_pairs() {
+        let mut cases = vec![(1, 3, 128, 32, 2), (20, 3, 160, 64, 2)];
+        if sizes == Sizes::Full {
+            cases = vec![(3, 6, 256, 64, 2), (16, 48, 512, 128, 8), (64, 9, 288, 128, 4)];
+        }
+        if kimi {
+            cases.extend([(16, 48, 7168, 2048, 8), (64, 48, 7168, 2048, 8)]);
+        }
+        for (tokens, experts, hidden, inter, topk) in cases {
+            let shape = MoeShape {
+                tokens,
+                experts,
+                hidden,
+                inter,
+                topk,
+            };
+            out.push(grouped_gemv_moe(t, &up, &down, shape, rng)?);
         }
     }
     Ok(out)

@@ -9,6 +9,11 @@
 //!   sum over the top-k slots fused: one block per row slab of the hidden size walks every
 //!   distinct local expert of the routing and writes `out[T, H]`. No moe_align, no moe_sum, no
 //!   atomics, no split-K reduce launch.
+//! - [`GemvMode::GroupedGateUp`] / [`GemvMode::GroupedDown`]: the same two products from
+//!   `moe_align`'s blocks (each `8 chunks` slots of one expert) as the grouped GEMM takes them:
+//!   one block per (align block, row slab), `act[pair, I]` with SiLU-and-mul, then router-weighted
+//!   rows `y[pair, H]` that `moe_sum` adds. An expert with more pairs than a block's slots takes
+//!   several blocks, so any token count works with one chunk.
 //!
 //! Design (bytes in flight per register): the tokens are few, so the weights are the A operand
 //! of `mma.m16n8k16` (16 weight rows = two interleaved 8-row tiles) and up to 8 tokens per chunk
@@ -43,6 +48,22 @@ pub enum GemvMode {
     GateUp,
     /// Routed down, router-weighted and summed over the top-k slots into `out[T, H]`.
     Down,
+    /// Routed gate_up with SiLU-and-mul into `act[pair, I]`, from `moe_align`'s blocks.
+    GroupedGateUp,
+    /// Routed down, router-weighted, into `y[pair, H]`, from `moe_align`'s blocks.
+    GroupedDown,
+}
+
+impl GemvMode {
+    /// Whether the mode computes gate_up (gate and up tiles, SiLU-and-mul into `act`).
+    pub const fn gate_up(self) -> bool {
+        matches!(self, GemvMode::GateUp | GemvMode::GroupedGateUp)
+    }
+
+    /// Whether the mode reads `moe_align`'s blocks (`sorted`, `block_expert`).
+    pub const fn grouped(self) -> bool {
+        matches!(self, GemvMode::GroupedGateUp | GemvMode::GroupedDown)
+    }
 }
 
 /// Most token-expert pairs a [`GemvMode::Down`] launch takes (its shared routing tables).
@@ -95,6 +116,8 @@ const fn gvs(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: 
 const D: GemvMode = GemvMode::Dense;
 const G: GemvMode = GemvMode::GateUp;
 const W: GemvMode = GemvMode::Down;
+const GG: GemvMode = GemvMode::GroupedGateUp;
+const GD: GemvMode = GemvMode::GroupedDown;
 
 /// Every candidate. Per mode, the first is the safe default for up to 8 tokens and the first
 /// with `chunks == 2` the one for up to 16 ([`default_params`]). The defaults are the fastest
@@ -116,7 +139,13 @@ const W: GemvMode = GemvMode::Down;
 /// ~96 KB of weights in flight per SM), and `Down` rings of at most 60 KB so the 448 row slabs
 /// of hidden 7168 fit in one wave of 3-4 blocks per SM. The `sr` ones (scales in the ring:
 /// 128 bytes more shared memory per 8-row tile and stage, no scale registers) mirror the best
-/// of each mode, with and without `xr`, at one and two m16 tiles.
+/// of each mode, with and without `xr`, at one and two m16 tiles. The grouped modes' first
+/// candidates are their defaults, whatever the token count (a pair must share `chunks`, its
+/// slots per `moe_align` block): gate_up as the `GateUp` default, down with **one warp** per
+/// block and four stages. An expert's down is only 16 k steps (inter 2048), so warps that split
+/// them each wait out a short pipeline and then a block reduction; one warp streams all 16
+/// (Kimi EP8 slice at T = 16: the pair 352-369 µs with it vs 402-404 with 4 warps; the grouped
+/// GEMM pair 422-441).
 pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 4, 2, 2, 1, false),
     gvs(D, 4, 3, 2, 2, false),
@@ -171,19 +200,37 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(W, 8, 2, 4, 1, false),
     gvs(W, 16, 2, 2, 1, false),
     gvs(W, 8, 2, 2, 2, false),
+    gvs(GG, 4, 2, 2, 1, false),
+    gvs(GG, 2, 2, 2, 1, false),
+    gvs(GG, 2, 2, 4, 1, false),
+    gvs(GG, 4, 2, 2, 2, false),
+    gvs(GD, 1, 2, 4, 1, false),
+    gvs(GD, 2, 2, 4, 1, false),
+    gvs(GD, 1, 4, 2, 1, false),
+    gvs(GD, 2, 4, 2, 1, false),
+    gvs(GD, 4, 2, 2, 1, false),
+    gvs(GD, 1, 2, 8, 1, false),
+    gvs(GD, 1, 1, 8, 1, false),
+    gvs(GD, 4, 2, 2, 2, false),
+    gvs(GD, 1, 2, 4, 2, false),
 ];
 
-/// Tokens one variant takes: `8 chunks`.
+/// Tokens one variant takes: `8 chunks` (the grouped modes: any number; `8 chunks` is their
+/// slots per `moe_align` block).
 pub fn max_tokens(p: &GemvW4Params) -> u32 {
-    8 * p.chunks
+    if p.mode.grouped() {
+        u32::MAX
+    } else {
+        8 * p.chunks
+    }
 }
 
 /// The default variant of `mode` for `tokens` tokens (dense rows, or MoE tokens), if one takes
-/// them: the first candidate of the mode with enough chunks.
+/// them: the first candidate of the mode with enough chunks (the grouped modes: the first).
 pub fn default_params(mode: GemvMode, tokens: u32) -> Option<GemvW4Params> {
     GEMV_SPACE
         .iter()
-        .find(|p| p.mode == mode && max_tokens(p) >= tokens && (tokens > 8) == (p.chunks > 1))
+        .find(|p| p.mode == mode && (mode.grouped() || (max_tokens(p) >= tokens && (tokens > 8) == (p.chunks > 1))))
         .copied()
 }
 
@@ -192,18 +239,23 @@ pub fn rows_per_block(p: &GemvW4Params) -> u32 {
     16 * p.mt
 }
 
-/// The grid: row slabs of the output rows (`n`, or `n / 2` for `GateUp`) in x, and for
-/// `GateUp` the `pairs` candidate leader pairs in y.
-pub fn grid(p: &GemvW4Params, n: u32, pairs: u32) -> (u32, u32, u32) {
-    let rows = if p.mode == GemvMode::GateUp { n / 2 } else { n };
-    let y = if p.mode == GemvMode::GateUp { pairs.max(1) } else { 1 };
+/// The grid: row slabs of the output rows (`n`, or `n / 2` for gate_up) in x, and in y for
+/// `GateUp` the `ys` candidate leader pairs (the pairs), for the grouped modes the `ys` blocks
+/// of `moe_align` (its `max_blocks` at `8 chunks` slots per block).
+pub fn grid(p: &GemvW4Params, n: u32, ys: u32) -> (u32, u32, u32) {
+    let rows = if p.mode.gate_up() { n / 2 } else { n };
+    let y = if p.mode == GemvMode::GateUp || p.mode.grouped() {
+        ys.max(1)
+    } else {
+        1
+    };
     (rows.div_ceil(rows_per_block(p)).max(1), y, 1)
 }
 
 impl GemvW4Params {
-    /// 8-row weight tiles of one k step (`GateUp`: gate and up).
+    /// 8-row weight tiles of one k step (gate_up: gate and up).
     pub const fn tiles(&self) -> u32 {
-        if matches!(self.mode, GemvMode::GateUp) {
+        if self.mode.gate_up() {
             4 * self.mt
         } else {
             2 * self.mt
@@ -236,16 +288,17 @@ impl GemvW4Params {
     }
 }
 
-/// `x` bf16 activations (`Dense`: `[m, k]`; `GateUp`: tokens `[T, k]`; `Down`: `act`
-/// `[pairs, k]`), `w` interleaved INT4 weights (experts stacked; `[n, k]` each), `scales` the
-/// bf16 `[n, k / 32]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
+/// `x` bf16 activations (`Dense`: `[m, k]`; gate_up: tokens `[T, k]`; `Down`, `GroupedDown`:
+/// `act` `[pairs, k]`), `w` interleaved INT4 weights (experts stacked; `[n, k]` each), `scales`
+/// the bf16 `[n, k / 32]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
 /// routing's expert per pair `[T, topk]` (ids `>= experts` belong to other ranks and are
-/// skipped), `route_w` its router weights, `out` (`Dense`: `[m, n]`; `GateUp`: `act`
-/// `[pairs, n / 2]`, rows of non-local pairs not written; `Down`: `[T, n]`). `m` is the dense
-/// rows, `GateUp`'s pairs, or `Down`'s tokens. Needs `k % 32 == 0`, group 32, `GateUp`
-/// `(n / 2) % 8 == 0`, at most `8 chunks` tokens (`Dense`, `Down`) or pairs per expert
-/// (`GateUp`), and `Down` at most [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty
-/// buffer. Under programmatic dependent launch, `Down` for one token reads `ids` before it
+/// skipped), `route_w` its router weights, `sorted` / `block_expert` `moe_align`'s blocks of
+/// `8 chunks` slots (grouped modes), `out` (`Dense`: `[m, n]`; gate_up: `act` `[pairs, n / 2]`,
+/// rows of non-local pairs not written; `Down`: `[T, n]`; `GroupedDown`: `y` `[pairs, n]`, rows
+/// of non-local pairs not written). `m` is the dense rows, gate_up's and `GroupedDown`'s pairs,
+/// or `Down`'s tokens. Needs `k % 32 == 0`, group 32, gate_up `(n / 2) % 8 == 0`, at most
+/// `8 chunks` tokens (`Dense`, `Down`) or pairs per expert (`GateUp`), and `Down` at most
+/// [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty buffer. Under programmatic dependent launch, `Down` for one token reads `ids` before it
 /// waits for its predecessor: the routing must be written before that one (as
 /// [`super::MoeKernels`] launches `GateUp` between). Grid: [`grid`].
 #[kernel(block = p.warps * 32, dyn_smem = p.ring_bytes(), space = GEMV_SPACE.to_vec())]
@@ -256,6 +309,8 @@ pub fn w4a16_gemv(
     scales: &[u32],
     ids: &[u32],
     route_w: &[f32],
+    sorted: &[u32],
+    block_expert: &[u32],
     out: &mut [bf16],
     m: u32,
     n: u32,
@@ -274,21 +329,24 @@ pub fn w4a16_gemv(
         "the ring must fit in 200 KiB of dynamic shared memory"
     );
     let down = p.mode == GemvMode::Down;
-    let gu = p.mode == GemvMode::GateUp;
-    // Under programmatic dependent launch: `GateUp` reads the routing its predecessor
-    // (`moe_route`) writes, and `xr` variants copy x in the prologue, so they wait first. The
+    let gu = comptime!(p.mode.gate_up());
+    let grouped = comptime!(p.mode.grouped());
+    let gdn = p.mode == GemvMode::GroupedDown;
+    // Under programmatic dependent launch: gate_up reads the routing its predecessor
+    // (`moe_route` or `moe_align`) writes, `GroupedDown` `moe_align`'s blocks, and `xr`
+    // variants copy x in the prologue, so they wait first. The
     // others, for one token (the decode step), issue the prologue's weight and scale copies
     // (`Down`: after reading the routing, written before its predecessor) before they wait for
     // x. On the H200 this and the decode attention's early tiles took 0.3 ms off a Kimi K2.6
     // EP8 decode step; more tokens were not measured, so they wait first. (Two-chunk variants,
     // which serve 9-16 tokens, always do: the early path made ptxas spill in them.)
-    let early = !gu && !p.xr && p.chunks == 1 && m == 1;
+    let early = !gu && !grouped && !p.xr && p.chunks == 1 && m == 1;
     if !early {
         grid_wait();
         grid_launch_dependents();
     }
     // m16 tiles and 8-row tiles per k step.
-    let mtt = comptime!(if p.mode == GemvMode::GateUp { 2 * p.mt } else { p.mt });
+    let mtt = comptime!(if p.mode.gate_up() { 2 * p.mt } else { p.mt });
     let tt = comptime!(p.tiles());
     let nc = p.chunks;
     let nw = p.warps;
@@ -343,7 +401,9 @@ pub fn w4a16_gemv(
     let mut ne = 1u32;
     let mut expert = 0u32;
     let pairs = if gu { m } else { m * topk };
-    if gu {
+    // x row of a pair: its token for gate_up, its own act row for down.
+    let a_div = if gu { topk } else { 1u32 };
+    if p.mode == GemvMode::GateUp {
         // Leader pair of the block: the first pair routed to its expert; others exit.
         let p0 = block_idx_y();
         let e = ids[p0];
@@ -387,6 +447,25 @@ pub fn w4a16_gemv(
         for c in 0..nc {
             let pr = list[g + 8 * c];
             xrow[c] = if pr == u32::MAX { u32::MAX } else { pr / topk };
+        }
+    }
+    if grouped {
+        // This block's expert and slots from `moe_align` (unused blocks and padding slots:
+        // u32::MAX; experts of other ranks are not in its blocks).
+        let b = block_idx_y();
+        let e = block_expert[b];
+        if e >= experts {
+            return;
+        }
+        expert = e;
+        if tid < cap {
+            list[tid] = sorted[b * cap + tid];
+        }
+        sync_threads();
+        #[unroll]
+        for c in 0..nc {
+            let pr = list[g + 8 * c];
+            xrow[c] = if pr == u32::MAX { u32::MAX } else { pr / a_div };
         }
     }
     if down {
@@ -555,10 +634,10 @@ pub fn w4a16_gemv(
                         if it < hi {
                             xr_row = prow[ei * cap + tok];
                         }
-                    } else if gu {
+                    } else if gu || grouped {
                         let pr = list[tok];
                         if pr != u32::MAX {
-                            xr_row = pr / topk;
+                            xr_row = pr / a_div;
                         }
                     } else if tok < m {
                         xr_row = tok;
@@ -805,10 +884,10 @@ pub fn w4a16_gemv(
                             if it2 < hi {
                                 xr_row = prow[ei * cap + tok];
                             }
-                        } else if gu {
+                        } else if gu || grouped {
                             let pr = list[tok];
                             if pr != u32::MAX {
-                                xr_row = pr / topk;
+                                xr_row = pr / a_div;
                             }
                         } else if tok < m {
                             xr_row = tok;
@@ -841,13 +920,7 @@ pub fn w4a16_gemv(
     }
     // Sum the warps' accumulators through the ring.
     sync_threads();
-    let om = comptime!(if p.mode == GemvMode::Down {
-        p.mt
-    } else if p.mode == GemvMode::GateUp {
-        2 * p.mt
-    } else {
-        p.mt
-    });
+    let om = comptime!(if p.mode.gate_up() { 2 * p.mt } else { p.mt });
     #[unroll]
     for i in 0..om {
         #[unroll]
@@ -883,6 +956,11 @@ pub fn w4a16_gemv(
                 let pr = list[col];
                 if pr != u32::MAX {
                     out[pr * rows + row] = (silu(v) * u2) as bf16;
+                }
+            } else if gdn {
+                let pr = list[col];
+                if pr != u32::MAX {
+                    out[pr * n + row] = (route_w[pr] * v) as bf16;
                 }
             } else if col < m {
                 out[col * n + row] = v as bf16;

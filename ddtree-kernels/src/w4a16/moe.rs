@@ -9,7 +9,9 @@
 //!
 //! For at most [`GEMV_MAX_TOKENS`] tokens (the decode step, small trees) [`MoeKernels::run`] takes the
 //! small-token path instead: two [`W4a16Gemv`] launches straight from the routing (gate_up into
-//! `act`, then down with the router weights and the top-k sum fused into `out`).
+//! `act`, then down with the router weights and the top-k sum fused into `out`). Up to
+//! [`GROUPED_GEMV_MAX_TOKENS`] it takes the grouped GEMV path: the steps above with the two
+//! products as [`W4a16Gemv`]'s grouped modes (blocks of one chunk, 8 slots) instead of the GEMMs.
 //!
 //! Expert ids `>= experts` (experts on other ranks under expert parallelism) are skipped.
 
@@ -198,14 +200,25 @@ pub struct MoeKernels {
     /// Small-token (gate_up, down) [`W4a16Gemv`] pairs, fewest tokens first (interleaved g32
     /// experts only).
     gemv: Vec<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
+    /// The grouped [`W4a16Gemv`] (gate_up, down) pair (interleaved g32 experts only).
+    grouped_gemv: Option<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
 }
 
 /// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path (the
 /// kernels take up to 16). Measured on the H200 (`w4a16-bench --gemv`, Kimi K2.6 EP8 slice,
 /// the two-tile default pair vs the best grouped GEMM pair): 80.8 vs 117.6 µs at T = 1,
 /// 137.6 vs 158.3 at T = 2, 216.8 vs 249.0 at T = 4, 321.6 vs 355.7 at T = 8; at T = 16 the
-/// two-chunk pair loses (623.1 vs 427.8).
+/// two-chunk pair loses (623.1 vs 427.8). The grouped GEMV pair is within 3% of the
+/// small-token pair at 2-8 tokens (296-297 vs 305 µs at T = 8) and slower at one (82-84 vs
+/// 78), where the small-token path also needs no `moe_align` and `moe_sum` launches and starts
+/// its weight copies before it waits for its predecessor.
 pub const GEMV_MAX_TOKENS: u32 = 8;
+
+/// Most tokens for which [`MoeKernels::run`] takes the grouped GEMV path (past
+/// [`GEMV_MAX_TOKENS`]). Measured on the H200 (`w4a16-bench --moe-only`, Kimi K2.6 EP8 slice,
+/// the default grouped GEMV pair vs the best grouped GEMM pair): 352-369 vs 422-441 µs at
+/// T = 16, 400-426 vs 476-484 at T = 32; at T = 64 its best pair loses (578-594 vs 554).
+pub const GROUPED_GEMV_MAX_TOKENS: u32 = 32;
 
 /// Device buffers of one MoE step for up to `max_tokens` tokens.
 #[derive(Debug)]
@@ -261,6 +274,7 @@ impl MoeKernels {
                 reason: format!("incompatible variants: {pair:?}"),
             });
         }
+        let small = tu.layout == super::Layout::Interleaved && tu.group == 32;
         Ok(MoeKernels {
             align: gpu.compile::<MoeAlign>(&AlignParams { block: 1024 })?,
             grouped: match &pair {
@@ -268,7 +282,7 @@ impl MoeKernels {
                 GroupedPair::Wg(u, d) => GroupedKernels::Wg(gpu.compile(u)?, gpu.compile(d)?),
             },
             sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
-            gemv: if tu.layout == super::Layout::Interleaved && tu.group == 32 {
+            gemv: if small {
                 let mut v = Vec::new();
                 let mut chunks = vec![GEMV_MAX_TOKENS.min(8), GEMV_MAX_TOKENS];
                 chunks.dedup();
@@ -284,6 +298,13 @@ impl MoeKernels {
                 v
             } else {
                 Vec::new()
+            },
+            grouped_gemv: match (
+                gemv::default_params(GemvMode::GroupedGateUp, 1),
+                gemv::default_params(GemvMode::GroupedDown, 1),
+            ) {
+                (Some(u), Some(d)) if small => Some((gpu.compile::<W4a16Gemv>(&u)?, gpu.compile::<W4a16Gemv>(&d)?)),
+                _ => None,
             },
         })
     }
@@ -309,6 +330,28 @@ impl MoeKernels {
         Ok(self)
     }
 
+    /// Replaces the grouped GEMV pair (the bench times each candidate this way); `None` turns
+    /// the grouped GEMV path off. The pair must share its slots per block (`chunks`).
+    pub fn with_grouped_gemv(
+        mut self,
+        gpu: &Gpu,
+        pair: Option<(&GemvW4Params, &GemvW4Params)>,
+    ) -> Result<MoeKernels, RuntimeError> {
+        self.grouped_gemv = match pair {
+            None => None,
+            Some((u, d)) => {
+                if u.mode != GemvMode::GroupedGateUp || d.mode != GemvMode::GroupedDown || u.chunks != d.chunks {
+                    return Err(RuntimeError::Launch {
+                        kernel: "moe_w4a16_grouped_gemv".into(),
+                        reason: format!("not a grouped (gate_up, down) pair with the same chunks: {u:?} / {d:?}"),
+                    });
+                }
+                Some((gpu.compile::<W4a16Gemv>(u)?, gpu.compile::<W4a16Gemv>(d)?))
+            }
+        };
+        Ok(self)
+    }
+
     /// The small-token pair that takes `tokens` tokens of `topk` slots, if any.
     fn gemv_for(&self, tokens: u32, topk: u32) -> Option<&(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)> {
         if tokens * topk > gemv::MAX_PAIRS {
@@ -322,6 +365,16 @@ impl MoeKernels {
     /// Whether [`MoeKernels::run`] takes the small-token path for `tokens` tokens.
     pub fn uses_gemv(&self, tokens: u32, topk: u32) -> bool {
         tokens <= GEMV_MAX_TOKENS && self.gemv_for(tokens, topk).is_some()
+    }
+
+    /// Whether [`MoeKernels::run`] takes the grouped GEMV path for `tokens` tokens.
+    pub fn uses_grouped_gemv(&self, tokens: u32, topk: u32) -> bool {
+        !self.uses_gemv(tokens, topk) && tokens <= GROUPED_GEMV_MAX_TOKENS && self.grouped_gemv.is_some()
+    }
+
+    /// Slots per `moe_align` block of the grouped GEMV pair.
+    fn grouped_gemv_slots(&self) -> Option<u32> {
+        self.grouped_gemv.as_ref().map(|(u, _)| 8 * u.params().chunks)
     }
 
     /// Slots per block (the per-expert block size).
@@ -341,14 +394,20 @@ impl MoeKernels {
         ex: &DeviceExperts,
     ) -> Result<MoeBuffers, RuntimeError> {
         let pairs = tokens * topk;
-        let mb = max_blocks(pairs, ex.experts as usize, self.block_m() as usize);
+        // moe_align's blocks for the grouped GEMM and the grouped GEMV pair.
+        let (mut blocks, mut slots) = (0, 0);
+        for bm in [Some(self.block_m()), self.grouped_gemv_slots()].into_iter().flatten() {
+            let mb = max_blocks(pairs, ex.experts as usize, bm as usize);
+            blocks = blocks.max(mb);
+            slots = slots.max(mb * bm as usize);
+        }
         let drv = |source| RuntimeError::Driver {
             context: "allocating MoE buffers".into(),
             source,
         };
         Ok(MoeBuffers {
-            sorted: s.alloc_zeros::<u32>(mb * self.block_m() as usize).map_err(drv)?,
-            block_expert: s.alloc_zeros::<u32>(mb).map_err(drv)?,
+            sorted: s.alloc_zeros::<u32>(slots).map_err(drv)?,
+            block_expert: s.alloc_zeros::<u32>(blocks).map_err(drv)?,
             act: s.alloc_zeros::<bf16>(pairs * ex.inter as usize).map_err(drv)?,
             y: s.alloc_zeros::<bf16>(pairs * ex.hidden as usize).map_err(drv)?,
             scratch: Scratch::new(s, 1)?,
@@ -356,7 +415,8 @@ impl MoeKernels {
     }
 
     /// Runs the block: `x` `[T, H]`, `topk_ids` / `topk_w` `[T, topk]`, `out` `[T, H]`; the
-    /// small-token path when [`MoeKernels::uses_gemv`], else the grouped GEMM.
+    /// small-token path when [`MoeKernels::uses_gemv`], the grouped GEMV path when
+    /// [`MoeKernels::uses_grouped_gemv`], else the grouped GEMM.
     ///
     /// # Safety
     /// Buffers must have the documented shapes, `bufs` made by [`MoeKernels::buffers`] for at
@@ -378,6 +438,8 @@ impl MoeKernels {
         unsafe {
             if self.uses_gemv(tokens, topk) {
                 self.run_gemv(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
+            } else if self.uses_grouped_gemv(tokens, topk) {
+                self.run_grouped_gemv(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
             } else {
                 self.run_grouped(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
             }
@@ -427,6 +489,8 @@ impl MoeKernels {
                 ex.s13,
                 topk_ids,
                 topk_w,
+                topk_ids,
+                topk_ids,
                 &mut bufs.act,
                 pairs,
                 2 * ex.inter,
@@ -443,6 +507,8 @@ impl MoeKernels {
                 ex.s2,
                 topk_ids,
                 topk_w,
+                topk_ids,
+                topk_ids,
                 out,
                 tokens,
                 ex.hidden,
@@ -471,28 +537,9 @@ impl MoeKernels {
         topk: u32,
     ) -> Result<(), RuntimeError> {
         let pairs = tokens * topk;
-        let bm = self.block_m();
-        let mb = max_blocks(pairs as usize, ex.experts as usize, bm as usize) as u32;
-        if ex.experts > self.align.params().block {
-            return Err(RuntimeError::Launch {
-                kernel: "moe_align".into(),
-                reason: format!("{} experts > 1024", ex.experts),
-            });
-        }
         // SAFETY: forwarded to the caller; the buffers were sized by `buffers`.
         unsafe {
-            MoeAlign::launch(
-                &self.align,
-                s,
-                1,
-                topk_ids,
-                &mut bufs.sorted,
-                &mut bufs.block_expert,
-                pairs,
-                ex.experts,
-                bm,
-                mb,
-            )?;
+            let mb = self.align(s, ex, topk_ids, bufs, pairs, self.block_m())?;
             let routing = |a_div, route_w| Routing {
                 sorted: &bufs.sorted,
                 block_expert: &bufs.block_expert,
@@ -529,8 +576,142 @@ impl MoeKernels {
                     grouped_pair(s, u, d, &up, down, &mut bufs.scratch, &mut bufs.act, &mut bufs.y)?
                 }
             }
-            let total = tokens * ex.hidden;
-            let g = total.div_ceil(self.sum.params().block).clamp(1, 65535);
+            self.sum(s, ex, topk_ids, out, bufs, tokens, topk)
+        }
+    }
+
+    /// The grouped GEMV path: `moe_align` (8 chunks slots per block), the grouped gate_up and
+    /// down [`W4a16Gemv`]s, `moe_sum`. Needs the grouped GEMV pair (see
+    /// [`MoeKernels::uses_grouped_gemv`]) and `hidden % 32 == inter % 32 == 0`.
+    ///
+    /// # Safety
+    /// As [`MoeKernels::run`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_grouped_gemv(
+        &self,
+        s: &Arc<CudaStream>,
+        ex: &DeviceExperts,
+        x: &CudaSlice<bf16>,
+        topk_ids: &CudaSlice<u32>,
+        topk_w: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+        bufs: &mut MoeBuffers,
+        tokens: u32,
+        topk: u32,
+    ) -> Result<(), RuntimeError> {
+        let Some((up, down)) = &self.grouped_gemv else {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_w4a16_grouped_gemv".into(),
+                reason: "no grouped GEMV pair (the experts are not interleaved g32)".into(),
+            });
+        };
+        if ex.inter % 32 != 0 || ex.hidden % 32 != 0 {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_w4a16_grouped_gemv".into(),
+                reason: format!("hidden {} and inter {} must be multiples of 32", ex.hidden, ex.inter),
+            });
+        }
+        let pairs = tokens * topk;
+        // SAFETY: forwarded to the caller; the buffers were sized by `buffers` (act and y hold
+        // pairs rows, sorted and block_expert the blocks at 8 chunks slots).
+        unsafe {
+            let mb = self.align(s, ex, topk_ids, bufs, pairs, 8 * up.params().chunks)?;
+            W4a16Gemv::launch(
+                up,
+                s,
+                gemv::grid(up.params(), 2 * ex.inter, mb),
+                x,
+                ex.w13,
+                ex.s13,
+                topk_ids,
+                topk_w,
+                &bufs.sorted,
+                &bufs.block_expert,
+                &mut bufs.act,
+                pairs,
+                2 * ex.inter,
+                ex.hidden,
+                topk,
+                ex.experts,
+            )?;
+            W4a16Gemv::launch(
+                down,
+                s,
+                gemv::grid(down.params(), ex.hidden, mb),
+                &bufs.act,
+                ex.w2,
+                ex.s2,
+                topk_ids,
+                topk_w,
+                &bufs.sorted,
+                &bufs.block_expert,
+                &mut bufs.y,
+                pairs,
+                ex.hidden,
+                ex.inter,
+                topk,
+                ex.experts,
+            )?;
+            self.sum(s, ex, topk_ids, out, bufs, tokens, topk)
+        }
+    }
+
+    /// `moe_align` into `bufs` at `bm` slots per block; returns the blocks it may make.
+    ///
+    /// # Safety
+    /// `topk_ids` holds `pairs` ids and `bufs` was made by [`MoeKernels::buffers`] for them.
+    unsafe fn align(
+        &self,
+        s: &Arc<CudaStream>,
+        ex: &DeviceExperts,
+        topk_ids: &CudaSlice<u32>,
+        bufs: &mut MoeBuffers,
+        pairs: u32,
+        bm: u32,
+    ) -> Result<u32, RuntimeError> {
+        let mb = max_blocks(pairs as usize, ex.experts as usize, bm as usize) as u32;
+        if ex.experts > self.align.params().block {
+            return Err(RuntimeError::Launch {
+                kernel: "moe_align".into(),
+                reason: format!("{} experts > 1024", ex.experts),
+            });
+        }
+        // SAFETY: forwarded to the caller; sorted holds mb * bm slots, block_expert mb.
+        unsafe {
+            MoeAlign::launch(
+                &self.align,
+                s,
+                1,
+                topk_ids,
+                &mut bufs.sorted,
+                &mut bufs.block_expert,
+                pairs,
+                ex.experts,
+                bm,
+                mb,
+            )?;
+        }
+        Ok(mb)
+    }
+
+    /// `moe_sum` of `bufs`' `y` into `out`.
+    ///
+    /// # Safety
+    /// `y` holds the `tokens * topk` router-weighted rows, `out` `[tokens, hidden]`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn sum(
+        &self,
+        s: &Arc<CudaStream>,
+        ex: &DeviceExperts,
+        topk_ids: &CudaSlice<u32>,
+        out: &mut CudaSlice<bf16>,
+        bufs: &MoeBuffers,
+        tokens: u32,
+        topk: u32,
+    ) -> Result<(), RuntimeError> {
+        let g = (tokens * ex.hidden).div_ceil(self.sum.params().block).clamp(1, 65535);
+        // SAFETY: forwarded to the caller.
+        unsafe {
             MoeSum::launch(
                 &self.sum, s, g, &bufs.y, topk_ids, out, tokens, ex.hidden, topk, ex.experts,
             )

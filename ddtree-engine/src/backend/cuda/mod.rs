@@ -1479,6 +1479,8 @@ impl Backend for CudaBackend {
                             scales,
                             none_u32.as_ref(),
                             &st.w4a16[self.lane()].part,
+                            none_u32.as_ref(),
+                            none_u32.as_ref(),
                             out.bf16_mut("linear")?,
                             x.rows as u32,
                             n as u32,
