@@ -10,8 +10,11 @@
 //! 4. the MoE block on a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8).
 //!
 //! For the small-token path (`w4a16_gemv`) the dense table adds, at M <= 16, the best GEMV
-//! candidate next to the GEMM, and the MoE table shows the grouped path (align + 2 GEMMs + sum)
-//! and the two-launch GEMV path side by side (every candidate pair timed, the best reported).
+//! candidate next to the GEMM, and the MoE table shows the grouped path (align + 2 GEMMs + sum),
+//! the two-launch GEMV path and the grouped GEMV path (align + 2 GEMVs + sum) side by side
+//! (every candidate pair timed, the best reported; then every grouped GEMV pair's times).
+//! `--moe-tokens` sets its token counts, `--route-experts N` routes each token's top-8 among the
+//! first N experts only (tokens sharing their experts).
 //!
 //! Times are per call in a stream of back-to-back calls (as in a captured decode step), with
 //! the weights rotated over more than three times the L2 so every call reads them from DRAM.
@@ -22,7 +25,8 @@
 //! (with the default GEMM for reference) and the MoE EP8 slice at T = 1..16 (grouped GEMM vs
 //! every GEMV pair), µs and % of copy bandwidth, the best per row in bold.
 //!
-//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--no-moe] [--ms 16,64,..] [--gemv]`. Exits non-zero if any check fails.
+//! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--no-moe] [--ms 16,64,..]
+//! [--moe-tokens 1,8,..] [--route-experts N] [--gemv]`. Exits non-zero if any check fails.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -70,6 +74,14 @@ struct Args {
     /// Skip the MoE table.
     #[arg(long)]
     no_moe: bool,
+    /// Token counts of the MoE table.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16, 32, 64])]
+    moe_tokens: Vec<usize>,
+    /// The MoE table routes each token's top-8 among the first N of the 48 local experts (48:
+    /// all of them; fewer puts more pairs on each touched expert, as tokens with similar
+    /// routing do).
+    #[arg(long, default_value_t = 48)]
+    route_experts: usize,
     /// Only the warpgroup (`wgmma`) kernel: a first launch of every candidate (printed as it
     /// goes), its checks, then every candidate on 7168->36864 at `--ms` against cuBLAS.
     #[arg(long)]
@@ -536,12 +548,19 @@ impl MoeBench {
         }
     }
 
-    /// Eight random routings of `tokens` tokens.
-    fn routes(&self, s: &Arc<CudaStream>, tokens: usize, rng: &mut StdRng) -> Result<Routes, RuntimeError> {
+    /// Eight random routings of `tokens` tokens, each token's top-k among the first
+    /// `route_experts` experts (at least top-k, at most all).
+    fn routes(
+        &self,
+        s: &Arc<CudaStream>,
+        tokens: usize,
+        route_experts: usize,
+        rng: &mut StdRng,
+    ) -> Result<Routes, RuntimeError> {
         let mut sets = Vec::new();
         let mut touched = 0usize;
         for _ in 0..8 {
-            let (ids, w) = random_routing(rng, tokens, MOE_TOPK, MOE_EXPERTS);
+            let (ids, w) = random_routing(rng, tokens, MOE_TOPK, route_experts.clamp(MOE_TOPK, MOE_EXPERTS));
             let mut t: Vec<u32> = ids.clone();
             t.sort_unstable();
             t.dedup();
@@ -657,7 +676,8 @@ fn best_grouped(
     Ok(best.expect("at least one grouped pair"))
 }
 
-fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), RuntimeError> {
+fn bench_moe(gpu: &Gpu, bw: f64, args: &Args, rng: &mut StdRng) -> Result<(), RuntimeError> {
+    let reps = args.reps;
     let s = gpu.stream();
     let mb = MoeBench::new(gpu, rng)?;
     println!("\nMoE W4A16, Kimi K2.6 EP8 slice: {MOE_EXPERTS} local experts, hidden {MOE_HIDDEN}, inter {MOE_INTER}, top-{MOE_TOPK} routed among the local experts; {:.1} MB per expert", mb.per_expert as f64 / 1e6);
@@ -666,11 +686,11 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
     let gemv_kernels = gemv_moe_kernels(gpu)?;
     let grouped_gemv = grouped_gemv_kernels(gpu)?;
     let kernels = grouped_kernels(gpu)?;
-    let token_counts = [1usize, 2, 4, 8, 16, 32, 64];
+    let token_counts = &args.moe_tokens;
     // Every grouped GEMV pair's µs per token count, for the table after this one.
     let mut grouped_gemv_us = vec![Vec::new(); grouped_gemv.len()];
-    for tokens in token_counts {
-        let routes = mb.routes(s, tokens, rng)?;
+    for &tokens in token_counts {
+        let routes = mb.routes(s, tokens, args.route_experts, rng)?;
         let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
@@ -711,7 +731,14 @@ fn bench_moe(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), Ru
         );
     }
     println!("\nGrouped GEMV pairs (align + 2 GEMVs + sum), µs");
-    println!("| pair | {} |", token_counts.map(|t| format!("T = {t}")).join(" | "));
+    println!(
+        "| pair | {} |",
+        token_counts
+            .iter()
+            .map(|t| format!("T = {t}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
     println!("|---|{}", "---:|".repeat(token_counts.len()));
     for ((_, (up, down)), us) in grouped_gemv.iter().zip(&grouped_gemv_us) {
         let cells: Vec<String> = us.iter().map(|u| format!("{u:.1}")).collect();
@@ -811,7 +838,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), R
     println!("| T | touched MB | grouped | {} |", heads.join(" | "));
     println!("|---:|---:|---:|{}", "---:|".repeat(heads.len()));
     for tokens in [1usize, 2, 4, 8, 16] {
-        let routes = mb.routes(s, tokens, rng)?;
+        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
         let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
@@ -859,7 +886,7 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
     let mb = MoeBench::new(gpu, rng)?;
     let (kern, (up, down)) = gemv_moe_kernels(gpu)?.swap_remove(0);
     for tokens in [1usize, 8] {
-        let routes = mb.routes(s, tokens, rng)?;
+        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
         let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
@@ -891,7 +918,7 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
                 u.layout == Layout::Interleaved && u.warps == 4 && u.nt == 4 && u.stages == 2 && u.m8 == (tokens <= 32)
             })
             .expect("the grouped pair of the tables");
-        let routes = mb.routes(s, tokens, rng)?;
+        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
         let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
@@ -906,7 +933,7 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
     // The default grouped GEMV pair (align + 2 GEMVs + sum) at 16 and 32 tokens.
     let (kern, (up, down)) = grouped_gemv_kernels(gpu)?.swap_remove(0);
     for tokens in [16usize, 32] {
-        let routes = mb.routes(s, tokens, rng)?;
+        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
         let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
@@ -996,7 +1023,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
         }
     }
     if !args.no_moe {
-        bench_moe(&gpu, bw, args.reps, &mut rng)?;
+        bench_moe(&gpu, bw, args, &mut rng)?;
     }
     println!(
         "\nW4A16 candidates: {}",
@@ -1092,7 +1119,7 @@ fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
     println!("\nMoE, EP8 slice ({MOE_EXPERTS} experts, {MOE_HIDDEN} / {MOE_INTER}, top-{MOE_TOPK}), grouped path");
     println!("| T | touched MB | mma.sync pair µs | % of copy | wgmma pair | µs | % of copy |\n|---:|---:|---:|---:|---|---:|---:|");
     for tokens in [8usize, 16, 32, 64] {
-        let routes = mb.routes(s, tokens, &mut rng)?;
+        let routes = mb.routes(s, tokens, MOE_EXPERTS, &mut rng)?;
         let x = random_bf16_dev(s, &mut rng, tokens * MOE_HIDDEN)?;
         let mut out = s
             .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)

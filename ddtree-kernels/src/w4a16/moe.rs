@@ -215,10 +215,16 @@ pub struct MoeKernels {
 pub const GEMV_MAX_TOKENS: u32 = 8;
 
 /// Most tokens for which [`MoeKernels::run`] takes the grouped GEMV path (past
-/// [`GEMV_MAX_TOKENS`]). Measured on the H200 (`w4a16-bench --moe-only`, Kimi K2.6 EP8 slice,
-/// the default grouped GEMV pair vs the best grouped GEMM pair): 352-369 vs 422-441 µs at
-/// T = 16, 400-426 vs 476-484 at T = 32; at T = 64 its best pair loses (578-594 vs 554).
-pub const GROUPED_GEMV_MAX_TOKENS: u32 = 32;
+/// [`GEMV_MAX_TOKENS`]). Its blocks hold 8 pairs of one expert, so an expert with more pairs is
+/// dequantized once per 8 (the grouped GEMM's blocks hold 16 above 4 tokens): it wins where
+/// the pairs spread over the experts and loses where tokens share their experts. Measured on
+/// the H200 (`w4a16-bench --moe-only --moe-tokens 9,12,16,24,32`, Kimi K2.6 EP8 slice, default
+/// grouped GEMV pair vs best grouped GEMM pair, µs): top-8 of all 48 experts 307 vs 365 at
+/// T = 9, 368 vs 403 at 12, 359 vs 426 at 16, 389 vs 473 at 24, 496 vs 504 at 32; top-8 of 9
+/// experts (`--route-experts 9`) 124 vs 137 at 9, 157 vs 140 at 12, 160 vs 145 at 16, 229 vs
+/// 174 at 24, 289 vs 190 at 32. Up to 16 tokens the spread case gains 9-16% and the shared
+/// case loses at most 12%.
+pub const GROUPED_GEMV_MAX_TOKENS: u32 = 16;
 
 /// Device buffers of one MoE step for up to `max_tokens` tokens.
 #[derive(Debug)]
