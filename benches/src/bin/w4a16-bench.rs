@@ -40,7 +40,7 @@ use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scr
 use ddtree_kernels::w4a16::gemm_wg::{self, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
-use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair};
+use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput};
 use ddtree_kernels::w4a16::{
     Epilogue, Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16GemmWg, W4a16Params, W4a16Reduce, W4a16WgParams,
 };
@@ -592,15 +592,45 @@ impl MoeBench {
         let (t, k) = (tokens as u32, MOE_TOPK as u32);
         time_us(s, reps, |i| {
             let (ids, w) = &routes.sets[i % routes.sets.len()];
+            let input = MoeInput {
+                x,
+                topk_ids: ids,
+                topk_w: w,
+                tokens: t,
+                topk: k,
+            };
             // SAFETY: shapes as documented; weights in the kernels' layout.
             unsafe {
                 match path {
-                    MoePath::Gemv => kern.run_gemv(s, &ex, x, ids, w, out, &mut bufs, t, k),
-                    MoePath::GroupedGemv => kern.run_grouped_gemv(s, &ex, x, ids, w, out, &mut bufs, t, k),
-                    MoePath::Grouped => kern.run_grouped(s, &ex, x, ids, w, out, &mut bufs, t, k),
+                    MoePath::Gemv => kern.run_gemv(s, &ex, &input, out, &mut bufs),
+                    MoePath::GroupedGemv => kern.run_grouped_gemv(s, &ex, &input, out, &mut bufs),
+                    MoePath::Grouped => kern.run_grouped(s, &ex, &input, out, &mut bufs),
                 }
             }
         })
+    }
+
+    /// One timing of `kern`'s `path` at `tokens` (fresh routing over every expert and input,
+    /// 20 calls), printed after `label`: launches for a profiler.
+    #[allow(clippy::too_many_arguments)]
+    fn profile(
+        &self,
+        s: &Arc<CudaStream>,
+        kern: &MoeKernels,
+        layout: Layout,
+        path: MoePath,
+        tokens: usize,
+        label: &str,
+        rng: &mut StdRng,
+    ) -> Result<(), RuntimeError> {
+        let routes = self.routes(s, tokens, MOE_EXPERTS, rng)?;
+        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
+        let mut out = s
+            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let us = self.time(s, 1, kern, layout, path, tokens, &routes, &x, &mut out)?;
+        println!("{label} at T = {tokens}: {us:.1} µs");
+        Ok(())
     }
 }
 
@@ -885,28 +915,9 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
     println!("{} at 1 x {k} -> {n}: {us:.1} µs", W4a16Gemv::symbol(&p));
     let mb = MoeBench::new(gpu, rng)?;
     let (kern, (up, down)) = gemv_moe_kernels(gpu)?.swap_remove(0);
+    let label = format!("MoE pair {} / {}", short_gemv(&up), short_gemv(&down));
     for tokens in [1usize, 8] {
-        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
-        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
-        let mut out = s
-            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
-            .map_err(RuntimeError::driver("allocating"))?;
-        let us = mb.time(
-            s,
-            1,
-            &kern,
-            Layout::Interleaved,
-            MoePath::Gemv,
-            tokens,
-            &routes,
-            &x,
-            &mut out,
-        )?;
-        println!(
-            "MoE pair {} / {} at T = {tokens}: {us:.1} µs",
-            short_gemv(&up),
-            short_gemv(&down)
-        );
+        mb.profile(s, &kern, Layout::Interleaved, MoePath::Gemv, tokens, &label, rng)?;
     }
     // The grouped pairs that won at these token counts (BENCHMARKS.md): m8 tiles up to 32
     // tokens, one m16 tile at 64; interleaved, 4 warps, 4 n8 tiles, 2 stages.
@@ -918,42 +929,14 @@ fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
                 u.layout == Layout::Interleaved && u.warps == 4 && u.nt == 4 && u.stages == 2 && u.m8 == (tokens <= 32)
             })
             .expect("the grouped pair of the tables");
-        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
-        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
-        let mut out = s
-            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
-            .map_err(RuntimeError::driver("allocating"))?;
-        let us = mb.time(s, 1, kern, up.layout, MoePath::Grouped, tokens, &routes, &x, &mut out)?;
-        println!(
-            "MoE grouped pair {} / {} at T = {tokens}: {us:.1} µs",
-            short(up),
-            short(down)
-        );
+        let label = format!("MoE grouped pair {} / {}", short(up), short(down));
+        mb.profile(s, kern, up.layout, MoePath::Grouped, tokens, &label, rng)?;
     }
     // The default grouped GEMV pair (align + 2 GEMVs + sum) at 16 and 32 tokens.
     let (kern, (up, down)) = grouped_gemv_kernels(gpu)?.swap_remove(0);
+    let label = format!("MoE grouped GEMV pair {} / {}", short_gemv(&up), short_gemv(&down));
     for tokens in [16usize, 32] {
-        let routes = mb.routes(s, tokens, MOE_EXPERTS, rng)?;
-        let x = random_bf16_dev(s, rng, tokens * MOE_HIDDEN)?;
-        let mut out = s
-            .alloc_zeros::<bf16>(tokens * MOE_HIDDEN)
-            .map_err(RuntimeError::driver("allocating"))?;
-        let us = mb.time(
-            s,
-            1,
-            &kern,
-            Layout::Interleaved,
-            MoePath::GroupedGemv,
-            tokens,
-            &routes,
-            &x,
-            &mut out,
-        )?;
-        println!(
-            "MoE grouped GEMV pair {} / {} at T = {tokens}: {us:.1} µs",
-            short_gemv(&up),
-            short_gemv(&down)
-        );
+        mb.profile(s, &kern, Layout::Interleaved, MoePath::GroupedGemv, tokens, &label, rng)?;
     }
     Ok(())
 }

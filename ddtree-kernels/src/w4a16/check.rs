@@ -831,44 +831,41 @@ pub fn gemv_moe(
 /// (gate_up, down) pairs of [`W4a16Gemv`] variants covering every MoE candidate: each gate_up
 /// one with the first down one of the same `chunks` and `xr`, and each down one likewise.
 pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
-    let of = |mode| GEMV_SPACE.iter().filter(move |p| p.mode == mode);
-    let like = |a: &GemvW4Params, b: &GemvW4Params| a.chunks == b.chunks && a.xr == b.xr && a.sr == b.sr;
-    let mut out = Vec::new();
-    for up in of(GemvMode::GateUp) {
-        let d = of(GemvMode::Down)
-            .find(|d| like(d, up))
-            .expect("a down variant per chunks, xr and sr");
-        out.push((*up, *d));
-    }
-    for d in of(GemvMode::Down) {
-        if !out.iter().any(|(_, x)| x == d) {
-            let up = of(GemvMode::GateUp)
-                .find(|u| like(u, d))
-                .expect("a gate_up variant per chunks, xr and sr");
-            out.push((*up, *d));
-        }
-    }
-    out
+    covering_pairs(GemvMode::GateUp, GemvMode::Down, |a, b| {
+        a.chunks == b.chunks && a.xr == b.xr && a.sr == b.sr
+    })
 }
 
 /// Grouped (gate_up, down) pairs of [`W4a16Gemv`] variants covering every grouped candidate:
 /// each gate_up one with the first down one of the same `chunks` (slots per block), and each
 /// down one likewise.
 pub fn grouped_gemv_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
+    covering_pairs(GemvMode::GroupedGateUp, GemvMode::GroupedDown, |a, b| {
+        a.chunks == b.chunks
+    })
+}
+
+/// Pairs of `up` and `down` mode candidates covering both: each `up` one with the first `down`
+/// one `like` it, then each `down` one not yet paired with the first `up` one `like` it.
+fn covering_pairs(
+    up: GemvMode,
+    down: GemvMode,
+    like: impl Fn(&GemvW4Params, &GemvW4Params) -> bool,
+) -> Vec<(GemvW4Params, GemvW4Params)> {
     let of = |mode| GEMV_SPACE.iter().filter(move |p| p.mode == mode);
     let mut out = Vec::new();
-    for up in of(GemvMode::GroupedGateUp) {
-        let d = of(GemvMode::GroupedDown)
-            .find(|d| d.chunks == up.chunks)
-            .expect("a grouped down variant per chunks");
-        out.push((*up, *d));
+    for u in of(up) {
+        let d = of(down)
+            .find(|d| like(u, d))
+            .unwrap_or_else(|| panic!("a {down:?} variant like {u:?}"));
+        out.push((*u, *d));
     }
-    for d in of(GemvMode::GroupedDown) {
+    for d in of(down) {
         if !out.iter().any(|(_, x)| x == d) {
-            let up = of(GemvMode::GroupedGateUp)
-                .find(|u| u.chunks == d.chunks)
-                .expect("a grouped gate_up variant per chunks");
-            out.push((*up, *d));
+            let u = of(up)
+                .find(|u| like(u, d))
+                .unwrap_or_else(|| panic!("an {up:?} variant like {d:?}"));
+            out.push((*u, *d));
         }
     }
     out

@@ -226,6 +226,21 @@ pub const GEMV_MAX_TOKENS: u32 = 8;
 /// case loses at most 12%.
 pub const GROUPED_GEMV_MAX_TOKENS: u32 = 16;
 
+/// One MoE block's input: the activations and their routing.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeInput<'a> {
+    /// Activations `[T, H]`.
+    pub x: &'a CudaSlice<bf16>,
+    /// Expert of each slot `[T, topk]` (ids `>=` the local experts belong to other ranks).
+    pub topk_ids: &'a CudaSlice<u32>,
+    /// Router weight of each slot `[T, topk]`.
+    pub topk_w: &'a CudaSlice<f32>,
+    /// Tokens T.
+    pub tokens: u32,
+    /// Slots per token.
+    pub topk: u32,
+}
+
 /// Device buffers of one MoE step for up to `max_tokens` tokens.
 #[derive(Debug)]
 pub struct MoeBuffers {
@@ -420,34 +435,30 @@ impl MoeKernels {
         })
     }
 
-    /// Runs the block: `x` `[T, H]`, `topk_ids` / `topk_w` `[T, topk]`, `out` `[T, H]`; the
+    /// Runs the block on `input` into `out` `[T, H]`; the
     /// small-token path when [`MoeKernels::uses_gemv`], the grouped GEMV path when
     /// [`MoeKernels::uses_grouped_gemv`], else the grouped GEMM.
     ///
     /// # Safety
     /// Buffers must have the documented shapes, `bufs` made by [`MoeKernels::buffers`] for at
     /// least `tokens` tokens, and the experts stored in the variants' layout.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,
-        x: &CudaSlice<bf16>,
-        topk_ids: &CudaSlice<u32>,
-        topk_w: &CudaSlice<f32>,
+        input: &MoeInput,
         out: &mut CudaSlice<bf16>,
         bufs: &mut MoeBuffers,
-        tokens: u32,
-        topk: u32,
     ) -> Result<(), RuntimeError> {
+        let (tokens, topk) = (input.tokens, input.topk);
         // SAFETY: forwarded to the caller.
         unsafe {
             if self.uses_gemv(tokens, topk) {
-                self.run_gemv(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
+                self.run_gemv(s, ex, input, out, bufs)
             } else if self.uses_grouped_gemv(tokens, topk) {
-                self.run_grouped_gemv(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
+                self.run_grouped_gemv(s, ex, input, out, bufs)
             } else {
-                self.run_grouped(s, ex, x, topk_ids, topk_w, out, bufs, tokens, topk)
+                self.run_grouped(s, ex, input, out, bufs)
             }
         }
     }
@@ -458,69 +469,38 @@ impl MoeKernels {
     ///
     /// # Safety
     /// As [`MoeKernels::run`].
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_gemv(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,
-        x: &CudaSlice<bf16>,
-        topk_ids: &CudaSlice<u32>,
-        topk_w: &CudaSlice<f32>,
+        input: &MoeInput,
         out: &mut CudaSlice<bf16>,
         bufs: &mut MoeBuffers,
-        tokens: u32,
-        topk: u32,
     ) -> Result<(), RuntimeError> {
+        let MoeInput {
+            topk_ids, tokens, topk, ..
+        } = *input;
         let Some((up, down)) = self.gemv_for(tokens, topk) else {
             return Err(RuntimeError::Launch {
                 kernel: "moe_w4a16_gemv".into(),
                 reason: format!("no small-token variant takes {tokens} tokens of top-{topk}"),
             });
         };
-        if ex.inter % 32 != 0 || ex.hidden % 32 != 0 {
-            return Err(RuntimeError::Launch {
-                kernel: "moe_w4a16_gemv".into(),
-                reason: format!("hidden {} and inter {} must be multiples of 32", ex.hidden, ex.inter),
-            });
-        }
+        gemv_shapes(ex, "moe_w4a16_gemv")?;
         let pairs = tokens * topk;
-        // SAFETY: forwarded to the caller; act holds pairs * inter values.
+        // SAFETY: forwarded to the caller; act holds pairs * inter values. The routing stands
+        // in for moe_align's blocks, which these modes do not read.
         unsafe {
-            W4a16Gemv::launch(
-                up,
+            gemv_pair(
                 s,
-                gemv::grid(up.params(), 2 * ex.inter, pairs),
-                x,
-                ex.w13,
-                ex.s13,
-                topk_ids,
-                topk_w,
-                topk_ids,
-                topk_ids,
+                ex,
+                input,
+                (up, down),
+                (topk_ids, topk_ids),
+                (pairs, pairs),
                 &mut bufs.act,
-                pairs,
-                2 * ex.inter,
-                ex.hidden,
-                topk,
-                ex.experts,
-            )?;
-            W4a16Gemv::launch(
-                down,
-                s,
-                gemv::grid(down.params(), ex.hidden, pairs),
-                &bufs.act,
-                ex.w2,
-                ex.s2,
-                topk_ids,
-                topk_w,
-                topk_ids,
-                topk_ids,
                 out,
                 tokens,
-                ex.hidden,
-                ex.inter,
-                topk,
-                ex.experts,
             )
         }
     }
@@ -529,23 +509,25 @@ impl MoeKernels {
     ///
     /// # Safety
     /// As [`MoeKernels::run`].
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_grouped(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,
-        x: &CudaSlice<bf16>,
-        topk_ids: &CudaSlice<u32>,
-        topk_w: &CudaSlice<f32>,
+        input: &MoeInput,
         out: &mut CudaSlice<bf16>,
         bufs: &mut MoeBuffers,
-        tokens: u32,
-        topk: u32,
     ) -> Result<(), RuntimeError> {
+        let MoeInput {
+            x,
+            topk_w,
+            tokens,
+            topk,
+            ..
+        } = *input;
         let pairs = tokens * topk;
         // SAFETY: forwarded to the caller; the buffers were sized by `buffers`.
         unsafe {
-            let mb = self.align(s, ex, topk_ids, bufs, pairs, self.block_m())?;
+            let mb = self.align(s, ex, input, bufs, self.block_m())?;
             let routing = |a_div, route_w| Routing {
                 sorted: &bufs.sorted,
                 block_expert: &bufs.block_expert,
@@ -582,7 +564,7 @@ impl MoeKernels {
                     grouped_pair(s, u, d, &up, down, &mut bufs.scratch, &mut bufs.act, &mut bufs.y)?
                 }
             }
-            self.sum(s, ex, topk_ids, out, bufs, tokens, topk)
+            self.sum(s, ex, input, out, bufs)
         }
     }
 
@@ -592,89 +574,55 @@ impl MoeKernels {
     ///
     /// # Safety
     /// As [`MoeKernels::run`].
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_grouped_gemv(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,
-        x: &CudaSlice<bf16>,
-        topk_ids: &CudaSlice<u32>,
-        topk_w: &CudaSlice<f32>,
+        input: &MoeInput,
         out: &mut CudaSlice<bf16>,
         bufs: &mut MoeBuffers,
-        tokens: u32,
-        topk: u32,
     ) -> Result<(), RuntimeError> {
+        let pairs = input.tokens * input.topk;
         let Some((up, down)) = &self.grouped_gemv else {
             return Err(RuntimeError::Launch {
                 kernel: "moe_w4a16_grouped_gemv".into(),
                 reason: "no grouped GEMV pair (the experts are not interleaved g32)".into(),
             });
         };
-        if ex.inter % 32 != 0 || ex.hidden % 32 != 0 {
-            return Err(RuntimeError::Launch {
-                kernel: "moe_w4a16_grouped_gemv".into(),
-                reason: format!("hidden {} and inter {} must be multiples of 32", ex.hidden, ex.inter),
-            });
-        }
-        let pairs = tokens * topk;
+        gemv_shapes(ex, "moe_w4a16_grouped_gemv")?;
         // SAFETY: forwarded to the caller; the buffers were sized by `buffers` (act and y hold
         // pairs rows, sorted and block_expert the blocks at 8 chunks slots).
         unsafe {
-            let mb = self.align(s, ex, topk_ids, bufs, pairs, 8 * up.params().chunks)?;
-            W4a16Gemv::launch(
-                up,
+            let mb = self.align(s, ex, input, bufs, 8 * up.params().chunks)?;
+            gemv_pair(
                 s,
-                gemv::grid(up.params(), 2 * ex.inter, mb),
-                x,
-                ex.w13,
-                ex.s13,
-                topk_ids,
-                topk_w,
-                &bufs.sorted,
-                &bufs.block_expert,
+                ex,
+                input,
+                (up, down),
+                (&bufs.sorted, &bufs.block_expert),
+                (mb, mb),
                 &mut bufs.act,
-                pairs,
-                2 * ex.inter,
-                ex.hidden,
-                topk,
-                ex.experts,
-            )?;
-            W4a16Gemv::launch(
-                down,
-                s,
-                gemv::grid(down.params(), ex.hidden, mb),
-                &bufs.act,
-                ex.w2,
-                ex.s2,
-                topk_ids,
-                topk_w,
-                &bufs.sorted,
-                &bufs.block_expert,
                 &mut bufs.y,
                 pairs,
-                ex.hidden,
-                ex.inter,
-                topk,
-                ex.experts,
             )?;
-            self.sum(s, ex, topk_ids, out, bufs, tokens, topk)
+            self.sum(s, ex, input, out, bufs)
         }
     }
 
-    /// `moe_align` into `bufs` at `bm` slots per block; returns the blocks it may make.
+    /// `moe_align` of `input`'s routing into `bufs` at `bm` slots per block; returns the blocks
+    /// it may make.
     ///
     /// # Safety
-    /// `topk_ids` holds `pairs` ids and `bufs` was made by [`MoeKernels::buffers`] for them.
+    /// As [`MoeKernels::run`].
     unsafe fn align(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,
-        topk_ids: &CudaSlice<u32>,
+        input: &MoeInput,
         bufs: &mut MoeBuffers,
-        pairs: u32,
         bm: u32,
     ) -> Result<u32, RuntimeError> {
+        let pairs = input.tokens * input.topk;
         let mb = max_blocks(pairs as usize, ex.experts as usize, bm as usize) as u32;
         if ex.experts > self.align.params().block {
             return Err(RuntimeError::Launch {
@@ -688,7 +636,7 @@ impl MoeKernels {
                 &self.align,
                 s,
                 1,
-                topk_ids,
+                input.topk_ids,
                 &mut bufs.sorted,
                 &mut bufs.block_expert,
                 pairs,
@@ -700,21 +648,21 @@ impl MoeKernels {
         Ok(mb)
     }
 
-    /// `moe_sum` of `bufs`' `y` into `out`.
+    /// `moe_sum` of `bufs`' `y` (the pairs' router-weighted rows) into `out`.
     ///
     /// # Safety
-    /// `y` holds the `tokens * topk` router-weighted rows, `out` `[tokens, hidden]`.
-    #[allow(clippy::too_many_arguments)]
+    /// As [`MoeKernels::run`], with `y` written.
     unsafe fn sum(
         &self,
         s: &Arc<CudaStream>,
         ex: &DeviceExperts,
-        topk_ids: &CudaSlice<u32>,
+        input: &MoeInput,
         out: &mut CudaSlice<bf16>,
         bufs: &MoeBuffers,
-        tokens: u32,
-        topk: u32,
     ) -> Result<(), RuntimeError> {
+        let MoeInput {
+            topk_ids, tokens, topk, ..
+        } = *input;
         let g = (tokens * ex.hidden).div_ceil(self.sum.params().block).clamp(1, 65535);
         // SAFETY: forwarded to the caller.
         unsafe {
@@ -723,6 +671,84 @@ impl MoeKernels {
             )
         }
     }
+}
+
+/// A (gate_up, down) [`W4a16Gemv`] pair: gate_up from `input`'s x into `act`, then down from
+/// `act` into `out` (`down_m`: its `m`, tokens or pairs). `blocks`: `moe_align`'s `sorted` and
+/// `block_expert` (grouped modes), `ys`: each launch's [`gemv::grid`] y count.
+///
+/// # Safety
+/// As [`MoeKernels::run`]; `act` holds the pairs' `[pairs, inter]` rows, `out` what the down
+/// mode writes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_pair(
+    s: &Arc<CudaStream>,
+    ex: &DeviceExperts,
+    input: &MoeInput,
+    (up, down): (&CompiledKernel<W4a16Gemv>, &CompiledKernel<W4a16Gemv>),
+    (sorted, block_expert): (&CudaSlice<u32>, &CudaSlice<u32>),
+    (up_ys, down_ys): (u32, u32),
+    act: &mut CudaSlice<bf16>,
+    out: &mut CudaSlice<bf16>,
+    down_m: u32,
+) -> Result<(), RuntimeError> {
+    let MoeInput {
+        x,
+        topk_ids,
+        topk_w,
+        tokens,
+        topk,
+    } = *input;
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        W4a16Gemv::launch(
+            up,
+            s,
+            gemv::grid(up.params(), 2 * ex.inter, up_ys),
+            x,
+            ex.w13,
+            ex.s13,
+            topk_ids,
+            topk_w,
+            sorted,
+            block_expert,
+            act,
+            tokens * topk,
+            2 * ex.inter,
+            ex.hidden,
+            topk,
+            ex.experts,
+        )?;
+        W4a16Gemv::launch(
+            down,
+            s,
+            gemv::grid(down.params(), ex.hidden, down_ys),
+            act,
+            ex.w2,
+            ex.s2,
+            topk_ids,
+            topk_w,
+            sorted,
+            block_expert,
+            out,
+            down_m,
+            ex.hidden,
+            ex.inter,
+            topk,
+            ex.experts,
+        )
+    }
+}
+
+/// The GEMV paths' shape rule: hidden and expert intermediate sizes multiples of 32.
+fn gemv_shapes(ex: &DeviceExperts, kernel: &str) -> Result<(), RuntimeError> {
+    if ex.inter % 32 != 0 || ex.hidden % 32 != 0 {
+        return Err(RuntimeError::Launch {
+            kernel: kernel.into(),
+            reason: format!("hidden {} and inter {} must be multiples of 32", ex.hidden, ex.inter),
+        });
+    }
+    Ok(())
 }
 
 /// The grouped gate_up GEMM into `act`, then the down GEMM with `act` as its A into `y`.

@@ -26,7 +26,7 @@ use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scr
 use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg, W4a16WgParams};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
-use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeKernels};
+use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput, MoeKernels};
 use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
 use ddtree_kernels::{add, fill, topk, tree, tune};
 use ddtree_kernels::{
@@ -2128,20 +2128,15 @@ impl Backend for CudaBackend {
         };
         let bufs = &mut st.moe_bufs[at].1;
         let mut out = self.tensor_bf16(x.rows, x.cols)?;
-        // SAFETY: x [T, H], routing [T, topk], experts stacked in the variants' layout.
-        unsafe {
-            kern.run(
-                self.stream(),
-                &dev,
-                x.bf16("moe_experts")?,
-                &routing.ids,
-                &routing.weights,
-                out.bf16_mut("moe_experts")?,
-                bufs,
-                routing.tokens as u32,
-                routing.topk as u32,
-            )?
+        let input = MoeInput {
+            x: x.bf16("moe_experts")?,
+            topk_ids: &routing.ids,
+            topk_w: &routing.weights,
+            tokens: routing.tokens as u32,
+            topk: routing.topk as u32,
         };
+        // SAFETY: x [T, H], routing [T, topk], experts stacked in the variants' layout.
+        unsafe { kern.run(self.stream(), &dev, &input, out.bf16_mut("moe_experts")?, bufs)? };
         Ok(out)
     }
 
