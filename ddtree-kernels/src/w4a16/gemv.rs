@@ -298,9 +298,10 @@ impl GemvW4Params {
 /// of non-local pairs not written). `m` is the dense rows, gate_up's and `GroupedDown`'s pairs,
 /// or `Down`'s tokens. Needs `k % 32 == 0`, group 32, gate_up `(n / 2) % 8 == 0`, at most
 /// `8 chunks` tokens (`Dense`, `Down`) or pairs per expert (`GateUp`), and `Down` at most
-/// [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty buffer. Under programmatic dependent launch, `Down` for one token reads `ids` before it
-/// waits for its predecessor: the routing must be written before that one (as
-/// [`super::MoeKernels`] launches `GateUp` between). Grid: [`grid`].
+/// [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty buffer. Under programmatic
+/// dependent launch, `Down` for one token reads `ids` before it waits for its predecessor: the
+/// routing must be written before that one (as [`super::MoeKernels`] launches `GateUp`
+/// between). Grid: [`grid`].
 #[kernel(block = p.warps * 32, dyn_smem = p.ring_bytes(), space = GEMV_SPACE.to_vec())]
 pub fn w4a16_gemv(
     #[comptime] p: &GemvW4Params,
@@ -334,8 +335,8 @@ pub fn w4a16_gemv(
     let gdn = p.mode == GemvMode::GroupedDown;
     // Under programmatic dependent launch: gate_up reads the routing its predecessor
     // (`moe_route` or `moe_align`) writes, `GroupedDown` `moe_align`'s blocks, and `xr`
-    // variants copy x in the prologue, so they wait first. The
-    // others, for one token (the decode step), issue the prologue's weight and scale copies
+    // variants copy x in the prologue, so they wait first. The others, for one token (the
+    // decode step), issue the prologue's weight and scale copies
     // (`Down`: after reading the routing, written before its predecessor) before they wait for
     // x. On the H200 this and the decode attention's early tiles took 0.3 ms off a Kimi K2.6
     // EP8 decode step; more tokens were not measured, so they wait first. (Two-chunk variants,
