@@ -9,7 +9,7 @@ use rand::Rng;
 use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept, GpuBuilder};
 use super::reference::{build_with_lse, combine_reference, fill_mask, logsumexp_rows};
 use super::{
-    accept_reference, chain_mask, combine_grid, combine_output_grid, combine_warps, sample_rows,
+    accept_reference, chain_mask, combine_grid, combine_layout, combine_output_grid, sample_rows,
     verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
     MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
@@ -259,7 +259,7 @@ fn run_combine(
     rows: usize,
     splits: usize,
 ) -> Result<(Vec<f32>, Vec<f32>), CheckError> {
-    let wps = combine_warps(splits as u32);
+    let layout = combine_layout(splits as u32);
     let mut o = poisoned_bf16(t, rows * LATENT)?;
     let mut l = t.upload(&vec![f32::NAN; rows])?;
     let mut args = [
@@ -269,10 +269,11 @@ fn run_combine(
         Arg::Out(&mut l),
         Arg::from(rows as u32),
         Arg::from(splits as u32),
-        Arg::from(wps),
+        Arg::from(layout.0),
+        Arg::from(layout.1),
     ];
     // SAFETY: the partials hold splits * rows rows; out and lse hold rows rows.
-    unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, wps), &mut args)? };
+    unsafe { t.launch::<MlaVerifyCombine>(&(), combine_grid(rows as u32, layout), &mut args)? };
     let got = t.download(&o)?.iter().map(|x| x.to_f32()).collect();
     Ok((got, t.download(&l)?))
 }
@@ -311,8 +312,8 @@ fn combine_merge(
         .map(|p| p[0].to_bits() as u32 | (p[1].to_bits() as u32) << 16)
         .collect();
     let (po, pl) = (t.upload(&pairs)?, t.upload(&lse)?);
-    let wps = combine_warps(splits as u32);
-    let case = format!("tokens={tokens} heads={heads} splits={splits} wps={wps} synthetic partials");
+    let (sgs, wpi) = combine_layout(splits as u32);
+    let case = format!("tokens={tokens} heads={heads} splits={splits} sgs={sgs} wpi={wpi} synthetic partials");
     let (got, got_lse) = run_combine(t, &po, &pl, rows, splits)?;
     let mut out = vec![
         result::<MlaVerifyCombine>(&(), case.clone(), &got, &want, Tolerance::bf16_sums(&want)),
@@ -367,8 +368,9 @@ pub fn verify(
         let splits = c
             .splits
             .unwrap_or_else(|| verify_splits(v, 132, rows, bound + nodes, usize::MAX));
-        let wps = combine_warps(splits as u32);
-        let case = format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} wps={wps}");
+        let (sgs, wpi) = combine_layout(splits as u32);
+        let case =
+            format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} sgs={sgs} wpi={wpi}");
         let mut po = t.upload(&vec![0x7fc0_7fc0u32; splits * rows * LATENT / 2])?;
         let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
         let grid = ((rows as u32).div_ceil(v.rows_per_block()), splits as u32);
@@ -498,8 +500,8 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
     for &c in &cases {
         out.extend(verify(t, &variants, c, true, rng)?);
     }
-    // The merge alone: many live splits (several rounds per combine warp), and a few.
-    for shape in [(1, 8, 150), (2, 64, 132), (1, 3, 5)] {
+    // The merge alone: many live splits (two rounds per combine thread at 300), and a few.
+    for shape in [(1, 8, 150), (2, 64, 132), (1, 3, 5), (1, 2, 300)] {
         out.extend(combine_merge(t, shape, rng)?);
     }
     Ok(out)

@@ -13,7 +13,7 @@ use half::bf16;
 
 use super::build::expansion_candidates;
 use super::{
-    combine_grid, combine_output_grid, combine_warps, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
+    combine_grid, combine_layout, combine_output_grid, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
     MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept, TreeBuild,
     TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
@@ -565,20 +565,21 @@ impl GpuVerify {
     ) -> Result<(), RuntimeError> {
         self.split_pass(s, sh, splits, q, cache, mask, lens)?;
         let rows = sh.nodes * sh.heads;
-        let wps = combine_warps(splits as u32);
+        let (sgs, wpi) = combine_layout(splits as u32);
         // SAFETY: the partials of the split pass; out and lse hold rows rows.
         unsafe {
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
-                combine_grid(rows as u32, wps),
+                combine_grid(rows as u32, (sgs, wpi)),
                 &self.part_o,
                 &self.part_lse,
                 out,
                 lse,
                 rows as u32,
                 splits as u32,
-                wps,
+                sgs,
+                wpi,
             )
         }
     }

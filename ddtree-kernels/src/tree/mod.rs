@@ -19,7 +19,7 @@ pub mod verify_attn;
 pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{
-    combine_grid, combine_output_grid, combine_warps, CombineOutputParams, MlaCombineOutput, MlaVerifyCombine,
+    combine_grid, combine_layout, combine_output_grid, CombineOutputParams, MlaCombineOutput, MlaVerifyCombine,
     MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, VerifyParams, VerifyVariant, WgParams, WideParams,
 };
 pub mod check;

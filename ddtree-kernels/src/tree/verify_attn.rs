@@ -1227,35 +1227,39 @@ fn split_lse(part_lse: &[f32], rows: u32, splits: u32, sidx: u32, r: u32) -> f32
 /// Warps of [`MlaVerifyCombine`]'s blocks.
 const COMBINE_WARPS: u32 = 8;
 
-/// Partials each warp of [`MlaVerifyCombine`] loads before it uses any.
+/// Splits each thread of a combine kernel loads per round, all before it uses any.
 const COMBINE_UNROLL: u32 = 4;
 
-/// Warps [`MlaVerifyCombine`] puts on one (row, 64-column slab) for `splits` splits: one warp
-/// per item when each warp's share would be at most one round of [`COMBINE_UNROLL`] loads
-/// (decode trees and prefill chunks of many rows and few splits), up to all eight when the
-/// splits are many (the decode step: one row of 64 heads over up to 132 splits).
-pub fn combine_warps(splits: u32) -> u32 {
-    splits
-        .div_ceil(COMBINE_UNROLL)
-        .next_power_of_two()
-        .clamp(1, COMBINE_WARPS)
+/// How [`MlaVerifyCombine`] lays its threads over `splits` splits: `(sgs, wpi)`. A warp's lanes
+/// form `sgs` split groups of `32 / sgs` lanes, each lane 8 columns (16 bytes of bf16 pairs), so
+/// a warp covers a slab of `256 / sgs` columns; `wpi` warps share each (row, slab) item. A
+/// round takes `4 sgs wpi` splits, so up to 256 splits need one round, one L2 round trip per
+/// thread: as many split groups as the splits need (few splits: wide slabs, one warp per item,
+/// eight items per block), then more warps per item (the decode step's 132 splits: 32-column
+/// slabs, one item per block).
+pub fn combine_layout(splits: u32) -> (u32, u32) {
+    let n = splits.div_ceil(COMBINE_UNROLL).next_power_of_two();
+    (n.min(8), (n / 8).clamp(1, COMBINE_WARPS))
 }
 
-/// [`MlaVerifyCombine`]'s grid for `rows` rows and `wps` warps per item
-/// ([`combine_warps`]): `(rows * wps, 1)` blocks, each of 8 warps covering `8 / wps` of the
-/// row's eight 64-column slabs.
-pub fn combine_grid(rows: u32, wps: u32) -> (u32, u32) {
-    (rows * wps, 1)
+/// [`MlaVerifyCombine`]'s grid for `rows` rows and the [`combine_layout`] `(sgs, wpi)`: the
+/// `rows * 2 sgs` items of `wpi` warps, eight warps per block.
+pub fn combine_grid(rows: u32, (sgs, wpi): (u32, u32)) -> (u32, u32) {
+    ((rows * 2 * sgs * wpi).div_ceil(COMBINE_WARPS), 1)
 }
 
-/// Merges the split partials: grid [`combine_grid`], 256 threads. Each (row `r`, 64-column
-/// slab) item is owned by `wps` consecutive warps ([`combine_warps`], a power of two up to 8;
-/// a bf16 pair of columns per lane). Each warp first takes the row's largest split log-sum-exp
-/// with its lanes loading 32 splits at a time (one L2 round trip per 32 splits, not one per
-/// split); then warp `w` of an item sums the splits `w, w + wps, ...`, loading four of them
-/// before using any, and the item's warps' sums meet in shared memory. Writes `out` (`[rows,
-/// 512]` bf16) and `lse` (`[rows]`, natural log).
+/// Merges the split partials: grid [`combine_grid`], 256 threads, the thread layout of
+/// [`combine_layout`] (`sgs`, `wpi`). A thread loads its 8 columns of the splits `sg + sgs (w +
+/// wpi (u + 4 i))` (split group `sg`, warp `w` of its item; round `i`, usually one) with their
+/// log-sum-exps, every load of a round issued before any is used, and keeps a running maximum,
+/// weight sum and weighted sum (rescaled when a later round raises the maximum). The threads of
+/// an item then merge pairwise, each side weighted by `exp(its max - the larger)`: across split
+/// groups by shuffles, across warps through shared memory. A split at `-inf` (it saw no key, or
+/// lies past the device-side length) has weight 0 and its partial, which may be anything, is
+/// never used. Writes `out` (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log; a row
+/// without live splits: zeros and `-inf`).
 #[kernel(block = 256)]
+#[allow(clippy::too_many_arguments)]
 pub fn mla_verify_combine(
     part_o: &[u32],
     part_lse: &[f32],
@@ -1263,72 +1267,126 @@ pub fn mla_verify_combine(
     lse: &mut [f32],
     rows: u32,
     splits: u32,
-    wps: u32,
+    sgs: u32,
+    wpi: u32,
 ) {
     let lane = lane_id();
     let warp = warp_id();
-    let sub = warp % wps;
-    let item = block_idx_x() * (COMBINE_WARPS / wps) + warp / wps;
-    let r = (item / 8).min(rows - 1);
-    let slab = item % 8;
-    let col = slab * 64 + lane * 2;
-    let m = splits_max_lse(part_lse, rows, splits, r);
-    // A split that saw no key (-inf; also splits past the device-side length) has weight 0 and
-    // its partial is not read.
+    let cl = 32 / sgs;
+    let sg = lane / cl;
+    let slabs = 2 * sgs;
+    let items = rows * slabs;
+    let item = block_idx_x() * (COMBINE_WARPS / wpi) + warp / wpi;
+    let sub = warp % wpi;
+    let it = item.min(items - 1);
+    let r = it / slabs;
+    let col = (it % slabs) * 8 * cl + 8 * (lane % cl);
+    let step = sgs * wpi;
+    let mut m = f32::NEG_INFINITY;
     let mut wsum = 0.0f32;
-    let mut o0 = 0.0f32;
-    let mut o1 = 0.0f32;
+    let mut o = [0.0f32; 8];
     let mut ls = [0.0f32; COMBINE_UNROLL];
-    let mut pr = [0u32; COMBINE_UNROLL];
-    for s0 in (sub..splits).step_by(wps * COMBINE_UNROLL) {
+    let mut pv = [0u32; 4 * COMBINE_UNROLL];
+    for s0 in (sg + sgs * sub..splits).step_by(step * COMBINE_UNROLL) {
         #[unroll]
         for u in 0..COMBINE_UNROLL {
-            ls[u] = split_lse(part_lse, rows, splits, s0 + u * wps, r);
+            let s = s0 + u * step;
+            ls[u] = split_lse(part_lse, rows, splits, s, r);
+            if s < splits {
+                let v = part_o.vload(((s * rows + r) * 512 + col) / 2);
+                pv[4 * u] = v.x;
+                pv[4 * u + 1] = v.y;
+                pv[4 * u + 2] = v.z;
+                pv[4 * u + 3] = v.w;
+            }
         }
+        let mut mr = m;
         #[unroll]
         for u in 0..COMBINE_UNROLL {
-            let sidx = s0 + u * wps;
-            pr[u] = if ls[u] != f32::NEG_INFINITY {
-                part_o[((sidx * rows + r) * 512 + col) / 2]
-            } else {
-                0u32
-            };
+            mr = mr.max(ls[u]);
         }
+        // Rescale what earlier rounds summed to the new maximum (nothing while both are -inf).
+        let f = if mr == f32::NEG_INFINITY {
+            1.0f32
+        } else {
+            (m - mr).exp()
+        };
+        wsum *= f;
+        #[unroll]
+        for e in 0..8 {
+            o[e] *= f;
+        }
+        m = mr;
         #[unroll]
         for u in 0..COMBINE_UNROLL {
             if ls[u] != f32::NEG_INFINITY {
                 let w = (ls[u] - m).exp();
                 wsum += w;
-                o0 += w * bf16_lo(pr[u]);
-                o1 += w * bf16_hi(pr[u]);
+                #[unroll]
+                for e in 0..4 {
+                    o[2 * e] += w * bf16_lo(pv[4 * u + e]);
+                    o[2 * e + 1] += w * bf16_hi(pv[4 * u + e]);
+                }
             }
         }
     }
-    let so = shared::<f32>(COMBINE_WARPS * 64);
+    // Across the split groups (lanes `cl` apart): pairwise merges by shuffles.
+    #[unroll]
+    for b in 0..3 {
+        let off = cl << b;
+        if off < 32 {
+            let mo = shfl_xor(m, off);
+            let wo = shfl_xor(wsum, off);
+            let mm = m.max(mo);
+            let fa = if m == f32::NEG_INFINITY { 0.0f32 } else { (m - mm).exp() };
+            let fb = if mo == f32::NEG_INFINITY { 0.0f32 } else { (mo - mm).exp() };
+            wsum = wsum * fa + wo * fb;
+            #[unroll]
+            for e in 0..8 {
+                o[e] = o[e] * fa + shfl_xor(o[e], off) * fb;
+            }
+            m = mm;
+        }
+    }
+    // Across the item's warps: split group 0 of each warp through shared memory.
+    let so = shared::<f32>(COMBINE_WARPS * 256);
+    let sm = shared::<f32>(COMBINE_WARPS);
     let sw = shared::<f32>(COMBINE_WARPS);
-    so[warp * 64 + lane * 2] = o0;
-    so[warp * 64 + lane * 2 + 1] = o1;
-    if lane == 0 {
-        sw[warp] = wsum;
+    if sg == 0 {
+        #[unroll]
+        for e in 0..8 {
+            so[warp * 256 + lane * 8 + e] = o[e];
+        }
+        if lane == 0 {
+            sm[warp] = m;
+            sw[warp] = wsum;
+        }
     }
     sync_threads();
-    if sub == 0 && item < rows * 8 {
+    if sub == 0 && sg == 0 && item < items {
+        let mut mt = f32::NEG_INFINITY;
+        for wi in warp..warp + wpi {
+            mt = mt.max(sm[wi]);
+        }
         let mut ws = 0.0f32;
-        for wi in warp..warp + wps {
-            ws += sw[wi];
+        let mut ot = [0.0f32; 8];
+        for wi in warp..warp + wpi {
+            if sm[wi] != f32::NEG_INFINITY {
+                let f = (sm[wi] - mt).exp();
+                ws += f * sw[wi];
+                #[unroll]
+                for e in 0..8 {
+                    ot[e] += f * so[wi * 256 + lane * 8 + e];
+                }
+            }
         }
         let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
         #[unroll]
-        for e in 0..2 {
-            let c = lane * 2 + e;
-            let mut o = 0.0f32;
-            for wi in warp..warp + wps {
-                o += so[wi * 64 + c];
-            }
-            out[r * 512 + slab * 64 + c] = (o * inv) as bf16;
+        for e in 0..8 {
+            out[r * 512 + col + e] = (ot[e] * inv) as bf16;
         }
-        if lane == 0 && slab == 0 {
-            lse[r] = m + ws.ln();
+        if col == 0 {
+            lse[r] = mt + ws.ln();
         }
     }
 }
