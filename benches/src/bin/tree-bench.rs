@@ -318,6 +318,10 @@ const MAX_SPLITS: usize = 256;
 /// Rows x splits of each variant's partial buffers in the verify bench.
 const BENCH_PARTIALS: usize = 64 * 64 * 64;
 
+/// Most nodes at which the verify table also times the decode step's path (split pass, then
+/// `mla_combine_output`), as the engine takes it for one or two tokens.
+const OUTPUT_MAX_NODES: usize = 2;
+
 /// Verify attention at ctx 1K/4K/16K/32K x nodes 1/2/4/8/16/32/64 x heads 8 and 64: every
 /// candidate of the split passes (with the combine) at the automatic split count, half and
 /// twice it, and the naive per-(node, head) kernel; one line per candidate (its best split
@@ -422,6 +426,22 @@ fn bench_verify(
             })?,
             None => f64::NAN,
         };
+        // The decode step's path for one or two tokens: the same split pass, then the merge
+        // fused with the absorbed output projection (Kimi's 128 + 128 dims per head).
+        let output_us = match best.and_then(|b| timed[b].3.map(|vi| (vi, timed[b].2))) {
+            Some((vi, splits)) if nodes <= OUTPUT_MAX_NODES => {
+                let (nope, v) = (128, 128);
+                let (kh, _) = ddtree_kernels::check::random_bf16(rng, heads * (nope + v) * LATENT, -1.0, 1.0);
+                let kv_b = upload(s, &kh)?;
+                let mut o = zeros::<bf16>(s, nodes * heads * v)?;
+                let us = graph_us(s, PER_GRAPH, 3, 20, |i| {
+                    let c = &caches[i % copies];
+                    verifiers[vi].run_output(s, &sh, splits, &q, c, &dm, &dl, &kv_b, (nope, v), &mut o)
+                })?;
+                format!("  split + combine_output {us:.1} µs")
+            }
+            _ => String::new(),
+        };
         timed.push((naive_us, "mla_verify_naive".to_string(), 1, None));
         // Percent of the copy floor (reading the cache once at the measured copy bandwidth).
         let of_copy = |us: f64| 100.0 * bytes as f64 / (bw * 1e9) / (us * 1e-6);
@@ -438,7 +458,7 @@ fn bench_verify(
                 rows_out.push(format!(
                     "verify ctx={ctx:<5} nodes={nodes:<2} heads={heads:<2} {us:>8.1} µs {copy_pct:>4.0}% copy \
                      {tf:>6.1} TF/s ({tf_pct:.0}%)  best [{sym} s={splits}]  split pass alone {split_us:.1} µs \
-                     ({split_pct:.0}% copy)  naive {naive_us:.1} µs ({speedup:.1}x)"
+                     ({split_pct:.0}% copy)  naive {naive_us:.1} µs ({speedup:.1}x){output_us}"
                 ));
             }
         }

@@ -312,8 +312,8 @@ fn combine_merge(
         .map(|p| p[0].to_bits() as u32 | (p[1].to_bits() as u32) << 16)
         .collect();
     let (po, pl) = (t.upload(&pairs)?, t.upload(&lse)?);
-    let (sgs, wpi) = combine_layout(splits as u32);
-    let case = format!("tokens={tokens} heads={heads} splits={splits} sgs={sgs} wpi={wpi} synthetic partials");
+    let (lsg, lwp) = combine_layout(splits as u32);
+    let case = format!("tokens={tokens} heads={heads} splits={splits} lsg={lsg} lwp={lwp} synthetic partials");
     let (got, got_lse) = run_combine(t, &po, &pl, rows, splits)?;
     let mut out = vec![
         result::<MlaVerifyCombine>(&(), case.clone(), &got, &want, Tolerance::bf16_sums(&want)),
@@ -368,9 +368,9 @@ pub fn verify(
         let splits = c
             .splits
             .unwrap_or_else(|| verify_splits(v, 132, rows, bound + nodes, usize::MAX));
-        let (sgs, wpi) = combine_layout(splits as u32);
+        let (lsg, lwp) = combine_layout(splits as u32);
         let case =
-            format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} sgs={sgs} wpi={wpi}");
+            format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} lsg={lsg} lwp={lwp}");
         let mut po = t.upload(&vec![0x7fc0_7fc0u32; splits * rows * LATENT / 2])?;
         let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
         let grid = ((rows as u32).div_ceil(v.rows_per_block()), splits as u32);
@@ -500,8 +500,8 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
     for &c in &cases {
         out.extend(verify(t, &variants, c, true, rng)?);
     }
-    // The merge alone: many live splits (two rounds per combine thread at 300), and a few.
-    for shape in [(1, 8, 150), (2, 64, 132), (1, 3, 5), (1, 2, 300)] {
+    // The merge alone: many live splits (two rounds per combine thread at 600), and a few.
+    for shape in [(1, 8, 150), (2, 64, 132), (1, 3, 5), (1, 2, 600)] {
         out.extend(combine_merge(t, shape, rng)?);
     }
     Ok(out)

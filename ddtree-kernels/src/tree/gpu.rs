@@ -565,21 +565,21 @@ impl GpuVerify {
     ) -> Result<(), RuntimeError> {
         self.split_pass(s, sh, splits, q, cache, mask, lens)?;
         let rows = sh.nodes * sh.heads;
-        let (sgs, wpi) = combine_layout(splits as u32);
+        let (lsg, lwp) = combine_layout(splits as u32);
         // SAFETY: the partials of the split pass; out and lse hold rows rows.
         unsafe {
             MlaVerifyCombine::launch(
                 &self.combine,
                 s,
-                combine_grid(rows as u32, (sgs, wpi)),
+                combine_grid(rows as u32, (lsg, lwp)),
                 &self.part_o,
                 &self.part_lse,
                 out,
                 lse,
                 rows as u32,
                 splits as u32,
-                sgs,
-                wpi,
+                lsg,
+                lwp,
             )
         }
     }

@@ -1195,24 +1195,6 @@ impl VerifyVariant {
     }
 }
 
-/// The largest split log-sum-exp of row `r` (`part_lse` `[splits, rows]`), the lanes loading 32
-/// splits at a time (one L2 round trip per 32 splits); every lane gets it.
-#[device_fn]
-fn splits_max_lse(part_lse: &[f32], rows: u32, splits: u32, r: u32) -> f32 {
-    let lane = lane_id();
-    let mut m = f32::NEG_INFINITY;
-    for s0 in (0..splits).step_by(32) {
-        if s0 + lane < splits {
-            m = m.max(part_lse[(s0 + lane) * rows + r]);
-        }
-    }
-    m = m.max(shfl_xor(m, 16u32));
-    m = m.max(shfl_xor(m, 8u32));
-    m = m.max(shfl_xor(m, 4u32));
-    m = m.max(shfl_xor(m, 2u32));
-    m.max(shfl_xor(m, 1u32))
-}
-
 /// Split `sidx`'s log-sum-exp of row `r`, or `-inf` past the last split (weight 0: its partial
 /// is not read).
 #[device_fn]
@@ -1227,37 +1209,41 @@ fn split_lse(part_lse: &[f32], rows: u32, splits: u32, sidx: u32, r: u32) -> f32
 /// Warps of [`MlaVerifyCombine`]'s blocks.
 const COMBINE_WARPS: u32 = 8;
 
-/// Splits each thread of a combine kernel loads per round, all before it uses any.
+/// Splits each warp of [`MlaCombineOutput`] loads per round, all before it uses any.
 const COMBINE_UNROLL: u32 = 4;
 
-/// How [`MlaVerifyCombine`] lays its threads over `splits` splits: `(sgs, wpi)`. A warp's lanes
-/// form `sgs` split groups of `32 / sgs` lanes, each lane 8 columns (16 bytes of bf16 pairs), so
-/// a warp covers a slab of `256 / sgs` columns; `wpi` warps share each (row, slab) item. A
-/// round takes `4 sgs wpi` splits, so up to 256 splits need one round, one L2 round trip per
-/// thread: as many split groups as the splits need (few splits: wide slabs, one warp per item,
-/// eight items per block), then more warps per item (the decode step's 132 splits: 32-column
-/// slabs, one item per block).
+/// Splits each thread of [`MlaVerifyCombine`] loads per round, all before it uses any.
+const MERGE_UNROLL: u32 = 8;
+
+/// How [`MlaVerifyCombine`] lays its threads over `splits` splits, as `(lsg, lwp)`: a warp's
+/// lanes form `2^lsg` split groups of `32 >> lsg` lanes, each lane 8 columns (16 bytes of bf16
+/// pairs), so a warp covers a slab of `256 >> lsg` columns, and `2^lwp` warps share each (row,
+/// slab) item. A round takes `8 << (lsg + lwp)` splits, so up to 512 splits need one round,
+/// one L2 round trip per thread: as many split groups as the splits need (few splits: wide
+/// slabs, one warp per item, eight items per block), then more warps per item (the split
+/// pass's 132 splits at long contexts: 32-column slabs, four warps per item).
 pub fn combine_layout(splits: u32) -> (u32, u32) {
-    let n = splits.div_ceil(COMBINE_UNROLL).next_power_of_two();
-    (n.min(8), (n / 8).clamp(1, COMBINE_WARPS))
+    let n = splits.div_ceil(MERGE_UNROLL).next_power_of_two().trailing_zeros();
+    (n.min(3), n.saturating_sub(3).min(3))
 }
 
-/// [`MlaVerifyCombine`]'s grid for `rows` rows and the [`combine_layout`] `(sgs, wpi)`: the
-/// `rows * 2 sgs` items of `wpi` warps, eight warps per block.
-pub fn combine_grid(rows: u32, (sgs, wpi): (u32, u32)) -> (u32, u32) {
-    ((rows * 2 * sgs * wpi).div_ceil(COMBINE_WARPS), 1)
+/// [`MlaVerifyCombine`]'s grid for `rows` rows and the [`combine_layout`] `(lsg, lwp)`: the
+/// `rows << (lsg + 1)` items of `2^lwp` warps, eight warps per block.
+pub fn combine_grid(rows: u32, (lsg, lwp): (u32, u32)) -> (u32, u32) {
+    ((rows << (lsg + 1 + lwp)).div_ceil(COMBINE_WARPS), 1)
 }
 
 /// Merges the split partials: grid [`combine_grid`], 256 threads, the thread layout of
-/// [`combine_layout`] (`sgs`, `wpi`). A thread loads its 8 columns of the splits `sg + sgs (w +
-/// wpi (u + 4 i))` (split group `sg`, warp `w` of its item; round `i`, usually one) with their
-/// log-sum-exps, every load of a round issued before any is used, and keeps a running maximum,
-/// weight sum and weighted sum (rescaled when a later round raises the maximum). The threads of
-/// an item then merge pairwise, each side weighted by `exp(its max - the larger)`: across split
-/// groups by shuffles, across warps through shared memory. A split at `-inf` (it saw no key, or
-/// lies past the device-side length) has weight 0 and its partial, which may be anything, is
-/// never used. Writes `out` (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log; a row
-/// without live splits: zeros and `-inf`).
+/// [`combine_layout`] (`lsg`, `lwp`: `sgs = 2^lsg` split groups per warp, `wpi = 2^lwp` warps
+/// per item). A thread loads its 8 columns of the splits `sg + sgs (w + wpi (u + 8 i))` (split
+/// group `sg`, warp `w` of its item; round `i`, usually one) with their log-sum-exps, every
+/// load of a round issued before any is used, and keeps a running maximum, weight sum and
+/// weighted sum (rescaled when a later round raises the maximum). The threads of an item then
+/// merge pairwise, each side weighted by `exp(its max - the larger)`: across split groups by
+/// shuffles, across warps through shared memory. A split at `-inf` (it saw no key, or lies
+/// past the device-side length) has weight 0 and its partial, which may be anything, is never
+/// used. Writes `out` (`[rows, 512]` bf16) and `lse` (`[rows]`, natural log; a row without
+/// live splits: zeros and `-inf`).
 #[kernel(block = 256)]
 #[allow(clippy::too_many_arguments)]
 pub fn mla_verify_combine(
@@ -1267,29 +1253,31 @@ pub fn mla_verify_combine(
     lse: &mut [f32],
     rows: u32,
     splits: u32,
-    sgs: u32,
-    wpi: u32,
+    lsg: u32,
+    lwp: u32,
 ) {
     let lane = lane_id();
     let warp = warp_id();
-    let cl = 32 / sgs;
-    let sg = lane / cl;
-    let slabs = 2 * sgs;
-    let items = rows * slabs;
-    let item = block_idx_x() * (COMBINE_WARPS / wpi) + warp / wpi;
-    let sub = warp % wpi;
+    let sgs = 1u32 << lsg;
+    let wpi = 1u32 << lwp;
+    let lcl = 5 - lsg;
+    let cl = 1u32 << lcl;
+    let sg = lane >> lcl;
+    let items = rows << (lsg + 1);
+    let item = (block_idx_x() << (3 - lwp)) + (warp >> lwp);
+    let sub = warp & (wpi - 1);
     let it = item.min(items - 1);
-    let r = it / slabs;
-    let col = (it % slabs) * 8 * cl + 8 * (lane % cl);
+    let r = it >> (lsg + 1);
+    let col = ((it & (2 * sgs - 1)) << (lcl + 3)) + 8 * (lane & (cl - 1));
     let step = sgs * wpi;
     let mut m = f32::NEG_INFINITY;
     let mut wsum = 0.0f32;
     let mut o = [0.0f32; 8];
-    let mut ls = [0.0f32; COMBINE_UNROLL];
-    let mut pv = [0u32; 4 * COMBINE_UNROLL];
-    for s0 in (sg + sgs * sub..splits).step_by(step * COMBINE_UNROLL) {
+    let mut ls = [0.0f32; MERGE_UNROLL];
+    let mut pv = [0u32; 4 * MERGE_UNROLL];
+    for s0 in (sg + sgs * sub..splits).step_by(step * MERGE_UNROLL) {
         #[unroll]
-        for u in 0..COMBINE_UNROLL {
+        for u in 0..MERGE_UNROLL {
             let s = s0 + u * step;
             ls[u] = split_lse(part_lse, rows, splits, s, r);
             if s < splits {
@@ -1302,7 +1290,7 @@ pub fn mla_verify_combine(
         }
         let mut mr = m;
         #[unroll]
-        for u in 0..COMBINE_UNROLL {
+        for u in 0..MERGE_UNROLL {
             mr = mr.max(ls[u]);
         }
         // Rescale what earlier rounds summed to the new maximum (nothing while both are -inf).
@@ -1318,7 +1306,7 @@ pub fn mla_verify_combine(
         }
         m = mr;
         #[unroll]
-        for u in 0..COMBINE_UNROLL {
+        for u in 0..MERGE_UNROLL {
             if ls[u] != f32::NEG_INFINITY {
                 let w = (ls[u] - m).exp();
                 wsum += w;
@@ -1433,7 +1421,7 @@ pub fn mla_combine_output(
     nope: u32,
     v: u32,
 ) {
-    comptime_assert!(p.warps >= 1 && p.warps <= 8, "warps must be 1..=8");
+    comptime_assert!(p.warps >= 2 && p.warps <= 8 && p.warps % 2 == 0, "warps must be 2, 4, 6 or 8");
     comptime_assert!(p.cols % p.warps == 0, "cols must be a multiple of warps");
     let threads = comptime!(p.warps * 32);
     let per = comptime!(p.cols / p.warps);
@@ -1467,66 +1455,89 @@ pub fn mla_combine_output(
     }
     grid_wait();
     grid_launch_dependents();
-    let m = splits_max_lse(part_lse, rows, splits, r);
-    // Warp `w` sums the splits `w, w + warps, ...`, `COMBINE_UNROLL` of them per round with
-    // every load issued before any is used; lane `l` holds the bf16 pairs `8 l .. 8 l + 8` of
-    // the row. A split that saw no key has weight 0 and its partial is not read.
-    let mut o = [0.0f32; 16];
+    // The merge as in [`MlaVerifyCombine`], one item per block: the threads form `warps / 2`
+    // split groups of 64, each thread 8 columns of the row (16 bytes of bf16 pairs); group
+    // `sg` takes the splits `sg, sg + groups, ...`, `mu` of them per round, every load of a round
+    // issued before any is used, with a running maximum, weight sum and weighted sum. A split
+    // at `-inf` has weight 0 and its partial is never used.
+    let groups = comptime!(p.warps / 2);
+    let mu = comptime!(if per > 8 { COMBINE_UNROLL } else { 2 * COMBINE_UNROLL });
+    let sg = tid / 64;
+    let col = 8 * (tid % 64);
+    let mut m = f32::NEG_INFINITY;
     let mut wsum = 0.0f32;
-    let mut ls = [0.0f32; COMBINE_UNROLL];
-    let mut pa = [0u32; 4 * COMBINE_UNROLL];
-    let mut pb = [0u32; 4 * COMBINE_UNROLL];
-    for s0 in (warp..splits).step_by(p.warps * COMBINE_UNROLL) {
+    let mut o = [0.0f32; 8];
+    let mut ls = [0.0f32; mu];
+    let mut pv = [0u32; 4 * mu];
+    for s0 in (sg..splits).step_by(groups * mu) {
         #[unroll]
-        for u in 0..COMBINE_UNROLL {
-            ls[u] = split_lse(part_lse, rows, splits, s0 + u * p.warps, r);
-        }
-        #[unroll]
-        for u in 0..COMBINE_UNROLL {
-            if ls[u] != f32::NEG_INFINITY {
-                let base = ((s0 + u * p.warps) * rows + r) * 256 + lane * 8;
-                let x = part_o.vload(base);
-                let y = part_o.vload(base + 4);
-                pa[4 * u] = x.x;
-                pa[4 * u + 1] = x.y;
-                pa[4 * u + 2] = x.z;
-                pa[4 * u + 3] = x.w;
-                pb[4 * u] = y.x;
-                pb[4 * u + 1] = y.y;
-                pb[4 * u + 2] = y.z;
-                pb[4 * u + 3] = y.w;
+        for u in 0..mu {
+            let s = s0 + u * groups;
+            ls[u] = split_lse(part_lse, rows, splits, s, r);
+            if s < splits {
+                let v = part_o.vload(((s * rows + r) * 512 + col) / 2);
+                pv[4 * u] = v.x;
+                pv[4 * u + 1] = v.y;
+                pv[4 * u + 2] = v.z;
+                pv[4 * u + 3] = v.w;
             }
         }
+        let mut mr = m;
         #[unroll]
-        for u in 0..COMBINE_UNROLL {
+        for u in 0..mu {
+            mr = mr.max(ls[u]);
+        }
+        let f = if mr == f32::NEG_INFINITY {
+            1.0f32
+        } else {
+            (m - mr).exp()
+        };
+        wsum *= f;
+        #[unroll]
+        for e in 0..8 {
+            o[e] *= f;
+        }
+        m = mr;
+        #[unroll]
+        for u in 0..mu {
             if ls[u] != f32::NEG_INFINITY {
                 let w = (ls[u] - m).exp();
                 wsum += w;
                 #[unroll]
                 for e in 0..4 {
-                    o[2 * e] += w * bf16_lo(pa[4 * u + e]);
-                    o[2 * e + 1] += w * bf16_hi(pa[4 * u + e]);
-                    o[8 + 2 * e] += w * bf16_lo(pb[4 * u + e]);
-                    o[8 + 2 * e + 1] += w * bf16_hi(pb[4 * u + e]);
+                    o[2 * e] += w * bf16_lo(pv[4 * u + e]);
+                    o[2 * e + 1] += w * bf16_hi(pv[4 * u + e]);
                 }
             }
         }
     }
-    // The warps' sums meet in shared memory; the merged latent row as bf16 pairs.
-    let so = shared::<f32>(p.warps * 512);
-    let sw = shared::<f32>(p.warps);
+    // The groups meet in shared memory (a group's threads share its maximum and weight sum);
+    // the merged latent row as bf16 pairs.
+    let so = shared::<f32>(groups * 512);
+    let sm = shared::<f32>(groups);
+    let sw = shared::<f32>(groups);
     #[unroll]
-    for e in 0..16 {
-        so[warp * 512 + lane * 16 + e] = o[e];
+    for e in 0..8 {
+        so[sg * 512 + col + e] = o[e];
     }
-    if lane == 0 {
-        sw[warp] = wsum;
+    if col == 0 {
+        sm[sg] = m;
+        sw[sg] = wsum;
     }
     sync_threads();
+    let mut mt = f32::NEG_INFINITY;
+    #[unroll]
+    for gi in 0..groups {
+        mt = mt.max(sm[gi]);
+    }
+    let mut fg = [0.0f32; groups];
     let mut ws = 0.0f32;
     #[unroll]
-    for wi in 0..p.warps {
-        ws += sw[wi];
+    for gi in 0..groups {
+        if sm[gi] != f32::NEG_INFINITY {
+            fg[gi] = (sm[gi] - mt).exp();
+        }
+        ws += fg[gi] * sw[gi];
     }
     let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
     let xs = shared::<u32>(256);
@@ -1534,9 +1545,9 @@ pub fn mla_combine_output(
         let mut o0 = 0.0f32;
         let mut o1 = 0.0f32;
         #[unroll]
-        for wi in 0..p.warps {
-            o0 += so[wi * 512 + 2 * pc];
-            o1 += so[wi * 512 + 2 * pc + 1];
+        for gi in 0..groups {
+            o0 += fg[gi] * so[gi * 512 + 2 * pc];
+            o1 += fg[gi] * so[gi * 512 + 2 * pc + 1];
         }
         xs[pc] = pack_bf16x2(o0 * inv, o1 * inv);
     }
