@@ -91,6 +91,11 @@ struct Args {
     /// eight tokens, then the tables' grouped MoE pair at 16 and 64 tokens (20 calls each).
     #[arg(long)]
     profile: bool,
+    /// Launch every kernel with programmatic dependent launch (each kernel's launch overlaps
+    /// its predecessor's tail), as the engine does for steps of at most 8 tokens. The checks
+    /// run with it too.
+    #[arg(long)]
+    pdl: bool,
 }
 
 const L2_BYTES: usize = 60 << 20;
@@ -958,6 +963,10 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             .unwrap_or(1)
     });
     println!("seed: {seed}");
+    gpu.set_programmatic_launch(args.pdl);
+    if gpu.programmatic_launch() {
+        println!("every launch with programmatic dependent launch");
+    }
     if args.wg {
         return bench_wg(&gpu, args, seed);
     }
