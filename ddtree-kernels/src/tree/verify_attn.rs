@@ -1195,6 +1195,24 @@ impl VerifyVariant {
     }
 }
 
+/// The largest split log-sum-exp of row `r` (`part_lse` `[splits, rows]`), the lanes loading 32
+/// splits at a time (one L2 round trip per 32 splits); every lane gets it.
+#[device_fn]
+fn splits_max_lse(part_lse: &[f32], rows: u32, splits: u32, r: u32) -> f32 {
+    let lane = lane_id();
+    let mut m = f32::NEG_INFINITY;
+    for s0 in (0..splits).step_by(32) {
+        if s0 + lane < splits {
+            m = m.max(part_lse[(s0 + lane) * rows + r]);
+        }
+    }
+    m = m.max(shfl_xor(m, 16u32));
+    m = m.max(shfl_xor(m, 8u32));
+    m = m.max(shfl_xor(m, 4u32));
+    m = m.max(shfl_xor(m, 2u32));
+    m.max(shfl_xor(m, 1u32))
+}
+
 /// Split `sidx`'s log-sum-exp of row `r`, or `-inf` past the last split (weight 0: its partial
 /// is not read).
 #[device_fn]
@@ -1421,7 +1439,7 @@ pub fn mla_combine_output(
     nope: u32,
     v: u32,
 ) {
-    comptime_assert!(p.warps >= 2 && p.warps <= 8 && p.warps % 2 == 0, "warps must be 2, 4, 6 or 8");
+    comptime_assert!(p.warps >= 1 && p.warps <= 8, "warps must be 1..=8");
     comptime_assert!(p.cols % p.warps == 0, "cols must be a multiple of warps");
     let threads = comptime!(p.warps * 32);
     let per = comptime!(p.cols / p.warps);
@@ -1455,89 +1473,66 @@ pub fn mla_combine_output(
     }
     grid_wait();
     grid_launch_dependents();
-    // The merge as in [`MlaVerifyCombine`], one item per block: the threads form `warps / 2`
-    // split groups of 64, each thread 8 columns of the row (16 bytes of bf16 pairs); group
-    // `sg` takes the splits `sg, sg + groups, ...`, `mu` of them per round, every load of a round
-    // issued before any is used, with a running maximum, weight sum and weighted sum. A split
-    // at `-inf` has weight 0 and its partial is never used.
-    let groups = comptime!(p.warps / 2);
-    let mu = comptime!(if per > 8 { COMBINE_UNROLL } else { 2 * COMBINE_UNROLL });
-    let sg = tid / 64;
-    let col = 8 * (tid % 64);
-    let mut m = f32::NEG_INFINITY;
+    let m = splits_max_lse(part_lse, rows, splits, r);
+    // Warp `w` sums the splits `w, w + warps, ...`, `COMBINE_UNROLL` of them per round with
+    // every load issued before any is used; lane `l` holds the bf16 pairs `8 l .. 8 l + 8` of
+    // the row. A split that saw no key has weight 0 and its partial is not read.
+    let mut o = [0.0f32; 16];
     let mut wsum = 0.0f32;
-    let mut o = [0.0f32; 8];
-    let mut ls = [0.0f32; mu];
-    let mut pv = [0u32; 4 * mu];
-    for s0 in (sg..splits).step_by(groups * mu) {
+    let mut ls = [0.0f32; COMBINE_UNROLL];
+    let mut pa = [0u32; 4 * COMBINE_UNROLL];
+    let mut pb = [0u32; 4 * COMBINE_UNROLL];
+    for s0 in (warp..splits).step_by(p.warps * COMBINE_UNROLL) {
         #[unroll]
-        for u in 0..mu {
-            let s = s0 + u * groups;
-            ls[u] = split_lse(part_lse, rows, splits, s, r);
-            if s < splits {
-                let v = part_o.vload(((s * rows + r) * 512 + col) / 2);
-                pv[4 * u] = v.x;
-                pv[4 * u + 1] = v.y;
-                pv[4 * u + 2] = v.z;
-                pv[4 * u + 3] = v.w;
+        for u in 0..COMBINE_UNROLL {
+            ls[u] = split_lse(part_lse, rows, splits, s0 + u * p.warps, r);
+        }
+        #[unroll]
+        for u in 0..COMBINE_UNROLL {
+            if ls[u] != f32::NEG_INFINITY {
+                let base = ((s0 + u * p.warps) * rows + r) * 256 + lane * 8;
+                let x = part_o.vload(base);
+                let y = part_o.vload(base + 4);
+                pa[4 * u] = x.x;
+                pa[4 * u + 1] = x.y;
+                pa[4 * u + 2] = x.z;
+                pa[4 * u + 3] = x.w;
+                pb[4 * u] = y.x;
+                pb[4 * u + 1] = y.y;
+                pb[4 * u + 2] = y.z;
+                pb[4 * u + 3] = y.w;
             }
         }
-        let mut mr = m;
         #[unroll]
-        for u in 0..mu {
-            mr = mr.max(ls[u]);
-        }
-        let f = if mr == f32::NEG_INFINITY {
-            1.0f32
-        } else {
-            (m - mr).exp()
-        };
-        wsum *= f;
-        #[unroll]
-        for e in 0..8 {
-            o[e] *= f;
-        }
-        m = mr;
-        #[unroll]
-        for u in 0..mu {
+        for u in 0..COMBINE_UNROLL {
             if ls[u] != f32::NEG_INFINITY {
                 let w = (ls[u] - m).exp();
                 wsum += w;
                 #[unroll]
                 for e in 0..4 {
-                    o[2 * e] += w * bf16_lo(pv[4 * u + e]);
-                    o[2 * e + 1] += w * bf16_hi(pv[4 * u + e]);
+                    o[2 * e] += w * bf16_lo(pa[4 * u + e]);
+                    o[2 * e + 1] += w * bf16_hi(pa[4 * u + e]);
+                    o[8 + 2 * e] += w * bf16_lo(pb[4 * u + e]);
+                    o[8 + 2 * e + 1] += w * bf16_hi(pb[4 * u + e]);
                 }
             }
         }
     }
-    // The groups meet in shared memory (a group's threads share its maximum and weight sum);
-    // the merged latent row as bf16 pairs.
-    let so = shared::<f32>(groups * 512);
-    let sm = shared::<f32>(groups);
-    let sw = shared::<f32>(groups);
+    // The warps' sums meet in shared memory; the merged latent row as bf16 pairs.
+    let so = shared::<f32>(p.warps * 512);
+    let sw = shared::<f32>(p.warps);
     #[unroll]
-    for e in 0..8 {
-        so[sg * 512 + col + e] = o[e];
+    for e in 0..16 {
+        so[warp * 512 + lane * 16 + e] = o[e];
     }
-    if col == 0 {
-        sm[sg] = m;
-        sw[sg] = wsum;
+    if lane == 0 {
+        sw[warp] = wsum;
     }
     sync_threads();
-    let mut mt = f32::NEG_INFINITY;
-    #[unroll]
-    for gi in 0..groups {
-        mt = mt.max(sm[gi]);
-    }
-    let mut fg = [0.0f32; groups];
     let mut ws = 0.0f32;
     #[unroll]
-    for gi in 0..groups {
-        if sm[gi] != f32::NEG_INFINITY {
-            fg[gi] = (sm[gi] - mt).exp();
-        }
-        ws += fg[gi] * sw[gi];
+    for wi in 0..p.warps {
+        ws += sw[wi];
     }
     let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
     let xs = shared::<u32>(256);
@@ -1545,9 +1540,9 @@ pub fn mla_combine_output(
         let mut o0 = 0.0f32;
         let mut o1 = 0.0f32;
         #[unroll]
-        for gi in 0..groups {
-            o0 += fg[gi] * so[gi * 512 + 2 * pc];
-            o1 += fg[gi] * so[gi * 512 + 2 * pc + 1];
+        for wi in 0..p.warps {
+            o0 += so[wi * 512 + 2 * pc];
+            o1 += so[wi * 512 + 2 * pc + 1];
         }
         xs[pc] = pack_bf16x2(o0 * inv, o1 * inv);
     }
