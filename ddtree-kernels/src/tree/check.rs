@@ -369,8 +369,9 @@ pub fn verify(
             .splits
             .unwrap_or_else(|| verify_splits(v, 132, rows, bound + nodes, usize::MAX));
         let (lsg, lwp) = combine_layout(splits as u32);
-        let case =
-            format!("ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} lsg={lsg} lwp={lwp}");
+        let case = format!(
+            "ctx={prefix} bound={bound} nodes={nodes} heads={heads} {kind} splits={splits} lsg={lsg} lwp={lwp}"
+        );
         let mut po = t.upload(&vec![0x7fc0_7fc0u32; splits * rows * LATENT / 2])?;
         let mut pl = t.upload(&vec![f32::NAN; splits * rows])?;
         let grid = ((rows as u32).div_ceil(v.rows_per_block()), splits as u32);

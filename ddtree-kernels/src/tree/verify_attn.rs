@@ -1345,7 +1345,11 @@ pub fn mla_verify_combine(
             let wo = shfl_xor(wsum, off);
             let mm = m.max(mo);
             let fa = if m == f32::NEG_INFINITY { 0.0f32 } else { (m - mm).exp() };
-            let fb = if mo == f32::NEG_INFINITY { 0.0f32 } else { (mo - mm).exp() };
+            let fb = if mo == f32::NEG_INFINITY {
+                0.0f32
+            } else {
+                (mo - mm).exp()
+            };
             wsum = wsum * fa + wo * fb;
             #[unroll]
             for e in 0..8 {
