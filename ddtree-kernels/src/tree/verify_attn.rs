@@ -1224,6 +1224,17 @@ fn split_lse(part_lse: &[f32], rows: u32, splits: u32, sidx: u32, r: u32) -> f32
     }
 }
 
+/// The factor that moves sums taken under maximum `m` to the larger maximum `to`:
+/// `exp(m - to)`, or 0 while `m` is `-inf` (nothing summed yet; the sums are zero).
+#[device_fn]
+fn merge_weight(m: f32, to: f32) -> f32 {
+    if m == f32::NEG_INFINITY {
+        0.0f32
+    } else {
+        (m - to).exp()
+    }
+}
+
 /// Warps of [`MlaVerifyCombine`]'s blocks.
 const COMBINE_WARPS: u32 = 8;
 
@@ -1311,12 +1322,8 @@ pub fn mla_verify_combine(
         for u in 0..MERGE_UNROLL {
             mr = mr.max(ls[u]);
         }
-        // Rescale what earlier rounds summed to the new maximum (nothing while both are -inf).
-        let f = if mr == f32::NEG_INFINITY {
-            1.0f32
-        } else {
-            (m - mr).exp()
-        };
+        // Rescale what earlier rounds summed to the new maximum.
+        let f = merge_weight(m, mr);
         wsum *= f;
         #[unroll]
         for e in 0..8 {
@@ -1344,12 +1351,8 @@ pub fn mla_verify_combine(
             let mo = shfl_xor(m, off);
             let wo = shfl_xor(wsum, off);
             let mm = m.max(mo);
-            let fa = if m == f32::NEG_INFINITY { 0.0f32 } else { (m - mm).exp() };
-            let fb = if mo == f32::NEG_INFINITY {
-                0.0f32
-            } else {
-                (mo - mm).exp()
-            };
+            let fa = merge_weight(m, mm);
+            let fb = merge_weight(mo, mm);
             wsum = wsum * fa + wo * fb;
             #[unroll]
             for e in 0..8 {
@@ -1381,13 +1384,11 @@ pub fn mla_verify_combine(
         let mut ws = 0.0f32;
         let mut ot = [0.0f32; 8];
         for wi in warp..warp + wpi {
-            if sm[wi] != f32::NEG_INFINITY {
-                let f = (sm[wi] - mt).exp();
-                ws += f * sw[wi];
-                #[unroll]
-                for e in 0..8 {
-                    ot[e] += f * so[wi * 256 + lane * 8 + e];
-                }
+            let f = merge_weight(sm[wi], mt);
+            ws += f * sw[wi];
+            #[unroll]
+            for e in 0..8 {
+                ot[e] += f * so[wi * 256 + lane * 8 + e];
             }
         }
         let inv = if ws > 0.0f32 { 1.0f32 / ws } else { 0.0f32 };
