@@ -106,6 +106,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<tree::MlaVerifySplit>()?);
     all.extend(variants::<tree::MlaVerifyWide>()?);
     all.extend(variants::<tree::MlaVerifyWg>()?);
+    all.extend(variants::<tree::MlaVerifyNarrow>()?);
     all.extend(variants::<tree::MlaVerifyCombine>()?);
     all.extend(variants::<tree::MlaCombineOutput>()?);
     all.extend(variants::<tree::MlaVerifyNaive>()?);

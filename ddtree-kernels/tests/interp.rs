@@ -43,6 +43,7 @@ fn verify_attention() {
         assert_covers::<ddtree_kernels::tree::MlaVerifyWide>(&results);
         if t.runs_wgmma() {
             assert_covers::<ddtree_kernels::tree::MlaVerifyWg>(&results);
+            assert_covers::<ddtree_kernels::tree::MlaVerifyNarrow>(&results);
         }
         assert_covers::<ddtree_kernels::tree::MlaCombineOutput>(&results);
         Ok(results)

@@ -11,7 +11,7 @@ use super::reference::{build_with_lse, combine_reference, fill_mask, logsumexp_r
 use super::{
     accept_reference, chain_mask, combine_grid, combine_layout, combine_output_grid, sample_rows,
     verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
-    MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    MlaVerifyNarrow, MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::attention::mla_absorb::output_reference;
 use crate::check::{
@@ -395,6 +395,7 @@ pub fn verify(
                 VerifyVariant::Split(p) => t.launch::<MlaVerifySplit>(p, grid, &mut args)?,
                 VerifyVariant::Wide(p) => t.launch::<MlaVerifyWide>(p, grid, &mut args)?,
                 VerifyVariant::Wg(p) => t.launch::<MlaVerifyWg>(p, grid, &mut args)?,
+                VerifyVariant::Narrow => t.launch::<MlaVerifyNarrow>(&(), grid, &mut args)?,
             }
         };
         let (got, got_lse) = run_combine(t, &po, &pl, rows, splits)?;

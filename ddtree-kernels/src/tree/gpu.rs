@@ -14,7 +14,7 @@ use half::bf16;
 use super::build::expansion_candidates;
 use super::{
     combine_grid, combine_layout, combine_output_grid, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
-    MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept, TreeBuild,
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifyNarrow, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept, TreeBuild,
     TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
@@ -441,6 +441,7 @@ enum SplitKernel {
     Split(CompiledKernel<MlaVerifySplit>),
     Wide(CompiledKernel<MlaVerifyWide>),
     Wg(CompiledKernel<MlaVerifyWg>),
+    Narrow(CompiledKernel<MlaVerifyNarrow>),
 }
 
 /// The verify attention: split-KV + combine for one variant and split count, or naive.
@@ -483,6 +484,7 @@ impl GpuVerify {
                 VerifyVariant::Split(p) => SplitKernel::Split(gpu.compile::<MlaVerifySplit>(p)?),
                 VerifyVariant::Wide(p) => SplitKernel::Wide(gpu.compile::<MlaVerifyWide>(p)?),
                 VerifyVariant::Wg(p) => SplitKernel::Wg(gpu.compile::<MlaVerifyWg>(p)?),
+                VerifyVariant::Narrow => SplitKernel::Narrow(gpu.compile::<MlaVerifyNarrow>(&())?),
             },
             combine: gpu.compile::<MlaVerifyCombine>(&())?,
             combine_output: gpu.compile::<MlaCombineOutput>(&MlaCombineOutput::space()[0])?,
@@ -540,6 +542,9 @@ impl GpuVerify {
                 }
                 SplitKernel::Wg(k) => {
                     MlaVerifyWg::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
+                }
+                SplitKernel::Narrow(k) => {
+                    MlaVerifyNarrow::launch(k, s, grid, q, cache, mask, lens, po, pl, r, h, n, w, sh.scale)
                 }
             }
         }

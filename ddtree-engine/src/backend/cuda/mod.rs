@@ -222,8 +222,9 @@ pub struct CudaOptions {
 /// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttentionKernel {
-    /// `wgmma` for trees and for decode steps past [`WG_DECODE_MIN_KEYS`] keys, `mma` for
-    /// shorter decode steps: the faster one of each case on the H200.
+    /// `mla_verify_narrow` for steps of at most 8 query rows (a decode step of 8 heads),
+    /// `wgmma` for trees and for longer decode steps past [`WG_DECODE_MIN_KEYS`] keys, `mma`
+    /// for shorter ones: the faster one of each case on the H200.
     #[default]
     Auto,
     /// `mla_verify_wg`: warpgroup MMA (`wgmma`, sm_90), 64 query rows per block.
@@ -429,7 +430,14 @@ fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result<AttentionK
 /// the same ring) with 32 rows per block up to one node of 64 heads (the decode step), else 64.
 /// From `tree-bench` on the H200 (BENCHMARKS.md, seed 504), 64 heads at 32K: `wg` 32.5 / 92.0
 /// / 584.0 µs at 1 / 8 / 64 nodes against the best `wide` 37.3 / 159.3 / 1073.0.
+/// Under `Auto`, steps of at most 8 rows take `mla_verify_narrow` (keys as the `mma` M, bulk
+/// copies): graph-timed split + combine at 8 heads, one node, under PDL (BENCHMARKS.md,
+/// twenty-third session) 6.5 / 7.0 / 12.3 / 17.0 µs at 1K / 4K / 16K / 32K against the best
+/// other kernel's 6.9 / 8.0 / 12.4 / 17.2 (and `wide`'s 8.1 / 8.5 / 14.0 / 20.1).
 fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
+    if kind == AttentionKernel::Auto && rows <= tree::VerifyVariant::Narrow.rows_per_block() as usize {
+        return tree::VerifyVariant::Narrow;
+    }
     let wg = match kind {
         AttentionKernel::Auto => rows > 64 || keys > WG_DECODE_MIN_KEYS,
         AttentionKernel::Wgmma => true,
@@ -2598,5 +2606,15 @@ mod tests {
         assert!(wg(verify_variant(AttentionKernel::Auto, 9 * 64, 1024)));
         assert!(!wg(verify_variant(AttentionKernel::Mma, 9 * 64, 1 << 20)));
         assert!(wg(verify_variant(AttentionKernel::Wgmma, 64, 256)));
+    }
+
+    #[test]
+    fn auto_attention_picks_the_narrow_kernel_for_eight_rows() {
+        let narrow = |v: tree::VerifyVariant| v == tree::VerifyVariant::Narrow;
+        assert!(narrow(verify_variant(AttentionKernel::Auto, 8, 1024)));
+        assert!(narrow(verify_variant(AttentionKernel::Auto, 3, 2 * WG_DECODE_MIN_KEYS)));
+        assert!(!narrow(verify_variant(AttentionKernel::Auto, 9, 1024)));
+        assert!(!narrow(verify_variant(AttentionKernel::Mma, 8, 1024)));
+        assert!(!narrow(verify_variant(AttentionKernel::Wgmma, 8, 1024)));
     }
 }
