@@ -10,8 +10,8 @@ use super::gpu::{builder_fits, download, upload, verify_splits, zeros, GpuAccept
 use super::reference::{build_with_lse, combine_reference, fill_mask, logsumexp_rows};
 use super::{
     accept_reference, chain_mask, combine_grid, combine_layout, combine_output_grid, sample_rows,
-    verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifySplit,
-    MlaVerifyNarrow, MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifyNarrow,
+    MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::attention::mla_absorb::output_reference;
 use crate::check::{

@@ -14,8 +14,8 @@ use half::bf16;
 use super::build::expansion_candidates;
 use super::{
     combine_grid, combine_layout, combine_output_grid, Acceptance, CompactRows, DraftTree, MlaCombineOutput,
-    MlaVerifyCombine, MlaVerifyNaive, MlaVerifyNarrow, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept, TreeBuild,
-    TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
+    MlaVerifyCombine, MlaVerifyNaive, MlaVerifyNarrow, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeAccept,
+    TreeBuild, TreeBuildParams, TreeStage, VerifyVariant, LATENT, MAX_K,
 };
 
 fn drv(context: &'static str) -> impl FnOnce(ddtree_runtime::cudarc::driver::DriverError) -> RuntimeError {

@@ -20,8 +20,8 @@ pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
 pub use build::{TreeBuild, TreeBuildParams, MAX_K};
 pub use verify_attn::{
     combine_grid, combine_layout, combine_output_grid, CombineOutputParams, MlaCombineOutput, MlaVerifyCombine,
-    MlaVerifyNaive, MlaVerifyNarrow, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, VerifyParams, VerifyVariant,
-    WgParams, WideParams,
+    MlaVerifyNaive, MlaVerifyNarrow, MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, VerifyParams, VerifyVariant, WgParams,
+    WideParams,
 };
 pub mod check;
 pub mod gpu;

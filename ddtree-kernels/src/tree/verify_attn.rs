@@ -1278,7 +1278,10 @@ pub fn mla_verify_narrow(
             for i in 0..18 {
                 #[unroll]
                 for h in 0..2 {
-                    ldmatrix_x4(&mut a, &sm[st + (16 * w + lane % 16) * 584 + (4 * i + 2 * h + lane / 16) * 8]);
+                    ldmatrix_x4(
+                        &mut a,
+                        &sm[st + (16 * w + lane % 16) * 584 + (4 * i + 2 * h + lane / 16) * 8],
+                    );
                     b[0] = qf[i][2 * h];
                     b[1] = qf[i][2 * h + 1];
                     mma_m16n8k16_bf16(&mut s[h], &a, &b);
@@ -1292,7 +1295,11 @@ pub fn mla_verify_narrow(
                 let key = kt + 16 * w + g + 8 * (e / 2);
                 let t = key - prefix;
                 let vis = key < kv1 && (key < prefix || ((mask[node[i] * words + t / 32] >> (t % 32)) & 1) == 1);
-                s[0][e] = if vis { (s[0][e] + s[1][e]) * scale_log2 } else { f32::NEG_INFINITY };
+                s[0][e] = if vis {
+                    (s[0][e] + s[1][e]) * scale_log2
+                } else {
+                    f32::NEG_INFINITY
+                };
                 mx[i] = mx[i].max(s[0][e]);
             }
             #[unroll]
