@@ -432,8 +432,8 @@ fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result<AttentionK
 /// / 584.0 µs at 1 / 8 / 64 nodes against the best `wide` 37.3 / 159.3 / 1073.0.
 /// Under `Auto`, steps of at most 8 rows take `mla_verify_narrow` (keys as the `mma` M, bulk
 /// copies): graph-timed split + combine at 8 heads, one node, under PDL (BENCHMARKS.md,
-/// twenty-third session) 6.5 / 7.0 / 12.3 / 17.0 µs at 1K / 4K / 16K / 32K against the best
-/// other kernel's 6.9 / 8.0 / 12.4 / 17.2 (and `wide`'s 8.1 / 8.5 / 14.0 / 20.1).
+/// twenty-third session) 6.3 / 6.9 / 12.1 / 16.7 µs at 1K / 4K / 16K / 32K against the best
+/// other kernel's 6.9 / 7.9 / 12.4 / 17.1 (and `wide`'s 8.1 / 8.5 / 14.0 / 20.1).
 fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
     if kind == AttentionKernel::Auto && rows <= tree::VerifyVariant::Narrow.rows_per_block() as usize {
         return tree::VerifyVariant::Narrow;
