@@ -470,6 +470,8 @@ pub fn verify_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Ve
         // Many splits (the combine's multi-warp items; most splits past the keys see none).
         case(300, 300, 1, 8, true, Some(37)),
         case(130, 200, 2, 8, false, Some(9)),
+        // Long splits of one 8-row block (six 64-key tiles each: the online rescale).
+        case(700, 700, 1, 8, true, Some(2)),
     ];
     if sizes == Sizes::Full {
         cases.extend([
