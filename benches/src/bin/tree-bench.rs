@@ -56,8 +56,9 @@ struct Args {
     profile_build: Option<Vec<String>>,
     /// For a profiler: two launches of the verify attention (`--profile-nodes` nodes x
     /// `--profile-heads` heads, the automatic split count) at context CTX, nothing else:
-    /// `--profile-variant`, or `mla_verify_wg`'s default for trees and past 16K keys, as the
-    /// engine's `--attention auto` on sm_90, else `mla_verify_wide` rg2.
+    /// `--profile-variant`, or as the engine's `--attention auto` on sm_90: `mla_verify_narrow`
+    /// for at most 8 rows, `mla_verify_wg`'s default for trees and past 16K keys, else
+    /// `mla_verify_wide` rg2.
     #[arg(long, value_name = "CTX")]
     profile_verify: Option<usize>,
     /// Nodes of `--profile-verify` (a random tree).
@@ -127,6 +128,7 @@ fn profile_verify(gpu: &Gpu, rng: &mut StdRng, args: &Args, ctx: usize) -> Resul
                 kernel: name.clone(),
                 reason: "no verify variant's symbol contains this".into(),
             })?,
+        None if nodes * heads <= VerifyVariant::Narrow.rows_per_block() as usize => VerifyVariant::Narrow,
         None if nodes > 1 || ctx > 16384 => VerifyVariant::Wg(MlaVerifyWg::default_params()),
         None => VerifyVariant::Wide(WideParams {
             rg: 2,
