@@ -97,6 +97,8 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<FillRandomU32>()?);
     all.extend(variants::<w4a16::W4a16Gemm>()?);
     all.extend(variants::<w4a16::W4a16GemmWg>()?);
+    all.extend(variants::<w4a16::W4a16GemmSk>()?);
+    all.extend(variants::<w4a16::W4a16ActTiles>()?);
     all.extend(variants::<w4a16::W4a16Reduce>()?);
     all.extend(variants::<w4a16::W4a16Repack>()?);
     all.extend(variants::<w4a16::MoeAlign>()?);

@@ -181,6 +181,22 @@ fn w4a16() {
     });
 }
 
+/// The stream-K W4A16 GEMM and its activation tiles (Hopper kernels: the interpreter, or an
+/// sm_90 GPU).
+#[test]
+fn w4a16_sk() {
+    check::on_each_target(|t, rng| {
+        if !t.runs_wgmma() {
+            println!("w4a16_sk: skipped on this GPU (no wgmma)");
+            return Ok(Vec::new());
+        }
+        let results = w4a16::check::sk_suite(t, Sizes::Small, rng)?;
+        assert_covers::<w4a16::W4a16GemmSk>(&results);
+        assert_covers::<w4a16::W4a16ActTiles>(&results);
+        Ok(results)
+    });
+}
+
 /// The small-token W4A16 path: dense GEMV and the routed gate_up / down pairs.
 #[test]
 fn w4a16_gemv() {

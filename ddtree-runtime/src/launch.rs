@@ -235,6 +235,14 @@ impl<K: Kernel> CompiledKernel<K> {
         self.spill_bytes
     }
 
+    /// Blocks of this variant that fit on one SM at once (the driver's occupancy calculator at
+    /// the variant's block and dynamic shared memory): what a persistent grid may hold per SM.
+    pub fn max_active_blocks_per_sm(&self) -> Result<u32, RuntimeError> {
+        self.func
+            .occupancy_max_active_blocks_per_multiprocessor(self.block.iter().product(), self.dyn_smem as usize, None)
+            .map_err(RuntimeError::driver("querying the occupancy"))
+    }
+
     /// Threads per block.
     pub fn block(&self) -> [u32; 3] {
         self.block

@@ -37,12 +37,14 @@ use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{DevBuf, Sizes, Target};
 use ddtree_kernels::w4a16::check::{self, moe_pairs, random_routing};
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel, DENSE_SPACE};
+use ddtree_kernels::w4a16::gemm_sk::{self, SK_SPACE};
 use ddtree_kernels::w4a16::gemm_wg::{self, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
-use ddtree_kernels::w4a16::layout::{scale_words, PackedInt4};
+use ddtree_kernels::w4a16::layout::{repack_fragment, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput};
 use ddtree_kernels::w4a16::{
-    Epilogue, Layout, MoeKernels, ReduceParams, W4a16Gemm, W4a16GemmWg, W4a16Params, W4a16Reduce, W4a16WgParams,
+    ActTilesParams, Epilogue, Layout, MoeKernels, ReduceParams, W4a16ActTiles, W4a16Gemm, W4a16GemmSk, W4a16GemmWg,
+    W4a16Params, W4a16Reduce, W4a16WgParams,
 };
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
@@ -86,6 +88,11 @@ struct Args {
     /// goes), its checks, then every candidate on 7168->36864 at `--ms` against cuBLAS.
     #[arg(long)]
     wg: bool,
+    /// Only the stream-K kernel (`w4a16_gemm_sk`): its checks, then every candidate on
+    /// 7168->36864 at `--ms` (activation tiles included) against cuBLAS and the best `wgmma`
+    /// candidate.
+    #[arg(long)]
+    sk: bool,
     /// Only a few launches for a profiler (no checks, no tables): the default dense GEMV on
     /// 7168->36864 at one row (20 calls), then the first small-token MoE pair at one and at
     /// eight tokens, then the tables' grouped MoE pair at 16 and 64 tokens (20 calls each).
@@ -967,6 +974,9 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     if gpu.programmatic_launch() {
         println!("every launch with programmatic dependent launch");
     }
+    if args.sk {
+        return bench_sk(&gpu, args, seed);
+    }
     if args.wg {
         return bench_wg(&gpu, args, seed);
     }
@@ -1137,6 +1147,124 @@ fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
                 pct(us),
                 short_wg(up),
                 pct(wus)
+            );
+        }
+    }
+    Ok(passed)
+}
+
+/// `--sk`: the stream-K kernel's checks, then each candidate on 7168->36864 at `--ms` (the
+/// activation-tiles launch included in its time) next to cuBLAS bf16 and the engine's
+/// `wgmma` default.
+fn bench_sk(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
+    let t = Target::Gpu(gpu);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut passed = true;
+    if !args.skip_checks {
+        let results = check::sk_suite(&t, Sizes::Full, &mut rng)?;
+        for r in results.iter().filter(|r| !r.passed) {
+            println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
+        }
+        let worst = results.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
+        let ok = results.iter().filter(|r| r.passed).count();
+        println!("checks: {ok} of {} passed (worst rel L2 {worst:.2e})", results.len());
+        passed &= ok == results.len();
+    }
+    let bw = ddtree_benches::copy_bandwidth(gpu)?;
+    println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
+    let (k, n) = (7168, 36864);
+    let s = gpu.stream();
+    let sms = gpu.fingerprint().sm_count as u32;
+    let nw = copies(q_bytes(n, k));
+    let frags: Vec<CudaSlice<u32>> = (0..nw)
+        .map(|_| upload(s, &repack_fragment(&random_weights(&mut rng, n, k, 1))))
+        .collect::<Result<_, _>>()?;
+    let wts = dense_weights(gpu, n, k, &mut rng)?;
+    let nb = copies(n * k * 2);
+    let bws: Vec<CudaSlice<bf16>> = (0..nb)
+        .map(|_| random_bf16_dev(s, &mut rng, n * k))
+        .collect::<Result<_, _>>()?;
+    let blas = ddtree_runtime::Blas::new(gpu)?;
+    let reduce = gpu.compile::<W4a16Reduce>(&ReduceParams {
+        block: 256,
+        epilogue: Epilogue::Plain,
+    })?;
+    let tp = ActTilesParams { block: 256 };
+    let tiles_k = gpu.compile::<W4a16ActTiles>(&tp)?;
+    let kernels: Vec<_> = SK_SPACE
+        .iter()
+        .map(|p| Ok((p, gpu.compile::<W4a16GemmSk>(p)?)))
+        .collect::<Result<_, RuntimeError>>()?;
+    println!("\n| M | variant (grid) | µs | % of copy | vs cuBLAS |\n|---:|---|---:|---:|---:|");
+    for &m in &args.ms {
+        let acts: Vec<CudaSlice<bf16>> = (0..4)
+            .map(|_| random_bf16_dev(s, &mut rng, m * k))
+            .collect::<Result<_, _>>()?;
+        let mut out = s
+            .alloc_zeros::<bf16>(m * n)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let bytes = (q_bytes(n, k) + 2 * m * k + 2 * m * n) as f64;
+        let cublas = time_us(s, args.reps, |i| {
+            // SAFETY: a is m x k, b is n x k, c is m x n.
+            unsafe { blas.linear(&acts[i % 4], &bws[i % nb], &mut out, m, n, k) }
+        })?;
+        println!("| {m} | cuBLAS bf16 | {cublas:.1} | | |");
+        if let Some((p, splits)) = gemm_wg::default_dense(m as u32, n as u32, k as u32) {
+            let gk = gpu.compile::<W4a16GemmWg>(&p)?;
+            let mut scratch = Scratch::new(s, 4 * m * n)?;
+            let data = (&wts[..], &acts[..], &mut scratch, &mut out);
+            let kern = (&p, &gk, p.splitk.then_some(&reduce));
+            for (sp, us) in time_splits(s, args.reps, kern, data, [m, n, k], &[splits])? {
+                let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
+                println!(
+                    "| {m} | engine default {} x{sp} | {us:.1} | {pct:.0}% | {:.2}x |",
+                    short_wg(&p),
+                    cublas / us
+                );
+            }
+        }
+        for (p, ck) in &kernels {
+            let (mu, nu, ku) = (m as u32, n as u32, k as u32);
+            let (tiles, _) = p.tiles_chunks(mu, nu, ku);
+            let g = gemm_sk::grid(p, sms, ck.max_active_blocks_per_sm()?, mu, nu, ku);
+            let tile_len = mu.div_ceil(p.bn) as usize * ku.div_ceil(128) as usize * (p.bn * 128) as usize;
+            let mut at = s
+                .alloc_zeros::<bf16>(tile_len)
+                .map_err(RuntimeError::driver("allocating"))?;
+            let mut part = s
+                .alloc_zeros::<f32>(p.part_len(g))
+                .map_err(RuntimeError::driver("allocating"))?;
+            let mut flags = s
+                .alloc_zeros::<u32>(tiles as usize)
+                .map_err(RuntimeError::driver("allocating"))?;
+            let tg = (tile_len as u32 / 8).div_ceil(tp.block).min(1024);
+            let us = time_us(s, args.reps, |i| {
+                // SAFETY: the buffers have the shapes the kernels document; g is resident.
+                unsafe {
+                    W4a16ActTiles::launch(&tiles_k, s, tg, &acts[i % 4], &mut at, mu, ku, p.bn)?;
+                    W4a16GemmSk::launch(
+                        ck,
+                        s,
+                        g,
+                        &at,
+                        &frags[i % nw],
+                        &mut out,
+                        &mut part,
+                        &mut flags,
+                        mu,
+                        nu,
+                        ku,
+                    )
+                }
+            })?;
+            let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
+            println!(
+                "| {m} | sk wg{} mt{} bn{} st{} (grid {g}) | {us:.1} | {pct:.0}% | {:.2}x |",
+                p.wgs,
+                p.mt,
+                p.bn,
+                p.stages,
+                cublas / us
             );
         }
     }

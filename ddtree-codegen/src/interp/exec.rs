@@ -1087,6 +1087,16 @@ impl<'k> Exec<'k, '_> {
                     };
                     copies.push(self.copy_async(th, (dp, d), (sp, s), 16, true)?);
                 }
+                // The copy is ordered for its readers by the mbarrier (a read before the phase
+                // completes is `ReadBeforeWait`), not by this epoch's barrier: its write was
+                // checked against this epoch's reads above, and reads after the wait are not
+                // races with the issuing thread.
+                for c in &copies {
+                    let m = &mut self.shared[c.arr as usize];
+                    for e in c.byte / m.esize..(c.byte + c.len).div_ceil(m.esize) {
+                        m.shadow[e].w_epoch = 0;
+                    }
+                }
                 let key = (r(3).arr, r(3).idx);
                 let m = self.mbars.get_mut(&key).expect("checked above");
                 m.copies.extend(copies);

@@ -19,9 +19,12 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::gemm::{self, rows_per_block, GemmTiling, W4a16Kernel, DENSE_SPACE, FUSED_SPACE};
+use super::gemm_sk::{ActTilesParams, W4a16ActTiles, W4a16GemmSk, W4a16SkParams, SK_SPACE};
 use super::gemm_wg::{W4a16GemmWg, W4a16WgParams, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use super::gemv::{self, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
-use super::layout::{interleaved_words, matmul, repack_interleaved, scale_words, PackedInt4, RepackParams};
+use super::layout::{
+    interleaved_words, matmul, repack_fragment, repack_interleaved, scale_words, PackedInt4, RepackParams,
+};
 use super::moe::{self, AlignParams, SumParams};
 use super::{Epilogue, Layout, MoeAlign, MoeSum, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce, W4a16Repack};
 use crate::check::{
@@ -640,6 +643,97 @@ pub fn wg_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Ch
     for pair in wg_moe_pairs() {
         for &(tk, e, h, i, topk) in &mcases {
             out.push(moe_block::<W4a16GemmWg>(t, &pair, tk, e, h, i, topk, rng)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Checks one [`W4a16GemmSk`] variant at `m x n x k` (g32) on a grid of `grid` blocks (at most
+/// the iterations), with its activation tiles made by [`W4a16ActTiles`] from poisoned buffers,
+/// `part` poisoned, and the tile flags checked to be left zero.
+pub fn sk_dense(
+    t: &Target<'_>,
+    p: &W4a16SkParams,
+    m: usize,
+    n: usize,
+    k: usize,
+    grid: u32,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let wq = PackedInt4::random(rng, n, k, 32, 1, 0.05);
+    let (a, af) = random_bf16(rng, m * k, -1.0, 1.0);
+    let (da, dw) = (t.upload(&a)?, t.upload(&repack_fragment(&wq))?);
+    let (mu, nu, ku) = (m as u32, n as u32, k as u32);
+    let (tiles, kbs) = p.tiles_chunks(mu, nu, ku);
+    let mut grid = grid.clamp(1, tiles * kbs);
+    if let Target::Gpu(g) = t {
+        // Every block must be resident at once (a tile's head waits for its other ranges).
+        let per_sm = g.compile::<W4a16GemmSk>(p)?.max_active_blocks_per_sm()?;
+        grid = grid.min(g.fingerprint().sm_count as u32 * per_sm);
+    }
+    let tp = ActTilesParams { block: 256 };
+    let tile_len = mu.div_ceil(p.bn) * kbs * p.bn * 128;
+    let mut dat = poisoned_bf16(t, tile_len as usize)?;
+    let mut args = [
+        Arg::In(&da),
+        Arg::Out(&mut dat),
+        Arg::from(mu),
+        Arg::from(ku),
+        Arg::from(p.bn),
+    ];
+    // SAFETY: `a` is m x k, `at` holds every tile of `bn` rows.
+    unsafe { t.launch::<W4a16ActTiles>(&tp, (tile_len / 8).div_ceil(tp.block).min(1024), &mut args)? };
+    let mut out = poisoned_bf16(t, m * n)?;
+    let mut part = t.upload(&vec![f32::NAN; p.part_len(grid)])?;
+    let mut flags = t.upload(&vec![0u32; tiles as usize])?;
+    let mut args = [
+        Arg::In(&dat),
+        Arg::In(&dw),
+        Arg::Out(&mut out),
+        Arg::Out(&mut part),
+        Arg::Out(&mut flags),
+        Arg::from(mu),
+        Arg::from(nu),
+        Arg::from(ku),
+    ];
+    // SAFETY: buffers have the documented shapes; the grid is at most the iterations and small
+    // enough to be resident at once.
+    unsafe { t.launch::<W4a16GemmSk>(p, grid, &mut args)? };
+    let got = t.download(&out)?;
+    let want = matmul(&af, &wq.dequantize_bf16(), m, n, k);
+    let symbols = [W4a16ActTiles::symbol(&tp), W4a16GemmSk::symbol(p)];
+    let mut r = pipeline(
+        W4a16GemmSk::NAME,
+        &symbols,
+        format!("m={m} n={n} k={k} grid={grid}"),
+        &to_f32(&got),
+        &want,
+    );
+    if t.download(&flags)?.iter().any(|&f| f != 0) {
+        r.passed = false;
+        r.case += " (tile flags left nonzero)";
+    }
+    Ok(r)
+}
+
+/// Every [`W4a16GemmSk`] candidate at ragged sizes (M past one `bn` block, N past one tile and
+/// a 64-row unit, K ending in a k32 group) on grids that cut tiles into 1 to 4 ranges, and (full)
+/// at Kimi sizes. Needs [`Target::runs_wgmma`].
+pub fn sk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
+    let mut cases: Vec<(usize, usize, usize, u32)> = vec![(37, 200, 416, 3), (19, 72, 288, 5)];
+    if sizes == Sizes::Full {
+        cases.extend([
+            (70, 520, 640, 1),
+            (70, 520, 640, 7),
+            (130, 384, 2048, 13),
+            (64, 7168, 2048, 132),
+            (128, 4096, 7168, 264),
+        ]);
+    }
+    let mut out = Vec::new();
+    for p in SK_SPACE {
+        for &(m, n, k, grid) in &cases {
+            out.push(sk_dense(t, p, m, n, k, grid, rng)?);
         }
     }
     Ok(out)

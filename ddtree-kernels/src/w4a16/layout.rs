@@ -175,6 +175,75 @@ pub fn interleave_word(w: u32) -> u32 {
     })
 }
 
+/// Words of one fragment block of [`super::gemm_sk`]: a 64-row unit's k128 chunk, 1024 words of
+/// packed weights and 128 of scales (4608 bytes).
+pub const FRAG_BLOCK_WORDS: usize = 1152;
+
+/// Words of one matrix in fragment blocks (`ceil(n / 64)` units of `ceil(k / 128)` chunks).
+pub fn fragment_words(n: usize, k: usize) -> usize {
+    n.div_ceil(64) * k.div_ceil(128) * FRAG_BLOCK_WORDS
+}
+
+/// The fragment blocks [`super::W4a16GemmSk`] copies whole: block `(u, c)` (rows `64 u ..`,
+/// k `128 c ..`) at `(u kbs + c) 1152` words. Word `8 t + s` (`t` a warpgroup thread: warp
+/// `t / 32`, `g = lane / 4`, `q = lane % 4`; `s` the k16 step) holds the thread's `wgmma` A
+/// fragment of step `s`: rows `r0 = 16 (t / 32) + g` and `r1 = r0 + 8`, elements `(r0, 2q)`,
+/// `(r0, 2q + 1)`, `(r1, 2q)`, `(r1, 2q + 1)`, `(r0, 2q + 8)`, `(r0, 2q + 9)`, `(r1, 2q + 8)`,
+/// `(r1, 2q + 9)` of the step, pair `i` of them at nibbles `(i, i + 4)` (stored `q + 8`). Words
+/// `1024 + 4 p ..` (`p = 8 (t / 32) + g`) hold the bf16 scales of the chunk's four k32 groups
+/// of row `r0` (two words, low half first), then of `r1`. Past N or K: code 0, scale 0.
+/// Dense matrices only (`experts == 1`).
+pub fn repack_fragment(p: &PackedInt4) -> Vec<u32> {
+    assert_eq!(p.experts, 1, "repack_fragment: dense matrices only");
+    let (n, k, kw, gpr) = (p.n, p.k, p.k / 8, p.k / p.group);
+    let kbs = k.div_ceil(128);
+    let nib = |row: usize, col: usize| -> u32 {
+        if row < n && col < k {
+            (p.packed[row * kw + col / 8] >> (4 * (col % 8))) & 0xf
+        } else {
+            8
+        }
+    };
+    let scale = |row: usize, col: usize| -> u32 {
+        if row < n && col < k {
+            p.scales[row * gpr + col / p.group].to_bits() as u32
+        } else {
+            0
+        }
+    };
+    let mut out = vec![0u32; fragment_words(n, k)];
+    for (b, blk) in out.chunks_mut(FRAG_BLOCK_WORDS).enumerate() {
+        let (u, c) = (b / kbs, b % kbs);
+        for (w, word) in blk.iter_mut().enumerate() {
+            *word = if w < 1024 {
+                let (t, s) = (w / 8, w % 8);
+                let (lane, r0) = (t % 32, 64 * u + 16 * (t / 32) + (t % 32) / 4);
+                let (q, kb) = (lane % 4, 128 * c + 16 * s);
+                let el = [
+                    (r0, kb + 2 * q),
+                    (r0, kb + 2 * q + 1),
+                    (r0 + 8, kb + 2 * q),
+                    (r0 + 8, kb + 2 * q + 1),
+                    (r0, kb + 2 * q + 8),
+                    (r0, kb + 2 * q + 9),
+                    (r0 + 8, kb + 2 * q + 8),
+                    (r0 + 8, kb + 2 * q + 9),
+                ];
+                (0..4).fold(0, |acc, i| {
+                    let (lo, hi) = (el[2 * i], el[2 * i + 1]);
+                    acc | nib(lo.0, lo.1) << (4 * i) | nib(hi.0, hi.1) << (4 * i + 16)
+                })
+            } else {
+                let (pr, j) = ((w - 1024) / 4, (w - 1024) % 4);
+                let row = 64 * u + 16 * (pr / 8) + pr % 8 + 8 * (j / 2);
+                let g0 = 128 * c + 64 * (j % 2);
+                scale(row, g0) | scale(row, g0 + 32) << 16
+            };
+        }
+    }
+    out
+}
+
 /// Compile-time parameters of [`W4a16Repack`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct RepackParams {
@@ -300,6 +369,44 @@ mod tests {
         };
         assert_eq!(p.dequantize()[0], 7.0546875);
         assert_eq!(p.dequantize_bf16()[0], 7.0625);
+    }
+
+    #[test]
+    fn fragment_blocks_hold_every_element_and_scale() {
+        let mut rng = rand::rng();
+        let p = PackedInt4::random(&mut rng, 70, 160, 32, 1, 1.0);
+        let f = repack_fragment(&p);
+        let kbs = p.k.div_ceil(128);
+        let q = unpack(&p.packed);
+        let mut seen = vec![0u32; p.n * p.k];
+        for (b, blk) in f.chunks(FRAG_BLOCK_WORDS).enumerate() {
+            let (u, c) = (b / kbs, b % kbs);
+            for t in 0..128 {
+                let (g, qq) = ((t % 32) / 4, t % 4);
+                let r0 = 64 * u + 16 * (t / 32) + g;
+                for s in 0..8 {
+                    let word = blk[8 * t + s];
+                    for e in 0..8 {
+                        // Element e of the fragment: register e / 2, pair (e / 2) at nibbles
+                        // (e / 2, e / 2 + 4); rows r0 / r0 + 8 by register parity.
+                        let reg = e / 2;
+                        let row = r0 + 8 * (reg % 2);
+                        let col = 128 * c + 16 * s + 2 * qq + 8 * (reg / 2) + e % 2;
+                        let nib = (word >> (4 * reg + 16 * (e % 2))) & 0xf;
+                        if row < p.n && col < p.k {
+                            assert_eq!(nib as i8 - 8, q[row * p.k + col]);
+                            seen[row * p.k + col] += 1;
+                            let sw = blk[1024 + 4 * (8 * (t / 32) + g) + 2 * (reg % 2) + (16 * s % 128) / 64];
+                            let sc = if (16 * s % 64) < 32 { sw & 0xffff } else { sw >> 16 };
+                            assert_eq!(sc as u16, p.scales[row * (p.k / 32) + col / 32].to_bits());
+                        } else {
+                            assert_eq!(nib, 8);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&v| v == 1), "every element exactly once");
     }
 
     #[test]

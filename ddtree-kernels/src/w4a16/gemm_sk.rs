@@ -1,0 +1,413 @@
+//! `w4a16_gemm_sk`: the dense W4A16 product `out[M, N] = A[M, K] x dequant(W)[N, K]^T` on the
+//! Hopper warpgroup tensor cores, fed only by bulk copies and balanced by stream-K.
+//!
+//! What it changes against [`super::W4a16GemmWg`] (whose loop was bound by instruction issue
+//! and in-block latency, BENCHMARKS.md):
+//!
+//! - **Operands laid out ahead, one bulk copy each.** The weights are repacked at load time into
+//!   *fragment blocks* ([`super::layout::repack_fragment`]): per 64-row unit and k128 chunk,
+//!   4096 bytes in which thread `t` of a warpgroup finds its eight `wgmma` A-fragment words
+//!   (one per k16 step) at `32 t`, then 512 bytes of scales (per 16-row-pair the chunk's four
+//!   k32 group scales of rows `g` and `g + 8`). The activations are rewritten per call by
+//!   [`W4a16ActTiles`] into the exact shared-memory image of a ring slot (`bn` rows x 128 k,
+//!   two 64-k column blocks, 128-byte swizzled). One thread issues a chunk's copies
+//!   (`cp_async_bulk` onto the slot's mbarrier): no per-thread copy issue, no proxy fence,
+//!   and each thread reads its 32 weight bytes with two conflict-free 16-byte loads, a quarter
+//!   of what the `wgmma` kernel's broadcast reads cost.
+//! - **Stream-K.** A persistent grid (at most the blocks that fit on the GPU at once) splits the
+//!   `tiles x chunks` iterations evenly: block `b` takes range `r = grid - 1 - b`, iterations
+//!   `[r T / G, (r + 1) T / G)`. A tile cut by a range boundary is finished by the range that
+//!   holds its first chunk (its *head*, at the end of that range, so computed last); the other
+//!   ranges (at the start of later ranges, lower block indices) write f32 partials to their
+//!   block's slot of `part` and count on the tile's flag; the head waits for the count, adds
+//!   the partials, writes bf16 and resets the flag. No wave tail whatever the shape.
+//!
+//! Per step `j`: the `wgmma`s of iteration `j - 1` (A from the register set made last step) go
+//! out, iteration `j`'s slot is waited for and its fragments dequantized into the other set
+//! while they run (`bf16(q * scale)` exactly, as every W4A16 kernel here), the `wgmma`s are
+//! waited for (none stays in flight across the loop's back edge: ptxas would serialize them),
+//! a tile that ends is written out, and after the block's barrier thread 0 refills the freed
+//! slot `stages` iterations ahead.
+
+use ddtree_codegen::dsl::*;
+use ddtree_macros::{kernel, KernelParams};
+
+use super::gemm::{dequant_pair, magic_pair_interleaved};
+
+/// Bytes of one fragment block (a 64-row unit's k128 chunk): 4096 of packed weights, 512 of
+/// scales.
+pub const FRAG_BLOCK_BYTES: u32 = 4608;
+
+/// Compile-time parameters of [`W4a16GemmSk`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, KernelParams)]
+pub struct W4a16SkParams {
+    /// Warpgroups per block (1..=4), each `mt` 64-row units of the tile.
+    pub wgs: u32,
+    /// 64-row units per warpgroup (1 or 2).
+    pub mt: u32,
+    /// Tokens per tile: the `wgmma` N (16, 32, 64, 128 or 256; the activation tiles' rows).
+    pub bn: u32,
+    /// Ring slots (k128 iterations in flight, 2..=8).
+    pub stages: u32,
+}
+
+impl W4a16SkParams {
+    /// Weight rows (output columns) per tile.
+    pub const fn tile_rows(&self) -> u32 {
+        64 * self.wgs * self.mt
+    }
+
+    /// Bytes of one ring slot: the activation tile, then the units' fragment blocks, padded to
+    /// 1024 bytes (the swizzle's alignment).
+    pub const fn slot_bytes(&self) -> u32 {
+        let b = self.bn * 256 + self.wgs * self.mt * FRAG_BLOCK_BYTES;
+        b.div_ceil(1024) * 1024
+    }
+
+    /// Bytes of dynamic shared memory: the ring.
+    pub const fn dyn_smem(&self) -> u32 {
+        self.stages * self.slot_bytes()
+    }
+
+    /// Tiles and k128 chunks of an `m x n x k` product.
+    pub fn tiles_chunks(&self, m: u32, n: u32, k: u32) -> (u32, u32) {
+        (m.div_ceil(self.bn) * n.div_ceil(self.tile_rows()), k.div_ceil(128))
+    }
+
+    /// f32 elements of the `part` scratch for a grid of `grid` blocks.
+    pub fn part_len(&self, grid: u32) -> usize {
+        grid as usize * (self.tile_rows() * self.bn) as usize
+    }
+}
+
+/// The stream-K grid of an `m x n x k` product: every block resident at once (`sm_count` SMs
+/// times `blocks_per_sm`, [`ddtree_runtime::CompiledKernel::max_active_blocks_per_sm`]), at most
+/// one block per iteration.
+pub fn grid(p: &W4a16SkParams, sm_count: u32, blocks_per_sm: u32, m: u32, n: u32, k: u32) -> u32 {
+    let (tiles, chunks) = p.tiles_chunks(m, n, k);
+    (sm_count * blocks_per_sm).clamp(1, tiles * chunks)
+}
+
+const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
+    W4a16SkParams { wgs, mt, bn, stages }
+}
+
+/// Candidates: 256-row tiles (four warpgroups of one unit, or two of two) with 4-6 slots,
+/// 128-row and 64-row tiles small enough for two blocks per SM, and N 128 for M above 64
+/// (two units of N 128 in one warpgroup spill: 128 accumulator and 128 fragment registers).
+pub const SK_SPACE: &[W4a16SkParams] = &[
+    sk(4, 1, 64, 4),
+    sk(4, 1, 64, 6),
+    sk(2, 2, 64, 4),
+    sk(2, 1, 64, 4),
+    sk(1, 1, 64, 4),
+    sk(2, 1, 128, 4),
+];
+
+/// Arguments: `at` the activation tiles ([`W4a16ActTiles`] with this `bn`), `wf` the fragment
+/// blocks of `ceil(n / 64)` units ([`super::layout::repack_fragment`]), `out` `[m, n]` bf16,
+/// `part` f32 scratch of [`W4a16SkParams::part_len`] (any contents), `flags` one u32 per tile,
+/// zero (left zero). Grid: `(G, 1, 1)` with `1 <= G <= tiles x chunks`, every block resident
+/// at once (a head waits for the other ranges of its tile): at most the SMs times the blocks
+/// per SM. Needs `k % 32 == 0`.
+#[kernel(block = p.wgs * 128, dyn_smem = p.dyn_smem(), space = SK_SPACE.to_vec())]
+pub fn w4a16_gemm_sk(
+    #[comptime] p: &W4a16SkParams,
+    at: &[bf16],
+    wf: &[u32],
+    out: &mut [bf16],
+    part: &mut [f32],
+    flags: &mut [u32],
+    m: u32,
+    n: u32,
+    k: u32,
+) {
+    comptime_assert!(p.wgs >= 1 && p.wgs <= 4, "wgs must be 1..=4");
+    comptime_assert!(p.mt == 1 || p.mt == 2, "mt must be 1 or 2");
+    comptime_assert!(
+        p.bn == 16 || p.bn == 32 || p.bn == 64 || p.bn == 128 || p.bn == 256,
+        "bn must be 16, 32, 64, 128 or 256"
+    );
+    comptime_assert!(
+        p.mt * p.bn <= 256,
+        "mt * bn must be at most 256 (128 accumulator registers)"
+    );
+    comptime_assert!(p.stages >= 2 && p.stages <= 8, "stages must be 2..=8");
+    comptime_assert!(
+        p.dyn_smem() <= 232448,
+        "the ring is limited to 227 KiB of shared memory per block"
+    );
+    let threads = p.wgs * 128;
+    let units = p.wgs * p.mt;
+    let rows = 64 * units;
+    // Slot layout in bf16 elements: the activation tile, then unit `v`'s block at
+    // `bn 128 + 2304 v` (its scales 2048 elements in).
+    let slot = p.slot_bytes() / 2;
+    let sm = dyn_shared::<bf16>();
+    // Slot `s`'s mbarrier: its phase `u` completes when iteration `s + stages u` has landed.
+    let full = shared::<u64>(p.stages);
+    let tid = thread_idx_x();
+    let h = tid / 128;
+    let t128 = tid % 128;
+    let lane = lane_id();
+    let g = lane / 4;
+    let q = lane % 4;
+    let wl = t128 / 32;
+
+    let kbs = (k + 127u32) / 128u32;
+    let ntn = (n + rows - 1) / rows;
+    let units_n = (n + 63u32) / 64u32;
+    let total = (m + p.bn - 1) / p.bn * ntn * kbs;
+    let nblk = grid_dim_x();
+    let blk = block_idx_x();
+    let r = nblk - 1 - blk;
+    let it0 = r * total / nblk;
+    let it1 = (r + 1) * total / nblk;
+    let nit = it1 - it0;
+    if nit == 0 {
+        return;
+    }
+    if tid == 0 {
+        #[unroll]
+        for s in 0..p.stages {
+            mbar_init(&mut full[s], 1u32);
+        }
+    }
+    sync_threads();
+
+    let mut acc = [[0.0f32; p.bn / 2]; p.mt];
+    // A fragments of an iteration's 8 k16 steps per unit, two sets (iteration `j` in set
+    // `j % 2`).
+    let mut af = [[0u32; 4]; 16 * p.mt];
+    // Tile and chunk of the iteration whose `wgmma`s complete in the current step.
+    let mut ct = it0 / kbs;
+    let mut cc = it0 % kbs;
+    for jj in 0..(nit + 2) / 2 {
+        #[unroll]
+        for hf in 0..2 {
+            let j = 2 * jj + hf;
+            if j <= nit {
+                // Thread 0 fills the ring: iterations `0 .. stages` in step 0, then iteration
+                // `j + stages - 2` into the slot of iteration `j - 2` (its `wgmma`s were waited
+                // for before the last barrier). Each: the activation tile and the tile's units
+                // (a unit past N copies unit 0, whose products are never written).
+                if tid == 0 {
+                    let lo = if j == 0 { 0u32 } else { j + p.stages - 2 };
+                    let hi = if j == 0 {
+                        p.stages
+                    } else if j >= 2 {
+                        lo + 1
+                    } else {
+                        lo
+                    };
+                    for jn in lo..hi.min(nit) {
+                        let it = it0 + jn;
+                        let tile = it / kbs;
+                        let c = it % kbs;
+                        let nt = tile % ntn;
+                        let so = (jn % p.stages) * slot;
+                        let bar = jn % p.stages;
+                        mbar_arrive_tx(&mut full[bar], p.bn * 256 + units * FRAG_BLOCK_BYTES);
+                        cp_async_bulk(
+                            &mut sm[so],
+                            &at[((tile / ntn) * kbs + c) * p.bn * 128],
+                            p.bn * 256,
+                            &mut full[bar],
+                        );
+                        #[unroll]
+                        for v in 0..units {
+                            let mut un = nt * units + v;
+                            if un >= units_n {
+                                un = 0u32;
+                            }
+                            cp_async_bulk(
+                                &mut sm[so + p.bn * 128 + 2304 * v],
+                                &wf[(un * kbs + c) * 1152],
+                                FRAG_BLOCK_BYTES,
+                                &mut full[bar],
+                            );
+                        }
+                    }
+                }
+                if j >= 1 {
+                    let bd = wgmma_desc(&sm[((j - 1) % p.stages) * slot]);
+                    wgmma_fence();
+                    #[unroll]
+                    for kk in 0..8 {
+                        #[unroll]
+                        for u in 0..p.mt {
+                            // k16 step `kk`: column block `kk / 4` (`bn * 64` elements, `bn * 8`
+                            // descriptor units), 32 bytes per step inside it.
+                            wgmma_bf16_rs(
+                                &mut acc[u],
+                                &af[((1 - hf) * 8 + kk) * p.mt + u],
+                                bd + (kk / 4) * p.bn * 8 + 2 * (kk % 4),
+                            );
+                        }
+                    }
+                    wgmma_commit();
+                }
+                if j < nit {
+                    // Iteration `j`: this thread's 8 words and the scales of rows `16 wl + g`
+                    // and `+ 8` per unit, then the fragments of its k16 steps.
+                    mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
+                    #[unroll]
+                    for u in 0..p.mt {
+                        let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
+                        let w0 = sm.vload(ub + 16 * t128);
+                        let w1 = sm.vload(ub + 16 * t128 + 8);
+                        let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
+                        let mut x = [0u32; 8];
+                        x[0] = w0.x;
+                        x[1] = w0.y;
+                        x[2] = w0.z;
+                        x[3] = w0.w;
+                        x[4] = w1.x;
+                        x[5] = w1.y;
+                        x[6] = w1.z;
+                        x[7] = w1.w;
+                        // Scale pairs of k32 group `gi`: row g in `s2[2 gi]`, row g + 8 in
+                        // `s2[2 gi + 1]`.
+                        let mut s2 = [0u32; 8];
+                        #[unroll]
+                        for gi in 0..4 {
+                            let sel = if gi % 2 == 1 { 0x3232u32 } else { 0x1010u32 };
+                            s2[2 * gi] = prmt(if gi < 2 { sc.x } else { sc.y }, 0u32, sel);
+                            s2[2 * gi + 1] = prmt(if gi < 2 { sc.z } else { sc.w }, 0u32, sel);
+                        }
+                        #[unroll]
+                        for st in 0..8 {
+                            // Register `i`: element pair `i` (nibbles `i`, `i + 4`), of row g
+                            // (even `i`) or g + 8 (odd).
+                            #[unroll]
+                            for i in 0..4 {
+                                af[(hf * 8 + st) * p.mt + u][i] =
+                                    dequant_pair(magic_pair_interleaved(x[st] >> (4 * i)), s2[2 * (st / 2) + i % 2]);
+                            }
+                        }
+                    }
+                }
+                wgmma_wait(0);
+                // Iteration `j - 1` ends the tile or the range: finish this range's segment.
+                if j >= 1 && (cc + 1 == kbs || j == nit) {
+                    let tstart = ct * kbs;
+                    if it0 > tstart {
+                        // Not the head: partials to this block's slot, then count.
+                        let pb = (blk * threads + tid) * p.mt;
+                        #[unroll]
+                        for u in 0..p.mt {
+                            #[unroll]
+                            for e in 0..p.bn / 2 {
+                                part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
+                            }
+                        }
+                        thread_fence();
+                        sync_threads();
+                        if tid == 0 {
+                            flags.atomic_add(ct, 1u32);
+                        }
+                    } else {
+                        // The head: the ranges up to the one holding the tile's last chunk
+                        // (ceil((tstart + kbs) G / T) - 1) have partials to add.
+                        let rl = ((tstart + kbs) * nblk + total - 1) / total - 1;
+                        if rl > r {
+                            if tid == 0 {
+                                while flags.atomic_add(ct, 0u32) < rl - r {}
+                                flags.atomic_exch(ct, 0u32);
+                            }
+                            sync_threads();
+                            thread_fence();
+                            for ro in r + 1..rl + 1 {
+                                let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
+                                #[unroll]
+                                for u in 0..p.mt {
+                                    #[unroll]
+                                    for e in 0..p.bn / 2 {
+                                        acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
+                                    }
+                                }
+                            }
+                        }
+                        // Accumulator `acc[u][4 jb + e]`: weight row (output column) `16 wl +
+                        // g + 8 (e / 2)` of the warpgroup's unit `u`, token `8 jb + 2 q + e % 2`.
+                        let mb = ct / ntn;
+                        let nt = ct % ntn;
+                        #[unroll]
+                        for jb in 0..p.bn / 8 {
+                            #[unroll]
+                            for c2 in 0..2 {
+                                let token = mb * p.bn + 8 * jb + 2 * q + c2;
+                                if token < m {
+                                    #[unroll]
+                                    for u in 0..p.mt {
+                                        #[unroll]
+                                        for e2 in 0..2 {
+                                            let col = nt * rows + (h * p.mt + u) * 64 + 16 * wl + g + 8 * e2;
+                                            if col < n {
+                                                out[token * n + col] = acc[u][4 * jb + 2 * e2 + c2] as bf16;
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    #[unroll]
+                    for u in 0..p.mt {
+                        #[unroll]
+                        for e in 0..p.bn / 2 {
+                            acc[u][e] = 0.0f32;
+                        }
+                    }
+                }
+                if j >= 1 {
+                    cc += 1;
+                    if cc == kbs {
+                        cc = 0u32;
+                        ct += 1;
+                    }
+                }
+                sync_threads();
+            }
+        }
+    }
+}
+
+/// Compile-time parameters of [`W4a16ActTiles`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, KernelParams)]
+pub struct ActTilesParams {
+    /// Threads per block.
+    pub block: u32,
+}
+
+/// Rewrites `a` `[m, k]` bf16 into the activation tiles [`W4a16GemmSk`] copies whole: per
+/// `bn`-row block `mb` and k128 chunk `c`, at `(mb kbs + c) bn 128`, the ring slot's image (two
+/// 64-k column blocks `[bn, 64]`, 128 bytes a row, 16-byte piece `p` of row `r` at piece
+/// `p ^ (r % 8)`), zero past M and K. Any grid: the kernel strides over the 16-byte pieces.
+/// Needs `k % 8 == 0`.
+#[kernel(block = p.block, space = [ActTilesParams { block: 256 }])]
+pub fn w4a16_act_tiles(#[comptime] p: &ActTilesParams, a: &[bf16], at: &mut [bf16], m: u32, k: u32, bn: u32) {
+    let kbs = (k + 127u32) / 128u32;
+    let pieces = (m + bn - 1) / bn * kbs * bn * 16;
+    for i in (block_idx_x() * p.block + thread_idx_x()..pieces).step_by(grid_dim_x() * p.block) {
+        let tile = i / (bn * 16);
+        let rest = i % (bn * 16);
+        let cb = rest / (bn * 8);
+        let rr = (rest % (bn * 8)) / 8;
+        let pc = rest % 8;
+        let row = (tile / kbs) * bn + rr;
+        let col = (tile % kbs) * 128 + cb * 64 + pc * 8;
+        let ok = row < m && col < k;
+        let mut v = a.vload(if ok { row * k + col } else { 0u32 });
+        if !ok {
+            v.x = 0u32;
+            v.y = 0u32;
+            v.z = 0u32;
+            v.w = 0u32;
+        }
+        at.vstore(
+            tile * bn * 128 + cb * bn * 64 + (rr / 8) * 512 + (rr % 8) * 64 + ((pc ^ (rr % 8)) * 8),
+            v,
+        );
+    }
+}
