@@ -92,16 +92,19 @@ const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
     W4a16SkParams { wgs, mt, bn, stages }
 }
 
-/// Candidates: 256-row tiles (four warpgroups of one unit, or two of two) with 4-6 slots,
-/// 128-row and 64-row tiles small enough for two blocks per SM, and N 128 for M above 64
-/// (two units of N 128 in one warpgroup spill: 128 accumulator and 128 fragment registers).
+/// Candidates: 128-row tiles (two warpgroups of one unit) with 6 or 8 slots, 256-row tiles (two
+/// warpgroups of two units) with 5 or 6, 64-row tiles at two blocks per SM, and N 128 for M
+/// above 64. Deep rings: a slot's weights come from DRAM, and an SM needs tens of KiB of them in
+/// flight (four slots of a 128-row tile ran at 29% of copy bandwidth). Four warpgroups (512
+/// threads, at most 128 registers) spill, as does one warpgroup of two units at N 128 (128
+/// accumulator and 128 fragment registers).
 pub const SK_SPACE: &[W4a16SkParams] = &[
-    sk(4, 1, 64, 4),
-    sk(4, 1, 64, 6),
-    sk(2, 2, 64, 4),
-    sk(2, 1, 64, 4),
-    sk(1, 1, 64, 4),
-    sk(2, 1, 128, 4),
+    sk(2, 1, 64, 8),
+    sk(2, 1, 64, 6),
+    sk(2, 2, 64, 6),
+    sk(2, 2, 64, 5),
+    sk(1, 1, 64, 5),
+    sk(2, 1, 128, 5),
 ];
 
 /// Arguments: `at` the activation tiles ([`W4a16ActTiles`] with this `bn`), `wf` the fragment
