@@ -22,15 +22,17 @@
 //!   block's slot of `part` and count on the tile's flag; the head waits for the count, adds
 //!   the partials, writes bf16 and resets the flag. No wave tail whatever the shape.
 //!
-//! Per step `j`: the `wgmma`s of iteration `j - 1` (A from the register set made last step) go
-//! out, iteration `j`'s slot is waited for and its fragments dequantized into the other set
-//! while they run (`bf16(q * scale)` exactly, as every W4A16 kernel here), the `wgmma`s are
-//! waited for (none stays in flight across the loop's back edge: ptxas would serialize them),
-//! a tile that ends is written out, and after the block's barrier thread 0 refills the freed
-//! slot `stages` iterations ahead.
+//! Per step `j`, in two halves of four k16 steps (two sets of 16 fragment registers per unit,
+//! so that four warpgroups fit an SM's registers without spilling): iteration `j - 1`'s first
+//! half goes out on the tensor cores while its second half is dequantized (`bf16(q * scale)`
+//! exactly, as every W4A16 kernel here); the second half goes out, and once the first is done
+//! iteration `j`'s slot is waited for, its words loaded and its first half dequantized while
+//! the second runs; a tile that ends at `j - 1` is written out; the block's barrier frees the
+//! slot of `j - 1` for thread 0's copy `stages - 1` iterations ahead. Every step waits for its
+//! `wgmma`s (none stays in flight across the loop's back edge: ptxas would serialize them).
 
 use ddtree_codegen::dsl::*;
-use ddtree_macros::{kernel, KernelParams};
+use ddtree_macros::{device_fn, kernel, KernelParams};
 
 use super::gemm::{dequant_pair, magic_pair_interleaved};
 
@@ -92,20 +94,28 @@ const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
     W4a16SkParams { wgs, mt, bn, stages }
 }
 
-/// Candidates: 128-row tiles (two warpgroups of one unit) with 6 or 8 slots, 256-row tiles (two
-/// warpgroups of two units) with 5 or 6, 64-row tiles at two blocks per SM, and N 128 for M
-/// above 64. Deep rings: a slot's weights come from DRAM, and an SM needs tens of KiB of them in
-/// flight (four slots of a 128-row tile ran at 29% of copy bandwidth). Four warpgroups (512
-/// threads, at most 128 registers) spill, as does one warpgroup of two units at N 128 (128
-/// accumulator and 128 fragment registers).
+/// Candidates: 256-row tiles (four warpgroups of one unit, 16 warps an SM) with 4 or 6 slots,
+/// 128-row tiles (two warpgroups) at 4 slots (two blocks an SM), 256-row tiles of two
+/// warpgroups of two units, 64-row tiles, and N 128 for M above 64.
 pub const SK_SPACE: &[W4a16SkParams] = &[
-    sk(2, 1, 64, 8),
-    sk(2, 1, 64, 6),
-    sk(2, 2, 64, 6),
+    sk(4, 1, 64, 6),
+    sk(4, 1, 64, 4),
+    sk(2, 1, 64, 4),
     sk(2, 2, 64, 5),
-    sk(1, 1, 64, 5),
+    sk(1, 1, 64, 4),
     sk(2, 1, 128, 5),
 ];
+
+/// Register `i` (0..4) of the `wgmma` A fragment of k16 step `st` from the step's fragment
+/// word and the thread's scale words `sc_g` (row g) and `sc_g8` (row g + 8) of the step's
+/// half (groups 0-1 for steps 0..4, 2-3 for 4..8, low half first): `bf16(q * scale)` of element
+/// pair `i` (nibbles `i`, `i + 4`), of row g for even `i` and g + 8 for odd.
+#[device_fn]
+fn fragment_reg(word: u32, sc_g: u32, sc_g8: u32, st: u32, i: u32) -> u32 {
+    let sel = if (st / 2) % 2 == 1 { 0x3232u32 } else { 0x1010u32 };
+    let s = prmt(if i % 2 == 0 { sc_g } else { sc_g8 }, 0u32, sel);
+    dequant_pair(magic_pair_interleaved(word >> (4 * i)), s)
+}
 
 /// Arguments: `at` the activation tiles ([`W4a16ActTiles`] with this `bn`), `wf` the fragment
 /// blocks of `ceil(n / 64)` units ([`super::layout::repack_fragment`]), `out` `[m, n]` bf16,
@@ -179,200 +189,216 @@ pub fn w4a16_gemm_sk(
     sync_threads();
 
     let mut acc = [[0.0f32; p.bn / 2]; p.mt];
-    // A fragments of an iteration's 8 k16 steps per unit, two sets (iteration `j` in set
-    // `j % 2`).
-    let mut af = [[0u32; 4]; 16 * p.mt];
+    // A fragments per unit: k16 steps 0..4 of an iteration (set 0) and 4..8 (set 1).
+    let mut af = [[0u32; 4]; 8 * p.mt];
     // Tile and chunk of the iteration whose `wgmma`s complete in the current step.
     let mut ct = it0 / kbs;
     let mut cc = it0 % kbs;
-    for jj in 0..(nit + 2) / 2 {
-        #[unroll]
-        for hf in 0..2 {
-            let j = 2 * jj + hf;
-            if j <= nit {
-                // Thread 0 fills the ring: iterations `0 .. stages` in step 0, then iteration
-                // `j + stages - 2` into the slot of iteration `j - 2` (its `wgmma`s were waited
-                // for before the last barrier). Each: the activation tile and the tile's units
-                // (a unit past N copies unit 0, whose products are never written).
+    // Thread 0: chunk, tile column and row block of the next iteration to copy.
+    let mut pc = cc;
+    let mut pnt = ct % ntn;
+    let mut pmb = ct / ntn;
+    for j in 0..nit + 1 {
+        // Thread 0 fills the ring in iteration order: iterations `0 .. stages` in step 0, then
+        // iteration `j + stages - 2` into the slot of iteration `j - 2` (its `wgmma`s were
+        // waited for before the last barrier). Each: the activation tile and the tile's units
+        // (a unit past N copies unit 0, whose products are never written).
+        if tid == 0 {
+            let lo = if j == 0 { 0u32 } else { j + p.stages - 2 };
+            let hi = if j == 0 {
+                p.stages
+            } else if j >= 2 {
+                lo + 1
+            } else {
+                lo
+            };
+            for jn in lo..hi.min(nit) {
+                let so = (jn % p.stages) * slot;
+                let bar = jn % p.stages;
+                mbar_arrive_tx(&mut full[bar], p.bn * 256 + units * FRAG_BLOCK_BYTES);
+                cp_async_bulk(
+                    &mut sm[so],
+                    &at[(pmb * kbs + pc) * p.bn * 128],
+                    p.bn * 256,
+                    &mut full[bar],
+                );
+                #[unroll]
+                for v in 0..units {
+                    let mut un = pnt * units + v;
+                    if un >= units_n {
+                        un = 0u32;
+                    }
+                    cp_async_bulk(
+                        &mut sm[so + p.bn * 128 + 2304 * v],
+                        &wf[(un * kbs + pc) * 1152],
+                        FRAG_BLOCK_BYTES,
+                        &mut full[bar],
+                    );
+                }
+                pc += 1;
+                if pc == kbs {
+                    pc = 0u32;
+                    pnt += 1;
+                    if pnt == ntn {
+                        pnt = 0u32;
+                        pmb += 1;
+                    }
+                }
+            }
+        }
+        // Iteration `j - 1`: its steps 0..4 (set 0) go out while its steps 4..8 are dequantized
+        // into set 1 (from its slot, still held); then steps 4..8 go out, and once steps 0..4
+        // are done iteration `j`'s slot is waited for, its words loaded and its steps 0..4
+        // dequantized into set 0 while steps 4..8 run.
+        if j >= 1 {
+            let bd = wgmma_desc(&sm[((j - 1) % p.stages) * slot]);
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..4 {
+                #[unroll]
+                for u in 0..p.mt {
+                    // Column block 0, 32 bytes per k16 step.
+                    wgmma_bf16_rs(&mut acc[u], &af[kk * p.mt + u], bd + 2 * kk);
+                }
+            }
+            wgmma_commit();
+            #[unroll]
+            for u in 0..p.mt {
+                // This thread's words of steps 4..8 and its scale words (see [`fragment`]).
+                let ub = ((j - 1) % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
+                let w = sm.vload(ub + 16 * t128 + 8);
+                let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
+                let mut x = [0u32; 4];
+                x[0] = w.x;
+                x[1] = w.y;
+                x[2] = w.z;
+                x[3] = w.w;
+                #[unroll]
+                for st in 4..8 {
+                    #[unroll]
+                    for i in 0..4 {
+                        af[st * p.mt + u][i] = fragment_reg(x[st % 4], sc.y, sc.w, st, i);
+                    }
+                }
+            }
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..4 {
+                #[unroll]
+                for u in 0..p.mt {
+                    // Column block 1 (`bn * 64` elements, `bn * 8` descriptor units).
+                    wgmma_bf16_rs(&mut acc[u], &af[(4 + kk) * p.mt + u], bd + p.bn * 8 + 2 * kk);
+                }
+            }
+            wgmma_commit();
+            // Steps 0..4 are done: set 0 is free for iteration `j`.
+            wgmma_wait(1);
+        }
+        if j < nit {
+            mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
+            #[unroll]
+            for u in 0..p.mt {
+                // Steps 0..4: the thread's first four words, `16 t128` elements into the unit's
+                // block; the scale words of row pair `8 wl + g`, 2048 elements in.
+                let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
+                let w = sm.vload(ub + 16 * t128);
+                let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
+                let mut x = [0u32; 4];
+                x[0] = w.x;
+                x[1] = w.y;
+                x[2] = w.z;
+                x[3] = w.w;
+                #[unroll]
+                for st in 0..4 {
+                    #[unroll]
+                    for i in 0..4 {
+                        af[st * p.mt + u][i] = fragment_reg(x[st % 4], sc.x, sc.z, st, i);
+                    }
+                }
+            }
+        }
+        wgmma_wait(0);
+        // Iteration `j - 1` is summed: when it ends its tile or the range, finish this range's
+        // segment of the tile.
+        if j >= 1 && (cc + 1 == kbs || j == nit) {
+            let tstart = ct * kbs;
+            if it0 > tstart {
+                // Not the head: partials to this block's slot, then count.
+                let pb = (blk * threads + tid) * p.mt;
+                #[unroll]
+                for u in 0..p.mt {
+                    #[unroll]
+                    for e in 0..p.bn / 2 {
+                        part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
+                    }
+                }
+                thread_fence();
+                sync_threads();
                 if tid == 0 {
-                    let lo = if j == 0 { 0u32 } else { j + p.stages - 2 };
-                    let hi = if j == 0 {
-                        p.stages
-                    } else if j >= 2 {
-                        lo + 1
-                    } else {
-                        lo
-                    };
-                    for jn in lo..hi.min(nit) {
-                        let it = it0 + jn;
-                        let tile = it / kbs;
-                        let c = it % kbs;
-                        let nt = tile % ntn;
-                        let so = (jn % p.stages) * slot;
-                        let bar = jn % p.stages;
-                        mbar_arrive_tx(&mut full[bar], p.bn * 256 + units * FRAG_BLOCK_BYTES);
-                        cp_async_bulk(
-                            &mut sm[so],
-                            &at[((tile / ntn) * kbs + c) * p.bn * 128],
-                            p.bn * 256,
-                            &mut full[bar],
-                        );
-                        #[unroll]
-                        for v in 0..units {
-                            let mut un = nt * units + v;
-                            if un >= units_n {
-                                un = 0u32;
-                            }
-                            cp_async_bulk(
-                                &mut sm[so + p.bn * 128 + 2304 * v],
-                                &wf[(un * kbs + c) * 1152],
-                                FRAG_BLOCK_BYTES,
-                                &mut full[bar],
-                            );
-                        }
-                    }
+                    flags.atomic_add(ct, 1u32);
                 }
-                if j >= 1 {
-                    let bd = wgmma_desc(&sm[((j - 1) % p.stages) * slot]);
-                    wgmma_fence();
-                    #[unroll]
-                    for kk in 0..8 {
-                        #[unroll]
-                        for u in 0..p.mt {
-                            // k16 step `kk`: column block `kk / 4` (`bn * 64` elements, `bn * 8`
-                            // descriptor units), 32 bytes per step inside it.
-                            wgmma_bf16_rs(
-                                &mut acc[u],
-                                &af[((1 - hf) * 8 + kk) * p.mt + u],
-                                bd + (kk / 4) * p.bn * 8 + 2 * (kk % 4),
-                            );
-                        }
+            } else {
+                // The head: the ranges up to the one holding the tile's last chunk
+                // (ceil((tstart + kbs) G / T) - 1) have partials to add.
+                let rl = ((tstart + kbs) * nblk + total - 1) / total - 1;
+                if rl > r {
+                    if tid == 0 {
+                        while flags.atomic_add(ct, 0u32) < rl - r {}
+                        flags.atomic_exch(ct, 0u32);
                     }
-                    wgmma_commit();
-                }
-                if j < nit {
-                    // Iteration `j`: this thread's 8 words and the scales of rows `16 wl + g`
-                    // and `+ 8` per unit, then the fragments of its k16 steps.
-                    mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
-                    #[unroll]
-                    for u in 0..p.mt {
-                        let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
-                        let w0 = sm.vload(ub + 16 * t128);
-                        let w1 = sm.vload(ub + 16 * t128 + 8);
-                        let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
-                        let mut x = [0u32; 8];
-                        x[0] = w0.x;
-                        x[1] = w0.y;
-                        x[2] = w0.z;
-                        x[3] = w0.w;
-                        x[4] = w1.x;
-                        x[5] = w1.y;
-                        x[6] = w1.z;
-                        x[7] = w1.w;
-                        // Scale pairs of k32 group `gi`: row g in `s2[2 gi]`, row g + 8 in
-                        // `s2[2 gi + 1]`.
-                        let mut s2 = [0u32; 8];
-                        #[unroll]
-                        for gi in 0..4 {
-                            let sel = if gi % 2 == 1 { 0x3232u32 } else { 0x1010u32 };
-                            s2[2 * gi] = prmt(if gi < 2 { sc.x } else { sc.y }, 0u32, sel);
-                            s2[2 * gi + 1] = prmt(if gi < 2 { sc.z } else { sc.w }, 0u32, sel);
-                        }
-                        #[unroll]
-                        for st in 0..8 {
-                            // Register `i`: element pair `i` (nibbles `i`, `i + 4`), of row g
-                            // (even `i`) or g + 8 (odd).
-                            #[unroll]
-                            for i in 0..4 {
-                                af[(hf * 8 + st) * p.mt + u][i] =
-                                    dequant_pair(magic_pair_interleaved(x[st] >> (4 * i)), s2[2 * (st / 2) + i % 2]);
-                            }
-                        }
-                    }
-                }
-                wgmma_wait(0);
-                // Iteration `j - 1` ends the tile or the range: finish this range's segment.
-                if j >= 1 && (cc + 1 == kbs || j == nit) {
-                    let tstart = ct * kbs;
-                    if it0 > tstart {
-                        // Not the head: partials to this block's slot, then count.
-                        let pb = (blk * threads + tid) * p.mt;
+                    sync_threads();
+                    thread_fence();
+                    for ro in r + 1..rl + 1 {
+                        let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
                         #[unroll]
                         for u in 0..p.mt {
                             #[unroll]
                             for e in 0..p.bn / 2 {
-                                part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
-                            }
-                        }
-                        thread_fence();
-                        sync_threads();
-                        if tid == 0 {
-                            flags.atomic_add(ct, 1u32);
-                        }
-                    } else {
-                        // The head: the ranges up to the one holding the tile's last chunk
-                        // (ceil((tstart + kbs) G / T) - 1) have partials to add.
-                        let rl = ((tstart + kbs) * nblk + total - 1) / total - 1;
-                        if rl > r {
-                            if tid == 0 {
-                                while flags.atomic_add(ct, 0u32) < rl - r {}
-                                flags.atomic_exch(ct, 0u32);
-                            }
-                            sync_threads();
-                            thread_fence();
-                            for ro in r + 1..rl + 1 {
-                                let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
-                                #[unroll]
-                                for u in 0..p.mt {
-                                    #[unroll]
-                                    for e in 0..p.bn / 2 {
-                                        acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
-                                    }
-                                }
-                            }
-                        }
-                        // Accumulator `acc[u][4 jb + e]`: weight row (output column) `16 wl +
-                        // g + 8 (e / 2)` of the warpgroup's unit `u`, token `8 jb + 2 q + e % 2`.
-                        let mb = ct / ntn;
-                        let nt = ct % ntn;
-                        #[unroll]
-                        for jb in 0..p.bn / 8 {
-                            #[unroll]
-                            for c2 in 0..2 {
-                                let token = mb * p.bn + 8 * jb + 2 * q + c2;
-                                if token < m {
-                                    #[unroll]
-                                    for u in 0..p.mt {
-                                        #[unroll]
-                                        for e2 in 0..2 {
-                                            let col = nt * rows + (h * p.mt + u) * 64 + 16 * wl + g + 8 * e2;
-                                            if col < n {
-                                                out[token * n + col] = acc[u][4 * jb + 2 * e2 + c2] as bf16;
-                                            }
-                                        }
-                                    }
-                                }
+                                acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
                             }
                         }
                     }
+                }
+                // Accumulator `acc[u][4 jb + e]`: weight row (output column) `16 wl + g + 8
+                // (e / 2)` of the warpgroup's unit `u`, token `8 jb + 2 q + e % 2`.
+                let mb = ct / ntn;
+                let nt = ct % ntn;
+                #[unroll]
+                for jb in 0..p.bn / 8 {
                     #[unroll]
-                    for u in 0..p.mt {
-                        #[unroll]
-                        for e in 0..p.bn / 2 {
-                            acc[u][e] = 0.0f32;
+                    for c2 in 0..2 {
+                        let token = mb * p.bn + 8 * jb + 2 * q + c2;
+                        if token < m {
+                            #[unroll]
+                            for u in 0..p.mt {
+                                #[unroll]
+                                for e2 in 0..2 {
+                                    let col = nt * rows + (h * p.mt + u) * 64 + 16 * wl + g + 8 * e2;
+                                    if col < n {
+                                        out[token * n + col] = acc[u][4 * jb + 2 * e2 + c2] as bf16;
+                                    }
+                                }
+                            }
                         }
                     }
                 }
-                if j >= 1 {
-                    cc += 1;
-                    if cc == kbs {
-                        cc = 0u32;
-                        ct += 1;
-                    }
+            }
+            #[unroll]
+            for u in 0..p.mt {
+                #[unroll]
+                for e in 0..p.bn / 2 {
+                    acc[u][e] = 0.0f32;
                 }
-                sync_threads();
             }
         }
+        if j >= 1 {
+            cc += 1;
+            if cc == kbs {
+                cc = 0u32;
+                ct += 1;
+            }
+        }
+        sync_threads();
     }
 }
 
