@@ -101,6 +101,7 @@ pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
     all.extend(variants::<w4a16::W4a16ActTiles>()?);
     all.extend(variants::<w4a16::W4a16Reduce>()?);
     all.extend(variants::<w4a16::W4a16Repack>()?);
+    all.extend(variants::<w4a16::W4a16RepackFragment>()?);
     all.extend(variants::<w4a16::MoeAlign>()?);
     all.extend(variants::<w4a16::MoeSum>()?);
     all.extend(variants::<w4a16::W4a16Gemv>()?);

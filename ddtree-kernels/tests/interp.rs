@@ -181,7 +181,7 @@ fn w4a16() {
     });
 }
 
-/// The stream-K W4A16 GEMM and its activation tiles (Hopper kernels: the interpreter, or an
+/// The stream-K W4A16 GEMM, its activation tiles and its weights' repack (Hopper kernels: the interpreter, or an
 /// sm_90 GPU).
 #[test]
 fn w4a16_sk() {
@@ -193,6 +193,7 @@ fn w4a16_sk() {
         let results = w4a16::check::sk_suite(t, Sizes::Small, rng)?;
         assert_covers::<w4a16::W4a16GemmSk>(&results);
         assert_covers::<w4a16::W4a16ActTiles>(&results);
+        assert_covers::<w4a16::W4a16RepackFragment>(&results);
         Ok(results)
     });
 }

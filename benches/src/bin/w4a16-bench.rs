@@ -40,11 +40,11 @@ use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scr
 use ddtree_kernels::w4a16::gemm_sk::{self, SK_SPACE};
 use ddtree_kernels::w4a16::gemm_wg::{self, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
-use ddtree_kernels::w4a16::layout::{repack_fragment, scale_words, PackedInt4};
+use ddtree_kernels::w4a16::layout::{fragment_words, scale_words, PackedInt4, RepackParams};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput};
 use ddtree_kernels::w4a16::{
     ActTilesParams, Epilogue, Layout, MoeKernels, ReduceParams, W4a16ActTiles, W4a16Gemm, W4a16GemmSk, W4a16GemmWg,
-    W4a16Params, W4a16Reduce, W4a16WgParams,
+    W4a16Params, W4a16Reduce, W4a16RepackFragment, W4a16WgParams,
 };
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
@@ -1176,9 +1176,19 @@ fn bench_sk(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
     let s = gpu.stream();
     let sms = gpu.fingerprint().sm_count as u32;
     let nw = copies(q_bytes(n, k));
+    let repack = gpu.compile::<W4a16RepackFragment>(&RepackParams { block: 256 })?;
     let frags: Vec<CudaSlice<u32>> = (0..nw)
-        .map(|_| upload(s, &repack_fragment(&random_weights(&mut rng, n, k, 1))))
-        .collect::<Result<_, _>>()?;
+        .map(|_| {
+            let w = random_weights(&mut rng, n, k, 1);
+            let (src, sc) = (upload(s, &w.packed)?, upload(s, &scale_words(&w.scales))?);
+            let mut dst = s
+                .alloc_zeros::<u32>(fragment_words(n, k))
+                .map_err(RuntimeError::driver("allocating"))?;
+            // SAFETY: src is [n, k / 8], the scales [n, k / 32] bf16, dst fragment_words(n, k).
+            unsafe { W4a16RepackFragment::launch(&repack, s, 1024u32, &src, &sc, &mut dst, n as u32, k as u32, 32)? };
+            Ok(dst)
+        })
+        .collect::<Result<_, RuntimeError>>()?;
     let wts = dense_weights(gpu, n, k, &mut rng)?;
     let nb = copies(n * k * 2);
     let bws: Vec<CudaSlice<bf16>> = (0..nb)

@@ -23,10 +23,14 @@ use super::gemm_sk::{ActTilesParams, W4a16ActTiles, W4a16GemmSk, W4a16SkParams, 
 use super::gemm_wg::{W4a16GemmWg, W4a16WgParams, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use super::gemv::{self, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use super::layout::{
-    interleaved_words, matmul, repack_fragment, repack_interleaved, scale_words, PackedInt4, RepackParams,
+    fragment_words, interleaved_words, matmul, repack_fragment, repack_interleaved, scale_words, PackedInt4,
+    RepackParams,
 };
 use super::moe::{self, AlignParams, SumParams};
-use super::{Epilogue, Layout, MoeAlign, MoeSum, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce, W4a16Repack};
+use super::{
+    Epilogue, Layout, MoeAlign, MoeSum, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce, W4a16Repack,
+    W4a16RepackFragment,
+};
 use crate::check::{
     compare, poisoned_bf16, random_bf16, result, Arg, CheckError, CheckResult, DevBuf, Sizes, Target, Tolerance,
 };
@@ -85,17 +89,48 @@ pub fn repack(t: &Target<'_>, n: usize, k: usize, experts: usize, rng: &mut StdR
     let p = PackedInt4::random(rng, n, k, 32, experts, 1.0);
     let got = t.download(&device_weights(t, &p, Layout::Interleaved)?)?;
     let want = repack_interleaved(&p);
-    // Compare the words as exact integers split into halves (f32 holds 16 bits exactly).
-    let halves = |v: &[u32]| {
-        v.iter()
-            .flat_map(|w| [(w & 0xffff) as f32, (w >> 16) as f32])
-            .collect::<Vec<_>>()
-    };
     Ok(result::<W4a16Repack>(
         &RepackParams { block: 256 },
         format!("n={n} k={k} experts={experts}"),
         &halves(&got),
         &halves(&want),
+        Tolerance::EXACT,
+    ))
+}
+
+/// Words as exact integers split into halves (f32 holds 16 bits exactly), for exact comparisons.
+fn halves(v: &[u32]) -> Vec<f32> {
+    v.iter().flat_map(|w| [(w & 0xffff) as f32, (w >> 16) as f32]).collect()
+}
+
+/// Checks the fragment-block repack ([`W4a16RepackFragment`]) against [`repack_fragment`]
+/// (exact), output poisoned.
+pub fn fragment_repack(
+    t: &Target<'_>,
+    n: usize,
+    k: usize,
+    group: usize,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let p = PackedInt4::random(rng, n, k, group, 1, 1.0);
+    let (src, sc) = (t.upload(&p.packed)?, t.upload(&scale_words(&p.scales))?);
+    let mut dst = t.upload(&vec![0xdead_beefu32; fragment_words(n, k)])?;
+    let rp = RepackParams { block: 256 };
+    let mut args = [
+        Arg::In(&src),
+        Arg::In(&sc),
+        Arg::Out(&mut dst),
+        Arg::from(n as u32),
+        Arg::from(k as u32),
+        Arg::from(group as u32),
+    ];
+    // SAFETY: src is [n, k / 8], the scales [n, k / group] bf16, dst fragment_words(n, k).
+    unsafe { t.launch::<W4a16RepackFragment>(&rp, 64u32, &mut args)? };
+    Ok(result::<W4a16RepackFragment>(
+        &rp,
+        format!("n={n} k={k} group={group}"),
+        &halves(&t.download(&dst)?),
+        &halves(&repack_fragment(&p)),
         Tolerance::EXACT,
     ))
 }
@@ -716,7 +751,8 @@ pub fn sk_dense(
     Ok(r)
 }
 
-/// Every [`W4a16GemmSk`] candidate at ragged sizes (M past one `bn` block, N past one tile and
+/// The fragment repack at ragged sizes and groups 32 / 64 / 128, then every [`W4a16GemmSk`]
+/// candidate at ragged sizes (M past one `bn` block, N past one tile and
 /// a 64-row unit, K ending in a k32 group) on grids that cut tiles into 1 to 4 ranges, and (full)
 /// at Kimi sizes. Needs [`Target::runs_wgmma`].
 pub fn sk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
@@ -731,6 +767,9 @@ pub fn sk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<Ch
         ]);
     }
     let mut out = Vec::new();
+    for (n, k, group) in [(70, 160, 32), (200, 416, 32), (136, 384, 128), (72, 320, 64)] {
+        out.push(fragment_repack(t, n, k, group, rng)?);
+    }
     for p in SK_SPACE {
         for &(m, n, k, grid) in &cases {
             out.push(sk_dense(t, p, m, n, k, grid, rng)?);

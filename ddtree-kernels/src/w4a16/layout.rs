@@ -281,6 +281,67 @@ pub fn w4a16_repack(#[comptime] p: &RepackParams, src: &[u32], dst: &mut [u32], 
     }
 }
 
+/// GPU repack at load time into the fragment blocks of [`super::W4a16GemmSk`], exactly as
+/// [`repack_fragment`]: checkpoint words `src` (`[n, k / 8]`) and the scale words of
+/// [`scale_words`] (`[n, k / group]` bf16) into `dst` ([`fragment_words`]`(n, k)` words). Any
+/// grid: the kernel strides over the output words.
+#[kernel(block = p.block, space = [RepackParams { block: 256 }])]
+pub fn w4a16_repack_fragment(
+    #[comptime] p: &RepackParams,
+    src: &[u32],
+    scales: &[u32],
+    dst: &mut [u32],
+    n: u32,
+    k: u32,
+    group: u32,
+) {
+    let kw = k / 8;
+    let gpr = k / group;
+    let kbs = (k + 127u32) / 128u32;
+    let total = (n + 63u32) / 64u32 * kbs * 1152u32;
+    let stride = grid_dim_x() * p.block;
+    for i in (block_idx_x() * p.block + thread_idx_x()..total).step_by(stride) {
+        let b = i / 1152;
+        let w = i % 1152;
+        let u = b / kbs;
+        let c = b % kbs;
+        let mut v = 0u32;
+        if w < 1024 {
+            // Thread `t`'s word of k16 step `s`: element `e` (register e / 2, rows r0 / r0 + 8 by
+            // its parity, k + 8 for registers 2-3) at nibble e / 2, or e / 2 + 4 for odd `e`.
+            let t = w / 8;
+            let lane = t % 32;
+            let r0 = 64 * u + 16 * (t / 32) + lane / 4;
+            let kb = 128 * c + 16 * (w % 8) + 2 * (lane % 4);
+            #[unroll]
+            for e in 0..8u32 {
+                let reg = e / 2;
+                let row = r0 + 8 * (reg % 2);
+                let col = kb + 8 * (reg / 2) + e % 2;
+                let mut nib = 8u32;
+                if row < n && col < k {
+                    nib = (src[row * kw + col / 8] >> (4 * (col % 8))) & 0xfu32;
+                }
+                v |= nib << (4 * reg + 16 * (e % 2));
+            }
+        } else {
+            // Scale word `j` of row pair `pr`: groups (2 (j % 2), + 1) of row g + 8 (j / 2).
+            let pr = (w - 1024) / 4;
+            let j = (w - 1024) % 4;
+            let row = 64 * u + 16 * (pr / 8) + pr % 8 + 8 * (j / 2);
+            #[unroll]
+            for h in 0..2u32 {
+                let col = 128 * c + 64 * (j % 2) + 32 * h;
+                if row < n && col < k {
+                    let si = row * gpr + col / group;
+                    v |= ((scales[si / 2] >> (16 * (si % 2))) & 0xffffu32) << (16 * h);
+                }
+            }
+        }
+        dst[i] = v;
+    }
+}
+
 /// CPU reference GEMM: `a` `[m, k]` times `w` `[n, k]` transposed, in f32.
 pub fn matmul(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut c = vec![0f32; m * n];

@@ -24,5 +24,5 @@ pub use gemm::{Epilogue, Layout, ReduceParams, W4a16Gemm, W4a16Params, W4a16Redu
 pub use gemm_sk::{ActTilesParams, W4a16ActTiles, W4a16GemmSk, W4a16SkParams};
 pub use gemm_wg::{W4a16GemmWg, W4a16WgParams};
 pub use gemv::{GemvMode, GemvW4Params, W4a16Gemv};
-pub use layout::{PackedInt4, RepackParams, W4a16Repack};
+pub use layout::{PackedInt4, RepackParams, W4a16Repack, W4a16RepackFragment};
 pub use moe::{AlignParams, MoeAlign, MoeInput, MoeKernels, MoeSum, SumParams};
