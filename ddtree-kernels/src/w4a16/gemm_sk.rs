@@ -25,11 +25,11 @@
 //! Per step `j`, in two halves of four k16 steps (two sets of 16 fragment registers per unit,
 //! so that four warpgroups fit an SM's registers without spilling): iteration `j - 1`'s first
 //! half goes out on the tensor cores while its second half is dequantized (`bf16(q * scale)`
-//! exactly, as every W4A16 kernel here); the second half goes out, and once the first is done
-//! iteration `j`'s slot is waited for, its words loaded and its first half dequantized while
-//! the second runs; a tile that ends at `j - 1` is written out; the block's barrier frees the
-//! slot of `j - 1` for thread 0's copy `stages - 1` iterations ahead. Every step waits for its
-//! `wgmma`s (none stays in flight across the loop's back edge: ptxas would serialize them).
+//! exactly, as every W4A16 kernel here); the second half goes out and both are waited for;
+//! iteration `j`'s slot is waited for, its words loaded and its first half dequantized; a tile
+//! that ends at `j - 1` is written out; the block's barrier frees the slot of `j - 1` for
+//! thread 0's copy `stages - 1` iterations ahead. No `wgmma` stays in flight across the loop's
+//! back edge (ptxas would serialize them).
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
@@ -247,9 +247,9 @@ pub fn w4a16_gemm_sk(
             }
         }
         // Iteration `j - 1`: its steps 0..4 (set 0) go out while its steps 4..8 are dequantized
-        // into set 1 (from its slot, still held); then steps 4..8 go out, and once steps 0..4
-        // are done iteration `j`'s slot is waited for, its words loaded and its steps 0..4
-        // dequantized into set 0 while steps 4..8 run.
+        // into set 1 (from its slot, still held); then steps 4..8 go out, and once both are
+        // done iteration `j`'s slot is waited for, its words loaded and its steps 0..4
+        // dequantized into set 0 (the other warpgroups' `wgmma`s fill the tensor cores).
         if j >= 1 {
             let bd = wgmma_desc(&sm[((j - 1) % p.stages) * slot]);
             wgmma_fence();
@@ -291,8 +291,10 @@ pub fn w4a16_gemm_sk(
                 }
             }
             wgmma_commit();
-            // Steps 0..4 are done: set 0 is free for iteration `j`.
-            wgmma_wait(1);
+            // Both halves done: set 0 is free for iteration `j`. (Waiting only for the first
+            // half, `wgmma_wait(1)`, compiled without a warning and gave wrong products on the
+            // H200: BENCHMARKS.md.)
+            wgmma_wait(0);
         }
         if j < nit {
             mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
