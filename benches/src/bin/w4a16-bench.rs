@@ -1039,6 +1039,17 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     Ok(all_passed)
 }
 
+/// Prints the failed checks and a summary line; whether all passed.
+fn report_checks(results: &[ddtree_kernels::check::CheckResult]) -> bool {
+    for r in results.iter().filter(|r| !r.passed) {
+        println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
+    }
+    let worst = results.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
+    let ok = results.iter().filter(|r| r.passed).count();
+    println!("checks: {ok} of {} passed (worst rel L2 {worst:.2e})", results.len());
+    ok == results.len()
+}
+
 /// `--wg`: every warpgroup-kernel candidate launched once (a small ragged case, printed as it
 /// goes, so a fault names its variant), the full checks of the kernel, then every candidate on
 /// 7168->36864 at `--ms` next to cuBLAS bf16 and the copy bandwidth.
@@ -1059,13 +1070,7 @@ fn bench_wg(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
             passed &= r.passed;
         }
         let results = check::wg_suite(&t, Sizes::Full, &mut rng)?;
-        for r in results.iter().filter(|r| !r.passed) {
-            println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
-        }
-        let worst = results.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
-        let ok = results.iter().filter(|r| r.passed).count();
-        println!("checks: {ok} of {} passed (worst rel L2 {worst:.2e})", results.len());
-        passed &= ok == results.len();
+        passed &= report_checks(&results);
     }
     let bw = ddtree_benches::copy_bandwidth(gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
@@ -1162,13 +1167,7 @@ fn bench_sk(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
     let mut passed = true;
     if !args.skip_checks {
         let results = check::sk_suite(&t, Sizes::Full, &mut rng)?;
-        for r in results.iter().filter(|r| !r.passed) {
-            println!("FAIL {} {}: {:?}", r.symbol, r.case, r.comparison);
-        }
-        let worst = results.iter().map(|r| r.comparison.rel_l2).fold(0f32, f32::max);
-        let ok = results.iter().filter(|r| r.passed).count();
-        println!("checks: {ok} of {} passed (worst rel L2 {worst:.2e})", results.len());
-        passed &= ok == results.len();
+        passed &= report_checks(&results);
     }
     let bw = ddtree_benches::copy_bandwidth(gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
