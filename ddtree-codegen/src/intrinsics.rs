@@ -138,9 +138,12 @@ pub enum Intrinsic {
     /// `p + 1024 (k / 8) + 128 (k % 8)`, chunks swizzled as for [`Intrinsic::WgmmaBf16Ss`], `p`
     /// 1024-byte aligned. `d` as there.
     WgmmaBf16RsMn,
-    /// `wgmma_bf16_rs(&mut d: [f32; N / 2], &a: [u32; 4], b: u32)`, `N` 8, 16, 32, 64, 128 or 256: `D[64, N] += A[64, 16] B[N, 16]^T` with `A` in registers (as
-    /// for [`Intrinsic::WgmmaBf16RsMn`]) and `B` K-major in shared memory as for
-    /// [`Intrinsic::WgmmaBf16Ss`]. `a` must not change until the `wgmma` is waited for.
+    /// `wgmma_bf16_rs(&mut d: [f32; N / 2], &a: [u32; 4], b: u32, accumulate: bool)`, `N` 8, 16,
+    /// 32, 64, 128 or 256: `D[64, N] = A[64, 16] B[N, 16]^T + (accumulate ? D : 0)` with `A` in
+    /// registers (as for [`Intrinsic::WgmmaBf16RsMn`]) and `B` K-major in shared memory as for
+    /// [`Intrinsic::WgmmaBf16Ss`]. `a` must not change until the `wgmma` is waited for. Starting
+    /// a sum with `accumulate` false instead of zeroing `d` keeps the accumulators written by
+    /// `wgmma`s only (ptxas copies them around the loop otherwise).
     WgmmaBf16Rs,
     /// `mbar_init(&mut bar[i], count)`: initializes an mbarrier (a `u64` in shared memory)
     /// expecting `count` arrivals per phase (`mbarrier.init` plus the init fence). Once, by one
@@ -296,9 +299,9 @@ impl Intrinsic {
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 | MbarInit | MbarArriveTx
             | MbarWait => 2,
             LdmatrixX1 | LdmatrixX2 | LdmatrixX4 | LdmatrixX2Trans | LdmatrixX4Trans => 2,
-            AtomicCas | MmaBf16 | MmaF16 | WgmmaBf16Ss | WgmmaBf16RsMn | WgmmaBf16Rs | CpAsync16Zfill
-            | CpAsync8Zfill | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
-            Lop3 | CpAsyncBulk => 4,
+            AtomicCas | MmaBf16 | MmaF16 | WgmmaBf16Ss | WgmmaBf16RsMn | CpAsync16Zfill | CpAsync8Zfill
+            | CpAsync4Zfill | Prmt | FmaBf16x2 => 3,
+            Lop3 | CpAsyncBulk | WgmmaBf16Rs => 4,
         }
     }
 
@@ -524,6 +527,9 @@ impl Intrinsic {
                     expect(&mut args[1], Scalar::U32, name, 2)?;
                 }
                 expect(&mut args[2], Scalar::U32, name, 3)?;
+                if self == WgmmaBf16Rs {
+                    expect(&mut args[3], Scalar::Bool, name, 4)?;
+                }
                 Ty::Void
             }
             WgmmaBf16RsMn => {
@@ -968,10 +974,10 @@ __device__ __forceinline__ unsigned int wgmma_desc(const void* p) { return (smem
         for n in [8usize, 16, 32, 64, 128, 256] {
             let m = n / 2;
             rs.push_str(&format!(
-                "__device__ __forceinline__ void wgmma_bf16_rs(float (&d)[{m}], const unsigned int* a, unsigned int b) {{
+                "__device__ __forceinline__ void wgmma_bf16_rs(float (&d)[{m}], const unsigned int* a, unsigned int b, bool accumulate) {{
     asm volatile(\"{{ .reg .pred p; setp.ne.b32 p, %{p}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{db}, p, 1, 1, 0; }}\"
                  : {outs}
-                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(WGMMA_DESC_HI | b), \"r\"(1));
+                 : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(WGMMA_DESC_HI | b), \"r\"((unsigned int)accumulate));
 }}
 ",
                 d = regs(m, 0),

@@ -1306,7 +1306,7 @@ impl<'k> Exec<'k, '_> {
         };
         let mut vals = Vec::with_capacity(128);
         for th in lanes.iter_mut() {
-            let mut v = [Val::Void; 4];
+            let mut v = [Val::Void; 5];
             for (j, a) in args.iter().enumerate() {
                 v[j] = self.eval(th, a).map_err(|h| self.error(th, func, loc, h))?;
             }
@@ -1321,8 +1321,11 @@ impl<'k> Exec<'k, '_> {
         let ss = *op == Intrinsic::WgmmaBf16Ss;
         // B K-major (`ss`, `rs`) or N-major (`rs_mn`).
         let b_kmajor = ss || *op == Intrinsic::WgmmaBf16Rs;
-        // `ss` and `rs` carry N as a fourth argument (from the accumulator row's type).
-        let n = if b_kmajor { vals[0][3].u32() as usize } else { 64 };
+        // `ss` and `rs` carry N as their last argument (from the accumulator row's type); `rs`
+        // has its `accumulate` flag before it.
+        let rs = *op == Intrinsic::WgmmaBf16Rs;
+        let n = if b_kmajor { vals[0][if rs { 4 } else { 3 }].u32() as usize } else { 64 };
+        let accumulate = !rs || vals[0][3].bool();
         let t0 = lanes[0].linear;
         let err = |s: &Self, h| s.error(&lanes[0], func, loc, h);
         // The shared array and byte offset a descriptor (`wgmma_desc` plus offsets) points at.
@@ -1412,7 +1415,7 @@ impl<'k> Exec<'k, '_> {
                     // Products of bf16 values are exact in f32; sum them, then accumulate.
                     let dot: f32 = (0..16).map(|kk| am[m][kk] * bm[c][kk]).sum();
                     let slot = &mut th.top_mut().arrays[dr.arr as usize][dr.idx as usize + 4 * j + e];
-                    *slot = Val::F(slot.f32() + dot);
+                    *slot = Val::F(if accumulate { slot.f32() + dot } else { dot });
                 }
             }
         }

@@ -96,7 +96,7 @@ const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
 
 /// Candidates: 256-row tiles (four warpgroups of one unit, 16 warps an SM) with 4 or 6 slots,
 /// 128-row tiles (two warpgroups) at 4 slots (two blocks an SM), 256-row tiles of two
-/// warpgroups of two units, 64-row tiles, and N 128 for M above 64.
+/// warpgroups of two units, 64-row tiles, and N 128 for M above 64 (128- and 256-row tiles).
 pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(4, 1, 64, 6),
     sk(4, 1, 64, 4),
@@ -104,6 +104,8 @@ pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(2, 2, 64, 5),
     sk(1, 1, 64, 4),
     sk(2, 1, 128, 5),
+    sk(4, 1, 128, 4),
+    sk(2, 2, 128, 4),
 ];
 
 /// Register `i` (0..4) of the `wgmma` A fragment of k16 step `st` from the step's fragment
@@ -188,115 +190,72 @@ pub fn w4a16_gemm_sk(
     }
     sync_threads();
 
+    // Written by `wgmma`s only: a segment's first `wgmma` overwrites them.
     let mut acc = [[0.0f32; p.bn / 2]; p.mt];
     // A fragments per unit: k16 steps 0..4 of an iteration (set 0) and 4..8 (set 1).
     let mut af = [[0u32; 4]; 8 * p.mt];
-    // Tile and chunk of the iteration whose `wgmma`s complete in the current step.
-    let mut ct = it0 / kbs;
-    let mut cc = it0 % kbs;
     // Thread 0: chunk, tile column and row block of the next iteration to copy.
-    let mut pc = cc;
-    let mut pnt = ct % ntn;
-    let mut pmb = ct / ntn;
-    for j in 0..nit + 1 {
-        // Thread 0 fills the ring in iteration order: iterations `0 .. stages` in step 0, then
-        // iteration `j + stages - 2` into the slot of iteration `j - 2` (its `wgmma`s were
-        // waited for before the last barrier). Each: the activation tile and the tile's units
-        // (a unit past N copies unit 0, whose products are never written).
-        if tid == 0 {
-            let lo = if j == 0 { 0u32 } else { j + p.stages - 2 };
-            let hi = if j == 0 {
-                p.stages
-            } else if j >= 2 {
-                lo + 1
-            } else {
-                lo
-            };
-            for jn in lo..hi.min(nit) {
-                let so = (jn % p.stages) * slot;
-                let bar = jn % p.stages;
-                mbar_arrive_tx(&mut full[bar], p.bn * 256 + units * FRAG_BLOCK_BYTES);
-                cp_async_bulk(
-                    &mut sm[so],
-                    &at[(pmb * kbs + pc) * p.bn * 128],
-                    p.bn * 256,
-                    &mut full[bar],
-                );
-                #[unroll]
-                for v in 0..units {
-                    let mut un = pnt * units + v;
-                    if un >= units_n {
-                        un = 0u32;
-                    }
+    let mut pc = it0 % kbs;
+    let mut pnt = it0 / kbs % ntn;
+    let mut pmb = it0 / kbs / ntn;
+    // The range's segments (its iterations of one tile), in order.
+    let mut ct = it0 / kbs;
+    let mut j0 = 0u32;
+    while j0 < nit {
+        let j1 = (j0 + kbs - (it0 + j0) % kbs).min(nit);
+        for j in j0..j1 {
+            // Thread 0 fills the ring in iteration order: iterations `0 .. stages` in step 0,
+            // then iteration `j + stages - 2` into the slot of iteration `j - 2` (its last
+            // `wgmma` was waited for in step `j - 1`, before that step's barrier). Each: the
+            // activation tile and the tile's units (a unit past N copies unit 0, whose products
+            // are never written).
+            if tid == 0 {
+                let lo = if j == 0 { 0u32 } else { j + p.stages - 2 };
+                let hi = if j == 0 {
+                    p.stages
+                } else if j >= 2 {
+                    lo + 1
+                } else {
+                    lo
+                };
+                for jn in lo..hi.min(nit) {
+                    let so = (jn % p.stages) * slot;
+                    let bar = jn % p.stages;
+                    mbar_arrive_tx(&mut full[bar], p.bn * 256 + units * FRAG_BLOCK_BYTES);
                     cp_async_bulk(
-                        &mut sm[so + p.bn * 128 + 2304 * v],
-                        &wf[(un * kbs + pc) * 1152],
-                        FRAG_BLOCK_BYTES,
+                        &mut sm[so],
+                        &at[(pmb * kbs + pc) * p.bn * 128],
+                        p.bn * 256,
                         &mut full[bar],
                     );
-                }
-                pc += 1;
-                if pc == kbs {
-                    pc = 0u32;
-                    pnt += 1;
-                    if pnt == ntn {
-                        pnt = 0u32;
-                        pmb += 1;
-                    }
-                }
-            }
-        }
-        // Iteration `j - 1`: its steps 0..4 (set 0) go out while its steps 4..8 are dequantized
-        // into set 1 (from its slot, still held); then steps 4..8 go out, and once both are
-        // done iteration `j`'s slot is waited for, its words loaded and its steps 0..4
-        // dequantized into set 0 (the other warpgroups' `wgmma`s fill the tensor cores).
-        if j >= 1 {
-            let bd = wgmma_desc(&sm[((j - 1) % p.stages) * slot]);
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..4 {
-                #[unroll]
-                for u in 0..p.mt {
-                    // Column block 0, 32 bytes per k16 step.
-                    wgmma_bf16_rs(&mut acc[u], &af[kk * p.mt + u], bd + 2 * kk);
-                }
-            }
-            wgmma_commit();
-            #[unroll]
-            for u in 0..p.mt {
-                // This thread's words of steps 4..8 and its scale words (see [`fragment`]).
-                let ub = ((j - 1) % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
-                let w = sm.vload(ub + 16 * t128 + 8);
-                let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
-                let mut x = [0u32; 4];
-                x[0] = w.x;
-                x[1] = w.y;
-                x[2] = w.z;
-                x[3] = w.w;
-                #[unroll]
-                for st in 4..8 {
                     #[unroll]
-                    for i in 0..4 {
-                        af[st * p.mt + u][i] = fragment_reg(x[st % 4], sc.y, sc.w, st, i);
+                    for v in 0..units {
+                        let mut un = pnt * units + v;
+                        if un >= units_n {
+                            un = 0u32;
+                        }
+                        cp_async_bulk(
+                            &mut sm[so + p.bn * 128 + 2304 * v],
+                            &wf[(un * kbs + pc) * 1152],
+                            FRAG_BLOCK_BYTES,
+                            &mut full[bar],
+                        );
+                    }
+                    pc += 1;
+                    if pc == kbs {
+                        pc = 0u32;
+                        pnt += 1;
+                        if pnt == ntn {
+                            pnt = 0u32;
+                            pmb += 1;
+                        }
                     }
                 }
             }
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..4 {
-                #[unroll]
-                for u in 0..p.mt {
-                    // Column block 1 (`bn * 64` elements, `bn * 8` descriptor units).
-                    wgmma_bf16_rs(&mut acc[u], &af[(4 + kk) * p.mt + u], bd + p.bn * 8 + 2 * kk);
-                }
-            }
-            wgmma_commit();
-            // Both halves done: set 0 is free for iteration `j`. (Waiting only for the first
-            // half, `wgmma_wait(1)`, compiled without a warning and gave wrong products on the
-            // H200: BENCHMARKS.md.)
-            wgmma_wait(0);
-        }
-        if j < nit {
+            // Iteration `j`: its slot is waited for and its steps 0..4 dequantized into set 0
+            // (while iteration `j - 1`'s steps 4..8 still run) and go out; once iteration
+            // `j - 1` is done its steps 4..8 are dequantized into set 1 and go out; once its
+            // steps 0..4 are done the step ends, steps 4..8 still in flight.
             mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
             #[unroll]
             for u in 0..p.mt {
@@ -318,89 +277,116 @@ pub fn w4a16_gemm_sk(
                     }
                 }
             }
-        }
-        wgmma_wait(0);
-        // Iteration `j - 1` is summed: when it ends its tile or the range, finish this range's
-        // segment of the tile.
-        if j >= 1 && (cc + 1 == kbs || j == nit) {
-            let tstart = ct * kbs;
-            if it0 > tstart {
-                // Not the head: partials to this block's slot, then count.
-                let pb = (blk * threads + tid) * p.mt;
+            let bd = wgmma_desc(&sm[(j % p.stages) * slot]);
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..4 {
                 #[unroll]
                 for u in 0..p.mt {
+                    // Column block 0, 32 bytes per k16 step.
+                    wgmma_bf16_rs(&mut acc[u], &af[kk * p.mt + u], bd + 2 * kk, kk > 0 || j > j0);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait(1);
+            #[unroll]
+            for u in 0..p.mt {
+                // This thread's words of steps 4..8 and its scale words (see [`fragment_reg`]).
+                let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
+                let w = sm.vload(ub + 16 * t128 + 8);
+                let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
+                let mut x = [0u32; 4];
+                x[0] = w.x;
+                x[1] = w.y;
+                x[2] = w.z;
+                x[3] = w.w;
+                #[unroll]
+                for st in 4..8 {
                     #[unroll]
-                    for e in 0..p.bn / 2 {
-                        part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
+                    for i in 0..4 {
+                        af[st * p.mt + u][i] = fragment_reg(x[st % 4], sc.y, sc.w, st, i);
                     }
                 }
-                thread_fence();
-                sync_threads();
+            }
+            wgmma_fence();
+            #[unroll]
+            for kk in 0..4 {
+                #[unroll]
+                for u in 0..p.mt {
+                    // Column block 1 (`bn * 64` elements, `bn * 8` descriptor units).
+                    wgmma_bf16_rs(&mut acc[u], &af[(4 + kk) * p.mt + u], bd + p.bn * 8 + 2 * kk, true);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait(1);
+            sync_threads();
+        }
+        wgmma_wait(0);
+        // The segment is summed: finish it.
+        let tstart = ct * kbs;
+        if it0 > tstart {
+            // Not the head: partials to this block's slot, then count.
+            let pb = (blk * threads + tid) * p.mt;
+            #[unroll]
+            for u in 0..p.mt {
+                #[unroll]
+                for e in 0..p.bn / 2 {
+                    part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
+                }
+            }
+            thread_fence();
+            sync_threads();
+            if tid == 0 {
+                flags.atomic_add(ct, 1u32);
+            }
+        } else {
+            // The head: the ranges up to the one holding the tile's last chunk
+            // (ceil((tstart + kbs) G / T) - 1) have partials to add.
+            let rl = ((tstart + kbs) * nblk + total - 1) / total - 1;
+            if rl > r {
                 if tid == 0 {
-                    flags.atomic_add(ct, 1u32);
+                    while flags.atomic_add(ct, 0u32) < rl - r {}
+                    flags.atomic_exch(ct, 0u32);
                 }
-            } else {
-                // The head: the ranges up to the one holding the tile's last chunk
-                // (ceil((tstart + kbs) G / T) - 1) have partials to add.
-                let rl = ((tstart + kbs) * nblk + total - 1) / total - 1;
-                if rl > r {
-                    if tid == 0 {
-                        while flags.atomic_add(ct, 0u32) < rl - r {}
-                        flags.atomic_exch(ct, 0u32);
-                    }
-                    sync_threads();
-                    thread_fence();
-                    for ro in r + 1..rl + 1 {
-                        let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
+                sync_threads();
+                thread_fence();
+                for ro in r + 1..rl + 1 {
+                    let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
+                    #[unroll]
+                    for u in 0..p.mt {
                         #[unroll]
-                        for u in 0..p.mt {
-                            #[unroll]
-                            for e in 0..p.bn / 2 {
-                                acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
-                            }
+                        for e in 0..p.bn / 2 {
+                            acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
                         }
                     }
                 }
-                // Accumulator `acc[u][4 jb + e]`: weight row (output column) `16 wl + g + 8
-                // (e / 2)` of the warpgroup's unit `u`, token `8 jb + 2 q + e % 2`.
-                let mb = ct / ntn;
-                let nt = ct % ntn;
+            }
+            // Accumulator `acc[u][4 jb + e]`: weight row (output column) `16 wl + g + 8
+            // (e / 2)` of the warpgroup's unit `u`, token `8 jb + 2 q + e % 2`.
+            let mb = ct / ntn;
+            let nt = ct % ntn;
+            #[unroll]
+            for jb in 0..p.bn / 8 {
                 #[unroll]
-                for jb in 0..p.bn / 8 {
-                    #[unroll]
-                    for c2 in 0..2 {
-                        let token = mb * p.bn + 8 * jb + 2 * q + c2;
-                        if token < m {
+                for c2 in 0..2 {
+                    let token = mb * p.bn + 8 * jb + 2 * q + c2;
+                    if token < m {
+                        #[unroll]
+                        for u in 0..p.mt {
                             #[unroll]
-                            for u in 0..p.mt {
-                                #[unroll]
-                                for e2 in 0..2 {
-                                    let col = nt * rows + (h * p.mt + u) * 64 + 16 * wl + g + 8 * e2;
-                                    if col < n {
-                                        out[token * n + col] = acc[u][4 * jb + 2 * e2 + c2] as bf16;
-                                    }
+                            for e2 in 0..2 {
+                                let col = nt * rows + (h * p.mt + u) * 64 + 16 * wl + g + 8 * e2;
+                                if col < n {
+                                    out[token * n + col] = acc[u][4 * jb + 2 * e2 + c2] as bf16;
                                 }
                             }
                         }
                     }
                 }
             }
-            #[unroll]
-            for u in 0..p.mt {
-                #[unroll]
-                for e in 0..p.bn / 2 {
-                    acc[u][e] = 0.0f32;
-                }
-            }
         }
-        if j >= 1 {
-            cc += 1;
-            if cc == kbs {
-                cc = 0u32;
-                ct += 1;
-            }
-        }
-        sync_threads();
+        ct += 1;
+        j0 = j1;
     }
 }
 

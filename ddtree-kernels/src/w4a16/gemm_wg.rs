@@ -439,6 +439,7 @@ pub fn w4a16_gemm_wg(
                                 &mut acc[u],
                                 &af[(hf * 8 + kk) * p.mt + u],
                                 bd + (kk / 4) * p.bn * 8 + 2 * (kk % 4),
+                                true,
                             );
                         }
                     }
