@@ -200,6 +200,27 @@ pub fn bulk_copy_ok(x: &[u32], out: &mut [u32]) {
     out[t] = s[127 - 4 * t];
 }
 
+/// Warp 0 waits on the mbarrier that warp 1, later in thread order, arms and fills.
+#[kernel(block = 64)]
+pub fn mbar_producer_warp(x: &[u32], out: &mut [u32]) {
+    let s = shared::<u32>(64);
+    let bar = shared::<u64>(1);
+    let t = thread_idx_x();
+    if t == 0 {
+        mbar_init(&mut bar[0], 1u32);
+    }
+    sync_threads();
+    if t == 32 {
+        mbar_arrive_tx(&mut bar[0], 256u32);
+        cp_async_bulk(&mut s[0], &x[0], 256u32, &mut bar[0]);
+    }
+    if t < 32 {
+        mbar_wait(&bar[0], 0u32);
+        out[t] = s[t];
+        out[t + 32] = s[t + 32];
+    }
+}
+
 /// Waits on a phase nobody has armed yet.
 #[kernel(block = 32)]
 pub fn mbar_wait_first(x: &[u32], out: &mut [u32]) {
@@ -454,7 +475,19 @@ fn mbarrier_wait_before_its_phase_is_armed() {
     let mut out = Buffer::from_slice(&[0u32; 32]);
     let e = hazard_of::<MbarWaitFirst>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
     assert!(
-        matches!(&e.hazard, Hazard::Unsupported(m) if m.contains("would block")),
+        matches!(&e.hazard, Hazard::Deadlock(m) if m.contains("`bar`[0]")),
         "{e}"
     );
+}
+
+#[test]
+fn mbarrier_wait_blocks_until_a_later_warp_copies() {
+    let x: Vec<u32> = (0..64).map(|i| 3 * i + 1).collect();
+    let xb = Buffer::from_slice(&x);
+    let mut out = Buffer::from_slice(&[0u32; 64]);
+    Program::of::<MbarProducerWarp>(&())
+        .expect("lowers")
+        .launch([1, 1, 1], &mut [HostArg::In(&xb), HostArg::Out(&mut out)])
+        .expect("no hazard");
+    assert_eq!(out.to_vec::<u32>(), x);
 }

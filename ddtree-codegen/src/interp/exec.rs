@@ -77,6 +77,8 @@ enum Status {
     Running,
     Barrier,
     Warp,
+    /// At an `mbar_wait` whose phase has not completed: the mbarrier and the parity.
+    Mbar((u32, u64), u32),
     Exited,
 }
 
@@ -331,11 +333,32 @@ impl<'k> Exec<'k, '_> {
                     progressed = true;
                 }
             }
+            // Threads blocked at an `mbar_wait` whose phase has completed since run again.
+            for t in threads.iter_mut() {
+                if let Status::Mbar(key, parity) = t.status {
+                    if self.mbars[&key].phase % 2 != parity {
+                        t.status = Status::Running;
+                        progressed = true;
+                    }
+                }
+            }
             if progressed {
                 continue;
             }
             if threads.iter().all(|t| t.status == Status::Exited) {
                 return Ok(());
+            }
+            if let Some(t) = threads.iter().find(|t| matches!(t.status, Status::Mbar(..))) {
+                let (func, _, loc) = self.position(t);
+                let Status::Mbar((arr, idx), parity) = t.status else {
+                    unreachable!("found blocked")
+                };
+                let msg = format!(
+                    "`mbar_wait` on `{}`[{idx}] for the phase of parity {parity}, which no thread can \
+                     complete any more (every other thread is blocked, at a barrier or gone)",
+                    self.k.shared[arr as usize].name
+                );
+                return Err(self.error(t, func, loc, Hazard::Deadlock(msg)));
             }
             if let Some(t) = threads
                 .iter()
@@ -508,6 +531,10 @@ impl<'k> Exec<'k, '_> {
                         th.status = Status::Warp;
                         return Ok(());
                     }
+                }
+                if matches!(th.status, Status::Mbar(..)) {
+                    // Blocked at an `mbar_wait` (a statement of its own): run it again later.
+                    return Ok(());
                 }
                 th.top_mut().pc = next;
                 Ok(())
@@ -1052,13 +1079,8 @@ impl<'k> Exec<'k, '_> {
             MbarWait => {
                 let m = self.mbar(place(0), r(0))?;
                 if m.phase % 2 == a[1].u32() % 2 {
-                    return Err(Hazard::Unsupported(format!(
-                        "`mbar_wait` on `{}`[{}] would block: the interpreter runs each thread up to \
-                         a barrier, so the arrivals and copies a wait needs must come before it in \
-                         thread order (behind a `sync_threads()`)",
-                        place(0).name,
-                        r(0).idx
-                    )));
+                    // Not completed: the thread blocks here and runs the wait again once it has.
+                    th.status = Status::Mbar((r(0).arr, r(0).idx), a[1].u32() % 2);
                 }
                 Val::Void
             }

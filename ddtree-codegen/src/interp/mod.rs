@@ -274,6 +274,9 @@ pub enum Hazard {
     },
     /// Threads of a block exited or waited at different barriers.
     BarrierDivergence(String),
+    /// A thread waits at an `mbar_wait` for a phase that can no longer complete: every other
+    /// thread is blocked too, waits at a barrier or has exited.
+    Deadlock(String),
     /// A warp collective was not reached by every lane of the warp at the same place.
     WarpDivergence(String),
     /// Integer division or remainder by zero.
@@ -340,6 +343,7 @@ impl fmt::Display for Hazard {
                 )
             }
             Hazard::BarrierDivergence(s) => write!(f, "barrier divergence: {s}"),
+            Hazard::Deadlock(s) => write!(f, "deadlock: {s}"),
             Hazard::WarpDivergence(s) => write!(f, "warp divergence: {s}"),
             Hazard::DivisionByZero => f.write_str("integer division by zero"),
             Hazard::InvalidLaunch(s) => write!(f, "invalid launch: {s}"),

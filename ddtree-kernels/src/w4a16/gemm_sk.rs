@@ -10,8 +10,9 @@
 //!   (one per k16 step) at `32 t`, then 512 bytes of scales (per 16-row-pair the chunk's four
 //!   k32 group scales of rows `g` and `g + 8`). The activations are rewritten per call by
 //!   [`W4a16ActTiles`] into the exact shared-memory image of a ring slot (`bn` rows x 128 k,
-//!   two 64-k column blocks, 128-byte swizzled). One thread issues a chunk's copies
-//!   (`cp_async_bulk` onto the slot's mbarrier): no per-thread copy issue, no proxy fence,
+//!   two 64-k column blocks, 128-byte swizzled). The first thread of a warp of its own, after
+//!   the computing warpgroups, issues a chunk's copies (`cp_async_bulk` onto the slot's
+//!   mbarrier): no per-thread copy issue, no proxy fence, no copy work on the computing warps,
 //!   and each thread reads its 32 weight bytes with two conflict-free 16-byte loads, a quarter
 //!   of what the `wgmma` kernel's broadcast reads cost.
 //! - **Stream-K.** A persistent grid (at most the blocks that fit on the GPU at once) splits the
@@ -22,14 +23,14 @@
 //!   block's slot of `part` and count on the tile's flag; the head waits for the count, adds
 //!   the partials, writes bf16 and resets the flag. No wave tail whatever the shape.
 //!
-//! Per step `j`, in two halves of four k16 steps (two sets of 16 fragment registers per unit,
-//! so that four warpgroups fit an SM's registers without spilling): iteration `j - 1`'s first
-//! half goes out on the tensor cores while its second half is dequantized (`bf16(q * scale)`
-//! exactly, as every W4A16 kernel here); the second half goes out and both are waited for;
-//! iteration `j`'s slot is waited for, its words loaded and its first half dequantized; a tile
-//! that ends at `j - 1` is written out; the block's barrier frees the slot of `j - 1` for
-//! thread 0's copy `stages - 1` iterations ahead. No `wgmma` stays in flight across the loop's
-//! back edge (ptxas would serialize them).
+//! A range is walked in *segments* (its iterations of one tile): an inner loop over the
+//! segment's chunks, then the segment's epilogue. Per iteration, in two halves of four k16
+//! steps (two sets of 16 fragment registers per unit): the slot is waited for, the words loaded
+//! and steps 0..4 dequantized (`bf16(q * scale)` exactly, as every W4A16 kernel here) and sent
+//! to the tensor cores, while the previous iteration's steps 4..8 still run; once those are
+//! done steps 4..8 are dequantized and sent; once steps 0..4 are done the block's barrier ends
+//! the step, steps 4..8 still in flight (ptxas keeps them so across the back edge because the
+//! accumulators are only ever written by `wgmma`s: a segment's first one overwrites them).
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
@@ -96,7 +97,7 @@ const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
 
 /// Candidates: 256-row tiles (four warpgroups of one unit, 16 warps an SM) with 4 or 6 slots,
 /// 128-row tiles (two warpgroups) at 4 slots (two blocks an SM), 256-row tiles of two
-/// warpgroups of two units, 64-row tiles, and N 128 for M above 64 (128- and 256-row tiles).
+/// warpgroups of two units, 64-row tiles, and N 128 for M above 64.
 pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(4, 1, 64, 6),
     sk(4, 1, 64, 4),
@@ -104,8 +105,6 @@ pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(2, 2, 64, 5),
     sk(1, 1, 64, 4),
     sk(2, 1, 128, 5),
-    sk(4, 1, 128, 4),
-    sk(2, 2, 128, 4),
 ];
 
 /// Register `i` (0..4) of the `wgmma` A fragment of k16 step `st` from the step's fragment
@@ -124,8 +123,9 @@ fn fragment_reg(word: u32, sc_g: u32, sc_g8: u32, st: u32, i: u32) -> u32 {
 /// `part` f32 scratch of [`W4a16SkParams::part_len`] (any contents), `flags` one u32 per tile,
 /// zero (left zero). Grid: `(G, 1, 1)` with `1 <= G <= tiles x chunks`, every block resident
 /// at once (a head waits for the other ranges of its tile): at most the SMs times the blocks
-/// per SM. Needs `k % 32 == 0`.
-#[kernel(block = p.wgs * 128, dyn_smem = p.dyn_smem(), space = SK_SPACE.to_vec())]
+/// per SM. Needs `k % 32 == 0`. Block: `wgs` warpgroups that compute, then one warp whose
+/// first thread issues the copies.
+#[kernel(block = p.wgs * 128 + 32, dyn_smem = p.dyn_smem(), space = SK_SPACE.to_vec())]
 pub fn w4a16_gemm_sk(
     #[comptime] p: &W4a16SkParams,
     at: &[bf16],
@@ -152,6 +152,7 @@ pub fn w4a16_gemm_sk(
         p.dyn_smem() <= 232448,
         "the ring is limited to 227 KiB of shared memory per block"
     );
+    // Threads that compute; the copying warp follows them.
     let threads = p.wgs * 128;
     let units = p.wgs * p.mt;
     let rows = 64 * units;
@@ -182,7 +183,7 @@ pub fn w4a16_gemm_sk(
     if nit == 0 {
         return;
     }
-    if tid == 0 {
+    if tid == threads {
         #[unroll]
         for s in 0..p.stages {
             mbar_init(&mut full[s], 1u32);
@@ -194,7 +195,10 @@ pub fn w4a16_gemm_sk(
     let mut acc = [[0.0f32; p.bn / 2]; p.mt];
     // A fragments per unit: k16 steps 0..4 of an iteration (set 0) and 4..8 (set 1).
     let mut af = [[0u32; 4]; 8 * p.mt];
-    // Thread 0: chunk, tile column and row block of the next iteration to copy.
+    // Per unit, the words of steps 4..8 and the scale words of groups 2-3, loaded with set 0's.
+    let mut w1 = [[0u32; 4]; p.mt];
+    let mut sc1 = [[0u32; 2]; p.mt];
+    // The copying thread: chunk, tile column and row block of the next iteration to copy.
     let mut pc = it0 % kbs;
     let mut pnt = it0 / kbs % ntn;
     let mut pmb = it0 / kbs / ntn;
@@ -204,12 +208,12 @@ pub fn w4a16_gemm_sk(
     while j0 < nit {
         let j1 = (j0 + kbs - (it0 + j0) % kbs).min(nit);
         for j in j0..j1 {
-            // Thread 0 fills the ring in iteration order: iterations `0 .. stages` in step 0,
+            // The copying thread fills the ring in iteration order: iterations `0 .. stages` in step 0,
             // then iteration `j + stages - 2` into the slot of iteration `j - 2` (its last
             // `wgmma` was waited for in step `j - 1`, before that step's barrier). Each: the
             // activation tile and the tile's units (a unit past N copies unit 0, whose products
             // are never written).
-            if tid == 0 {
+            if tid == threads {
                 let lo = if j == 0 { 0u32 } else { j + p.stages - 2 };
                 let hi = if j == 0 {
                     p.stages
@@ -252,73 +256,73 @@ pub fn w4a16_gemm_sk(
                     }
                 }
             }
-            // Iteration `j`: its slot is waited for and its steps 0..4 dequantized into set 0
-            // (while iteration `j - 1`'s steps 4..8 still run) and go out; once iteration
-            // `j - 1` is done its steps 4..8 are dequantized into set 1 and go out; once its
-            // steps 0..4 are done the step ends, steps 4..8 still in flight.
-            mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
-            #[unroll]
-            for u in 0..p.mt {
-                // Steps 0..4: the thread's first four words, `16 t128` elements into the unit's
-                // block; the scale words of row pair `8 wl + g`, 2048 elements in.
-                let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
-                let w = sm.vload(ub + 16 * t128);
-                let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
-                let mut x = [0u32; 4];
-                x[0] = w.x;
-                x[1] = w.y;
-                x[2] = w.z;
-                x[3] = w.w;
-                #[unroll]
-                for st in 0..4 {
-                    #[unroll]
-                    for i in 0..4 {
-                        af[st * p.mt + u][i] = fragment_reg(x[st % 4], sc.x, sc.z, st, i);
-                    }
-                }
-            }
-            let bd = wgmma_desc(&sm[(j % p.stages) * slot]);
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..4 {
+            if tid < threads {
+                // Iteration `j`: its slot is waited for, its words loaded, its steps 0..4
+                // dequantized into set 0 (while iteration `j - 1`'s steps 4..8 still run) and
+                // sent out; once iteration `j - 1` is done its steps 4..8 are dequantized into
+                // set 1 and go out; once steps 0..4 are done the step ends, 4..8 in flight.
+                mbar_wait(&full[j % p.stages], (j / p.stages) % 2);
                 #[unroll]
                 for u in 0..p.mt {
-                    // Column block 0, 32 bytes per k16 step.
-                    wgmma_bf16_rs(&mut acc[u], &af[kk * p.mt + u], bd + 2 * kk, kk > 0 || j > j0);
-                }
-            }
-            wgmma_commit();
-            wgmma_wait(1);
-            #[unroll]
-            for u in 0..p.mt {
-                // This thread's words of steps 4..8 and its scale words (see [`fragment_reg`]).
-                let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
-                let w = sm.vload(ub + 16 * t128 + 8);
-                let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
-                let mut x = [0u32; 4];
-                x[0] = w.x;
-                x[1] = w.y;
-                x[2] = w.z;
-                x[3] = w.w;
-                #[unroll]
-                for st in 4..8 {
+                    // The thread's eight words, `16 t128` elements into the unit's block; the
+                    // scale words of row pair `8 wl + g`, 2048 elements in.
+                    let ub = (j % p.stages) * slot + p.bn * 128 + 2304 * (h * p.mt + u);
+                    let w = sm.vload(ub + 16 * t128);
+                    let wb = sm.vload(ub + 16 * t128 + 8);
+                    let sc = sm.vload(ub + 2048 + 8 * (8 * wl + g));
+                    w1[u][0] = wb.x;
+                    w1[u][1] = wb.y;
+                    w1[u][2] = wb.z;
+                    w1[u][3] = wb.w;
+                    sc1[u][0] = sc.y;
+                    sc1[u][1] = sc.w;
+                    let mut x = [0u32; 4];
+                    x[0] = w.x;
+                    x[1] = w.y;
+                    x[2] = w.z;
+                    x[3] = w.w;
                     #[unroll]
-                    for i in 0..4 {
-                        af[st * p.mt + u][i] = fragment_reg(x[st % 4], sc.y, sc.w, st, i);
+                    for st in 0..4 {
+                        #[unroll]
+                        for i in 0..4 {
+                            af[st * p.mt + u][i] = fragment_reg(x[st], sc.x, sc.z, st, i);
+                        }
                     }
                 }
-            }
-            wgmma_fence();
-            #[unroll]
-            for kk in 0..4 {
+                let bd = wgmma_desc(&sm[(j % p.stages) * slot]);
+                wgmma_fence();
+                #[unroll]
+                for kk in 0..4 {
+                    #[unroll]
+                    for u in 0..p.mt {
+                        // Column block 0, 32 bytes per k16 step.
+                        wgmma_bf16_rs(&mut acc[u], &af[kk * p.mt + u], bd + 2 * kk, kk > 0 || j > j0);
+                    }
+                }
+                wgmma_commit();
+                wgmma_wait(1);
                 #[unroll]
                 for u in 0..p.mt {
-                    // Column block 1 (`bn * 64` elements, `bn * 8` descriptor units).
-                    wgmma_bf16_rs(&mut acc[u], &af[(4 + kk) * p.mt + u], bd + p.bn * 8 + 2 * kk, true);
+                    #[unroll]
+                    for st in 4..8 {
+                        #[unroll]
+                        for i in 0..4 {
+                            af[st * p.mt + u][i] = fragment_reg(w1[u][st % 4], sc1[u][0], sc1[u][1], st, i);
+                        }
+                    }
                 }
+                wgmma_fence();
+                #[unroll]
+                for kk in 0..4 {
+                    #[unroll]
+                    for u in 0..p.mt {
+                        // Column block 1 (`bn * 64` elements, `bn * 8` descriptor units).
+                        wgmma_bf16_rs(&mut acc[u], &af[(4 + kk) * p.mt + u], bd + p.bn * 8 + 2 * kk, true);
+                    }
+                }
+                wgmma_commit();
+                wgmma_wait(1);
             }
-            wgmma_commit();
-            wgmma_wait(1);
             sync_threads();
         }
         wgmma_wait(0);
@@ -326,12 +330,14 @@ pub fn w4a16_gemm_sk(
         let tstart = ct * kbs;
         if it0 > tstart {
             // Not the head: partials to this block's slot, then count.
-            let pb = (blk * threads + tid) * p.mt;
-            #[unroll]
-            for u in 0..p.mt {
+            if tid < threads {
+                let pb = (blk * threads + tid) * p.mt;
                 #[unroll]
-                for e in 0..p.bn / 2 {
-                    part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
+                for u in 0..p.mt {
+                    #[unroll]
+                    for e in 0..p.bn / 2 {
+                        part[(pb + u) * (p.bn / 2) + e] = acc[u][e];
+                    }
                 }
             }
             thread_fence();
@@ -350,13 +356,15 @@ pub fn w4a16_gemm_sk(
                 }
                 sync_threads();
                 thread_fence();
-                for ro in r + 1..rl + 1 {
-                    let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
-                    #[unroll]
-                    for u in 0..p.mt {
+                if tid < threads {
+                    for ro in r + 1..rl + 1 {
+                        let pb = ((nblk - 1 - ro) * threads + tid) * p.mt;
                         #[unroll]
-                        for e in 0..p.bn / 2 {
-                            acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
+                        for u in 0..p.mt {
+                            #[unroll]
+                            for e in 0..p.bn / 2 {
+                                acc[u][e] += part[(pb + u) * (p.bn / 2) + e];
+                            }
                         }
                     }
                 }
@@ -370,7 +378,7 @@ pub fn w4a16_gemm_sk(
                 #[unroll]
                 for c2 in 0..2 {
                     let token = mb * p.bn + 8 * jb + 2 * q + c2;
-                    if token < m {
+                    if token < m && tid < threads {
                         #[unroll]
                         for u in 0..p.mt {
                             #[unroll]
