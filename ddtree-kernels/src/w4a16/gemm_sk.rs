@@ -104,7 +104,10 @@ pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(2, 1, 64, 4),
     sk(2, 2, 64, 5),
     sk(1, 1, 64, 4),
+    sk(1, 1, 64, 3),
+    sk(1, 2, 64, 4),
     sk(2, 1, 128, 5),
+    sk(1, 1, 128, 3),
 ];
 
 /// Register `i` (0..4) of the `wgmma` A fragment of k16 step `st` from the step's fragment
