@@ -1346,7 +1346,11 @@ impl<'k> Exec<'k, '_> {
         // `ss` and `rs` carry N as their last argument (from the accumulator row's type); `rs`
         // has its `accumulate` flag before it.
         let rs = *op == Intrinsic::WgmmaBf16Rs;
-        let n = if b_kmajor { vals[0][if rs { 4 } else { 3 }].u32() as usize } else { 64 };
+        let n = if b_kmajor {
+            vals[0][if rs { 4 } else { 3 }].u32() as usize
+        } else {
+            64
+        };
         let accumulate = !rs || vals[0][3].bool();
         let t0 = lanes[0].linear;
         let err = |s: &Self, h| s.error(&lanes[0], func, loc, h);
