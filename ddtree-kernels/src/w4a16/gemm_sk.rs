@@ -196,10 +196,6 @@ pub fn w4a16_gemm_sk(
     let it0 = r * sk_total / nblk;
     let nsk = (r + 1) * sk_total / nblk - it0;
     let dp0 = sk_total + r * whole * kbs;
-    // Whole tiles run their chunks from `rot` on, spread over K across the grid: blocks that all
-    // read chunk `c` of different tiles at once hit the same DRAM channels (twice as slow on the
-    // H200, BENCHMARKS.md).
-    let rot = r * kbs / nblk;
     let nit = nsk + whole * kbs;
     if nit == 0 {
         return;
@@ -244,8 +240,7 @@ pub fn w4a16_gemm_sk(
                 };
                 for jn in lo..hi.min(nit) {
                     let gn = if jn < nsk { it0 + jn } else { dp0 + jn - nsk };
-                    // A whole tile's chunks start at `rot` (see there).
-                    let pc = if jn < nsk { gn % kbs } else { (gn + rot) % kbs };
+                    let pc = gn % kbs;
                     let pnt = gn / kbs % ntn;
                     let pmb = gn / kbs / ntn;
                     let so = (jn % p.stages) * slot;
