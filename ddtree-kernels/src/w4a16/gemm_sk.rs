@@ -15,16 +15,13 @@
 //!   mbarrier): no per-thread copy issue, no proxy fence, no copy work on the computing warps,
 //!   and each thread reads its 32 weight bytes with two conflict-free 16-byte loads, a quarter
 //!   of what the `wgmma` kernel's broadcast reads cost.
-//! - **Hybrid stream-K.** A persistent grid of `G` blocks (at most those that fit on the GPU at
-//!   once) gives each block `tiles / G` whole tiles and splits the `R = (tiles % G) x chunks`
-//!   iterations of the other tiles (ordered first) evenly: block `b` takes range
-//!   `r = G - 1 - b`, shared iterations `[r R / G, (r + 1) R / G)`, before its whole tiles. A
-//!   shared tile cut by a range boundary is finished by the range that holds its first chunk
-//!   (its *head*, at the end of that range, so computed last); the other ranges (at the start
-//!   of later ranges, lower block indices) write f32 partials to their block's slot of `part`
-//!   and count on the tile's flag; the head waits for the count, adds the partials, writes
-//!   bf16 and resets the flag. No wave tail whatever the shape, and partials only where the
-//!   tiles do not divide evenly.
+//! - **Stream-K.** A persistent grid (at most the blocks that fit on the GPU at once) splits the
+//!   `tiles x chunks` iterations evenly: block `b` takes range `r = grid - 1 - b`, iterations
+//!   `[r T / G, (r + 1) T / G)`. A tile cut by a range boundary is finished by the range that
+//!   holds its first chunk (its *head*, at the end of that range, so computed last); the other
+//!   ranges (at the start of later ranges, lower block indices) write f32 partials to their
+//!   block's slot of `part` and count on the tile's flag; the head waits for the count, adds
+//!   the partials, writes bf16 and resets the flag. No wave tail whatever the shape.
 //!
 //! A range is walked in *segments* (its iterations of one tile): an inner loop over the
 //! segment's chunks, then the segment's epilogue. Per iteration, in two halves of four k16
@@ -106,15 +103,13 @@ const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
 
 /// Candidates: 256-row tiles (four warpgroups of one unit, 16 warps an SM) with 4 or 6 slots,
 /// 128-row tiles (two warpgroups) at 4 slots (two blocks an SM), 256-row tiles of two
-/// warpgroups of two units, 64-row tiles (4 or 5 slots, two blocks an SM), and N 128 for M
-/// above 64.
+/// warpgroups of two units, 64-row tiles, and N 128 for M above 64.
 pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(4, 1, 64, 6),
     sk(4, 1, 64, 4),
     sk(2, 1, 64, 4),
     sk(2, 2, 64, 5),
     sk(1, 1, 64, 4),
-    sk(1, 1, 64, 5),
     sk(2, 1, 128, 5),
 ];
 
@@ -184,19 +179,13 @@ pub fn w4a16_gemm_sk(
     let kbs = (k + 127u32) / 128u32;
     let ntn = (n + rows - 1) / rows;
     let units_n = (n + 63u32) / 64u32;
-    let tiles = (m + p.bn - 1) / p.bn * ntn;
+    let total = (m + p.bn - 1) / p.bn * ntn * kbs;
     let nblk = grid_dim_x();
     let blk = block_idx_x();
     let r = nblk - 1 - blk;
-    // Tiles in iteration order: the `rem` shared ones first (`sk_total` iterations split in
-    // ranges), then `whole` per block.
-    let whole = tiles / nblk;
-    let rem = tiles - whole * nblk;
-    let sk_total = rem * kbs;
-    let it0 = r * sk_total / nblk;
-    let nsk = (r + 1) * sk_total / nblk - it0;
-    let dp0 = sk_total + r * whole * kbs;
-    let nit = nsk + whole * kbs;
+    let it0 = r * total / nblk;
+    let it1 = (r + 1) * total / nblk;
+    let nit = it1 - it0;
     if nit == 0 {
         return;
     }
@@ -215,14 +204,15 @@ pub fn w4a16_gemm_sk(
     // Per unit, the words of steps 4..8 and the scale words of groups 2-3, loaded with set 0's.
     let mut w1 = [[0u32; 4]; p.mt];
     let mut sc1 = [[0u32; 2]; p.mt];
-    // The block's segments (its iterations of one tile), in order: `j` is the block's step,
-    // iteration `it0 + j` while `j < nsk`, then `dp0 + j - nsk`.
+    // The copying thread: chunk, tile column and row block of the next iteration to copy.
+    let mut pc = it0 % kbs;
+    let mut pnt = it0 / kbs % ntn;
+    let mut pmb = it0 / kbs / ntn;
+    // The range's segments (its iterations of one tile), in order.
+    let mut ct = it0 / kbs;
     let mut j0 = 0u32;
     while j0 < nit {
-        let shared_tile = j0 < nsk;
-        let g0 = if shared_tile { it0 + j0 } else { dp0 + j0 - nsk };
-        let ct = g0 / kbs;
-        let j1 = (j0 + kbs - g0 % kbs).min(if shared_tile { nsk } else { nit });
+        let j1 = (j0 + kbs - (it0 + j0) % kbs).min(nit);
         for j in j0..j1 {
             // The copying thread fills the ring in iteration order: iterations `0 .. stages` in step 0,
             // then iteration `j + stages - 2` into the slot of iteration `j - 2` (its last
@@ -239,10 +229,6 @@ pub fn w4a16_gemm_sk(
                     lo
                 };
                 for jn in lo..hi.min(nit) {
-                    let gn = if jn < nsk { it0 + jn } else { dp0 + jn - nsk };
-                    let pc = gn % kbs;
-                    let pnt = gn / kbs % ntn;
-                    let pmb = gn / kbs / ntn;
                     let so = (jn % p.stages) * slot;
                     let bar = jn % p.stages;
                     mbar_arrive_tx(&mut full[bar], p.bn * 256 + units * FRAG_BLOCK_BYTES);
@@ -264,6 +250,15 @@ pub fn w4a16_gemm_sk(
                             FRAG_BLOCK_BYTES,
                             &mut full[bar],
                         );
+                    }
+                    pc += 1;
+                    if pc == kbs {
+                        pc = 0u32;
+                        pnt += 1;
+                        if pnt == ntn {
+                            pnt = 0u32;
+                            pmb += 1;
+                        }
                     }
                 }
             }
@@ -339,7 +334,7 @@ pub fn w4a16_gemm_sk(
         wgmma_wait(0);
         // The segment is summed: finish it.
         let tstart = ct * kbs;
-        if shared_tile && it0 > tstart {
+        if it0 > tstart {
             // Not the head: partials to this block's slot, then count.
             if tid < threads {
                 let pb = (blk * threads + tid) * p.mt;
@@ -357,13 +352,9 @@ pub fn w4a16_gemm_sk(
                 flags.atomic_add(ct, 1u32);
             }
         } else {
-            // The head (or a whole tile): the ranges up to the one holding the tile's last chunk
-            // (ceil((tstart + kbs) G / sk_total) - 1) have partials to add.
-            let rl = if shared_tile {
-                ((tstart + kbs) * nblk + sk_total - 1) / sk_total - 1
-            } else {
-                r
-            };
+            // The head: the ranges up to the one holding the tile's last chunk
+            // (ceil((tstart + kbs) G / T) - 1) have partials to add.
+            let rl = ((tstart + kbs) * nblk + total - 1) / total - 1;
             if rl > r {
                 if tid == 0 {
                     while flags.atomic_add(ct, 0u32) < rl - r {}
@@ -408,6 +399,7 @@ pub fn w4a16_gemm_sk(
                 }
             }
         }
+        ct += 1;
         j0 = j1;
     }
 }
