@@ -753,10 +753,11 @@ pub fn sk_dense(
 
 /// The fragment repack at ragged sizes and groups 32 / 64 / 128, then every [`W4a16GemmSk`]
 /// candidate at ragged sizes (M past one `bn` block, N past one tile and
-/// a 64-row unit, K ending in a k32 group) on grids that cut tiles into 1 to 4 ranges, and (full)
+/// a 64-row unit, K ending in a k32 group) on grids that cut tiles into 1 to 4 ranges (one block
+/// for all of it included), and (full)
 /// at Kimi sizes. Needs [`Target::runs_wgmma`].
 pub fn sk_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
-    let mut cases: Vec<(usize, usize, usize, u32)> = vec![(37, 200, 416, 3), (19, 72, 288, 5)];
+    let mut cases: Vec<(usize, usize, usize, u32)> = vec![(37, 200, 416, 3), (19, 72, 288, 5), (19, 72, 288, 1)];
     if sizes == Sizes::Full {
         cases.extend([
             (70, 520, 640, 1),
