@@ -221,6 +221,20 @@ pub fn mbar_producer_warp(x: &[u32], out: &mut [u32]) {
     }
 }
 
+/// Half the warpgroup asks `wgmma` to accumulate, half to overwrite.
+#[kernel(block = 128)]
+pub fn wgmma_accumulate_diverges(out: &mut [f32]) {
+    let s = shared::<bf16>(1024);
+    let t = thread_idx_x();
+    let mut acc = [0.0f32; 4];
+    let a = [0u32; 4];
+    wgmma_fence();
+    wgmma_bf16_rs(&mut acc, &a, wgmma_desc(&s[0]), t < 64); // HAZARD wgmma_accumulate_diverges
+    wgmma_commit();
+    wgmma_wait(0);
+    out[t] = acc[0];
+}
+
 /// Waits on a phase nobody has armed yet.
 #[kernel(block = 32)]
 pub fn mbar_wait_first(x: &[u32], out: &mut [u32]) {
@@ -476,6 +490,16 @@ fn mbarrier_wait_before_its_phase_is_armed() {
     let e = hazard_of::<MbarWaitFirst>(1, &mut [HostArg::In(&x), HostArg::Out(&mut out)]);
     assert!(
         matches!(&e.hazard, Hazard::Deadlock(m) if m.contains("`bar`[0]")),
+        "{e}"
+    );
+}
+
+#[test]
+fn wgmma_accumulate_flag_differs_in_the_warpgroup() {
+    let mut out = Buffer::from_slice(&[0.0f32; 128]);
+    let e = hazard_of::<WgmmaAccumulateDiverges>(1, &mut [HostArg::Out(&mut out)]);
+    assert!(
+        matches!(&e.hazard, Hazard::WarpDivergence(m) if m.contains("accumulate")),
         "{e}"
     );
 }

@@ -1354,6 +1354,10 @@ impl<'k> Exec<'k, '_> {
         let accumulate = !rs || vals[0][3].bool();
         let t0 = lanes[0].linear;
         let err = |s: &Self, h| s.error(&lanes[0], func, loc, h);
+        if rs && vals.iter().any(|v| v[3].bool() != accumulate) {
+            let msg = "`wgmma_bf16_rs`'s `accumulate` differs within the warpgroup".to_string();
+            return Err(err(self, Hazard::WarpDivergence(msg)));
+        }
         // The shared array and byte offset a descriptor (`wgmma_desc` plus offsets) points at.
         let operand = |s: &Self, a: usize| -> Result<(u32, u64), Hazard> {
             let d = vals[0][a].u32();
