@@ -35,8 +35,10 @@
 //! ptxas does not keep the A registers of a `wgmma` in flight apart from later values: with
 //! four sets (two iterations' sets alternating, three groups in flight) it gave both
 //! iterations the same physical registers. The two sets here land in distinct registers and
-//! every candidate passes the GPU checks; a change to this loop needs both looked at again
-//! (`nvdisasm` of the variant, `w4a16-bench --sk`).
+//! every candidate passes the GPU checks; a change to this loop needs both looked at again:
+//! the variant's SASS (its snapshot through `nvcc --ptx`, `ptxas -arch sm_90a` and `nvdisasm`,
+//! from the NVRTC wheel and PyPI's `nvidia-cuda-nvdisasm`; no GPU needed) and `w4a16-bench
+//! --sk`.
 
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
