@@ -6,7 +6,8 @@
 //! 3. per shape and M: cuBLAS bf16, every g32 W4A16 candidate (split-K ones at several splits),
 //!    the best and the engine's default (the warpgroup kernel's from `WG_MIN_ROWS` rows on
 //!    GPUs with `wgmma`, else the tile GEMM's), as µs, GB/s, % of copy bandwidth and speedup
-//!    over cuBLAS, and the best candidate of the warpgroup (`wgmma`) kernel where it runs;
+//!    over cuBLAS, and the best candidates of the warpgroup (`wgmma`) kernel and of the
+//!    stream-K kernel (`w4a16_gemm_sk`, its activation-tiles launch included) where they run;
 //! 4. the MoE block on a Kimi K2.6 EP8 slice (48 local experts, 7168 / 2048, top-8).
 //!
 //! For the small-token path (`w4a16_gemv`) the dense table adds, at M <= 16, the best GEMV
@@ -44,7 +45,7 @@ use ddtree_kernels::w4a16::layout::{fragment_words, scale_words, PackedInt4, Rep
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput};
 use ddtree_kernels::w4a16::{
     ActTilesParams, Epilogue, Layout, MoeKernels, ReduceParams, W4a16ActTiles, W4a16Gemm, W4a16GemmSk, W4a16GemmWg,
-    W4a16Params, W4a16Reduce, W4a16RepackFragment, W4a16WgParams,
+    W4a16Params, W4a16Reduce, W4a16RepackFragment, W4a16SkParams, W4a16WgParams,
 };
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
@@ -294,6 +295,102 @@ fn time_gemv(
 }
 
 /// One dense shape: weights in both layouts, rotated; every candidate at every M.
+/// The stream-K kernel ([`W4a16GemmSk`]) at one `[n, k]` shape: its compiled candidates, the
+/// activation-tiles kernel and enough weight copies in the fragment layout to miss L2.
+struct SkBench {
+    kernels: Vec<(W4a16SkParams, CompiledKernel<W4a16GemmSk>)>,
+    tiles: CompiledKernel<W4a16ActTiles>,
+    tiles_block: u32,
+    frags: Vec<CudaSlice<u32>>,
+    n: usize,
+    k: usize,
+}
+
+impl SkBench {
+    /// Compiles every candidate and repacks random `[n, k]` g32 weights on the GPU.
+    fn new(gpu: &Gpu, n: usize, k: usize, rng: &mut StdRng) -> Result<SkBench, RuntimeError> {
+        let s = gpu.stream();
+        let repack = gpu.compile::<W4a16RepackFragment>(&RepackParams { block: 256 })?;
+        let frags = (0..copies(q_bytes(n, k)))
+            .map(|_| {
+                let w = random_weights(rng, n, k, 1);
+                let (src, sc) = (upload(s, &w.packed)?, upload(s, &scale_words(&w.scales))?);
+                let mut dst = s
+                    .alloc_zeros::<u32>(fragment_words(n, k))
+                    .map_err(RuntimeError::driver("allocating"))?;
+                // SAFETY: src is [n, k / 8], the scales [n, k / 32] bf16, dst fragment_words(n, k).
+                unsafe { W4a16RepackFragment::launch(&repack, s, 1024u32, &src, &sc, &mut dst, n as u32, k as u32, 32)? };
+                Ok(dst)
+            })
+            .collect::<Result<_, RuntimeError>>()?;
+        let tp = ActTilesParams { block: 256 };
+        Ok(SkBench {
+            kernels: SK_SPACE
+                .iter()
+                .map(|p| Ok((*p, gpu.compile::<W4a16GemmSk>(p)?)))
+                .collect::<Result<_, RuntimeError>>()?,
+            tiles: gpu.compile::<W4a16ActTiles>(&tp)?,
+            tiles_block: tp.block,
+            frags,
+            n,
+            k,
+        })
+    }
+
+    /// Times candidate `i` at `m` rows, the activation-tiles launch included: (grid, µs).
+    fn time(
+        &self,
+        gpu: &Gpu,
+        reps: usize,
+        i: usize,
+        acts: &[CudaSlice<bf16>],
+        out: &mut CudaSlice<bf16>,
+        m: usize,
+    ) -> Result<(u32, f64), RuntimeError> {
+        let s = gpu.stream();
+        let (p, ck) = &self.kernels[i];
+        let (mu, nu, ku) = (m as u32, self.n as u32, self.k as u32);
+        let (tiles, _) = p.tiles_chunks(mu, nu, ku);
+        let g = gemm_sk::grid(p, gpu.fingerprint().sm_count as u32, ck.max_active_blocks_per_sm()?, mu, nu, ku);
+        let tile_len = mu.div_ceil(p.bn) as usize * ku.div_ceil(128) as usize * (p.bn * 128) as usize;
+        let mut at = s
+            .alloc_zeros::<bf16>(tile_len)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let mut part = s
+            .alloc_zeros::<f32>(p.part_len(g))
+            .map_err(RuntimeError::driver("allocating"))?;
+        let mut flags = s
+            .alloc_zeros::<u32>(tiles as usize)
+            .map_err(RuntimeError::driver("allocating"))?;
+        let tg = (tile_len as u32 / 8).div_ceil(self.tiles_block).min(1024);
+        let us = time_us(s, reps, |r| {
+            // SAFETY: the buffers have the shapes the kernels document; g is resident.
+            unsafe {
+                W4a16ActTiles::launch(&self.tiles, s, tg, &acts[r % acts.len()], &mut at, mu, ku, p.bn)?;
+                W4a16GemmSk::launch(
+                    ck,
+                    s,
+                    g,
+                    &at,
+                    &self.frags[r % self.frags.len()],
+                    out,
+                    &mut part,
+                    &mut flags,
+                    mu,
+                    nu,
+                    ku,
+                )
+            }
+        })?;
+        Ok((g, us))
+    }
+}
+
+/// `wg1 mt1 bn64 st4`: a stream-K candidate's short name.
+fn short_sk(p: &W4a16SkParams) -> String {
+    format!("wg{} mt{} bn{} st{}", p.wgs, p.mt, p.bn, p.stages)
+}
+
 fn bench_shape(
     gpu: &Gpu,
     k: usize,
@@ -334,6 +431,11 @@ fn bench_shape(
             wg_kernels.push((*p, gpu.compile::<W4a16GemmWg>(p)?));
         }
     }
+    let sk = if wg_kernels.is_empty() {
+        None
+    } else {
+        Some(SkBench::new(gpu, n, k, rng)?)
+    };
     let gemv_kernels: Vec<(GemvW4Params, _)> = GEMV_SPACE
         .iter()
         .filter(|p| p.mode == GemvMode::Dense)
@@ -435,8 +537,32 @@ fn bench_shape(
             }
             None => "- | - | -".into(),
         };
+        // The stream-K kernel: every candidate, the activation-tiles launch included.
+        let mut skt: Vec<Timed> = Vec::new();
+        if let Some(sk) = &sk {
+            for i in 0..sk.kernels.len() {
+                skt.push(Timed {
+                    label: short_sk(&sk.kernels[i].0),
+                    us: sk.time(gpu, reps, i, &acts, &mut out, m)?.1,
+                });
+            }
+        }
+        skt.sort_by(|a, b| a.us.total_cmp(&b.us));
+        let sk_col = match skt.first() {
+            Some(g) => {
+                let gg = bytes / (g.us * 1e-6) / 1e9;
+                format!(
+                    "{:.1} | {:.0}% | {:.2}x | {}",
+                    g.us,
+                    100.0 * gg / bw,
+                    cublas / g.us,
+                    g.label
+                )
+            }
+            None => "- | - | - | -".into(),
+        };
         println!(
-            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} | {wg_col} | {gemv_col} |",
+            "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} | {wg_col} | {gemv_col} | {sk_col} |",
             best.us,
             100.0 * gbs / bw,
             cublas / best.us,
@@ -996,6 +1122,9 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
         } else {
             let mut r = check::suite(&t, Sizes::Full, &mut rng)?;
             r.extend(check::gemv_suite(&t, Sizes::Full, &mut rng)?);
+            if ddtree_kernels::wgmma_supported(gpu.fingerprint().compute_capability) {
+                r.extend(check::sk_suite(&t, Sizes::Full, &mut rng)?);
+            }
             r
         };
         for r in results.iter().filter(|r| !r.passed) {
@@ -1016,8 +1145,8 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
         return Ok(all_passed);
     }
     println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");
-    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits | wgmma µs | wgmma % of copy | wgmma vs cuBLAS | best wgmma | GEMV µs | GEMV % of copy | best GEMV |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---|");
+    println!("| K->N | M | cuBLAS µs | W4A16 µs | GB/s | % of copy | vs cuBLAS | default µs | best variant x splits | wgmma µs | wgmma % of copy | wgmma vs cuBLAS | best wgmma | GEMV µs | GEMV % of copy | best GEMV | stream-K µs | stream-K % of copy | stream-K vs cuBLAS | best stream-K |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---|");
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     if !args.moe_only {
         for (k, n) in [(7168, 4096), (2048, 7168), (7168, 2048), (7168, 36864), (1536, 12288)] {
@@ -1173,21 +1302,7 @@ fn bench_sk(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
     let (k, n) = (7168, 36864);
     let s = gpu.stream();
-    let sms = gpu.fingerprint().sm_count as u32;
-    let nw = copies(q_bytes(n, k));
-    let repack = gpu.compile::<W4a16RepackFragment>(&RepackParams { block: 256 })?;
-    let frags: Vec<CudaSlice<u32>> = (0..nw)
-        .map(|_| {
-            let w = random_weights(&mut rng, n, k, 1);
-            let (src, sc) = (upload(s, &w.packed)?, upload(s, &scale_words(&w.scales))?);
-            let mut dst = s
-                .alloc_zeros::<u32>(fragment_words(n, k))
-                .map_err(RuntimeError::driver("allocating"))?;
-            // SAFETY: src is [n, k / 8], the scales [n, k / 32] bf16, dst fragment_words(n, k).
-            unsafe { W4a16RepackFragment::launch(&repack, s, 1024u32, &src, &sc, &mut dst, n as u32, k as u32, 32)? };
-            Ok(dst)
-        })
-        .collect::<Result<_, RuntimeError>>()?;
+    let sk = SkBench::new(gpu, n, k, &mut rng)?;
     let wts = dense_weights(gpu, n, k, &mut rng)?;
     let nb = copies(n * k * 2);
     let bws: Vec<CudaSlice<bf16>> = (0..nb)
@@ -1198,12 +1313,6 @@ fn bench_sk(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
         block: 256,
         epilogue: Epilogue::Plain,
     })?;
-    let tp = ActTilesParams { block: 256 };
-    let tiles_k = gpu.compile::<W4a16ActTiles>(&tp)?;
-    let kernels: Vec<_> = SK_SPACE
-        .iter()
-        .map(|p| Ok((p, gpu.compile::<W4a16GemmSk>(p)?)))
-        .collect::<Result<_, RuntimeError>>()?;
     println!("\n| M | variant (grid) | µs | % of copy | vs cuBLAS |\n|---:|---|---:|---:|---:|");
     for &m in &args.ms {
         let acts: Vec<CudaSlice<bf16>> = (0..4)
@@ -1232,47 +1341,12 @@ fn bench_sk(gpu: &Gpu, args: &Args, seed: u64) -> Result<bool, RuntimeError> {
                 );
             }
         }
-        for (p, ck) in &kernels {
-            let (mu, nu, ku) = (m as u32, n as u32, k as u32);
-            let (tiles, _) = p.tiles_chunks(mu, nu, ku);
-            let g = gemm_sk::grid(p, sms, ck.max_active_blocks_per_sm()?, mu, nu, ku);
-            let tile_len = mu.div_ceil(p.bn) as usize * ku.div_ceil(128) as usize * (p.bn * 128) as usize;
-            let mut at = s
-                .alloc_zeros::<bf16>(tile_len)
-                .map_err(RuntimeError::driver("allocating"))?;
-            let mut part = s
-                .alloc_zeros::<f32>(p.part_len(g))
-                .map_err(RuntimeError::driver("allocating"))?;
-            let mut flags = s
-                .alloc_zeros::<u32>(tiles as usize)
-                .map_err(RuntimeError::driver("allocating"))?;
-            let tg = (tile_len as u32 / 8).div_ceil(tp.block).min(1024);
-            let us = time_us(s, args.reps, |i| {
-                // SAFETY: the buffers have the shapes the kernels document; g is resident.
-                unsafe {
-                    W4a16ActTiles::launch(&tiles_k, s, tg, &acts[i % 4], &mut at, mu, ku, p.bn)?;
-                    W4a16GemmSk::launch(
-                        ck,
-                        s,
-                        g,
-                        &at,
-                        &frags[i % nw],
-                        &mut out,
-                        &mut part,
-                        &mut flags,
-                        mu,
-                        nu,
-                        ku,
-                    )
-                }
-            })?;
+        for i in 0..sk.kernels.len() {
+            let (g, us) = sk.time(gpu, args.reps, i, &acts, &mut out, m)?;
             let pct = 100.0 * bytes / (us * 1e-6) / 1e9 / bw;
             println!(
-                "| {m} | sk wg{} mt{} bn{} st{} (grid {g}) | {us:.1} | {pct:.0}% | {:.2}x |",
-                p.wgs,
-                p.mt,
-                p.bn,
-                p.stages,
+                "| {m} | sk {} (grid {g}) | {us:.1} | {pct:.0}% | {:.2}x |",
+                short_sk(&sk.kernels[i].0),
                 cublas / us
             );
         }

@@ -103,17 +103,27 @@ const fn sk(wgs: u32, mt: u32, bn: u32, stages: u32) -> W4a16SkParams {
     W4a16SkParams { wgs, mt, bn, stages }
 }
 
-/// Candidates: 256-row tiles (four warpgroups of one unit, 16 warps an SM) with 4 or 6 slots,
-/// 128-row tiles (two warpgroups) at 4 slots (two blocks an SM), 256-row tiles of two
-/// warpgroups of two units, 64-row tiles, and N 128 for M above 64.
+/// Candidates, one warpgroup per block unless named: the general default (N 64, two blocks an
+/// SM), N 16 for up to 16 tokens (one and two units, three to four blocks an SM), N 32 for 17
+/// to 32, and two warpgroups at N 128 for more than 64 (BENCHMARKS.md, twenty-sixth session).
 pub const SK_SPACE: &[W4a16SkParams] = &[
-    sk(4, 1, 64, 6),
-    sk(4, 1, 64, 4),
-    sk(2, 1, 64, 4),
-    sk(2, 2, 64, 5),
     sk(1, 1, 64, 4),
+    sk(1, 1, 16, 5),
+    sk(1, 2, 16, 5),
+    sk(1, 1, 32, 4),
     sk(2, 1, 128, 5),
 ];
+
+/// The candidate [`W4a16GemmSk`] runs at `m` tokens when nothing was tuned: the activation
+/// tile just covering `m` (N 16, 32 or 64), two warpgroups at N 128 above 64.
+pub fn default_params(m: u32) -> W4a16SkParams {
+    match m {
+        0..=16 => SK_SPACE[1],
+        17..=32 => SK_SPACE[3],
+        33..=64 => SK_SPACE[0],
+        _ => SK_SPACE[4],
+    }
+}
 
 /// Register `i` (0..4) of the `wgmma` A fragment of k16 step `st` from the step's fragment
 /// word and the thread's scale words `sc_g` (row g) and `sc_g8` (row g + 8) of the step's
