@@ -40,6 +40,13 @@
 //! from the NVRTC wheel and PyPI's `nvidia-cuda-nvdisasm`; no GPU needed) and `w4a16-bench
 //! --sk`.
 
+//! Where it stands (7168->36864 on an H200, BENCHMARKS.md): the time is about 53 µs plus
+//! the tensor cores' busy time at the tile's N (61 µs at N 16, 70 at N 32, 95 at N 64 for the
+//! same 149 MB of weights), so the `wgmma`s do not overlap the dequantization as the loop
+//! intends. It is not the L2: at N 64 the activation tiles are read once per 64-row unit (7.3
+//! TB/s of L2 traffic), yet two units per warpgroup, which halve it, are slower. Nor occupancy:
+//! three or four one-warpgroup blocks an SM are no faster than two.
+
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
@@ -113,17 +120,6 @@ pub const SK_SPACE: &[W4a16SkParams] = &[
     sk(1, 1, 32, 4),
     sk(2, 1, 128, 5),
 ];
-
-/// The candidate [`W4a16GemmSk`] runs at `m` tokens when nothing was tuned: the activation
-/// tile just covering `m` (N 16, 32 or 64), two warpgroups at N 128 above 64.
-pub fn default_params(m: u32) -> W4a16SkParams {
-    match m {
-        0..=16 => SK_SPACE[1],
-        17..=32 => SK_SPACE[3],
-        33..=64 => SK_SPACE[0],
-        _ => SK_SPACE[4],
-    }
-}
 
 /// Register `i` (0..4) of the `wgmma` A fragment of k16 step `st` from the step's fragment
 /// word and the thread's scale words `sc_g` (row g) and `sc_g8` (row g + 8) of the step's
