@@ -319,7 +319,9 @@ impl SkBench {
                     .alloc_zeros::<u32>(fragment_words(n, k))
                     .map_err(RuntimeError::driver("allocating"))?;
                 // SAFETY: src is [n, k / 8], the scales [n, k / 32] bf16, dst fragment_words(n, k).
-                unsafe { W4a16RepackFragment::launch(&repack, s, 1024u32, &src, &sc, &mut dst, n as u32, k as u32, 32)? };
+                unsafe {
+                    W4a16RepackFragment::launch(&repack, s, 1024u32, &src, &sc, &mut dst, n as u32, k as u32, 32)?
+                };
                 Ok(dst)
             })
             .collect::<Result<_, RuntimeError>>()?;
@@ -351,7 +353,14 @@ impl SkBench {
         let (p, ck) = &self.kernels[i];
         let (mu, nu, ku) = (m as u32, self.n as u32, self.k as u32);
         let (tiles, _) = p.tiles_chunks(mu, nu, ku);
-        let g = gemm_sk::grid(p, gpu.fingerprint().sm_count as u32, ck.max_active_blocks_per_sm()?, mu, nu, ku);
+        let g = gemm_sk::grid(
+            p,
+            gpu.fingerprint().sm_count as u32,
+            ck.max_active_blocks_per_sm()?,
+            mu,
+            nu,
+            ku,
+        );
         let tile_len = mu.div_ceil(p.bn) as usize * ku.div_ceil(128) as usize * (p.bn * 128) as usize;
         let mut at = s
             .alloc_zeros::<bf16>(tile_len)
