@@ -395,6 +395,25 @@ impl SkBench {
     }
 }
 
+/// The dense table's cells for the fastest of `timed` (sorted here): µs, % of the copy
+/// bandwidth `bw` at `bytes` moved, speedup over `cublas` µs, and its label; dashes when empty.
+fn best_cells(timed: &mut [Timed], bytes: f64, bw: f64, cublas: f64) -> String {
+    timed.sort_by(|a, b| a.us.total_cmp(&b.us));
+    match timed.first() {
+        Some(g) => {
+            let gg = bytes / (g.us * 1e-6) / 1e9;
+            format!(
+                "{:.1} | {:.0}% | {:.2}x | {}",
+                g.us,
+                100.0 * gg / bw,
+                cublas / g.us,
+                g.label
+            )
+        }
+        None => "- | - | - | -".into(),
+    }
+}
+
 /// `wg1 mt1 bn64 st4`: a stream-K candidate's short name.
 fn short_sk(p: &W4a16SkParams) -> String {
     format!("wg{} mt{} bn{} st{}", p.wgs, p.mt, p.bn, p.stages)
@@ -508,23 +527,10 @@ fn bench_shape(
                 });
             }
         }
-        wg.sort_by(|a, b| a.us.total_cmp(&b.us));
         timed.sort_by(|a, b| a.us.total_cmp(&b.us));
         let best = &timed[0];
         let bytes = (q_bytes + 2 * m * k + 2 * m * n) as f64;
-        let wg_col = match wg.first() {
-            Some(g) => {
-                let gg = bytes / (g.us * 1e-6) / 1e9;
-                format!(
-                    "{:.1} | {:.0}% | {:.2}x | {}",
-                    g.us,
-                    100.0 * gg / bw,
-                    cublas / g.us,
-                    g.label
-                )
-            }
-            None => "- | - | - | -".into(),
-        };
+        let wg_col = best_cells(&mut wg, bytes, bw, cublas);
         let gbs = bytes / (best.us * 1e-6) / 1e9;
         // The small-token GEMV: every dense candidate that takes m rows.
         let mut gv: Vec<Timed> = Vec::new();
@@ -556,20 +562,7 @@ fn bench_shape(
                 });
             }
         }
-        skt.sort_by(|a, b| a.us.total_cmp(&b.us));
-        let sk_col = match skt.first() {
-            Some(g) => {
-                let gg = bytes / (g.us * 1e-6) / 1e9;
-                format!(
-                    "{:.1} | {:.0}% | {:.2}x | {}",
-                    g.us,
-                    100.0 * gg / bw,
-                    cublas / g.us,
-                    g.label
-                )
-            }
-            None => "- | - | - | -".into(),
-        };
+        let sk_col = best_cells(&mut skt, bytes, bw, cublas);
         println!(
             "| {k}->{n} | {m} | {cublas:.1} | {:.1} | {gbs:.0} | {:.0}% | {:.2}x | {default_us:.1} | {} | {wg_col} | {gemv_col} | {sk_col} |",
             best.us,
