@@ -43,7 +43,7 @@
 //! Where it stands (7168->36864 on an H200, BENCHMARKS.md): the time is about 53 µs plus
 //! the tensor cores' busy time at the tile's N (61 µs at N 16, 70 at N 32, 95 at N 64 for the
 //! same 149 MB of weights), so the `wgmma`s do not overlap the dequantization as the loop
-//! intends. It is not the L2: at N 64 the activation tiles are read once per 64-row unit (7.3
+//! intends. Not the L2 alone: at N 64 the activation tiles are read once per 64-row unit (7.3
 //! TB/s of L2 traffic), yet two units per warpgroup, which halve it, are slower. Nor occupancy:
 //! three or four one-warpgroup blocks an SM are no faster than two.
 
