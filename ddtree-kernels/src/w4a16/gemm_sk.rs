@@ -39,7 +39,7 @@
 //! the variant's SASS (its snapshot through `nvcc --ptx`, `ptxas -arch sm_90a` and `nvdisasm`,
 //! from the NVRTC wheel and PyPI's `nvidia-cuda-nvdisasm`; no GPU needed) and `w4a16-bench
 //! --sk`.
-
+//!
 //! Where it stands (7168->36864 on an H200, BENCHMARKS.md): the time is about 53 µs plus
 //! the tensor cores' busy time at the tile's N (61 µs at N 16, 70 at N 32, 95 at N 64 for the
 //! same 149 MB of weights), so the `wgmma`s do not overlap the dequantization as the loop
