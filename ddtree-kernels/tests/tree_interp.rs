@@ -283,6 +283,29 @@ fn builder_floor_holds_when_the_largest_keys_share_lanes() {
     }
 }
 
+/// The sorted merge over many slices (18 and 50 lists: level-one merges in registers, then
+/// three and four rounds through shared memory), with and without ties.
+#[test]
+fn sorted_merge_matches_the_reference_over_many_slices() {
+    let mut rng = StdRng::seed_from_u64(21);
+    for &(l, v, budget, ties, span) in &[(2usize, 1152usize, 64usize, false, 64usize), (2, 1300, 20, true, 26)] {
+        let logits: Vec<f32> = (0..l * v)
+            .map(|_| {
+                if ties {
+                    rng.random_range(-3i32..3) as f32 * 0.5
+                } else {
+                    rng.random_range(-8.0f32..8.0)
+                }
+            })
+            .collect();
+        for p in TreeBuild::space().into_iter().filter(|p| p.sorted) {
+            let (t, lse) = gpu_build(&p, &logits, l, v, budget, 17, span);
+            let want = build_with_lse(&logits, v, budget, 17, &lse);
+            assert_eq!(t, want, "{} l={l} v={v} budget={budget}", TreeBuild::symbol(&p));
+        }
+    }
+}
+
 /// The staging kernel writes a built tree as a verify step's inputs: the tree's tokens, its
 /// positions from `start` and its mask rows, for trees of one to three mask words per row
 /// (at 40 and 70 nodes, some lanes past `n` and past `n * words` do nothing).

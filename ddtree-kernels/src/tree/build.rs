@@ -32,12 +32,20 @@
 //!      order, or with an exactly ranked bucket, the keys above it in token order and then
 //!      the bucket's best by rank.
 //!
-//!    Every way, equal keys stay in token order, which the merge relies on.
-//! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (one
-//!    warp), the same select over the `nb * k` candidates (at most `block * vpt`, one per
-//!    register slot; equal keys by earlier candidate = smaller token), and the `k` winners
-//!    ranked as the direct select ranks (by counting) into the depth's log-probs
-//!    `min(x - lse, 0)` and tokens.
+//!    Every way, equal keys stay in token order, which the merge relies on. With
+//!    [`TreeBuildParams::sorted`] (at `k <= 64`) a slice writes its candidates best first
+//!    either way (the radix select's winners are ranked as a merge ranks them).
+//! 2. **Merge** (the last block of each depth): the row's log-sum-exp from the partials (the
+//!    last warp), then the depth's best `k` as log-probs `min(x - lse, 0)` and tokens, best
+//!    first:
+//!    - **Sorted** (`sorted`, `k <= 64`, at most 64 slices): the slices' lists, best first,
+//!      are merged as bitonic sequences in warps (a list of 64 to a warp, two entries to a
+//!      lane, packed as `key << 32 | !token`): warp `w` merges lists `4 w .. 4 w + 3` in
+//!      registers, then pairs of the warps' lists merge through shared memory (one barrier
+//!      per round, three rounds at 18 slices). No select, no ranking.
+//!    - Else the same select over the `nb * k` candidates (at most `block * vpt`, one per
+//!      register slot; equal keys by earlier candidate = smaller token), and the `k` winners
+//!      ranked as the direct select ranks (by counting).
 //! 3. **Expand** (the last merging block): DDTree's best-first expansion pops the tuples of
 //!    ranks in the builder's order (higher path score, then the lexicographically smaller rank
 //!    tuple), so its nodes are the best `budget` tuples of depth at most `L`, best first. The
@@ -51,7 +59,8 @@
 //!    [`expansion_candidates`] per round. Equal scores compare pre-order indices in G (a
 //!    child of member p with rank r sits right after p).
 //!    A round that adds no member of its depth ends the loop (later rounds could only expand
-//!    members of that depth). Each round's log-probs are read one round ahead into registers.
+//!    members of that depth); one without candidates ends before its ranking. Each round's
+//!    log-probs are read one round ahead into registers.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
 //!
@@ -85,6 +94,10 @@ pub struct TreeBuildParams {
     /// earlier item, by counting), with no radix pass; more fall back to the radix select.
     /// 0: always the radix select. At most 1024.
     pub direct: u32,
+    /// Whether slices write their candidates best first and a depth's merge takes the best
+    /// `k` by merging those sorted lists (bitonic merges in warps, no select), when
+    /// `k <= 64` and at most 64 slices; else the merge selects as a slice does.
+    pub sorted: bool,
 }
 
 impl TreeBuildParams {
@@ -168,6 +181,32 @@ fn warp_kth_largest(v: u32, m: u32) -> u32 {
     shfl_idx(x, m - 1u32)
 }
 
+/// `v` from lane `lane ^ m` (a 64-bit [`shfl_xor`]).
+#[device_fn]
+fn shfl_xor_u64(v: u64, m: u32) -> u64 {
+    let lo = shfl_xor(v as u32, m);
+    let hi = shfl_xor((v >> 32) as u32, m);
+    ((hi as u64) << 32) | (lo as u64)
+}
+
+/// One slot of the merge of two descending warp lists of 64 (lane l holds entries 2 l and
+/// 2 l + 1; slot 0 passes `a`'s entry 2 l and `b`'s 2 l + 1, slot 1 the others): the larger of
+/// `a`'s entry and `b`'s mirror entry (63 - i), which makes a bitonic list holding the best 64
+/// of both, then the half-cleaners at lane strides 16 .. 1. The caller orders the two slots
+/// (the last step, stride 1).
+#[device_fn]
+fn warp_merge_slot(a: u64, b: u64) -> u64 {
+    let lane = lane_id();
+    let mut v = a.max(shfl_xor_u64(b, 31u32));
+    #[unroll]
+    for h in 0..5u32 {
+        let m = 16u32 >> h;
+        let o = shfl_xor_u64(v, m);
+        v = if (lane & m) == 0u32 { v.max(o) } else { v.min(o) };
+    }
+    v
+}
+
 /// Exclusive prefix sum of `v` over the block (all threads must call it).
 #[device_fn]
 fn block_excl_scan(v: u32) -> u32 {
@@ -210,14 +249,17 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256 },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024 },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 0 },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 0, direct: 0 },
-    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 512 },
-    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 0 },
-    TreeBuildParams { block: 512, vpt: 28, ties: 0, direct: 0 },
-    TreeBuildParams { block: 512, vpt: 16, ties: 0, direct: 0 },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: true },
+    TreeBuildParams { block: 512, vpt: 18, ties: 32, direct: 256, sorted: true },
+    TreeBuildParams { block: 768, vpt: 12, ties: 32, direct: 256, sorted: true },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024, sorted: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 0, sorted: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 0, direct: 0, sorted: false },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 512, sorted: false },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 0, sorted: false },
+    TreeBuildParams { block: 512, vpt: 28, ties: 0, direct: 0, sorted: false },
+    TreeBuildParams { block: 512, vpt: 16, ties: 0, direct: 0, sorted: false },
 ])]
 pub fn tree_build(
     #[comptime] p: &TreeBuildParams,
@@ -279,527 +321,602 @@ pub fn tree_build(
     // Stage 0: the block's slice; stage 1 (the row's last block): the row's candidates.
     for stage in 0..2u32 {
         let merging = stage == 1u32;
-        let n = if merging { nb * k } else { span.min(vocab - lo) };
-        let base = if merging { row * nb * k } else { row * vocab + lo };
-        let kk = k.min(n);
-        // This thread's items (a slice's logits, or a depth's candidates), spread over every
-        // warp: item `warp * 32 per + 32 j + lane` (j < per) in `keys[j]`, so each j is one
-        // coalesced row of the warp and (warp, j, lane) is item order.
-        let per = (n + p.block - 1) / p.block;
-        let first = warp * 32u32 * per + lane;
-        let mut keys = [0u32; p.vpt];
-        // Bit j: item j exists (the keys of missing items stay 0, below every logit's key
-        // but one, so the per-item code below needs this mask only where 0 would count).
-        let mut vm = 0u32;
-        // Whether this warp holds any item (warp-uniform: warps past the items skip the
-        // per-item code).
-        let wact = warp * 32u32 * per < n;
-        if wact {
-            // Every load goes out before any is used (one memory latency, not one per group
-            // of loads), then the logits become order keys.
-            #[unroll]
-            for j in 0..p.vpt {
-                let i = first + 32u32 * j;
-                if j < per && i < n {
-                    keys[j] = if merging {
-                        cand_key[base + i]
-                    } else {
-                        logits[base + i].to_bits()
-                    };
-                    vm = vm | (1u32 << j);
-                }
-            }
-            if !merging {
-                #[unroll]
-                for j in 0..p.vpt {
-                    if ((vm >> j) & 1u32) == 1u32 {
-                        keys[j] = order_key(f32::from_bits(keys[j]));
-                    }
-                }
-            }
-        }
-        if merging {
-            // The row's log-sum-exp from the slices' (max, sum of exp(x - max)), one warp.
-            if warp == 0 {
-                let mut m = f32::NEG_INFINITY;
-                let mut s = 0.0f32;
-                for j in (lane..nb).step_by(32) {
-                    let mo = part_ms[(row * nb + j) * 2];
-                    let so = part_ms[(row * nb + j) * 2 + 1];
-                    s = sum_exp_merge(m, s, mo, so);
-                    m = m.max(mo);
-                }
-                let wm = warp_max(m);
-                let ws = warp_sum_exp(m, s, wm);
-                if lane == 0 {
-                    let l = wm + ws.ln();
-                    lse_s[0] = l;
-                    lse[row] = l;
-                }
-            }
-        } else {
-            // The slice's max and sum of exponentials (a missing item's key 0 is a NaN, which
-            // the max skips).
+        // The sorted merge (see [`TreeBuildParams::sorted`]) when it takes the shape.
+        let sorted = p.sorted && k <= 64u32 && nb <= 64u32;
+        // A merge: the row's log-sum-exp from the slices' (max, sum of exp(x - max)), by the
+        // last warp (the sorted merge keeps the first warps busy).
+        if merging && warp == nw - 1u32 {
             let mut m = f32::NEG_INFINITY;
-            #[unroll]
-            for j in 0..p.vpt {
-                m = m.max(key_value(keys[j]));
-            }
             let mut s = 0.0f32;
-            if m != f32::NEG_INFINITY {
-                #[unroll]
-                for j in 0..p.vpt {
-                    let e = ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
-                    s += if ((vm >> j) & 1u32) == 1u32 { e } else { 0.0f32 };
-                }
+            for j in (lane..nb).step_by(32) {
+                let mo = part_ms[(row * nb + j) * 2];
+                let so = part_ms[(row * nb + j) * 2 + 1];
+                s = sum_exp_merge(m, s, mo, so);
+                m = m.max(mo);
             }
             let wm = warp_max(m);
             let ws = warp_sum_exp(m, s, wm);
-            // The block's partials: the last warp, after the floor's barrier.
             if lane == 0 {
-                red_m[warp] = wm;
-                red_s[warp] = ws;
+                let l = wm + ws.ln();
+                lse_s[0] = l;
+                lse[row] = l;
             }
         }
-
-        // A floor under the kk-th largest key (keys below it are never counted, so the
-        // histograms below see few items and few same-bin atomics): the lowest over the warps
-        // of each warp's second-largest key (2 keys per warp at or above it) when kk <= 2 nw;
-        // else 0. With `ties > 0` only the nwa warps with items count; past kk = 2 nwa a slice
-        // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
-        // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge the least key; with the
-        // direct select tried, each warp's m1-th largest listed key (m1 = ceil(kk / nwa) <= 4).
-        let mut b1 = 0u32;
-        let mut b2 = 0u32;
-        let mut bmin = u32::MAX;
-        #[unroll]
-        for j in 0..p.vpt {
-            let x = keys[j];
-            if tie_mode {
-                if ((vm >> j) & 1u32) == 1u32 {
-                    bmin = bmin.min(x);
-                }
-            }
-            b2 = b2.max(b1.min(x));
-            b1 = b1.max(x);
-        }
-        // The warp's two largest; with the direct select its four largest of its lanes' two
-        // largest (`q`, best first; exchanged as sorted lists, the better four of two kept by
-        // a bitonic merge).
-        let mut w1 = b1;
-        let mut w2 = b2;
-        let mut q = [0u32; 4];
-        if p.direct > 0u32 {
-            q[0] = b1;
-            q[1] = b2;
-            #[unroll]
-            for o in 0..5u32 {
-                let mut r = [0u32; 4];
+        if merging && sorted {
+            // The sorted merge: each slice's list is best first, so the row's best k are the
+            // first k of their merge. Entries are packed as `key << 32 | !token` (larger is
+            // better: larger key, then smaller token; 0 pads), a list of 64 to a warp (lane l
+            // holds entries 2 l and 2 l + 1). Warp w merges lists 4 w .. 4 w + 3 in registers,
+            // then pairs of the warps' lists merge through shared memory until one is left.
+            let m1 = (nb + 3u32) / 4u32;
+            if warp < m1 {
+                let mut lst = [[0u64; 2]; 4];
                 #[unroll]
-                for i in 0..4u32 {
-                    r[i] = shfl_xor(q[i], 1u32 << o);
-                }
-                #[unroll]
-                for i in 0..4u32 {
-                    q[i] = q[i].max(r[3u32 - i]);
-                }
-                #[unroll]
-                for h in 0..2u32 {
-                    let d = 2u32 >> h;
+                for q in 0..4u32 {
+                    let sl = warp * 4u32 + q;
                     #[unroll]
-                    for i in 0..4u32 {
-                        if (i & d) == 0u32 {
-                            let hi = q[i].max(q[i + d]);
-                            q[i + d] = q[i].min(q[i + d]);
-                            q[i] = hi;
+                    for b in 0..2u32 {
+                        let i = 2u32 * lane + b;
+                        if sl < nb && i < k {
+                            let at = (row * nb + sl) * k + i;
+                            lst[q][b] = ((cand_key[at] as u64) << 32) | ((!cand_tok[at]) as u64);
                         }
                     }
                 }
-            }
-            w1 = q[0];
-            w2 = q[1];
-        } else {
-            #[unroll]
-            for o in 0..5u32 {
-                let o1 = shfl_xor(w1, 16u32 >> o);
-                let o2 = shfl_xor(w2, 16u32 >> o);
-                w2 = w1.min(o1).max(w2.max(o2));
-                w1 = w1.max(o1);
-            }
-        }
-        // The warps with items, and whether the direct select is tried: when the warps' four
-        // largest can hold kk keys (else the keys above the floor are too many to rank).
-        let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
-        let try_direct = p.direct > 0u32 && kk <= 4u32 * nwa;
-        // Whether the warps' floors make the floor (else 0, or the least key).
-        let mut warp_floor = kk <= 2u32 * nw;
-        if tie_mode {
-            bmin = warp_min_u32(bmin);
-            let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
-            warp_floor = m == 1u32 || (!merging && m <= 32u32) || try_direct;
-            if m > 1u32 && warp_floor {
-                if try_direct {
-                    // m1 = ceil(kk / nwa) <= 4 keys of this warp's `q` (distinct items) at or
-                    // above its m1-th.
-                    let m1 = (kk + nwa - 1u32) / nwa;
-                    w2 = if m1 == 3u32 { q[2] } else { q[3] };
-                } else {
-                    w2 = warp_kth_largest(b2, m);
-                }
-            }
-        }
-        if lane == 0 {
-            if tie_mode {
-                wfloor[warp] = if wact { w2 } else { u32::MAX };
-                wmin[warp] = bmin;
-            } else {
-                wfloor[warp] = w2;
-            }
-            wtop[warp] = w1;
-            if p.direct > 0u32 {
+                let mut a0 = lst[0][0];
+                let mut a1 = lst[0][1];
                 #[unroll]
-                for i in 0..4u32 {
-                    wq[warp * 4u32 + i] = q[i];
+                for q in 1..4u32 {
+                    let c0 = warp_merge_slot(a0, lst[q][1]);
+                    let c1 = warp_merge_slot(a1, lst[q][0]);
+                    a0 = c0.max(c1);
+                    a1 = c0.min(c1);
                 }
-            }
-        }
-        if tid < 256 {
-            hist[tid] = 0u32;
-        }
-        if tid == 0 {
-            st[3] = 0u32;
-            st[4] = 0u32;
-            st[5] = 0u32;
-        }
-        sync_threads();
-        let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
-        let mut floor = 0u32;
-        if warp_floor {
-            floor = warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX });
-        } else if tie_mode {
-            floor = warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX });
-        }
-        if try_direct {
-            // A higher floor, by counting: this warp's floor value `w2` when the warps' four
-            // largest (distinct items) hold at least kk keys at or above it; the floor is the
-            // highest such value (or the one above, when none is).
-            let wv = wq.vload((lane % nw) * 4u32);
-            let mut c = 0u32;
-            if lane < nw {
-                c = (wv.x >= w2) as u32 + (wv.y >= w2) as u32 + (wv.z >= w2) as u32 + (wv.w >= w2) as u32;
-            }
-            let cnt = warp_sum_u32(c);
-            if lane == 0 && wact && cnt >= kk {
-                st.atomic_max(5u32, w2);
+                let x = warp * 64u32 + 2u32 * lane;
+                ckey[x] = (a0 >> 32) as u32;
+                ctok[x] = a0 as u32;
+                ckey[x + 1] = (a1 >> 32) as u32;
+                ctok[x + 1] = a1 as u32;
             }
             sync_threads();
-            floor = floor.max(st[5]);
-        }
-
-        // This thread's items at or above the floor (bit j: item j); a row j of the warp with
-        // none is skipped below (one ballot instead of its code).
-        let mut sv = 0u32;
-        if wact {
-            #[unroll]
-            for j in 0..p.vpt {
-                if ((vm >> j) & 1u32) == 1u32 && keys[j] >= floor {
-                    sv = sv | (1u32 << j);
-                }
-            }
-        }
-
-        // The slice's partials, from the warps' (written before the barrier above).
-        if !merging && warp == nw - 1u32 {
-            let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
-            let so = if lane < nw { red_s[lane] } else { 0.0f32 };
-            let bm = warp_max(mo);
-            let bs = warp_sum_exp(mo, so, bm);
-            if lane == 0 {
-                part_ms[(row * nb + blk) * 2] = bm;
-                part_ms[(row * nb + blk) * 2 + 1] = bs;
-            }
-        }
-
-        // Direct select: the keys at or above the floor and their items go to `ckey` / `ctok`
-        // (any order; one shared atomic per warp, places in the warp from ballots); when at
-        // most `p.direct` of them, they are ranked below and the radix select is skipped.
-        let mut staged = kk;
-        let mut direct = false;
-        if try_direct {
-            let wn = warp_sum_u32(sv.count_ones());
-            let mut at = 0u32;
-            if lane == 0 && wn > 0u32 {
-                at = st.atomic_add(4u32, wn);
-            }
-            at = shfl_idx(at, 0u32);
-            #[unroll]
-            for j in 0..p.vpt {
-                let mine = ((sv >> j) & 1u32) == 1u32;
-                let b = ballot(mine);
-                let x = at + (b & below).count_ones();
-                if mine && x < p.direct {
-                    ckey[x] = keys[j];
-                    ctok[x] = first + 32u32 * j;
-                }
-                at += b.count_ones();
-            }
-            sync_threads();
-            direct = st[4] <= p.direct;
-            if direct {
-                staged = st[4];
-            }
-        }
-
-        let out = (row * nb + blk) * k;
-        if !direct {
-            // Radix select of the kk-th largest key among those at or above the floor, 8 bits at a
-            // time from below the prefix they all share (that of the floor and the top key), until
-            // the bucket holding it is taken whole. Histograms alternate between two buffers, so
-            // the next one is cleared while warp 0 scans this one.
-            let common = (top ^ floor).leading_zeros();
-            let mut pmask = if common == 0u32 {
-                0u32
-            } else {
-                u32::MAX << (32u32 - common)
-            };
-            let mut prefix = top & pmask;
-            let mut left = 32u32 - common;
-            let mut remaining = kk;
-            let mut eq_count = 0u32;
-            let mut pass = 0u32;
-            while pass == 0u32 || (left > 0u32 && eq_count != remaining && eq_count > p.ties) {
-                let width = left.min(8u32);
-                let shift = left - width;
-                let dmask = (1u32 << width) - 1u32;
-                let hb = (pass % 2u32) * 256u32;
-                #[unroll]
-                for j in 0..p.vpt {
-                    let mine = ((sv >> j) & 1u32) == 1u32 && (keys[j] & pmask) == prefix;
-                    if ballot(mine) != 0u32 && mine {
-                        hist.atomic_add(hb + ((keys[j] >> shift) & dmask), 1u32);
-                    }
+            let mut cnt = m1;
+            while cnt > 1u32 {
+                let half = (cnt + 1u32) / 2u32;
+                if warp < cnt - half {
+                    let x = warp * 64u32 + 2u32 * lane;
+                    let y = x + half * 64u32;
+                    let c0 = warp_merge_slot(
+                        ((ckey[x] as u64) << 32) | (ctok[x] as u64),
+                        ((ckey[y + 1] as u64) << 32) | (ctok[y + 1] as u64),
+                    );
+                    let c1 = warp_merge_slot(
+                        ((ckey[x + 1] as u64) << 32) | (ctok[x + 1] as u64),
+                        ((ckey[y] as u64) << 32) | (ctok[y] as u64),
+                    );
+                    let a0 = c0.max(c1);
+                    let a1 = c0.min(c1);
+                    ckey[x] = (a0 >> 32) as u32;
+                    ctok[x] = a0 as u32;
+                    ckey[x + 1] = (a1 >> 32) as u32;
+                    ctok[x + 1] = a1 as u32;
                 }
                 sync_threads();
-                if warp == 0 {
-                    let lo4 = hist.vload(hb + lane * 8);
-                    let hi4 = hist.vload(hb + lane * 8 + 4);
-                    let mut h = [0u32; 8];
-                    h[0] = lo4.x;
-                    h[1] = lo4.y;
-                    h[2] = lo4.z;
-                    h[3] = lo4.w;
-                    h[4] = hi4.x;
-                    h[5] = hi4.y;
-                    h[6] = hi4.z;
-                    h[7] = hi4.w;
-                    let mut tot = 0u32;
-                    #[unroll]
-                    for bb in 0..8u32 {
-                        tot += h[bb];
+                cnt = half;
+            }
+            if warp == 0u32 {
+                #[unroll]
+                for b in 0..2u32 {
+                    let i = 2u32 * lane + b;
+                    if i < k {
+                        lp[row * k + i] = (key_value(ckey[i]) - lse_s[0]).min(0.0f32);
+                        tok[row * k + i] = !ctok[i];
                     }
-                    // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
-                    let mut sfx = tot;
+                }
+            }
+        } else {
+            let n = if merging { nb * k } else { span.min(vocab - lo) };
+            let base = if merging { row * nb * k } else { row * vocab + lo };
+            let kk = k.min(n);
+            // This thread's items (a slice's logits, or a depth's candidates), spread over every
+            // warp: item `warp * 32 per + 32 j + lane` (j < per) in `keys[j]`, so each j is one
+            // coalesced row of the warp and (warp, j, lane) is item order.
+            let per = (n + p.block - 1) / p.block;
+            let first = warp * 32u32 * per + lane;
+            let mut keys = [0u32; p.vpt];
+            // Bit j: item j exists (the keys of missing items stay 0, below every logit's key
+            // but one, so the per-item code below needs this mask only where 0 would count).
+            let mut vm = 0u32;
+            // Whether this warp holds any item (warp-uniform: warps past the items skip the
+            // per-item code).
+            let wact = warp * 32u32 * per < n;
+            if wact {
+                // Every load goes out before any is used (one memory latency, not one per group
+                // of loads), then the logits become order keys.
+                #[unroll]
+                for j in 0..p.vpt {
+                    let i = first + 32u32 * j;
+                    if j < per && i < n {
+                        keys[j] = if merging {
+                            cand_key[base + i]
+                        } else {
+                            logits[base + i].to_bits()
+                        };
+                        vm = vm | (1u32 << j);
+                    }
+                }
+                if !merging {
                     #[unroll]
-                    for o in 0..5u32 {
-                        let v = shfl_down(sfx, 1u32 << o);
-                        if lane + (1u32 << o) < 32 {
-                            sfx += v;
+                    for j in 0..p.vpt {
+                        if ((vm >> j) & 1u32) == 1u32 {
+                            keys[j] = order_key(f32::from_bits(keys[j]));
                         }
                     }
-                    let above = sfx - tot;
-                    if above < remaining && remaining <= sfx {
-                        let mut c = above;
-                        let mut found = false;
+                }
+            }
+            if !merging {
+                // The slice's max and sum of exponentials (a missing item's key 0 is a NaN, which
+                // the max skips).
+                let mut m = f32::NEG_INFINITY;
+                #[unroll]
+                for j in 0..p.vpt {
+                    m = m.max(key_value(keys[j]));
+                }
+                let mut s = 0.0f32;
+                if m != f32::NEG_INFINITY {
+                    #[unroll]
+                    for j in 0..p.vpt {
+                        let e = ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
+                        s += if ((vm >> j) & 1u32) == 1u32 { e } else { 0.0f32 };
+                    }
+                }
+                let wm = warp_max(m);
+                let ws = warp_sum_exp(m, s, wm);
+                // The block's partials: the last warp, after the floor's barrier.
+                if lane == 0 {
+                    red_m[warp] = wm;
+                    red_s[warp] = ws;
+                }
+            }
+
+            // A floor under the kk-th largest key (keys below it are never counted, so the
+            // histograms below see few items and few same-bin atomics): the lowest over the warps
+            // of each warp's second-largest key (2 keys per warp at or above it) when kk <= 2 nw;
+            // else 0. With `ties > 0` only the nwa warps with items count; past kk = 2 nwa a slice
+            // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
+            // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge the least key; with the
+            // direct select tried, each warp's m1-th largest listed key (m1 = ceil(kk / nwa) <= 4).
+            let mut b1 = 0u32;
+            let mut b2 = 0u32;
+            let mut bmin = u32::MAX;
+            #[unroll]
+            for j in 0..p.vpt {
+                let x = keys[j];
+                if tie_mode {
+                    if ((vm >> j) & 1u32) == 1u32 {
+                        bmin = bmin.min(x);
+                    }
+                }
+                b2 = b2.max(b1.min(x));
+                b1 = b1.max(x);
+            }
+            // The warp's two largest; with the direct select its four largest of its lanes' two
+            // largest (`q`, best first; exchanged as sorted lists, the better four of two kept by
+            // a bitonic merge).
+            let mut w1 = b1;
+            let mut w2 = b2;
+            let mut q = [0u32; 4];
+            if p.direct > 0u32 {
+                q[0] = b1;
+                q[1] = b2;
+                #[unroll]
+                for o in 0..5u32 {
+                    let mut r = [0u32; 4];
+                    #[unroll]
+                    for i in 0..4u32 {
+                        r[i] = shfl_xor(q[i], 1u32 << o);
+                    }
+                    #[unroll]
+                    for i in 0..4u32 {
+                        q[i] = q[i].max(r[3u32 - i]);
+                    }
+                    #[unroll]
+                    for h in 0..2u32 {
+                        let d = 2u32 >> h;
                         #[unroll]
-                        for i in 0..8u32 {
-                            let bb = 7u32 - i;
-                            if !found {
-                                if c + h[bb] >= remaining {
-                                    st[0] = lane * 8 + bb;
-                                    st[1] = c;
-                                    st[2] = h[bb];
-                                    found = true;
+                        for i in 0..4u32 {
+                            if (i & d) == 0u32 {
+                                let hi = q[i].max(q[i + d]);
+                                q[i + d] = q[i].min(q[i + d]);
+                                q[i] = hi;
+                            }
+                        }
+                    }
+                }
+                w1 = q[0];
+                w2 = q[1];
+            } else {
+                #[unroll]
+                for o in 0..5u32 {
+                    let o1 = shfl_xor(w1, 16u32 >> o);
+                    let o2 = shfl_xor(w2, 16u32 >> o);
+                    w2 = w1.min(o1).max(w2.max(o2));
+                    w1 = w1.max(o1);
+                }
+            }
+            // The warps with items, and whether the direct select is tried: when the warps' four
+            // largest can hold kk keys (else the keys above the floor are too many to rank).
+            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+            let try_direct = p.direct > 0u32 && kk <= 4u32 * nwa;
+            // Whether the warps' floors make the floor (else 0, or the least key).
+            let mut warp_floor = kk <= 2u32 * nw;
+            if tie_mode {
+                bmin = warp_min_u32(bmin);
+                let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
+                warp_floor = m == 1u32 || (!merging && m <= 32u32) || try_direct;
+                if m > 1u32 && warp_floor {
+                    if try_direct {
+                        // m1 = ceil(kk / nwa) <= 4 keys of this warp's `q` (distinct items) at or
+                        // above its m1-th.
+                        let m1 = (kk + nwa - 1u32) / nwa;
+                        w2 = if m1 == 3u32 { q[2] } else { q[3] };
+                    } else {
+                        w2 = warp_kth_largest(b2, m);
+                    }
+                }
+            }
+            if lane == 0 {
+                if tie_mode {
+                    wfloor[warp] = if wact { w2 } else { u32::MAX };
+                    wmin[warp] = bmin;
+                } else {
+                    wfloor[warp] = w2;
+                }
+                wtop[warp] = w1;
+                if p.direct > 0u32 {
+                    #[unroll]
+                    for i in 0..4u32 {
+                        wq[warp * 4u32 + i] = q[i];
+                    }
+                }
+            }
+            if tid < 256 {
+                hist[tid] = 0u32;
+            }
+            if tid == 0 {
+                st[3] = 0u32;
+                st[4] = 0u32;
+                st[5] = 0u32;
+            }
+            sync_threads();
+            let top = warp_max_u32(if lane < nw { wtop[lane] } else { 0u32 });
+            let mut floor = 0u32;
+            if warp_floor {
+                floor = warp_min_u32(if lane < nw { wfloor[lane] } else { u32::MAX });
+            } else if tie_mode {
+                floor = warp_min_u32(if lane < nw { wmin[lane] } else { u32::MAX });
+            }
+            if try_direct {
+                // A higher floor, by counting: this warp's floor value `w2` when the warps' four
+                // largest (distinct items) hold at least kk keys at or above it; the floor is the
+                // highest such value (or the one above, when none is).
+                let wv = wq.vload((lane % nw) * 4u32);
+                let mut c = 0u32;
+                if lane < nw {
+                    c = (wv.x >= w2) as u32 + (wv.y >= w2) as u32 + (wv.z >= w2) as u32 + (wv.w >= w2) as u32;
+                }
+                let cnt = warp_sum_u32(c);
+                if lane == 0 && wact && cnt >= kk {
+                    st.atomic_max(5u32, w2);
+                }
+                sync_threads();
+                floor = floor.max(st[5]);
+            }
+
+            // This thread's items at or above the floor (bit j: item j); a row j of the warp with
+            // none is skipped below (one ballot instead of its code).
+            let mut sv = 0u32;
+            if wact {
+                #[unroll]
+                for j in 0..p.vpt {
+                    if ((vm >> j) & 1u32) == 1u32 && keys[j] >= floor {
+                        sv = sv | (1u32 << j);
+                    }
+                }
+            }
+
+            // The slice's partials, from the warps' (written before the barrier above).
+            if !merging && warp == nw - 1u32 {
+                let mo = if lane < nw { red_m[lane] } else { f32::NEG_INFINITY };
+                let so = if lane < nw { red_s[lane] } else { 0.0f32 };
+                let bm = warp_max(mo);
+                let bs = warp_sum_exp(mo, so, bm);
+                if lane == 0 {
+                    part_ms[(row * nb + blk) * 2] = bm;
+                    part_ms[(row * nb + blk) * 2 + 1] = bs;
+                }
+            }
+
+            // Direct select: the keys at or above the floor and their items go to `ckey` / `ctok`
+            // (any order; one shared atomic per warp, places in the warp from ballots); when at
+            // most `p.direct` of them, they are ranked below and the radix select is skipped.
+            let mut staged = kk;
+            let mut direct = false;
+            if try_direct {
+                let wn = warp_sum_u32(sv.count_ones());
+                let mut at = 0u32;
+                if lane == 0 && wn > 0u32 {
+                    at = st.atomic_add(4u32, wn);
+                }
+                at = shfl_idx(at, 0u32);
+                #[unroll]
+                for j in 0..p.vpt {
+                    let mine = ((sv >> j) & 1u32) == 1u32;
+                    let b = ballot(mine);
+                    let x = at + (b & below).count_ones();
+                    if mine && x < p.direct {
+                        ckey[x] = keys[j];
+                        ctok[x] = first + 32u32 * j;
+                    }
+                    at += b.count_ones();
+                }
+                sync_threads();
+                direct = st[4] <= p.direct;
+                if direct {
+                    staged = st[4];
+                }
+            }
+
+            let out = (row * nb + blk) * k;
+            if !direct {
+                // Radix select of the kk-th largest key among those at or above the floor, 8 bits at a
+                // time from below the prefix they all share (that of the floor and the top key), until
+                // the bucket holding it is taken whole. Histograms alternate between two buffers, so
+                // the next one is cleared while warp 0 scans this one.
+                let common = (top ^ floor).leading_zeros();
+                let mut pmask = if common == 0u32 {
+                    0u32
+                } else {
+                    u32::MAX << (32u32 - common)
+                };
+                let mut prefix = top & pmask;
+                let mut left = 32u32 - common;
+                let mut remaining = kk;
+                let mut eq_count = 0u32;
+                let mut pass = 0u32;
+                while pass == 0u32 || (left > 0u32 && eq_count != remaining && eq_count > p.ties) {
+                    let width = left.min(8u32);
+                    let shift = left - width;
+                    let dmask = (1u32 << width) - 1u32;
+                    let hb = (pass % 2u32) * 256u32;
+                    #[unroll]
+                    for j in 0..p.vpt {
+                        let mine = ((sv >> j) & 1u32) == 1u32 && (keys[j] & pmask) == prefix;
+                        if ballot(mine) != 0u32 && mine {
+                            hist.atomic_add(hb + ((keys[j] >> shift) & dmask), 1u32);
+                        }
+                    }
+                    sync_threads();
+                    if warp == 0 {
+                        let lo4 = hist.vload(hb + lane * 8);
+                        let hi4 = hist.vload(hb + lane * 8 + 4);
+                        let mut h = [0u32; 8];
+                        h[0] = lo4.x;
+                        h[1] = lo4.y;
+                        h[2] = lo4.z;
+                        h[3] = lo4.w;
+                        h[4] = hi4.x;
+                        h[5] = hi4.y;
+                        h[6] = hi4.z;
+                        h[7] = hi4.w;
+                        let mut tot = 0u32;
+                        #[unroll]
+                        for bb in 0..8u32 {
+                            tot += h[bb];
+                        }
+                        // Inclusive suffix sum over lanes (lane 31 holds the highest digits).
+                        let mut sfx = tot;
+                        #[unroll]
+                        for o in 0..5u32 {
+                            let v = shfl_down(sfx, 1u32 << o);
+                            if lane + (1u32 << o) < 32 {
+                                sfx += v;
+                            }
+                        }
+                        let above = sfx - tot;
+                        if above < remaining && remaining <= sfx {
+                            let mut c = above;
+                            let mut found = false;
+                            #[unroll]
+                            for i in 0..8u32 {
+                                let bb = 7u32 - i;
+                                if !found {
+                                    if c + h[bb] >= remaining {
+                                        st[0] = lane * 8 + bb;
+                                        st[1] = c;
+                                        st[2] = h[bb];
+                                        found = true;
+                                    } else {
+                                        c += h[bb];
+                                    }
+                                }
+                            }
+                        }
+                    } else {
+                        for t in (tid - 32..256u32).step_by(p.block - 32) {
+                            hist[256 - hb + t] = 0u32;
+                        }
+                    }
+                    sync_threads();
+                    prefix = prefix | (st[0] << shift);
+                    pmask = pmask | (dmask << shift);
+                    remaining -= st[1];
+                    eq_count = st[2];
+                    left = shift;
+                    pass += 1;
+                }
+                // Take every key above the prefix (the prefix's bucket too when it is taken
+                // whole), else the first `remaining` keys equal to the kk-th (smallest token ids),
+                // in item order: an item's place counts the taken items of earlier warps (block
+                // totals), earlier rows of its warp and earlier lanes of its row (ballots).
+                let all_eq = eq_count == remaining;
+                // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
+                // (larger key, then earlier item), after the keys above it.
+                let mut ranked = false;
+                if tie_mode {
+                    ranked = !all_eq && eq_count <= p.ties;
+                }
+                // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
+                let mut sb = 0u32;
+                let mut tb = 0u32;
+                #[unroll]
+                for j in 0..p.vpt {
+                    let m = keys[j] & pmask;
+                    if ((sv >> j) & 1u32) == 1u32 {
+                        if m > prefix || (m == prefix && all_eq) {
+                            sb = sb | (1u32 << j);
+                        } else if m == prefix {
+                            tb = tb | (1u32 << j);
+                        }
+                    }
+                }
+                if tie_mode {
+                    if ranked {
+                        // Stage the bucket's keys and items in `hist` (any order: ranked below).
+                        #[unroll]
+                        for j in 0..p.vpt {
+                            if ((tb >> j) & 1u32) == 1u32 {
+                                let at = st.atomic_add(3u32, 1u32);
+                                hist[at] = keys[j];
+                                hist[256 + at] = first + 32u32 * j;
+                            }
+                        }
+                    }
+                }
+                let sc = warp_sum_u32(sb.count_ones());
+                let tc = warp_sum_u32(tb.count_ones());
+                if lane == 0 {
+                    wcount[warp] = sc;
+                    wcount[32 + warp] = tc;
+                }
+                sync_threads();
+                let mut sp = lanes_below_sum(if lane < nw { wcount[lane] } else { 0u32 }, warp);
+                let mut tp = lanes_below_sum(if lane < nw { wcount[32 + lane] } else { 0u32 }, warp);
+                #[unroll]
+                for j in 0..p.vpt {
+                    let strict = ((sb >> j) & 1u32) == 1u32;
+                    let tie = ((tb >> j) & 1u32) == 1u32;
+                    let bs = ballot(strict);
+                    let bt = ballot(tie);
+                    if (bs | bt) != 0u32 {
+                        let s_at = sp + (bs & below).count_ones();
+                        let t_at = tp + (bt & below).count_ones();
+                        let i = first + 32u32 * j;
+                        if strict || (tie && !ranked && t_at < remaining) {
+                            let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
+                            if merging || sorted {
+                                ckey[pos] = keys[j];
+                                ctok[pos] = i;
+                            } else {
+                                cand_key[out + pos] = keys[j];
+                                cand_tok[out + pos] = lo + i;
+                            }
+                        }
+                        sp += bs.count_ones();
+                        tp += bt.count_ones();
+                    }
+                }
+                if tie_mode {
+                    if ranked {
+                        // The best `remaining` of the bucket (larger key, then earlier item = smaller
+                        // token) go after the `kk - remaining` keys above it, by rank.
+                        for t in (tid..eq_count).step_by(p.block) {
+                            let key = hist[t];
+                            let i = hist[256 + t];
+                            let mut rank = 0u32;
+                            for u in 0..eq_count {
+                                let ku = hist[u];
+                                if ku > key || (ku == key && hist[256 + u] < i) {
+                                    rank += 1;
+                                }
+                            }
+                            if rank < remaining {
+                                let pos = kk - remaining + rank;
+                                if merging || sorted {
+                                    ckey[pos] = key;
+                                    ctok[pos] = i;
                                 } else {
-                                    c += h[bb];
+                                    cand_key[out + pos] = key;
+                                    cand_tok[out + pos] = lo + i;
                                 }
                             }
                         }
                     }
-                } else {
-                    for t in (tid - 32..256u32).step_by(p.block - 32) {
-                        hist[256 - hb + t] = 0u32;
-                    }
-                }
-                sync_threads();
-                prefix = prefix | (st[0] << shift);
-                pmask = pmask | (dmask << shift);
-                remaining -= st[1];
-                eq_count = st[2];
-                left = shift;
-                pass += 1;
-            }
-            // Take every key above the prefix (the prefix's bucket too when it is taken
-            // whole), else the first `remaining` keys equal to the kk-th (smallest token ids),
-            // in item order: an item's place counts the taken items of earlier warps (block
-            // totals), earlier rows of its warp and earlier lanes of its row (ballots).
-            let all_eq = eq_count == remaining;
-            // The bucket not taken whole and at most `ties` keys: its keys are ranked exactly below
-            // (larger key, then earlier item), after the keys above it.
-            let mut ranked = false;
-            if tie_mode {
-                ranked = !all_eq && eq_count <= p.ties;
-            }
-            // Bit j: item j is above the kk-th key (or in its bucket taken whole) / equal to it.
-            let mut sb = 0u32;
-            let mut tb = 0u32;
-            #[unroll]
-            for j in 0..p.vpt {
-                let m = keys[j] & pmask;
-                if ((sv >> j) & 1u32) == 1u32 {
-                    if m > prefix || (m == prefix && all_eq) {
-                        sb = sb | (1u32 << j);
-                    } else if m == prefix {
-                        tb = tb | (1u32 << j);
-                    }
                 }
             }
-            if tie_mode {
-                if ranked {
-                    // Stage the bucket's keys and items in `hist` (any order: ranked below).
-                    #[unroll]
-                    for j in 0..p.vpt {
-                        if ((tb >> j) & 1u32) == 1u32 {
-                            let at = st.atomic_add(3u32, 1u32);
-                            hist[at] = keys[j];
-                            hist[256 + at] = first + 32u32 * j;
-                        }
-                    }
+            if merging || direct || sorted {
+                // Rank the `staged` entries of `ckey` / `ctok` (larger key, then earlier item),
+                // best first, and write the first `kk`: a merge's log-probs and tokens, a direct
+                // slice's candidates. `parts` adjacent lanes (a power of two) split each entry's
+                // comparisons when the block has threads to spare, and add their counts with
+                // shuffles. Each lane scans a contiguous run of a multiple of 4 entries (unit
+                // stride, so the compiler can read them 16 bytes at a time).
+                if !direct {
+                    sync_threads();
                 }
-            }
-            let sc = warp_sum_u32(sb.count_ones());
-            let tc = warp_sum_u32(tb.count_ones());
-            if lane == 0 {
-                wcount[warp] = sc;
-                wcount[32 + warp] = tc;
-            }
-            sync_threads();
-            let mut sp = lanes_below_sum(if lane < nw { wcount[lane] } else { 0u32 }, warp);
-            let mut tp = lanes_below_sum(if lane < nw { wcount[32 + lane] } else { 0u32 }, warp);
-            #[unroll]
-            for j in 0..p.vpt {
-                let strict = ((sb >> j) & 1u32) == 1u32;
-                let tie = ((tb >> j) & 1u32) == 1u32;
-                let bs = ballot(strict);
-                let bt = ballot(tie);
-                if (bs | bt) != 0u32 {
-                    let s_at = sp + (bs & below).count_ones();
-                    let t_at = tp + (bt & below).count_ones();
-                    let i = first + 32u32 * j;
-                    if strict || (tie && !ranked && t_at < remaining) {
-                        let pos = if ranked { s_at } else { s_at + t_at.min(remaining) };
-                        if merging {
-                            ckey[pos] = keys[j];
-                            ctok[pos] = i;
+                let sh = 31u32 - (p.block / staged).min(32u32).max(1u32).leading_zeros();
+                let parts = 1u32 << sh;
+                let rspan = staged << sh;
+                let run = (((staged + parts - 1u32) >> sh) + 3u32) & !3u32;
+                for t0 in (0..rspan).step_by(p.block) {
+                    let t = t0 + tid;
+                    let e = t >> sh;
+                    let act = t < rspan;
+                    let mut key = 0u32;
+                    let mut item = 0u32;
+                    let mut rank = 0u32;
+                    if act {
+                        key = ckey[e];
+                        item = ctok[e];
+                        let j0 = (t & (parts - 1u32)) * run;
+                        // Branch-free, compares as 0 / 1. The radix select's winners sit in item
+                        // order among equal keys, so their places break ties (one word per entry);
+                        // the direct select's staged entries are in no order (both words).
+                        if direct {
+                            for j in j0..(j0 + run).min(staged) {
+                                let kj = ckey[j];
+                                let tj = ctok[j];
+                                rank += (kj > key) as u32 | ((kj == key) as u32 & (tj < item) as u32);
+                            }
                         } else {
-                            cand_key[out + pos] = keys[j];
-                            cand_tok[out + pos] = lo + i;
-                        }
-                    }
-                    sp += bs.count_ones();
-                    tp += bt.count_ones();
-                }
-            }
-            if tie_mode {
-                if ranked {
-                    // The best `remaining` of the bucket (larger key, then earlier item = smaller
-                    // token) go after the `kk - remaining` keys above it, by rank.
-                    for t in (tid..eq_count).step_by(p.block) {
-                        let key = hist[t];
-                        let i = hist[256 + t];
-                        let mut rank = 0u32;
-                        for u in 0..eq_count {
-                            let ku = hist[u];
-                            if ku > key || (ku == key && hist[256 + u] < i) {
-                                rank += 1;
-                            }
-                        }
-                        if rank < remaining {
-                            let pos = kk - remaining + rank;
-                            if merging {
-                                ckey[pos] = key;
-                                ctok[pos] = i;
-                            } else {
-                                cand_key[out + pos] = key;
-                                cand_tok[out + pos] = lo + i;
+                            for j in j0..(j0 + run).min(staged) {
+                                let kj = ckey[j];
+                                rank += (kj > key) as u32 | ((kj == key) as u32 & (j < e) as u32);
                             }
                         }
                     }
-                }
-            }
-        }
-        if merging || direct {
-            // Rank the `staged` entries of `ckey` / `ctok` (larger key, then earlier item),
-            // best first, and write the first `kk`: a merge's log-probs and tokens, a direct
-            // slice's candidates. `parts` adjacent lanes (a power of two) split each entry's
-            // comparisons when the block has threads to spare, and add their counts with
-            // shuffles. Each lane scans a contiguous run of a multiple of 4 entries (unit
-            // stride, so the compiler can read them 16 bytes at a time).
-            if !direct {
-                sync_threads();
-            }
-            let sh = 31u32 - (p.block / staged).min(32u32).max(1u32).leading_zeros();
-            let parts = 1u32 << sh;
-            let rspan = staged << sh;
-            let run = (((staged + parts - 1u32) >> sh) + 3u32) & !3u32;
-            for t0 in (0..rspan).step_by(p.block) {
-                let t = t0 + tid;
-                let e = t >> sh;
-                let act = t < rspan;
-                let mut key = 0u32;
-                let mut item = 0u32;
-                let mut rank = 0u32;
-                if act {
-                    key = ckey[e];
-                    item = ctok[e];
-                    let j0 = (t & (parts - 1u32)) * run;
-                    // Branch-free, compares as 0 / 1. The radix select's winners sit in item
-                    // order among equal keys, so their places break ties (one word per entry);
-                    // the direct select's staged entries are in no order (both words).
-                    if direct {
-                        for j in j0..(j0 + run).min(staged) {
-                            let kj = ckey[j];
-                            let tj = ctok[j];
-                            rank += (kj > key) as u32 | ((kj == key) as u32 & (tj < item) as u32);
+                    #[unroll]
+                    for b in 0..5u32 {
+                        if (1u32 << b) < parts {
+                            rank += shfl_xor(rank, 1u32 << b);
                         }
-                    } else {
-                        for j in j0..(j0 + run).min(staged) {
-                            let kj = ckey[j];
-                            rank += (kj > key) as u32 | ((kj == key) as u32 & (j < e) as u32);
+                    }
+                    if act && (t & (parts - 1u32)) == 0u32 && rank < kk {
+                        if merging {
+                            lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
+                            tok[row * k + rank] = cand_tok[base + item];
+                        } else {
+                            cand_key[out + rank] = key;
+                            cand_tok[out + rank] = lo + item;
                         }
                     }
                 }
-                #[unroll]
-                for b in 0..5u32 {
-                    if (1u32 << b) < parts {
-                        rank += shfl_xor(rank, 1u32 << b);
-                    }
-                }
-                if act && (t & (parts - 1u32)) == 0u32 && rank < kk {
-                    if merging {
-                        lp[row * k + rank] = (key_value(key) - lse_s[0]).min(0.0f32);
-                        tok[row * k + rank] = cand_tok[base + item];
-                    } else {
-                        cand_key[out + rank] = key;
-                        cand_tok[out + rank] = lo + item;
-                    }
-                }
             }
-        }
-        if !merging {
-            // Unused slots: key 0, below every logit's key.
-            for t in (kk + tid..k).step_by(p.block) {
-                cand_key[out + t] = 0u32;
-                cand_tok[out + t] = 0u32;
+            if !merging {
+                // Unused slots: key 0, below every logit's key.
+                for t in (kk + tid..k).step_by(p.block) {
+                    cand_key[out + t] = 0u32;
+                    cand_tok[out + t] = 0u32;
+                }
             }
         }
         // Publish, then count: the block that completes the row (stage 0) or the depths
@@ -935,6 +1052,10 @@ pub fn tree_build(
             at += tmp[j + 1];
         }
         sync_threads();
+        // No candidates: G stays as it is, and so would every later round's.
+        if nc_s[0] == 0u32 {
+            break;
+        }
         for idx in (tid..nc_s[0]).step_by(p.block) {
             let mut lo = 1u32;
             let mut hi = g;

@@ -93,10 +93,12 @@ pub struct GpuBuilder {
 }
 
 /// Whether builder variant `p` takes `vocab` at `budget`: each depth's merge holds its
-/// `ceil(vocab / tile) * min(budget, vocab)` slice candidates in one tile (`p.tile()`).
+/// `ceil(vocab / tile) * min(budget, vocab)` slice candidates in one tile (`p.tile()`), and a
+/// [sorted](TreeBuildParams::sorted) variant merges sorted lists (`k <= 64`, at most 64 slices).
 pub fn builder_fits(p: &TreeBuildParams, vocab: usize, budget: usize) -> bool {
     let tile = p.tile() as usize;
-    vocab.div_ceil(tile) * budget.min(vocab) <= tile
+    let (slices, k) = (vocab.div_ceil(tile), budget.min(vocab));
+    slices * k <= tile && (!p.sorted || (k <= 64 && slices <= 64))
 }
 
 /// The first builder variant (the default when it fits) that takes `vocab` at `budget`.
