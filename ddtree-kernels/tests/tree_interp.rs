@@ -180,13 +180,7 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
         target[0] = tree.token[c];
     }
     let want = accept_reference(&tree, &target);
-    let (tk, par, dep, nn, tg) = (
-        buf(&tree.token),
-        buf(&tree.parent),
-        buf(&tree.depth),
-        buf(&[n as u32]),
-        buf(&target),
-    );
+    let (tk, par, dep, tg) = (buf(&tree.token), buf(&tree.parent), buf(&tree.depth), buf(&target));
     let (mut acc, mut path, mut len, mut bonus) = (
         buf(&vec![u32::MAX; l + 1]),
         buf(&vec![u32::MAX; l + 1]),
@@ -200,12 +194,12 @@ fn accept_sample_and_compaction_kernels_match_the_reference() {
             HostArg::In(&tk),
             HostArg::In(&par),
             HostArg::In(&dep),
-            HostArg::In(&nn),
             HostArg::In(&tg),
             HostArg::Out(&mut acc),
             HostArg::Out(&mut path),
             HostArg::Out(&mut len),
             HostArg::Out(&mut bonus),
+            u(n as u32),
         ],
     );
     let len = len.to_vec::<u32>()[0] as usize;

@@ -9,62 +9,82 @@ use ddtree_macros::{device_fn, kernel, KernelParams};
 /// Greedy accept in one block (grid 1): node `i > 0` matches when `token[i] ==
 /// target[parent[i]]`, and is accepted when it and all its ancestors match (siblings have
 /// distinct tokens, so the accepted nodes are one path from the root: the walk along the child
-/// whose token equals `target[cur]`). Reads the node count from `n_nodes[0]`; writes the accepted
-/// node indices by depth (root first) to `accepted`, the target's token at each of them to
-/// `path_target` (the tokens the round emits: the accepted drafted tokens, then the bonus), their
-/// count to `accept_len[0]` and the next bonus token (the target's token at the deepest accepted
-/// node) to `bonus[0]` (which may be the next build's root buffer). Needs at most 1025 nodes.
+/// whose token equals `target[cur]`). `n` is the node count (the builder's
+/// [`super::tree_size`], known on the host); every node's words are loaded in one round, so the
+/// block waits for memory once. Writes the accepted node indices by depth (root first) to
+/// `accepted`, the target's token at each of them to `path_target` (the tokens the round emits:
+/// the accepted drafted tokens, then the bonus), their count to `accept_len[0]` and the next
+/// bonus token (the target's token at the deepest accepted node) to `bonus[0]` (which may be the
+/// next build's root buffer). Needs `1 <= n <= 1025`.
 #[kernel(block = 256)]
 #[allow(clippy::too_many_arguments)]
 pub fn tree_accept(
     token: &[u32],
     parent: &[i32],
     depth: &[u32],
-    n_nodes: &[u32],
     target: &[u32],
     accepted: &mut [u32],
     path_target: &mut [u32],
     accept_len: &mut [u32],
     bonus: &mut [u32],
+    n: u32,
 ) {
     let ok = shared::<u32>(1025);
     let par = shared::<u32>(1025);
+    let tg = shared::<u32>(1025);
     let deepest = shared::<u32>(1);
     let tid = thread_idx_x();
-    let n = n_nodes[0];
     if tid == 0 {
         deepest[0] = 0u32;
     }
-    for i in (tid..n).step_by(256) {
-        if i == 0 {
-            ok[0] = 1u32;
-            par[0] = 0u32;
-        } else {
-            let pi = parent[i] as u32;
-            par[i] = pi;
-            ok[i] = if token[i] == target[pi] { 1u32 } else { 0u32 };
+    // Node tid + 256 q of each thread: token, parent and depth in registers, parent and
+    // target in shared memory.
+    let mut tk = [0u32; 5];
+    let mut pa = [0u32; 5];
+    let mut dp = [0u32; 5];
+    #[unroll]
+    for q in 0..5u32 {
+        let i = tid + 256u32 * q;
+        if i < n {
+            tk[q] = token[i];
+            pa[q] = if i == 0 { 0u32 } else { parent[i] as u32 };
+            dp[q] = depth[i];
+            par[i] = pa[q];
+            tg[i] = target[i];
         }
     }
     sync_threads();
-    for i in (tid..n).step_by(256) {
-        let mut a = i;
-        let mut good = ok[i] == 1u32;
-        while good && a != 0 {
-            a = par[a];
-            good = ok[a] == 1u32;
+    #[unroll]
+    for q in 0..5u32 {
+        let i = tid + 256u32 * q;
+        if i < n {
+            ok[i] = if i == 0 || tk[q] == tg[pa[q]] { 1u32 } else { 0u32 };
         }
-        if good {
-            let d = depth[i];
-            accepted[d] = i;
-            path_target[d] = target[i];
-            deepest.atomic_max(0, (d << 11) | i);
+    }
+    sync_threads();
+    #[unroll]
+    for q in 0..5u32 {
+        let i = tid + 256u32 * q;
+        if i < n {
+            let mut a = i;
+            let mut good = ok[i] == 1u32;
+            while good && a != 0 {
+                a = par[a];
+                good = ok[a] == 1u32;
+            }
+            if good {
+                let d = dp[q];
+                accepted[d] = i;
+                path_target[d] = tg[i];
+                deepest.atomic_max(0, (d << 11) | i);
+            }
         }
     }
     sync_threads();
     if tid == 0 {
         let dn = deepest[0];
         accept_len[0] = (dn >> 11) + 1;
-        bonus[0] = target[dn & 2047u32];
+        bonus[0] = tg[dn & 2047u32];
     }
 }
 

@@ -950,6 +950,8 @@ pub fn tree_build(
     let tmp = shared::<u32>(CAP);
     let nc_s = shared::<u32>(1);
     let grew = shared::<u32>(1);
+    // Whether round d has any candidate, in slot d % 2 (cleared a round ahead).
+    let any_c = shared::<u32>(2);
     // The next round's log-probs (ranks tid + q block), loaded a round ahead.
     let pf = comptime!(MAX_K as u32 / p.block);
     let mut next = [0u32; pf];
@@ -969,6 +971,8 @@ pub fn tree_build(
         gm[0][0] = 0u32;
         gm[1][0] = 0u32;
         remap[0] = 0u32;
+        any_c[0] = 0u32;
+        any_c[1] = 0u32;
     }
     let mut g = k;
     // The buffer holding G after the last round run.
@@ -995,6 +999,7 @@ pub fn tree_build(
         sync_threads();
         if tid == 0 {
             grew[0] = 0u32;
+            any_c[(d + 1) % 2] = 0u32;
         }
         // Children of the depth d - 1 members: the j-th of them in G (0-based) keeps ranks
         // r < k with (j + 1) * (r + 1) <= budget (that many better tuples otherwise: the
@@ -1007,27 +1012,43 @@ pub fn tree_build(
         let ch = (g + p.block - 1) / p.block;
         let j0 = (tid * ch).min(g);
         let j1 = (j0 + ch).min(g);
+        // Bit j - j0: member j has a candidate (its rank-0 child; most members of a full G
+        // have no child better than its worst).
         let mut deep = 0u32;
+        let mut has = 0u32;
         for j in j0..j1 {
-            if (gm[o][j + 1] >> 22) == d - 1 {
+            let x = j + 1;
+            if (gm[o][x] >> 22) == d - 1 {
                 deep += 1;
+                if !full
+                    || better(
+                        order_key(key_value(gk[o][x]) + f32::from_bits(ckey[0])),
+                        gx[o][x] | 1u32,
+                        tk,
+                        tx,
+                    )
+                {
+                    has = has | (1u32 << (j - j0));
+                }
             }
         }
+        if has != 0u32 {
+            any_c.atomic_or(d % 2, 1u32);
+        }
         let mut jd = block_excl_scan(deep);
+        // No candidates: G stays as it is, and so would every later round's.
+        if any_c[d % 2] == 0u32 {
+            break;
+        }
         let mut own = 0u32;
         for j in j0..j1 {
             let x = j + 1;
             let mut m = 0u32;
-            if (gm[o][x] >> 22) == d - 1 {
+            if ((has >> (j - j0)) & 1u32) == 1u32 {
                 m = k.min(budget / (jd + 1));
-                jd += 1;
                 if full {
                     let ps = key_value(gk[o][x]);
-                    // Most members of a full G have no child better than its worst: rank 0 first.
-                    if !better(order_key(ps + f32::from_bits(ckey[0])), gx[o][x] | 1u32, tk, tx) {
-                        m = 0u32;
-                    }
-                    let mut lo = 0u32;
+                    let mut lo = 1u32;
                     while lo < m {
                         let mid = (lo + m) / 2;
                         if better(order_key(ps + f32::from_bits(ckey[mid])), gx[o][x] | (mid + 1), tk, tx) {
@@ -1037,6 +1058,9 @@ pub fn tree_build(
                         }
                     }
                 }
+            }
+            if (gm[o][x] >> 22) == d - 1 {
+                jd += 1;
             }
             tmp[x] = m;
             own += m;
@@ -1052,10 +1076,6 @@ pub fn tree_build(
             at += tmp[j + 1];
         }
         sync_threads();
-        // No candidates: G stays as it is, and so would every later round's.
-        if nc_s[0] == 0u32 {
-            break;
-        }
         for idx in (tid..nc_s[0]).step_by(p.block) {
             let mut lo = 1u32;
             let mut hi = g;

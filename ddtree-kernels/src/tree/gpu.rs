@@ -360,7 +360,7 @@ impl GpuAccept {
         let d = self.depth + 1;
         let (mut len, mut rest) = self.result.split_at_mut(1);
         let (mut accepted, mut path) = rest.split_at_mut(d);
-        // SAFETY: the tree arrays and node count come from one build (at most 1025 nodes, depth
+        // SAFETY: the tree arrays come from one build of b.nodes() nodes (at most 1025, depth
         // at most self.depth); target holds one token per node; accepted and path hold depth + 1
         // entries each (a path has at most depth + 1 nodes).
         unsafe {
@@ -371,12 +371,12 @@ impl GpuAccept {
                 &b.token,
                 &b.parent,
                 &b.depth_out,
-                &b.n,
                 target,
                 &mut accepted,
                 &mut path,
                 &mut len,
                 bonus,
+                b.nodes() as u32,
             )
         }
     }
