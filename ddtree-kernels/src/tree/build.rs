@@ -223,6 +223,17 @@ fn block_excl_scan(v: u32) -> u32 {
     inc - v + lanes_below_sum(total, warp)
 }
 
+/// A lane's run of `n` compared entries, rounded up to a multiple of 4 past 4 (so that the
+/// compiler can read long runs 16 bytes at a time; short ones stay short).
+#[device_fn]
+fn run_len(n: u32) -> u32 {
+    if n > 4u32 {
+        (n + 3u32) & !3u32
+    } else {
+        n
+    }
+}
+
 /// Node metadata word: parent (11 bits), rank among its siblings (11 bits), depth (from bit 22).
 #[device_fn]
 fn meta_word(parent: u32, rank: u32, depth: u32) -> u32 {
@@ -1101,13 +1112,17 @@ pub fn tree_build(
         // Rank every member and candidate (members: binary search; candidates: all compared);
         // the best `budget` go to buffer w at their rank, parents still numbered as in G. When
         // the block has threads to spare, `parts` adjacent lanes (a power of two) split each
-        // element's comparisons and add their counts with shuffles.
+        // element's comparisons and add their counts with shuffles. Each lane compares a
+        // contiguous run ([`run_len`]) of the shared candidates, branch-free, counting equal
+        // keys, whose codes are compared in a second pass only when there are any.
         let nc = nc_s[0];
         let total = g + nc;
         let ng = total.min(budget);
         let sh = 31u32 - (p.block / total.max(1u32)).min(32u32).max(1u32).leading_zeros();
         let parts = 1u32 << sh;
         let span = total << sh;
+        let ns = nc.min(SHARED_CANDS);
+        let run = run_len((ns + parts - 1u32) >> sh);
         for t0 in (0..span).step_by(p.block) {
             let t = t0 + tid;
             let e = t >> sh;
@@ -1146,19 +1161,33 @@ pub fn tree_build(
                     }
                     rank = lo;
                 }
-                for c2 in (part..nc).step_by(parts) {
-                    let k2 = if c2 < SHARED_CANDS { ctok[c2] } else { cand_key[c2] };
+                let r0 = (part * run).min(ns);
+                let r1 = (r0 + run).min(ns);
+                let mut eq = 0u32;
+                for c2 in r0..r1 {
+                    let k2 = ctok[c2];
+                    cnt += (k2 > key) as u32;
+                    eq += (k2 == key) as u32;
+                }
+                // A candidate's own key is no tie.
+                if e >= g && e - g >= r0 && e - g < r1 {
+                    eq -= 1u32;
+                }
+                if eq > 0u32 {
+                    for c2 in r0..r1 {
+                        if ctok[c2] == key {
+                            let c = ctok[SHARED_CANDS + c2];
+                            cnt += ((gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx) as u32;
+                        }
+                    }
+                }
+                for c2 in (SHARED_CANDS + part..nc).step_by(parts) {
+                    let k2 = cand_key[c2];
                     if k2 > key {
                         cnt += 1;
                     } else if k2 == key {
-                        let c = if c2 < SHARED_CANDS {
-                            ctok[SHARED_CANDS + c2]
-                        } else {
-                            cand_tok[c2]
-                        };
-                        if (gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx {
-                            cnt += 1;
-                        }
+                        let c = cand_tok[c2];
+                        cnt += ((gx[o][c & 2047u32] | ((c >> 11) + 1)) < lx) as u32;
                     }
                 }
             }
@@ -1185,10 +1214,11 @@ pub fn tree_build(
         }
         sync_threads();
         // Renumber the parents; the lexicographic codes become pre-order indices again (the
-        // comparisons split over lanes as above).
+        // comparisons split over lanes as above, in contiguous runs).
         let sh2 = 31u32 - (p.block / ng.max(1u32)).min(32u32).max(1u32).leading_zeros();
         let parts2 = 1u32 << sh2;
         let span2 = ng << sh2;
+        let run2 = run_len((ng + parts2 - 1u32) >> sh2);
         for t0 in (0..span2).step_by(p.block) {
             let t = t0 + tid;
             let x = (t >> sh2) + 1;
@@ -1197,10 +1227,9 @@ pub fn tree_build(
             let mut before = 0u32;
             if act {
                 let lx = tmp[x];
-                for y in (part + 1..ng + 1).step_by(parts2) {
-                    if tmp[y] < lx {
-                        before += 1;
-                    }
+                let y0 = 1u32 + (part * run2).min(ng);
+                for y in y0..(y0 + run2).min(ng + 1u32) {
+                    before += (tmp[y] < lx) as u32;
                 }
             }
             #[unroll]
