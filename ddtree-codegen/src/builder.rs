@@ -391,6 +391,12 @@ impl Builder {
             .any(|v| v.c_name == c && v.mutable)
     }
 
+    /// Runs `f` on this builder: the `#[kernel]` macro builds each block of a kernel in such a
+    /// call, so every block's temporaries live in a stack frame of their own.
+    pub fn scope(&mut self, f: impl FnOnce(&mut Builder) -> Result<()>) -> Result<()> {
+        f(self)
+    }
+
     /// Appends statements built in a nested scope (a bare `{ ... }` block).
     pub fn splice(&mut self, stmts: Vec<Stmt>) {
         for s in stmts {

@@ -507,7 +507,7 @@ impl Cx {
         self.push();
         let t = self.stmts(stmts);
         self.pop();
-        t
+        framed(t)
     }
 
     fn stmt(&mut self, s: &Stmt, last: bool) -> TokenStream {
@@ -898,7 +898,7 @@ impl Cx {
         };
         self.push();
         self.define(var.clone(), VarKind::Runtime);
-        let body = self.stmts(&f.body.stmts);
+        let body = framed(self.stmts(&f.body.stmts));
         self.pop();
         let lc = loc(f.span());
         quote! {
@@ -912,6 +912,14 @@ impl Cx {
             }
         }
     }
+}
+
+/// A block's builder code in a stack frame of its own (a closure given the builder), so that a
+/// long kernel's builder function does not hold every block's temporaries at once: unoptimized
+/// builds give each its own stack slot, which overflowed a test thread's stack.
+fn framed(t: TokenStream) -> TokenStream {
+    let b = b();
+    quote!(#b.scope(|#b: &mut ::ddtree_codegen::Builder| { #t ::core::result::Result::Ok(()) })?;)
 }
 
 fn strip_paren(e: &Expr) -> &Expr {

@@ -59,8 +59,9 @@
 //!    [`expansion_candidates`] per round. Equal scores compare pre-order indices in G (a
 //!    child of member p with rank r sits right after p).
 //!    A round that adds no member of its depth ends the loop (later rounds could only expand
-//!    members of that depth); one without candidates ends before its ranking. Each round's
-//!    log-probs are read one round ahead into registers.
+//!    members of that depth); one without candidates (a flag set while its depth d - 1
+//!    members are counted) ends after that count's scan. Each round's log-probs are read one
+//!    round ahead into registers; its rankings compare contiguous runs without branches.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
 //!
@@ -69,7 +70,8 @@
 //! staged keys and two around the counter; with the radix select one for the floor, two per
 //! histogram pass (with `ties = 0` typically two or three passes in a slice and three or four
 //! in a merge; one pass with `ties = 32`), one for the warp totals, one before a merge's
-//! ranking, two around the counter.
+//! ranking, two around the counter; a sorted merge has one after its in-register merges and
+//! one per round through shared memory (three at 18 slices).
 
 use ddtree_macros::{device_fn, kernel, KernelParams};
 
