@@ -21,7 +21,8 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey, W4GemvKey};
+use ddtree_kernels::tree::{self, TreeBuild};
+use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey, TreeBuildKey, W4GemvKey};
 use ddtree_kernels::w4a16::gemv::W4a16Gemv;
 use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
 use ddtree_runtime::{
@@ -275,7 +276,25 @@ pub fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
         }
     }
     jobs.extend(d.int4_gemv_keys(max_m).into_iter().map(job::<W4a16Gemv>));
+    jobs.extend(tree_build_keys(d.vocab).into_iter().map(job::<TreeBuild>));
     dedup(jobs)
+}
+
+/// The drafted positions per round the GPU tree builder is tuned for: DFlash block sizes 8
+/// and 16 (the bonus slot excluded).
+pub const TREE_DEPTHS: [usize; 2] = [7, 15];
+
+/// The GPU tree builder's keys at vocabulary `vocab`: every depth of [`TREE_DEPTHS`] at the
+/// budget buckets 1, 2, 4, ..., [`tree::MAX_K`].
+fn tree_build_keys(vocab: usize) -> Vec<TreeBuildKey> {
+    TREE_DEPTHS
+        .into_iter()
+        .flat_map(|depth| {
+            token_counts(tree::MAX_K)
+                .into_iter()
+                .map(move |budget| TreeBuildKey { depth, vocab, budget })
+        })
+        .collect()
 }
 
 /// The largest token count [`startup_plan`] covers: a verify forward of the largest `auto`
@@ -840,8 +859,17 @@ mod tests {
         assert_eq!(k, keys(&plan(&d, 256)));
         // 9 token counts; per M: 3 norms, 2 silu_mul, 2 rope, embedding, 2 top-k, 10 GEMMs; up
         // to M = 16 the INT4 GEMV of the shared expert's gate/up (7168->2048) and down
-        // (2048->7168): the dense MLP (18432 x 7168) runs the INT4 GEMM.
-        assert_eq!(k.len(), 9 * 20 + 5 * 2);
+        // (2048->7168): the dense MLP (18432 x 7168) runs the INT4 GEMM; the tree builder at
+        // 2 depths x 11 budget buckets.
+        assert_eq!(k.len(), 9 * 20 + 5 * 2 + 2 * 11);
+        assert!(
+            k.contains(&"tree_build depth=7 vocab=163840 budget=64".to_string()),
+            "{k:?}"
+        );
+        assert!(
+            k.contains(&"tree_build depth=15 vocab=163840 budget=1024".to_string()),
+            "{k:?}"
+        );
         assert!(
             k.contains(&"w4a16_gemv dense tokens=16 n=2048 k=7168".to_string()),
             "{k:?}"

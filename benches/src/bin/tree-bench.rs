@@ -1,5 +1,6 @@
 //! DDTree step kernels on the GPU, in one run: checks against the CPU references (builder,
-//! verify attention, sampling, accept, compaction), then timings: build (every variant) +
+//! verify attention, sampling, accept, compaction), then timings: build (every variant, and the
+//! engine's: the tuned variant of the key from this GPU's tune cache, else the default) +
 //! accept at B = 16/64/256/1024 (L = 7 and 15, V = 163840) as device time of back-to-back
 //! calls replayed from a CUDA graph (no host launch overhead, as a captured engine step), the
 //! builder's stages (slice, merge, expansion, tree arrays + masks) the same way, and verify
@@ -26,8 +27,9 @@ use ddtree_kernels::tree::gpu::{
     builder_fits, upload, zeros, BuildStage, GpuAccept, GpuBuilder, GpuVerify, VerifyShape,
 };
 use ddtree_kernels::tree::{MlaVerifyWg, TreeBuild, VerifyVariant, WideParams, LATENT, ROW};
+use ddtree_kernels::tune::TreeBuildKey;
 use ddtree_runtime::timing::{graph_us, median_us};
-use ddtree_runtime::{Gpu, RuntimeError};
+use ddtree_runtime::{Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -229,11 +231,12 @@ const PER_GRAPH: usize = 16;
 
 fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<(), RuntimeError> {
     let s = gpu.stream();
+    let tuned = TunedKernels::new(gpu.clone());
     let v = 163840usize;
     let mut phases = Vec::new();
     println!("\nDevice time per call, {PER_GRAPH} calls back to back in a CUDA graph (as a captured engine step); eager = one launch timed alone, host launch overhead included.");
-    println!("\n| logits | L | B | build µs (engine's: first that fits) | best variant µs | accept µs | compact 61 layers µs | build+accept µs | build eager µs |");
-    println!("|---|---:|---:|---:|---|---:|---:|---:|---:|");
+    println!("\n| logits | L | B | default variant µs (first that fits) | best variant µs | engine's variant µs | accept µs | compact 61 layers µs | build+accept µs (engine's) | build eager µs (engine's) |");
+    println!("|---|---:|---:|---:|---|---|---:|---:|---:|---:|");
     for ((name, make), l) in LOGITS_PROFILES.into_iter().flat_map(|m| [7usize, 15].map(|l| (m, l))) {
         let copies: Vec<_> = (0..8).map(|_| upload(s, &make(rng, l, v))).collect::<Result<_, _>>()?;
         for b in [16usize, 64, 256, 1024] {
@@ -260,7 +263,20 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
             }
             let (best_us, best_sym) = best.expect("at least one variant");
             let default_us = default_us.expect("a variant that fits");
-            let mut bld = GpuBuilder::new(gpu, l, v, b)?;
+            // The engine's builder: the tuned variant of the key (from this GPU's tune cache,
+            // `autotune --kernels tree_build`), else the default.
+            let key = TreeBuildKey {
+                depth: l,
+                vocab: v,
+                budget: b,
+            };
+            let choice = tuned.choose::<TreeBuild>(&key);
+            let engine_sym = format!(
+                "{}{}",
+                TreeBuild::symbol(&choice.params),
+                if choice.is_tuned() { " (tuned)" } else { " (default)" }
+            );
+            let mut bld = GpuBuilder::with_kernel(gpu, tuned.get::<TreeBuild>(&key)?, l, v, b)?;
             let eager = median_us(s, 5, 50, |i| bld.build(s, &copies[i % copies.len()], &root))?;
             // Cumulative stage times; each stage's own time is the difference.
             let mut cum = [0.0f64; 4];
@@ -283,13 +299,14 @@ fn bench_build(gpu: &Gpu, rng: &mut StdRng, rows: &mut Vec<String>) -> Result<()
                 bld.build(s, &copies[i % copies.len()], &root)?;
                 acc.accept(s, &bld, &target, &mut root)
             })?;
+            let engine_us = cum[3];
             println!(
-                "| {name} | {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {accept:.1} | {compact:.1} | {both:.1} | {eager:.1} |"
+                "| {name} | {l} | {b} | {default_us:.1} | {best_us:.1} {best_sym} | {engine_us:.1} {engine_sym} | {accept:.1} | {compact:.1} | {both:.1} | {eager:.1} |"
             );
-            rows.push(format!("build {name:<9} L={l:<2} B={b:<5} build {default_us:>8.1} µs (best {best_us:.1} {best_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs  (eager build {eager:.1} µs)"));
+            rows.push(format!("build {name:<9} L={l:<2} B={b:<5} default {default_us:>8.1} µs (best {best_us:.1} {best_sym}; engine {engine_us:.1} {engine_sym})  accept {accept:>6.1} µs  compact {compact:>6.1} µs  build+accept {both:>8.1} µs  (eager build {eager:.1} µs)"));
         }
     }
-    println!("\nBuilder stages (the engine's variant, graph-timed; a stage = the launch stopped after it minus the launch stopped before it):");
+    println!("\nBuilder stages (the engine's variant, tuned or default, graph-timed; a stage = the launch stopped after it minus the launch stopped before it):");
     println!("\n| logits | L | B | slice µs | merge µs | expand loop µs | tree+mask µs | total µs |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (name, l, b, c) in phases {

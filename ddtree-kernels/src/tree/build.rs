@@ -42,7 +42,7 @@
 //!      are merged as bitonic sequences in warps (a list of 64 to a warp, two entries to a
 //!      lane, packed as `key << 32 | !token`): warp `w` merges lists `4 w .. 4 w + 3` in
 //!      registers, then pairs of the warps' lists merge through shared memory (one barrier
-//!      per round, three rounds at 18 slices). No select, no ranking.
+//!      per round, three rounds at 18 slices, two at 16). No select, no ranking.
 //!    - Else the same select over the `nb * k` candidates (at most `block * vpt`, one per
 //!      register slot; equal keys by earlier candidate = smaller token), and the `k` winners
 //!      ranked as the direct select ranks (by counting).
@@ -64,6 +64,11 @@
 //!    round ahead into registers; its rankings compare contiguous runs without branches.
 //!    Then the tree arrays (child lists from per-parent counts), path scores and the
 //!    ancestor-or-self mask rows.
+//!
+//! The space holds sorted variants of 9216-logit slices (18 per row at V = 163840) and of
+//! 10240 to 10752 (16 per row: a round fewer in the merge, fewer blocks at L = 15), with 512,
+//! 768 or 1024 threads; which is fastest depends on the depth and budget, so the engine takes
+//! the variant tuned for its key ([`crate::tune::TreeBuildKey`]).
 //!
 //! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
 //! threads: with the direct select one for the floor, one for the counted floor, one for the
@@ -265,6 +270,9 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 512, vpt: 18, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 768, vpt: 12, ties: 32, direct: 256, sorted: true },
+    TreeBuildParams { block: 1024, vpt: 10, ties: 32, direct: 256, sorted: true },
+    TreeBuildParams { block: 768, vpt: 14, ties: 32, direct: 256, sorted: true },
+    TreeBuildParams { block: 512, vpt: 20, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: false },
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024, sorted: false },
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 0, sorted: false },

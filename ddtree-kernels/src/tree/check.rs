@@ -11,7 +11,7 @@ use super::reference::{build_with_lse, combine_reference, fill_mask, logsumexp_r
 use super::{
     accept_reference, chain_mask, combine_grid, combine_layout, combine_output_grid, sample_rows,
     verify_attention_reference, DraftTree, MlaCombineOutput, MlaVerifyCombine, MlaVerifyNaive, MlaVerifyNarrow,
-    MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeSample, VerifyVariant, LATENT, ROW,
+    MlaVerifySplit, MlaVerifyWg, MlaVerifyWide, TreeBuild, TreeBuildParams, TreeSample, VerifyVariant, LATENT, ROW,
 };
 use crate::attention::mla_absorb::output_reference;
 use crate::check::{
@@ -87,10 +87,8 @@ pub type LogitsProfile = (&'static str, fn(&mut StdRng, usize, usize) -> Vec<f32
 /// The logits profiles the builder is checked and timed on.
 pub const LOGITS_PROFILES: [LogitsProfile; 2] = [("random", random_logits), ("confident", confident_logits)];
 
-/// Checks the builder, every variant of [`TreeBuild`], on fresh logits (random with ties, and
-/// confident) and
-/// poisoned outputs: the tree must equal the CPU builder's fed with the GPU's per-depth
-/// log-sum-exp (identical arithmetic), and that log-sum-exp must match the CPU's (1e-5).
+/// Checks the builder, every variant of [`TreeBuild`] that fits the shape, with
+/// [`builder_variant`].
 pub fn builder(
     gpu: &Gpu,
     depth: usize,
@@ -98,16 +96,34 @@ pub fn builder(
     budget: usize,
     rng: &mut StdRng,
 ) -> Result<Vec<CheckResult>, RuntimeError> {
-    let s = gpu.stream();
     let mut out = Vec::new();
-    for (p, (profile, make)) in TreeBuild::space()
+    for p in TreeBuild::space()
         .into_iter()
         .filter(|p| builder_fits(p, vocab, budget))
-        .flat_map(|p| LOGITS_PROFILES.map(|m| (p, m)))
     {
+        out.extend(builder_variant(gpu, &p, depth, vocab, budget, rng)?);
+    }
+    Ok(out)
+}
+
+/// Checks builder variant `p` (which must [fit](builder_fits) the shape) on fresh logits of
+/// each profile (random with ties, and confident) and poisoned outputs: the tree must equal the
+/// CPU builder's fed with the GPU's per-depth log-sum-exp (identical arithmetic), and that
+/// log-sum-exp must match the CPU's (1e-5).
+pub fn builder_variant(
+    gpu: &Gpu,
+    p: &TreeBuildParams,
+    depth: usize,
+    vocab: usize,
+    budget: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, RuntimeError> {
+    let s = gpu.stream();
+    let mut out = Vec::new();
+    for (profile, make) in LOGITS_PROFILES {
         let logits = make(rng, depth, vocab);
         let root = rng.random_range(0..vocab as u32);
-        let mut b = GpuBuilder::with_params(gpu, &p, depth, vocab, budget)?;
+        let mut b = GpuBuilder::with_params(gpu, p, depth, vocab, budget)?;
         // Poison the outputs.
         b.token = upload(s, &vec![u32::MAX; budget + 1])?;
         b.parent = upload(s, &vec![i32::MIN; budget + 1])?;
@@ -123,7 +139,7 @@ pub fn builder(
         let (tree, lse) = b.download(s)?;
         let want = build_with_lse(&logits, vocab, budget, root, &lse);
         let case = format!("{profile} depth={depth} vocab={vocab} budget={budget}");
-        let sym = TreeBuild::symbol(&p);
+        let sym = TreeBuild::symbol(p);
         let cpu_lse = logsumexp_rows(&logits, vocab);
         let tol = Tolerance {
             rtol: 1e-5,

@@ -58,7 +58,7 @@ pub enum BuildStage {
 
 /// The GPU tree builder for fixed `depth`, `vocab` and `budget`, with its device buffers.
 pub struct GpuBuilder {
-    kernel: CompiledKernel<TreeBuild>,
+    kernel: Arc<CompiledKernel<TreeBuild>>,
     stage: CompiledKernel<TreeStage>,
     depth: usize,
     vocab: usize,
@@ -126,12 +126,25 @@ impl GpuBuilder {
         vocab: usize,
         budget: usize,
     ) -> Result<GpuBuilder, RuntimeError> {
+        GpuBuilder::with_kernel(gpu, Arc::new(gpu.compile::<TreeBuild>(p)?), depth, vocab, budget)
+    }
+
+    /// [`GpuBuilder::new`] with a compiled variant (e.g. the tuned one of
+    /// [`crate::tune::TreeBuildKey`]), which must [fit](builder_fits) the shape.
+    pub fn with_kernel(
+        gpu: &Gpu,
+        kernel: Arc<CompiledKernel<TreeBuild>>,
+        depth: usize,
+        vocab: usize,
+        budget: usize,
+    ) -> Result<GpuBuilder, RuntimeError> {
+        let p = *kernel.params();
         assert!(
             (1..=MAX_K).contains(&budget) && (1..=16).contains(&depth) && vocab >= 1,
             "budget 1..=1024, depth 1..=16"
         );
         assert!(
-            builder_fits(p, vocab, budget),
+            builder_fits(&p, vocab, budget),
             "vocab {vocab} at budget {budget} needs too many slice candidates for {p:?}"
         );
         let s = gpu.stream();
@@ -142,7 +155,7 @@ impl GpuBuilder {
         let cap = budget + 1;
         let cands = (depth * nb * k).max(expansion_candidates(budget, k));
         Ok(GpuBuilder {
-            kernel: gpu.compile::<TreeBuild>(p)?,
+            kernel,
             stage: gpu.compile::<TreeStage>(&())?,
             depth,
             vocab,
@@ -188,6 +201,35 @@ impl GpuBuilder {
         root: &CudaSlice<u32>,
         stage: BuildStage,
     ) -> Result<(), RuntimeError> {
+        let kernel = self.kernel.clone();
+        self.launch(&kernel, s, logits, root, stage)
+    }
+
+    /// [`GpuBuilder::build`] launching `kernel`, a compiled copy of this builder's variant (the
+    /// tuner times the variants it compiled on buffers made for each).
+    pub(crate) fn build_with(
+        &mut self,
+        kernel: &CompiledKernel<TreeBuild>,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        root: &CudaSlice<u32>,
+    ) -> Result<(), RuntimeError> {
+        self.launch(kernel, s, logits, root, BuildStage::All)
+    }
+
+    fn launch(
+        &mut self,
+        kernel: &CompiledKernel<TreeBuild>,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        root: &CudaSlice<u32>,
+        stage: BuildStage,
+    ) -> Result<(), RuntimeError> {
+        assert_eq!(
+            kernel.params(),
+            self.params(),
+            "the builder's buffers are sized for its own variant"
+        );
         let (v, k, span, nb) = (self.vocab as u32, self.k as u32, self.span as u32, self.nb as u32);
         let d = self.depth as u32;
         // SAFETY: logits hold depth * vocab values; candidates depth * nb * k and
@@ -197,7 +239,7 @@ impl GpuBuilder {
         // nodes (mask rows included), budget <= 1024, depth <= 16.
         unsafe {
             TreeBuild::launch(
-                &self.kernel,
+                kernel,
                 s,
                 (nb, d),
                 logits,
@@ -225,6 +267,11 @@ impl GpuBuilder {
                 stage as u32,
             )
         }
+    }
+
+    /// The variant this builder launches.
+    pub fn params(&self) -> &TreeBuildParams {
+        self.kernel.params()
     }
 
     /// The node count (root included) every [`GpuBuilder::build`] of this builder makes:

@@ -21,7 +21,8 @@ use ddtree_kernels::gemv::{
     GemvSplitGateUpSilu,
 };
 use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
-use ddtree_kernels::tree::{build_reference, DraftTree, LATENT, ROPE};
+use ddtree_kernels::tree::{build_reference, DraftTree, TreeBuild, LATENT, ROPE};
+use ddtree_kernels::tune::TreeBuildKey;
 use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel, FUSED_SPACE};
 use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg, W4a16WgParams};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
@@ -622,14 +623,18 @@ impl CudaBackend {
     }
 
     /// The index in `st.builders` of the GPU tree builder for `depth`, `vocab` and `budget`,
-    /// made on first use (kernels load once; buffers are small, a few trees).
+    /// made on first use with the tuned variant of its [`TreeBuildKey`] (kernels load once;
+    /// buffers are small, a few trees).
     fn builder_index(&self, st: &mut State, depth: usize, vocab: usize, budget: usize) -> Result<usize> {
         let key = (depth, vocab, budget);
         if let Some(i) = st.builders.iter().position(|(k, _)| *k == key) {
             return Ok(i);
         }
-        st.builders
-            .push((key, tree::gpu::GpuBuilder::new(self.gpu(), depth, vocab, budget)?));
+        let kernel = self.kernels.get::<TreeBuild>(&TreeBuildKey { depth, vocab, budget })?;
+        st.builders.push((
+            key,
+            tree::gpu::GpuBuilder::with_kernel(self.gpu(), kernel, depth, vocab, budget)?,
+        ));
         Ok(st.builders.len() - 1)
     }
 
