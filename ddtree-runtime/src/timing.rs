@@ -25,9 +25,25 @@ pub fn median_us_flushed(
     stream: &Arc<CudaStream>,
     warmup: usize,
     reps: usize,
+    flush: Option<&mut CudaSlice<u8>>,
+    f: impl FnMut(usize) -> Result<(), RuntimeError>,
+) -> Result<f64, RuntimeError> {
+    median_us_batched(stream, warmup, reps, 1, flush, f)
+}
+
+/// [`median_us_flushed`] with `per_sample` calls of `f` back to back in each timed sample (`f`
+/// gets consecutive indices), returning the median time per call: for work of a few
+/// microseconds, whose single-launch time is mostly launch latency and noise, the queued calls
+/// keep the GPU busy and the sample measures device time. `flush` runs once per sample.
+pub fn median_us_batched(
+    stream: &Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    per_sample: usize,
     mut flush: Option<&mut CudaSlice<u8>>,
     mut f: impl FnMut(usize) -> Result<(), RuntimeError>,
 ) -> Result<f64, RuntimeError> {
+    let per_sample = per_sample.max(1);
     for i in 0..warmup {
         f(i)?;
     }
@@ -42,7 +58,9 @@ pub fn median_us_flushed(
         let start = stream
             .record_event(flags)
             .map_err(RuntimeError::driver("recording an event"))?;
-        f(warmup + i)?;
+        for j in 0..per_sample {
+            f(warmup + i * per_sample + j)?;
+        }
         let end = stream
             .record_event(flags)
             .map_err(RuntimeError::driver("recording an event"))?;
@@ -52,7 +70,8 @@ pub fn median_us_flushed(
             start
                 .elapsed_ms(&end)
                 .map_err(RuntimeError::driver("reading an event timer"))? as f64
-                * 1e3,
+                * 1e3
+                / per_sample as f64,
         );
     }
     times.sort_by(|a, b| a.total_cmp(b));

@@ -23,7 +23,7 @@ pub use cache::{Lookup, Trial, TrialStatus, TuneCache, TuneEntry};
 pub use pool::DevicePool;
 
 use crate::jit::KernelSource;
-use crate::timing::median_us_flushed;
+use crate::timing::median_us_batched;
 use crate::{CompiledKernel, Gpu, RuntimeError};
 
 /// What one launch at a key moves and computes, for GB/s, TFLOP/s and the roofline floor.
@@ -77,6 +77,13 @@ pub trait Tunable: Kernel {
         copies: usize,
         seed: u64,
     ) -> Result<Self::Workload, RuntimeError>;
+
+    /// Calls of [`Tunable::run`] back to back per timing sample (the time per call is kept):
+    /// more than 1 for kernels of a few microseconds, whose single launch, timed alone, is
+    /// mostly launch latency and noise. Meant for keys whose inputs rotate past the L2.
+    fn runs_per_sample() -> usize {
+        1
+    }
 
     /// Launches `kernel` once on set `i` (modulo the sets built) of `workload`.
     fn run(
@@ -390,9 +397,14 @@ impl<'g> Tuner<'g> {
             let flush = if cold { None } else { self.flush.as_mut() };
             let (gpu, stream) = (self.gpu, self.gpu.stream());
             let t = Instant::now();
-            let timed = median_us_flushed(stream, self.opts.warmup, self.opts.reps, flush, |i| {
-                K::run(gpu, kernel, w, i)
-            });
+            let timed = median_us_batched(
+                stream,
+                self.opts.warmup,
+                self.opts.reps,
+                K::runs_per_sample(),
+                flush,
+                |i| K::run(gpu, kernel, w, i),
+            );
             times.timing += t.elapsed();
             match timed {
                 Ok(us) => trials.push(Trial {
