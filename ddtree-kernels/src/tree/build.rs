@@ -450,9 +450,26 @@ pub fn tree_build(
             // Whether this warp holds any item (warp-uniform: warps past the items skip the
             // per-item code).
             let wact = warp * 32u32 * per < n;
-            if wact {
+            // A slice's max and sum of exponentials over this thread's logits.
+            let mut m = f32::NEG_INFINITY;
+            let mut s = 0.0f32;
+            // Every item of this warp exists (a warp inside a full slice): loads without
+            // per-item checks.
+            let full = per == p.vpt && warp * 32u32 * per + 32u32 * per <= n;
+            if full {
+                let at = base + first;
+                #[unroll]
+                for j in 0..p.vpt {
+                    keys[j] = if merging {
+                        cand_key[at + 32u32 * j]
+                    } else {
+                        logits[at + 32u32 * j].to_bits()
+                    };
+                }
+                vm = u32::MAX >> (32u32 - p.vpt);
+            } else if wact {
                 // Every load goes out before any is used (one memory latency, not one per group
-                // of loads), then the logits become order keys.
+                // of loads).
                 #[unroll]
                 for j in 0..p.vpt {
                     let i = first + 32u32 * j;
@@ -465,7 +482,26 @@ pub fn tree_build(
                         vm = vm | (1u32 << j);
                     }
                 }
+            }
+            if wact {
                 if !merging {
+                    // The max and sum from the logits themselves, then the logits become order
+                    // keys (a missing item's key stays 0).
+                    #[unroll]
+                    for j in 0..p.vpt {
+                        if ((vm >> j) & 1u32) == 1u32 {
+                            m = m.max(f32::from_bits(keys[j]));
+                        }
+                    }
+                    if m != f32::NEG_INFINITY {
+                        // exp(x - m) as exp2(x log2(e) - m log2(e)): one fused multiply-add.
+                        let ml = m * std::f32::consts::LOG2_E;
+                        #[unroll]
+                        for j in 0..p.vpt {
+                            let e = (f32::from_bits(keys[j]) * std::f32::consts::LOG2_E - ml).exp2();
+                            s += if ((vm >> j) & 1u32) == 1u32 { e } else { 0.0f32 };
+                        }
+                    }
                     #[unroll]
                     for j in 0..p.vpt {
                         if ((vm >> j) & 1u32) == 1u32 {
@@ -475,21 +511,6 @@ pub fn tree_build(
                 }
             }
             if !merging {
-                // The slice's max and sum of exponentials (a missing item's key 0 is a NaN, which
-                // the max skips).
-                let mut m = f32::NEG_INFINITY;
-                #[unroll]
-                for j in 0..p.vpt {
-                    m = m.max(key_value(keys[j]));
-                }
-                let mut s = 0.0f32;
-                if m != f32::NEG_INFINITY {
-                    #[unroll]
-                    for j in 0..p.vpt {
-                        let e = ((key_value(keys[j]) - m) * std::f32::consts::LOG2_E).exp2();
-                        s += if ((vm >> j) & 1u32) == 1u32 { e } else { 0.0f32 };
-                    }
-                }
                 let wm = warp_max(m);
                 let ws = warp_sum_exp(m, s, wm);
                 // The block's partials: the last warp, after the floor's barrier.
@@ -506,19 +527,36 @@ pub fn tree_build(
             // takes each warp's m-th largest of its lanes' second-largest keys (2 m keys per warp
             // at or above it, m = ceil(kk / (2 nwa)) <= 32), a merge the least key; with the
             // direct select tried, each warp's m1-th largest listed key (m1 = ceil(kk / nwa) <= 4).
+            // The warps with items, and whether the direct select is tried: when the warps' four
+            // largest can hold kk keys (else the keys above the floor are too many to rank).
+            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+            let try_direct = p.direct > 0u32 && kk <= 4u32 * nwa;
+            // Whether the warps' floors make the floor (else 0, or the least key), and with
+            // `ties > 0` the number m of second-largest keys each warp's floor takes.
+            let mut warp_floor = kk <= 2u32 * nw;
+            let mut m = 1u32;
+            if tie_mode {
+                m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
+                warp_floor = m == 1u32 || (!merging && m <= 32u32) || try_direct;
+            }
             let mut b1 = 0u32;
             let mut b2 = 0u32;
-            let mut bmin = u32::MAX;
             #[unroll]
             for j in 0..p.vpt {
                 let x = keys[j];
-                if tie_mode {
-                    if ((vm >> j) & 1u32) == 1u32 {
-                        bmin = bmin.min(x);
-                    }
-                }
                 b2 = b2.max(b1.min(x));
                 b1 = b1.max(x);
+            }
+            // The least key, only where it makes the floor.
+            let mut bmin = u32::MAX;
+            if tie_mode && !warp_floor {
+                #[unroll]
+                for j in 0..p.vpt {
+                    if ((vm >> j) & 1u32) == 1u32 {
+                        bmin = bmin.min(keys[j]);
+                    }
+                }
+                bmin = warp_min_u32(bmin);
             }
             // The warp's two largest; with the direct select its four largest of its lanes' two
             // largest (`q`, best first; exchanged as sorted lists, the better four of two kept by
@@ -564,16 +602,7 @@ pub fn tree_build(
                     w1 = w1.max(o1);
                 }
             }
-            // The warps with items, and whether the direct select is tried: when the warps' four
-            // largest can hold kk keys (else the keys above the floor are too many to rank).
-            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
-            let try_direct = p.direct > 0u32 && kk <= 4u32 * nwa;
-            // Whether the warps' floors make the floor (else 0, or the least key).
-            let mut warp_floor = kk <= 2u32 * nw;
             if tie_mode {
-                bmin = warp_min_u32(bmin);
-                let m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
-                warp_floor = m == 1u32 || (!merging && m <= 32u32) || try_direct;
                 if m > 1u32 && warp_floor {
                     if try_direct {
                         // m1 = ceil(kk / nwa) <= 4 keys of this warp's `q` (distinct items) at or
