@@ -668,6 +668,26 @@ pub fn accept(
             );
         }
     }
-    out.push(exact("compact_rows", "compact_rows".into(), case, &g, &wv));
+    out.push(exact("compact_rows", "compact_rows".into(), case.clone(), &g, &wv));
+    // Accept on the top-(m - 1) cut (`auto`'s rounds): the walk stays within its m nodes.
+    b.truncate(s, m)?;
+    let mut a = GpuAccept::new(gpu, depth)?;
+    let mut bonus = upload(s, &[u32::MAX])?;
+    a.accept(s, &b, &samples, &mut bonus)?;
+    let want = accept_reference(&cut, &got_s[..m]);
+    let read = a.read(s)?;
+    let mut got = read.indices;
+    got.extend(read.tokens);
+    got.push(download(s, &bonus)?[0]);
+    let mut w = want.indices.clone();
+    w.extend(&want.tokens);
+    w.push(want.bonus);
+    out.push(exact(
+        "tree_accept",
+        "tree_accept (top-(m - 1) cut)".into(),
+        format!("{case} cut={m}"),
+        &f(&got),
+        &f(&w),
+    ));
     Ok(out)
 }

@@ -66,6 +66,9 @@ pub struct GpuBuilder {
     k: usize,
     span: usize,
     nb: usize,
+    /// The nodes [`GpuAccept::accept`] walks: the last build's [`GpuBuilder::nodes`], or its
+    /// [cut](GpuBuilder::truncate).
+    walk: usize,
     /// Per-depth log-sum-exp `[depth]`.
     pub lse: CudaSlice<f32>,
     cand_key: CudaSlice<u32>,
@@ -163,6 +166,7 @@ impl GpuBuilder {
             k,
             span,
             nb,
+            walk: super::tree_size(depth, vocab, budget),
             lse: zeros(s, depth)?,
             cand_key: zeros(s, cands)?,
             cand_tok: zeros(s, cands)?,
@@ -230,6 +234,7 @@ impl GpuBuilder {
             self.params(),
             "the builder's buffers are sized for its own variant"
         );
+        self.walk = self.nodes();
         let (v, k, span, nb) = (self.vocab as u32, self.k as u32, self.span as u32, self.nb as u32);
         let d = self.depth as u32;
         // SAFETY: logits hold depth * vocab values; candidates depth * nb * k and
@@ -339,6 +344,7 @@ impl GpuBuilder {
             "cutting a {}-node tree to {n}",
             self.nodes()
         );
+        self.walk = n;
         s.memcpy_htod(&[n as u32], &mut self.n)
             .map_err(drv("copying the node count to the GPU"))
     }
@@ -393,7 +399,8 @@ impl GpuAccept {
         })
     }
 
-    /// Walks the tree built by `b` with the target's tokens per node (`target`, one per node);
+    /// Walks the tree built by `b` (its first `n` nodes after [`GpuBuilder::truncate`]`(n)`)
+    /// with the target's tokens per node (`target`, one per node);
     /// writes the result and the bonus token to `bonus[0]` (pass the next build's root buffer).
     /// The builder's depth must be at most this accept's.
     pub fn accept(
@@ -407,9 +414,9 @@ impl GpuAccept {
         let d = self.depth + 1;
         let (mut len, mut rest) = self.result.split_at_mut(1);
         let (mut accepted, mut path) = rest.split_at_mut(d);
-        // SAFETY: the tree arrays come from one build of b.nodes() nodes (at most 1025, depth
-        // at most self.depth); target holds one token per node; accepted and path hold depth + 1
-        // entries each (a path has at most depth + 1 nodes).
+        // SAFETY: the tree arrays come from one build of b.nodes() >= b.walk nodes (at most
+        // 1025, depth at most self.depth); target holds one token per walked node; accepted and
+        // path hold depth + 1 entries each (a path has at most depth + 1 nodes).
         unsafe {
             TreeAccept::launch(
                 &self.accept,
@@ -423,7 +430,7 @@ impl GpuAccept {
                 &mut path,
                 &mut len,
                 bonus,
-                b.nodes() as u32,
+                b.walk as u32,
             )
         }
     }
