@@ -444,7 +444,7 @@ pub fn tree_build(
             let per = (n + p.block - 1) / p.block;
             let first = warp * 32u32 * per + lane;
             let mut keys = [0u32; p.vpt];
-            // Bit j: item j exists (the keys of missing items stay 0, below every logit's key
+            // Bit j: item j exists (the keys of missing items are 0, below every logit's key
             // but one, so the per-item code below needs this mask only where 0 would count).
             let mut vm = 0u32;
             // Whether this warp holds any item (warp-uniform: warps past the items skip the
@@ -469,7 +469,8 @@ pub fn tree_build(
                 vm = u32::MAX >> (32u32 - p.vpt);
             } else if wact {
                 // Every load goes out before any is used (one memory latency, not one per group
-                // of loads).
+                // of loads). A slice's missing items read as -inf until their keys are zeroed
+                // below, so that its max and sum need no mask.
                 #[unroll]
                 for j in 0..p.vpt {
                     let i = first + 32u32 * j;
@@ -480,32 +481,34 @@ pub fn tree_build(
                             logits[base + i].to_bits()
                         };
                         vm = vm | (1u32 << j);
+                    } else if !merging {
+                        keys[j] = f32::NEG_INFINITY.to_bits();
                     }
                 }
             }
-            if wact {
-                if !merging {
-                    // The max and sum from the logits themselves, then the logits become order
-                    // keys (a missing item's key stays 0).
+            if wact && !merging {
+                // The max and sum from the logits themselves, then the logits become order keys.
+                #[unroll]
+                for j in 0..p.vpt {
+                    m = m.max(f32::from_bits(keys[j]));
+                }
+                if m != f32::NEG_INFINITY {
+                    // exp(x - m) as exp2(x log2(e) - m log2(e)): one fused multiply-add.
+                    let ml = m * std::f32::consts::LOG2_E;
                     #[unroll]
                     for j in 0..p.vpt {
-                        if ((vm >> j) & 1u32) == 1u32 {
-                            m = m.max(f32::from_bits(keys[j]));
-                        }
+                        s += (f32::from_bits(keys[j]) * std::f32::consts::LOG2_E - ml).exp2();
                     }
-                    if m != f32::NEG_INFINITY {
-                        // exp(x - m) as exp2(x log2(e) - m log2(e)): one fused multiply-add.
-                        let ml = m * std::f32::consts::LOG2_E;
-                        #[unroll]
-                        for j in 0..p.vpt {
-                            let e = (f32::from_bits(keys[j]) * std::f32::consts::LOG2_E - ml).exp2();
-                            s += if ((vm >> j) & 1u32) == 1u32 { e } else { 0.0f32 };
-                        }
-                    }
+                }
+                #[unroll]
+                for j in 0..p.vpt {
+                    keys[j] = order_key(f32::from_bits(keys[j]));
+                }
+                if !full {
                     #[unroll]
                     for j in 0..p.vpt {
-                        if ((vm >> j) & 1u32) == 1u32 {
-                            keys[j] = order_key(f32::from_bits(keys[j]));
+                        if ((vm >> j) & 1u32) == 0u32 {
+                            keys[j] = 0u32;
                         }
                     }
                 }
@@ -687,27 +690,29 @@ pub fn tree_build(
             }
 
             // Direct select: the keys at or above the floor and their items go to `ckey` / `ctok`
-            // (any order; one shared atomic per warp, places in the warp from ballots); when at
-            // most `p.direct` of them, they are ranked below and the radix select is skipped.
+            // (any order; one shared atomic per warp, each lane's places after the earlier
+            // lanes'); when at most `p.direct` of them, they are ranked below and the radix
+            // select is skipped.
             let mut staged = kk;
             let mut direct = false;
             if try_direct {
-                let wn = warp_sum_u32(sv.count_ones());
+                let c = sv.count_ones();
+                let inc = warp_incl_scan(c);
+                let wn = shfl_idx(inc, 31u32);
                 let mut at = 0u32;
-                if lane == 0 && wn > 0u32 {
+                if lane == 31 && wn > 0u32 {
                     at = st.atomic_add(4u32, wn);
                 }
-                at = shfl_idx(at, 0u32);
+                let mut x = shfl_idx(at, 31u32) + inc - c;
                 #[unroll]
                 for j in 0..p.vpt {
-                    let mine = ((sv >> j) & 1u32) == 1u32;
-                    let b = ballot(mine);
-                    let x = at + (b & below).count_ones();
-                    if mine && x < p.direct {
-                        ckey[x] = keys[j];
-                        ctok[x] = first + 32u32 * j;
+                    if ((sv >> j) & 1u32) == 1u32 {
+                        if x < p.direct {
+                            ckey[x] = keys[j];
+                            ctok[x] = first + 32u32 * j;
+                        }
+                        x += 1u32;
                     }
-                    at += b.count_ones();
                 }
                 sync_threads();
                 direct = st[4] <= p.direct;
