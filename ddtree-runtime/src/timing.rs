@@ -82,12 +82,26 @@ pub fn median_us_batched(
 /// overhead: `per_graph` calls (`f` gets `0..per_graph`, to rotate inputs) are captured back to
 /// back into one graph, which is replayed `warmup` times and then timed `reps` times one by one
 /// with CUDA events; returns the median replay divided by `per_graph`, in microseconds. `f`
-/// must only enqueue work (no host synchronisation, no host-to-device copies).
+/// must only enqueue work (no host synchronisation, no host-to-device copies), and the capture
+/// needs cudarc's event tracking off (`CudaContext::disable_event_tracking`).
 pub fn graph_us(
     stream: &Arc<CudaStream>,
     per_graph: usize,
     warmup: usize,
     reps: usize,
+    f: impl FnMut(usize) -> Result<(), RuntimeError>,
+) -> Result<f64, RuntimeError> {
+    graph_us_flushed(stream, per_graph, warmup, reps, None, f)
+}
+
+/// [`graph_us`], but when `flush` is given it is overwritten before each timed replay, outside
+/// the timed span (as [`median_us_flushed`]).
+pub fn graph_us_flushed(
+    stream: &Arc<CudaStream>,
+    per_graph: usize,
+    warmup: usize,
+    reps: usize,
+    flush: Option<&mut CudaSlice<u8>>,
     mut f: impl FnMut(usize) -> Result<(), RuntimeError>,
 ) -> Result<f64, RuntimeError> {
     stream
@@ -102,7 +116,7 @@ pub fn graph_us(
         kernel: "a CUDA graph".into(),
         reason: "the capture was empty".into(),
     })?;
-    let us = median_us(stream, warmup, reps, |_| {
+    let us = median_us_flushed(stream, warmup, reps, flush, |_| {
         graph.launch().map_err(RuntimeError::driver("launching a CUDA graph"))
     })?;
     Ok(us / per_graph.max(1) as f64)

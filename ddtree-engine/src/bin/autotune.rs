@@ -319,6 +319,10 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
     }
     let start = Instant::now();
     let gpu = Gpu::discover(0).map_err(|e| format!("{e}; autotune needs a GPU"))?;
+    // As in the engine: no per-buffer event tracking, so that kernels of a few microseconds
+    // are timed from CUDA graphs (`Tunable::runs_per_sample`).
+    // SAFETY: every buffer of the tuner lives on the GPU's one stream.
+    unsafe { gpu.context().disable_event_tracking() };
     let cache = TuneCache::open(gpu.fingerprint());
     let cache_path = cache.path().to_path_buf();
     let mut tuner = Tuner::new(

@@ -23,7 +23,7 @@ pub use cache::{Lookup, Trial, TrialStatus, TuneCache, TuneEntry};
 pub use pool::DevicePool;
 
 use crate::jit::KernelSource;
-use crate::timing::median_us_batched;
+use crate::timing::{graph_us_flushed, median_us_batched};
 use crate::{CompiledKernel, Gpu, RuntimeError};
 
 /// What one launch at a key moves and computes, for GB/s, TFLOP/s and the roofline floor.
@@ -80,7 +80,10 @@ pub trait Tunable: Kernel {
 
     /// Calls of [`Tunable::run`] back to back per timing sample (the time per call is kept):
     /// more than 1 for kernels of a few microseconds, whose single launch, timed alone, is
-    /// mostly launch latency and noise. Meant for keys whose inputs rotate past the L2.
+    /// mostly launch latency and noise. Meant for keys whose inputs rotate past the L2. With
+    /// cudarc's event tracking off (as the engine and `autotune` run), the calls are captured
+    /// once into a CUDA graph and each sample replays it, so that the host's launch rate does
+    /// not bound the sample; else they are launched one by one.
     fn runs_per_sample() -> usize {
         1
     }
@@ -397,14 +400,13 @@ impl<'g> Tuner<'g> {
             let flush = if cold { None } else { self.flush.as_mut() };
             let (gpu, stream) = (self.gpu, self.gpu.stream());
             let t = Instant::now();
-            let timed = median_us_batched(
-                stream,
-                self.opts.warmup,
-                self.opts.reps,
-                K::runs_per_sample(),
-                flush,
-                |i| K::run(gpu, kernel, w, i),
-            );
+            let per_sample = K::runs_per_sample();
+            let (warmup, reps) = (self.opts.warmup, self.opts.reps);
+            let timed = if per_sample > 1 && !gpu.context().is_event_tracking() {
+                graph_us_flushed(stream, per_sample, warmup, reps, flush, |i| K::run(gpu, kernel, w, i))
+            } else {
+                median_us_batched(stream, warmup, reps, per_sample, flush, |i| K::run(gpu, kernel, w, i))
+            };
             times.timing += t.elapsed();
             match timed {
                 Ok(us) => trials.push(Trial {
