@@ -74,6 +74,7 @@ const RESERVED: &[&str] = &[
     "min",
     "abs",
     "lop3",
+    "exp2_approx",
     "prmt",
     "smem_addr",
     "namespace",

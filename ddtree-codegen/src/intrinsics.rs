@@ -91,6 +91,10 @@ pub enum Intrinsic {
     Prmt,
     /// `fma_bf16x2(a, b, c) -> u32`: `a * b + c` on two packed bf16 lanes (`fma.rn.bf16x2`).
     FmaBf16x2,
+    /// `exp2_approx(x: f32) -> f32`: `ex2.approx.ftz.f32`, 2^x in one special-function
+    /// instruction (relative error about 2^-22; subnormal inputs and results flush to zero),
+    /// where `x.exp2()` adds a subnormal fix-up around it.
+    Exp2Approx,
     /// `grid_wait()`: under programmatic dependent launch, waits until the previous kernel of
     /// the stream has finished and its writes are visible (`griddepcontrol.wait`; a no-op for a
     /// launch without that dependency). Nothing the previous kernel writes may be read, and
@@ -207,6 +211,7 @@ pub const ALL: &[Intrinsic] = &[
     Lop3,
     Prmt,
     FmaBf16x2,
+    Exp2Approx,
     GridWait,
     GridLaunchDependents,
     WgmmaFence,
@@ -267,6 +272,7 @@ impl Intrinsic {
             Lop3 => "lop3",
             Prmt => "prmt",
             FmaBf16x2 => "fma_bf16x2",
+            Exp2Approx => "exp2_approx",
             GridWait => "grid_wait",
             GridLaunchDependents => "grid_launch_dependents",
             WgmmaFence => "wgmma_fence",
@@ -294,7 +300,8 @@ impl Intrinsic {
         match self {
             SyncWarp | ThreadFence | CpAsyncCommit | GridWait | GridLaunchDependents | WgmmaFence | WgmmaCommit
             | FenceProxyAsync => 0,
-            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait | WgmmaWait | WgmmaDesc => 1,
+            Ballot | VoteAny | VoteAll | Bf16Lo | Bf16Hi | F16Lo | F16Hi | CpAsyncWait | WgmmaWait | WgmmaDesc
+            | Exp2Approx => 1,
             ShflXor | ShflDown | ShflUp | ShflIdx | PackBf16x2 | PackF16x2 | AtomicAdd | AtomicMax | AtomicMin
             | AtomicOr | AtomicAnd | AtomicExch | CpAsync16 | CpAsync8 | CpAsync4 | MbarInit | MbarArriveTx
             | MbarWait => 2,
@@ -379,6 +386,7 @@ impl Intrinsic {
             Lop3 => Helper::Lop3,
             Prmt => Helper::Prmt,
             FmaBf16x2 => Helper::FmaBf16x2,
+            Exp2Approx => Helper::Exp2Approx,
             GridWait | GridLaunchDependents => Helper::GridDependency,
             WgmmaFence | WgmmaCommit | WgmmaWait | FenceProxyAsync | WgmmaDesc => Helper::Wgmma,
             WgmmaBf16Ss => Helper::WgmmaSs,
@@ -460,6 +468,10 @@ impl Intrinsic {
             }
             Bf16Lo | Bf16Hi | F16Lo | F16Hi => {
                 expect(&mut args[0], Scalar::U32, name, 1)?;
+                Ty::Scalar(Scalar::F32)
+            }
+            Exp2Approx => {
+                expect(&mut args[0], Scalar::F32, name, 1)?;
                 Ty::Scalar(Scalar::F32)
             }
             MmaBf16 | MmaF16 => {
@@ -689,6 +701,8 @@ pub enum Helper {
     Prmt,
     /// fma.rn.bf16x2.
     FmaBf16x2,
+    /// ex2.approx.ftz.f32.
+    Exp2Approx,
     /// `griddepcontrol` wait and launch_dependents.
     GridDependency,
     /// Warpgroup MMA (`wgmma`): fences, groups and descriptors.
@@ -864,6 +878,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
     unsigned int d;
     asm(\"prmt.b32 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(s));
     return d;
+}
+"
+            }
+            Helper::Exp2Approx => {
+                "__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x));
+    return y;
 }
 "
             }

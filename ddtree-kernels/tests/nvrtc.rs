@@ -98,7 +98,7 @@ fn intrinsic_coverage(xs: &mut [f32], us: &mut [u32], is: &mut [i32], ws: &mut [
     ldmatrix_x1(&mut one, &tile[lane_id() * 8]);
     mma_m16n8k16_bf16(&mut acc[0], &a[0], &b[0]);
     mma_m16n8k16_f16(&mut acc[1], &a[1], &b[1]);
-    let v = acc[0][0] + acc[1][3];
+    let v = acc[0][0] + exp2_approx(acc[1][3]);
     let s = shfl_xor(v, 1u32) + shfl_down(v, 2u32) + shfl_up(v, 1u32) + shfl_idx(v, 0u32);
     sync_warp();
     let m = ballot(s > 0.0);

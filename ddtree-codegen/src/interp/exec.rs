@@ -3,7 +3,8 @@
 
 use super::compile::{is_collective, is_warpgroup, CExpr, Lowered, Op, Place, Ref, Slot, Val};
 use super::numeric::{
-    bf16_to_f32, binary, cast, f16_to_f32, f32_to_bf16, f32_to_f16, fma_bf16x2, lop3, math, mma_m16n8k16, prmt, unary,
+    bf16_to_f32, binary, cast, exp2_ftz, f16_to_f32, f32_to_bf16, f32_to_f16, fma_bf16x2, lop3, math, mma_m16n8k16,
+    prmt, unary,
 };
 use super::{check_args, Buffer, Hazard, HostArg, InterpError, RaceKind, Value};
 use crate::intrinsics::Intrinsic;
@@ -1007,6 +1008,7 @@ impl<'k> Exec<'k, '_> {
                 Val::U((byte >> 4) as u32 | DESC_GROUPS)
             }
             FmaBf16x2 => Val::U(fma_bf16x2(a[0].u32(), a[1].u32(), a[2].u32())),
+            Exp2Approx => Val::F(exp2_ftz(a[0].f32())),
             AtomicAdd | AtomicMax | AtomicMin | AtomicOr | AtomicAnd | AtomicExch | AtomicCas => {
                 let (p, dst) = (place(0), r(0));
                 if dst.space == Space::Global && !th.waited {

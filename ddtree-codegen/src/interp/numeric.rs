@@ -311,6 +311,18 @@ pub(super) fn math(name: &str, ty: Scalar, a: &[Val]) -> Val {
     })
 }
 
+/// `ex2.approx.ftz.f32` as exactly rounded 2^x, with subnormal inputs and results flushed to
+/// (positive) zero.
+pub(super) fn exp2_ftz(x: f32) -> f32 {
+    let x = if x.is_subnormal() { 0.0 } else { x };
+    let y = x.exp2();
+    if y.is_subnormal() {
+        0.0
+    } else {
+        y
+    }
+}
+
 /// `lop3.b32`: each result bit is `lut[(a << 2) | (b << 1) | c]` of the operand bits.
 pub(super) fn lop3(a: u32, b: u32, c: u32, lut: u32) -> u32 {
     let mut r = 0;
@@ -428,6 +440,15 @@ pub(super) fn mma_m16n8k16(d: &mut [[f32; 4]; 32], a: &[[u32; 4]; 32], b: &[[u32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp2_ftz_flushes_subnormals() {
+        assert_eq!(exp2_ftz(3.0), 8.0);
+        assert_eq!(exp2_ftz(-130.0), 0.0);
+        assert_eq!(exp2_ftz(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2_ftz(f32::from_bits(1)), 1.0);
+        assert!(exp2_ftz(f32::NAN).is_nan());
+    }
 
     #[test]
     fn lop3_matches_boolean_formulas() {

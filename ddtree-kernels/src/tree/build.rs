@@ -68,7 +68,9 @@
 //! The space holds sorted variants of 9216-logit slices (18 per row at V = 163840) and of
 //! 10240 to 10752 (16 per row: a round fewer in the merge, fewer blocks at L = 15), with 512,
 //! 768 or 1024 threads; which is fastest depends on the depth and budget, so the engine takes
-//! the variant tuned for its key ([`crate::tune::TreeBuildKey`]).
+//! the variant tuned for its key ([`crate::tune::TreeBuildKey`]). The default, 768 threads of
+//! 14 logits, was the fastest at L = 7 and budgets 16 and 64 on the H200 (BENCHMARKS.md,
+//! twenty-ninth session).
 //!
 //! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
 //! threads: with the direct select one for the floor, one for the counted floor, one for the
@@ -241,6 +243,23 @@ fn run_len(n: u32) -> u32 {
     }
 }
 
+/// The lanes that split each of `n >= 1` entries' comparisons over `block` threads, as a
+/// shift: log2 of the largest power of two at most `min(32, block / n)` (at least 1), without
+/// a division.
+#[device_fn]
+fn split_shift(n: u32, block: u32) -> u32 {
+    let ln = n.leading_zeros();
+    let lb = block.leading_zeros();
+    let mut sh = 0u32;
+    if ln > lb {
+        sh = ln - lb;
+        if (n << sh) > block {
+            sh -= 1u32;
+        }
+    }
+    sh.min(5u32)
+}
+
 /// Node metadata word: parent (11 bits), rank among its siblings (11 bits), depth (from bit 22).
 #[device_fn]
 fn meta_word(parent: u32, rank: u32, depth: u32) -> u32 {
@@ -267,11 +286,11 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
 #[kernel(block = p.block, space = [
+    TreeBuildParams { block: 768, vpt: 14, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 512, vpt: 18, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 768, vpt: 12, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 1024, vpt: 10, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 768, vpt: 14, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 512, vpt: 20, ties: 32, direct: 256, sorted: true },
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: false },
     TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024, sorted: false },
@@ -497,7 +516,7 @@ pub fn tree_build(
                     let ml = m * std::f32::consts::LOG2_E;
                     #[unroll]
                     for j in 0..p.vpt {
-                        s += (f32::from_bits(keys[j]) * std::f32::consts::LOG2_E - ml).exp2();
+                        s += exp2_approx(f32::from_bits(keys[j]) * std::f32::consts::LOG2_E - ml);
                     }
                 }
                 #[unroll]
@@ -532,14 +551,25 @@ pub fn tree_build(
             // direct select tried, each warp's m1-th largest listed key (m1 = ceil(kk / nwa) <= 4).
             // The warps with items, and whether the direct select is tried: when the warps' four
             // largest can hold kk keys (else the keys above the floor are too many to rank).
-            let nwa = (n + 32u32 * per - 1u32) / (32u32 * per);
+            // (Divisions by a runtime value cost about twenty instructions: a full slice, whose
+            // warps all have items, divides by compile-time values instead.)
+            let every = n > (nw - 1u32) * 32u32 * per;
+            let nwa = if every {
+                nw
+            } else {
+                (n + 32u32 * per - 1u32) / (32u32 * per)
+            };
             let try_direct = p.direct > 0u32 && kk <= 4u32 * nwa;
             // Whether the warps' floors make the floor (else 0, or the least key), and with
             // `ties > 0` the number m of second-largest keys each warp's floor takes.
             let mut warp_floor = kk <= 2u32 * nw;
             let mut m = 1u32;
             if tie_mode {
-                m = (kk + 2u32 * nwa - 1u32) / (2u32 * nwa);
+                m = if every {
+                    (kk + 2u32 * nw - 1u32) / (2u32 * nw)
+                } else {
+                    (kk + 2u32 * nwa - 1u32) / (2u32 * nwa)
+                };
                 warp_floor = m == 1u32 || (!merging && m <= 32u32) || try_direct;
             }
             let mut b1 = 0u32;
@@ -610,7 +640,11 @@ pub fn tree_build(
                     if try_direct {
                         // m1 = ceil(kk / nwa) <= 4 keys of this warp's `q` (distinct items) at or
                         // above its m1-th.
-                        let m1 = (kk + nwa - 1u32) / nwa;
+                        let m1 = if every {
+                            (kk + nw - 1u32) / nw
+                        } else {
+                            (kk + nwa - 1u32) / nwa
+                        };
                         w2 = if m1 == 3u32 { q[2] } else { q[3] };
                     } else {
                         w2 = warp_kth_largest(b2, m);
@@ -918,7 +952,7 @@ pub fn tree_build(
                 if !direct {
                     sync_threads();
                 }
-                let sh = 31u32 - (p.block / staged).min(32u32).max(1u32).leading_zeros();
+                let sh = split_shift(staged, p.block);
                 let parts = 1u32 << sh;
                 let rspan = staged << sh;
                 let run = (((staged + parts - 1u32) >> sh) + 3u32) & !3u32;
@@ -1162,7 +1196,7 @@ pub fn tree_build(
         let nc = nc_s[0];
         let total = g + nc;
         let ng = total.min(budget);
-        let sh = 31u32 - (p.block / total.max(1u32)).min(32u32).max(1u32).leading_zeros();
+        let sh = split_shift(total.max(1u32), p.block);
         let parts = 1u32 << sh;
         let span = total << sh;
         let ns = nc.min(SHARED_CANDS);
@@ -1259,7 +1293,7 @@ pub fn tree_build(
         sync_threads();
         // Renumber the parents; the lexicographic codes become pre-order indices again (the
         // comparisons split over lanes as above, in contiguous runs).
-        let sh2 = 31u32 - (p.block / ng.max(1u32)).min(32u32).max(1u32).leading_zeros();
+        let sh2 = split_shift(ng.max(1u32), p.block);
         let parts2 = 1u32 << sh2;
         let span2 = ng << sh2;
         let run2 = run_len((ng + parts2 - 1u32) >> sh2);
