@@ -22,9 +22,9 @@
 //!
 //! `--gemv` runs only the small-token GEMV comparison: the GPU checks of every GEMV candidate
 //! (dense at ragged and Kimi sizes, MoE pairs on small and 48-expert blocks), then one table per
-//! candidate column: dense M = 1, 4, 16 on 7168->36864, 7168->2048, 2048->7168, 1536->12288
+//! candidate column: dense M = 1, 2, 4, 16 on 7168->36864, 7168->2048, 2048->7168, 1536->12288
 //! (with the default GEMM for reference) and the MoE EP8 slice at T = 1..16 (grouped GEMM vs
-//! every GEMV pair), µs and % of copy bandwidth, the best per row in bold.
+//! every GEMV pair; not with `--no-moe`), µs and % of copy bandwidth, the best per row in bold.
 //!
 //! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--no-moe] [--ms 16,64,..]
 //! [--moe-tokens 1,8,..] [--route-experts N] [--gemv]`. Exits non-zero if any check fails.
@@ -74,7 +74,7 @@ struct Args {
     /// Token counts of the dense table.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16, 32, 64, 128, 256])]
     ms: Vec<usize>,
-    /// Skip the MoE table.
+    /// Skip the MoE table (with `--gemv`: the MoE GEMV checks and table).
     #[arg(long)]
     no_moe: bool,
     /// Token counts of the MoE table.
@@ -583,13 +583,14 @@ fn pairs_default() -> (W4a16Params, W4a16Params) {
 /// A compact GEMV variant label.
 fn short_gemv(p: &GemvW4Params) -> String {
     format!(
-        "w{} mt{} st{} c{}{}{}",
+        "w{} mt{} st{} c{}{}{}{}",
         p.warps,
         p.mt,
         p.stages,
         p.chunks,
         if p.xr { " xr" } else { "" },
-        if p.sr { " sr" } else { "" }
+        if p.sr { " sr" } else { "" },
+        if p.kw { " kw" } else { "" }
     )
 }
 
@@ -942,9 +943,10 @@ fn cells(times: &[Option<f64>], bytes: f64, bw: f64) -> String {
         .join(" | ")
 }
 
-/// `--gemv`: every dense GEMV candidate (and the default GEMM) at M = 1, 4, 16 on the decode
-/// shapes, then every GEMV pair (and the best grouped pair) on the MoE slice at T = 1..16.
-fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), RuntimeError> {
+/// `--gemv`: every dense GEMV candidate (and the default GEMM) at M = 1, 2, 4, 16 on the decode
+/// shapes, then (with `moe`) every GEMV pair (and the best grouped pair) on the MoE slice at
+/// T = 1..16.
+fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let dense: Vec<(GemvW4Params, CompiledKernel<W4a16Gemv>)> = GEMV_SPACE
         .iter()
@@ -957,7 +959,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), R
     println!("|---|---:|{}", "---:|".repeat(heads.len() + 1));
     for (k, n) in [(7168, 36864), (7168, 2048), (2048, 7168), (1536, 12288)] {
         let wts = dense_weights(gpu, n, k, rng)?;
-        for m in [1usize, 4, 16] {
+        for m in [1usize, 2, 4, 16] {
             let acts: Vec<CudaSlice<bf16>> = (0..4)
                 .map(|_| random_bf16_dev(s, rng, m * k))
                 .collect::<Result<_, _>>()?;
@@ -996,6 +998,9 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, rng: &mut StdRng) -> Result<(), R
             let bytes = (q_bytes(n, k) + 2 * m * k + 2 * m * n) as f64;
             println!("| {k}->{n} | {m} | {} |", cells(&times, bytes, bw));
         }
+    }
+    if !moe {
+        return Ok(());
     }
     let mb = MoeBench::new(gpu, rng)?;
     let gemv_kernels = gemv_moe_kernels(gpu)?;
@@ -1119,7 +1124,9 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             // Every GEMV candidate; the Kimi-sized MoE checks (a slow CPU reference) are left
             // to the full run.
             let mut r = check::gemv_dense_suite(&t, Sizes::Full, &mut rng)?;
-            r.extend(check::gemv_moe_suite(&t, Sizes::Full, false, &mut rng)?);
+            if !args.no_moe {
+                r.extend(check::gemv_moe_suite(&t, Sizes::Full, false, &mut rng)?);
+            }
             r
         } else {
             let mut r = check::suite(&t, Sizes::Full, &mut rng)?;
@@ -1143,7 +1150,13 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
     let bw = ddtree_benches::copy_bandwidth(&gpu)?;
     println!("\ncopy bandwidth (device to device, read + write): {bw:.0} GB/s");
     if args.gemv {
-        bench_gemv(&gpu, bw, args.reps, &mut StdRng::seed_from_u64(seed ^ 0x5eed))?;
+        bench_gemv(
+            &gpu,
+            bw,
+            args.reps,
+            !args.no_moe,
+            &mut StdRng::seed_from_u64(seed ^ 0x5eed),
+        )?;
         return Ok(all_passed);
     }
     println!("\nW4A16 g32 (bytes = packed weights + scales + A + out) vs cuBLAS bf16; default = the heuristic's pick; ad = A read directly, not in the ring");

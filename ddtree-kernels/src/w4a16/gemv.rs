@@ -91,6 +91,10 @@ pub struct GemvW4Params {
     /// the weights (4 bytes, `stages` steps ahead) and reads it back from shared memory at use,
     /// instead of holding `stages` steps of scale words in registers.
     pub sr: bool,
+    /// Interleaved k steps (not `Down`): warp `w` of a block takes k steps `w`, `w + warps`, ...
+    /// instead of a contiguous range, so the block's warps read adjacent 512-byte pieces of each
+    /// 8-row tile at about the same time (one run of `warps` pieces per tile, not `warps` runs).
+    pub kw: bool,
 }
 
 const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: bool) -> GemvW4Params {
@@ -102,6 +106,15 @@ const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: b
         chunks,
         xr,
         sr: false,
+        kw: false,
+    }
+}
+
+/// [`gvs`] with interleaved k steps (`kw`).
+const fn gvk(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32) -> GemvW4Params {
+    GemvW4Params {
+        kw: true,
+        ..gvs(mode, warps, mt, stages, chunks, false)
     }
 }
 
@@ -145,8 +158,12 @@ const GD: GemvMode = GemvMode::GroupedDown;
 /// block and four stages. An expert's down is only 16 k steps (inter 2048), so warps that split
 /// them each wait out a short pipeline and then a block reduction; one warp streams all 16
 /// (Kimi EP8 slice at T = 16: the pair 352-369 µs with it vs 402-404 with 4 warps; the grouped
-/// GEMM pair 422-441).
+/// GEMM pair 422-441). The `Dense` defaults are the `kw` twins of those (interleaved k steps):
+/// 46.4 µs vs 47.7 at 7168->36864, M = 1, 61.7 vs 62.8 at M = 16 (two calls agree to 1 µs);
+/// `kw` did not help the MoE modes.
 pub const GEMV_SPACE: &[GemvW4Params] = &[
+    gvk(D, 4, 2, 2, 1),
+    gvk(D, 4, 3, 2, 2),
     gvs(D, 4, 2, 2, 1, false),
     gvs(D, 4, 3, 2, 2, false),
     gvs(D, 4, 2, 2, 2, false),
@@ -324,6 +341,10 @@ pub fn w4a16_gemv(
     comptime_assert!(p.stages >= 1 && p.stages <= 8, "stages must be 1..=8");
     comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
     comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
+    comptime_assert!(
+        !p.kw || p.mode != GemvMode::Down,
+        "interleaved k steps need one expert per block (not Down)"
+    );
     let rb = comptime!(p.ring_bytes());
     comptime_assert!(
         rb <= 200 * 1024,
@@ -534,8 +555,18 @@ pub fn w4a16_gemv(
     // This warp's contiguous share of the block's (expert, k step) items.
     let total = ne * kbs;
     let per = (total + nw - 1) / nw;
-    let lo = (wid * per).min(total);
-    let hi = (lo + per).min(total);
+    // (kw: the items are this warp's own k steps wid, wid + nw, ... counted from 0.)
+    let kst = comptime!(if p.kw { p.warps } else { 1 });
+    let lo = if p.kw { 0u32 } else { (wid * per).min(total) };
+    let hi = if p.kw {
+        if wid < kbs {
+            (kbs - wid + nw - 1) / nw
+        } else {
+            0u32
+        }
+    } else {
+        (lo + per).min(total)
+    };
     let cnt = hi - lo;
     let wbase = wid * ns * sw;
     let rbase = wbase + lane * 4;
@@ -591,7 +622,7 @@ pub fn w4a16_gemv(
     // (expert index, k step) of the next item to compute and of the next to copy, stepped
     // without divisions (the item index is `ei * kbs + kb`).
     let mut cei = lo / kbs;
-    let mut ckb = lo % kbs;
+    let mut ckb = if p.kw { wid % kbs } else { lo % kbs };
     let mut fei = cei;
     let mut fkb = ckb;
 
@@ -601,8 +632,8 @@ pub fn w4a16_gemv(
         let it = lo + u;
         let ei = fei;
         let kb = fkb;
-        fkb += 1;
-        if fkb == kbs {
+        fkb += kst;
+        if fkb >= kbs {
             fkb = 0u32;
             fei += 1;
         }
@@ -693,8 +724,8 @@ pub fn w4a16_gemv(
             if it < hi {
                 let ei = cei;
                 let kb = ckb;
-                ckb += 1;
-                if ckb == kbs {
+                ckb += kst;
+                if ckb >= kbs {
                     ckb = 0u32;
                     cei += 1;
                 }
@@ -847,8 +878,8 @@ pub fn w4a16_gemv(
             let it2 = it + ns;
             let ei = fei;
             let kb = fkb;
-            fkb += 1;
-            if fkb == kbs {
+            fkb += kst;
+            if fkb >= kbs {
                 fkb = 0u32;
                 fei += 1;
             }
