@@ -25,8 +25,9 @@
 //! The scale words ride a small register ring (plain loads `stages` steps ahead), or with `sr`
 //! the shared-memory ring too (a 4-byte `cp.async` per lane and 8-row tile, read back at use:
 //! no registers held and no exposed load latency). The warps of a block split the k steps (and,
-//! for `Down`, the experts) and their f32 accumulators are summed through the ring's shared memory
-//! once at the end.
+//! for `Down`, the experts) in contiguous ranges, or with `kw` every `warps`-th step each (the
+//! block's warps then read adjacent pieces of each tile together), and their f32 accumulators
+//! are summed through the ring's shared memory once at the end.
 //!
 //! Numerics as the gemm: weights `bf16(q * scale)` (`fma.rn.bf16x2`), f32 products and sums in
 //! the mma; `Down` scales each expert's f32 dot products by the router weight in f32 and rounds
