@@ -70,7 +70,11 @@
 //! 768 or 1024 threads; which is fastest depends on the depth and budget, so the engine takes
 //! the variant tuned for its key ([`crate::tune::TreeBuildKey`]). The default, 768 threads of
 //! 14 logits, was the fastest at L = 7 and budgets 16 and 64 on the H200 (BENCHMARKS.md,
-//! twenty-ninth session).
+//! twenty-ninth session). Two 512-thread variants come twice, with and without
+//! `one_block`: `ptxas` otherwise keeps them under 64 registers so that two blocks share an
+//! SM (spilling), which is faster where two slices per SM run at once (L = 15) and slower
+//! elsewhere; the `one_block` twin of 512 x 28 is first for budgets over 256 (thirtieth
+//! session: confident logits at B = 1024 915 -> 858 µs).
 //!
 //! Barriers on the critical path of a slice or a merge at random logits, `k = 64`, 1024
 //! threads: with the direct select one for the floor, one for the counted floor, one for the
@@ -107,9 +111,21 @@ pub struct TreeBuildParams {
     /// `k` by merging those sorted lists (bitonic merges in warps, no select), when
     /// `k <= 64` and at most 64 slices; else the merge selects as a slice does.
     pub sorted: bool,
+    /// Registers for one block per SM (`__launch_bounds__(block, 1)`). Without it `ptxas`
+    /// keeps some 512-thread variants under 64 registers, so that two blocks fit, and spills.
+    pub one_block: bool,
 }
 
 impl TreeBuildParams {
+    /// Blocks per SM the registers must allow ([`Self::one_block`]; 0: no bound).
+    pub const fn min_blocks(&self) -> u32 {
+        if self.one_block {
+            1
+        } else {
+            0
+        }
+    }
+
     /// The most items one block holds, `block * vpt`: the longest slice, and the most
     /// candidates (`slices * k`) a depth's merge takes.
     pub const fn tile(&self) -> u32 {
@@ -285,21 +301,23 @@ fn better(ka: u32, la: u32, kb: u32, lb: u32) -> bool {
 /// 0 after the slices, 1 after the merges, 2 after the expansion loop (before the tree arrays
 /// and masks), 3 or more never. Needs `1 <= k = min(budget, vocab) <= MAX_K`,
 /// `budget <= MAX_K`, `depth <= 16`, `nb * k <= p.tile()`.
-#[kernel(block = p.block, space = [
-    TreeBuildParams { block: 768, vpt: 14, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 512, vpt: 18, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 768, vpt: 12, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 1024, vpt: 10, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 512, vpt: 20, ties: 32, direct: 256, sorted: true },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: false },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024, sorted: false },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 0, sorted: false },
-    TreeBuildParams { block: 1024, vpt: 9, ties: 0, direct: 0, sorted: false },
-    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 512, sorted: false },
-    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 0, sorted: false },
-    TreeBuildParams { block: 512, vpt: 28, ties: 0, direct: 0, sorted: false },
-    TreeBuildParams { block: 512, vpt: 16, ties: 0, direct: 0, sorted: false },
+#[kernel(block = p.block, min_blocks = p.min_blocks(), space = [
+    TreeBuildParams { block: 768, vpt: 14, ties: 32, direct: 256, sorted: true, one_block: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: true, one_block: false },
+    TreeBuildParams { block: 512, vpt: 18, ties: 32, direct: 256, sorted: true, one_block: false },
+    TreeBuildParams { block: 768, vpt: 12, ties: 32, direct: 256, sorted: true, one_block: false },
+    TreeBuildParams { block: 1024, vpt: 10, ties: 32, direct: 256, sorted: true, one_block: false },
+    TreeBuildParams { block: 512, vpt: 20, ties: 32, direct: 256, sorted: true, one_block: false },
+    TreeBuildParams { block: 512, vpt: 20, ties: 32, direct: 256, sorted: true, one_block: true },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 256, sorted: false, one_block: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 1024, sorted: false, one_block: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 32, direct: 0, sorted: false, one_block: false },
+    TreeBuildParams { block: 1024, vpt: 9, ties: 0, direct: 0, sorted: false, one_block: false },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 512, sorted: false, one_block: true },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 512, sorted: false, one_block: false },
+    TreeBuildParams { block: 512, vpt: 28, ties: 32, direct: 0, sorted: false, one_block: false },
+    TreeBuildParams { block: 512, vpt: 28, ties: 0, direct: 0, sorted: false, one_block: false },
+    TreeBuildParams { block: 512, vpt: 16, ties: 0, direct: 0, sorted: false, one_block: false },
 ])]
 pub fn tree_build(
     #[comptime] p: &TreeBuildParams,
