@@ -272,6 +272,10 @@ impl Builder {
                 ops::default_int(&mut init);
                 match &init.ty {
                     Ty::Scalar(_) | Ty::U32x4 => init.ty.clone(),
+                    Ty::View { .. } if mutable => {
+                        return self.fail(loc, format!("bind the sub-slice `{name}` with `let`, not `let mut`"))
+                    }
+                    Ty::View { .. } => init.ty.clone(),
                     Ty::Void => return self.fail(loc, format!("`{name}` would have no value")),
                     other => return self.fail(loc, format!("cannot bind a value of type {other} to a variable")),
                 }

@@ -124,6 +124,17 @@ pub enum Ty {
         /// Shared or local.
         space: Space,
     },
+    /// A sub-slice `&x[a..]` / `&mut x[a..]` of a global slice or a 1-D shared array, bound by
+    /// `let`: indexed (and passed on as `&v[i]`) like its base, from element `a` on. It is a
+    /// pointer in the CUDA C, so constant offsets from it fold into the loads' addresses.
+    View {
+        /// Element type.
+        elem: Scalar,
+        /// Global or shared.
+        space: Space,
+        /// Whether it was taken with `&mut` (writes through it are allowed).
+        mutable: bool,
+    },
     /// A pointer made by `&x[i]` / `&mut a[j]`: passed to intrinsics only.
     Ref {
         /// Element type.
@@ -168,6 +179,11 @@ impl fmt::Display for Ty {
                     _ => "",
                 };
                 write!(f, "{sp}{s}")
+            }
+            Ty::View { elem, space, mutable } => {
+                let m = if *mutable { "mut " } else { "" };
+                let sp = if *space == Space::Shared { "shared" } else { "global" };
+                write!(f, "&{m}[{}] ({sp} sub-slice)", elem.rust_name())
             }
             Ty::Ref {
                 elem,
@@ -429,6 +445,8 @@ pub enum ExprKind {
     Field(Box<Expr>, Lane),
     /// `&x[i]`: the address of an element, or a whole row of a 2-D register array.
     AddrOf(Box<Expr>),
+    /// `&x[a..]`: the sub-slice of the named buffer `x` (a [`ExprKind::Var`]) from element `a`.
+    SubSlice(Box<Expr>, Box<Expr>),
     /// A 128-bit load at `&slice[i]` (must be 16-byte aligned).
     VecLoad(Box<Expr>),
     /// A call.

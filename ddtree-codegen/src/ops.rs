@@ -313,6 +313,12 @@ pub fn index(base: Expr, mut idx: Expr) -> R<Expr> {
     }
     let ty = match &base.ty {
         Ty::Slice { elem, .. } => Ty::Scalar(*elem),
+        Ty::View { elem, .. } => {
+            if idx.ty != Ty::Scalar(Scalar::U32) {
+                op_bail!("a sub-slice is indexed with a u32, found {}", idx.ty);
+            }
+            Ty::Scalar(*elem)
+        }
         Ty::Array { elem, dims, space } => {
             if let (ExprKind::Lit(Lit::Int(i)), Some(&d)) = (&idx.kind, dims.first()) {
                 if *i < 0 || *i >= d as i128 {
@@ -332,6 +338,41 @@ pub fn index(base: Expr, mut idx: Expr) -> R<Expr> {
         other => op_bail!("cannot index a value of type {other}"),
     };
     Ok(mk(ExprKind::Index(Box::new(base), Box::new(idx)), ty))
+}
+
+/// `&base[offset..]` / `&mut base[offset..]`: a sub-slice of a global slice or 1-D shared array
+/// (not of registers, which have no addresses, nor of another sub-slice).
+pub fn sub_slice(base: Expr, mut offset: Expr, mutable: bool) -> R<Expr> {
+    match &offset.ty {
+        Ty::UntypedInt => fix_untyped(&mut offset, Scalar::U32),
+        Ty::Scalar(Scalar::U32) => {}
+        other => op_bail!("a sub-slice starts at a u32 offset, found {other}"),
+    }
+    if !matches!(base.kind, ExprKind::Var(_)) {
+        op_bail!("a sub-slice is taken of a named slice or shared array: `&x[a..]`");
+    }
+    let (elem, space, writable) = match &base.ty {
+        Ty::Slice { elem, mutable } => (*elem, Space::Global, *mutable),
+        Ty::Array {
+            elem,
+            dims,
+            space: Space::Shared,
+        } if dims.len() == 1 => (*elem, Space::Shared, true),
+        Ty::Array {
+            space: Space::Local, ..
+        } => {
+            op_bail!("register arrays have no sub-slices (registers have no addresses)")
+        }
+        Ty::View { .. } => op_bail!("a sub-slice of a sub-slice is not supported: offset the first one"),
+        other => op_bail!("sub-slices are taken of slices and 1-D shared arrays, not of {other}"),
+    };
+    if mutable && !writable {
+        op_bail!("cannot take `&mut` into a read-only slice (declare it `&mut [T]`)");
+    }
+    Ok(mk(
+        ExprKind::SubSlice(Box::new(base), Box::new(offset)),
+        Ty::View { elem, space, mutable },
+    ))
 }
 
 /// `v.x` on a `u32x4`.
@@ -358,10 +399,14 @@ pub fn addr_of(place: Expr, mutable: bool) -> R<Expr> {
         place_root(&place).ok_or_else(|| OpError::new("`&` is allowed only on indexed buffers and register arrays"))?;
     let (space, root_mut) = match &root.ty {
         Ty::Slice { mutable, .. } => (Space::Global, *mutable),
+        Ty::View { space, mutable, .. } => (*space, *mutable),
         Ty::Array { space, .. } => (*space, true),
         other => op_bail!("cannot take the address of {other}"),
     };
     if mutable && !root_mut {
+        if matches!(root.ty, Ty::View { .. }) {
+            op_bail!("cannot take `&mut` into a read-only sub-slice (take it with `&mut x[a..]`)");
+        }
         op_bail!("cannot take `&mut` into a read-only slice (declare it `&mut [T]`)");
     }
     let ty = match &place.ty {
@@ -437,7 +482,10 @@ pub fn check_writable(place: &Expr, is_mut_var: bool) -> R<()> {
         Ty::Slice { mutable: false, .. } => {
             op_bail!("cannot write through a `&[T]` slice argument (declare it `&mut [T]`)")
         }
-        Ty::Slice { .. } | Ty::Array { .. } => Ok(()),
+        Ty::View { mutable: false, .. } => {
+            op_bail!("cannot write through a read-only sub-slice (take it with `&mut x[a..]`)")
+        }
+        Ty::Slice { .. } | Ty::Array { .. } | Ty::View { .. } => Ok(()),
         _ if is_mut_var => Ok(()),
         _ => op_bail!("cannot assign twice to an immutable variable (declare it `let mut`)"),
     }
@@ -521,7 +569,7 @@ pub fn vload(base: Expr, idx: Expr) -> R<Expr> {
 
 /// Method-call dispatch: slices/arrays (`vload`, atomics), `to_bits`, and math.
 pub fn method(recv: Expr, name: &str, mut args: Vec<Expr>) -> R<Expr> {
-    let is_buffer = matches!(recv.ty, Ty::Slice { .. } | Ty::Array { .. });
+    let is_buffer = matches!(recv.ty, Ty::Slice { .. } | Ty::Array { .. } | Ty::View { .. });
     if is_buffer {
         if name == "vload" {
             if args.len() != 1 {

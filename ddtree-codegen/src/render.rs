@@ -173,9 +173,11 @@ fn scalar_helpers(s: Scalar, h: &mut BTreeSet<Helper>) {
 
 fn ty_helpers(t: &Ty, h: &mut BTreeSet<Helper>) {
     match t {
-        Ty::Scalar(s) | Ty::Slice { elem: s, .. } | Ty::Array { elem: s, .. } | Ty::Ref { elem: s, .. } => {
-            scalar_helpers(*s, h)
-        }
+        Ty::Scalar(s)
+        | Ty::Slice { elem: s, .. }
+        | Ty::Array { elem: s, .. }
+        | Ty::Ref { elem: s, .. }
+        | Ty::View { elem: s, .. } => scalar_helpers(*s, h),
         Ty::U32x4 => {
             h.insert(Helper::U32x4Type);
         }
@@ -255,7 +257,7 @@ fn expr_helpers(e: &Expr, h: &mut BTreeSet<Helper>) {
             h.insert(Helper::U32x4Type);
             expr_helpers(a, h)
         }
-        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => {
+        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) | ExprKind::SubSlice(a, b) => {
             expr_helpers(a, h);
             expr_helpers(b, h);
         }
@@ -296,7 +298,7 @@ fn c_type(t: &Ty) -> String {
         Ty::UntypedInt => "unsigned int".to_string(),
         Ty::U32x4 => "u32x4".to_string(),
         Ty::Void => "void".to_string(),
-        Ty::Slice { elem, mutable } => {
+        Ty::Slice { elem, mutable } | Ty::View { elem, mutable, .. } => {
             format!("{}{}*", if *mutable { "" } else { "const " }, c_scalar(*elem))
         }
         Ty::Ref { elem, .. } => format!("{}*", c_scalar(*elem)),
@@ -333,7 +335,12 @@ fn stmt(out: &mut String, s: &Stmt, level: usize) {
             ..
         } => {
             indent(out, level);
-            let c = if *mutable { "" } else { "const " };
+            // (A sub-slice is a pointer: `const T* x` for `&x[a..]`, `T* x` for `&mut`.)
+            let c = if *mutable || matches!(ty, Ty::View { .. }) {
+                ""
+            } else {
+                "const "
+            };
             let _ = writeln!(out, "{c}{} {name} = {};", c_type(ty), expr(init));
         }
         Stmt::Array {
@@ -533,6 +540,7 @@ fn prec(e: &Expr) -> u8 {
     match &e.kind {
         ExprKind::Binary(op, ..) => op.precedence(),
         ExprKind::Select(..) => 0,
+        ExprKind::SubSlice(..) => BinOp::Add.precedence(),
         ExprKind::Unary(..) | ExprKind::Cast(..) => 20,
         ExprKind::Lit(Lit::Int(v)) if *v < 0 => 20,
         ExprKind::Lit(Lit::F32(v)) if *v < 0.0 => 20,
@@ -594,6 +602,8 @@ pub fn expr(e: &Expr) -> String {
             _ => format!("__uint_as_float({})", expr(a)),
         },
         ExprKind::Index(b, i) => format!("{}[{}]", operand(b, 30), expr(i)),
+        // The offset whole (parenthesized when it is a sum), as the u32 the DSL computes.
+        ExprKind::SubSlice(b, o) => format!("{} + {}", operand(b, 30), operand(o, BinOp::Add.precedence() + 1)),
         ExprKind::Field(b, l) => format!("{}.{}", operand(b, 30), l.name()),
         ExprKind::AddrOf(p) => match &e.ty {
             // A whole register row decays to a pointer.

@@ -293,8 +293,22 @@ impl Cx {
                 quote!({ let __x = #base; #call })
             }
             Expr::Reference(r) => {
-                let inner = self.rt(&r.expr);
                 let m = r.mutability.is_some();
+                if let Expr::Index(ix) = &*r.expr {
+                    if let Expr::Range(range) = &*ix.index {
+                        // `&x[a..]`: a sub-slice.
+                        let (Some(start), None, syn::RangeLimits::HalfOpen(_)) =
+                            (&range.start, &range.end, &range.limits)
+                        else {
+                            return self.error(range, "a sub-slice is `&x[a..]`: a start and no end");
+                        };
+                        let base = self.rt(&ix.expr);
+                        let off = self.rt(start);
+                        let call = self.at(span, quote!(::ddtree_codegen::ops::sub_slice(__x, __o, #m)));
+                        return quote!({ let __x = #base; let __o = #off; #call });
+                    }
+                }
+                let inner = self.rt(&r.expr);
                 let call = self.at(span, quote!(::ddtree_codegen::ops::addr_of(__x, #m)));
                 quote!({ let __x = #inner; #call })
             }
@@ -362,7 +376,7 @@ impl Cx {
             Expr::Array(_) | Expr::Repeat(_) => {
                 self.error(e, "array expressions are allowed only as `let a = [value; N];`")
             }
-            Expr::Range(_) => self.error(e, "ranges are allowed only in `for` loops"),
+            Expr::Range(_) => self.error(e, "ranges are allowed only in `for` loops and sub-slices (`&x[a..]`)"),
             Expr::Try(_) => self.error(e, "`?` is not supported in kernels"),
             Expr::Struct(_) => self.error(e, "struct literals are not supported in kernels"),
             Expr::Block(_) | Expr::Loop(_) | Expr::While(_) | Expr::ForLoop(_) => {

@@ -264,3 +264,93 @@ fn kernels_wait_for_the_previous_kernel_first_unless_they_place_the_wait() {
     );
     assert!(after.starts_with("\n    grid_launch_dependents();\n"), "{late}");
 }
+
+/// Sub-slices: each block reads its 64 values of `x` through `xs`, copies them into the upper
+/// half of shared memory through a shared sub-slice (with `cp.async`, reversed), and writes
+/// `2 x + reversed x` through a sub-slice of `out`; `probe` reads one past `x` through `xs`.
+#[kernel(block = 64, dyn_smem = 512)]
+pub fn sub_slices(x: &[f32], out: &mut [f32], probe: u32) {
+    let t = thread_idx_x();
+    let base = block_idx_x() * 64;
+    let xs = &x[base..];
+    let os = &mut out[base..];
+    let s = dyn_shared::<f32>();
+    let hi = &mut s[64..];
+    cp_async_4(&mut hi[63 - t], &xs[t]);
+    cp_async_commit();
+    cp_async_wait(0);
+    sync_threads();
+    os[t] = 2.0 * xs[t] + s[64 + t] + xs[probe];
+    let v = xs.vload(4 * (t / 4));
+    if t % 4 == 0 {
+        os[t] += f32::from_bits(v.w) - xs[t + 3];
+    }
+}
+
+#[kernel(block = 32)]
+pub fn register_sub_slice(out: &mut [f32]) {
+    let r = [0.0f32; 4];
+    let v = &r[1..];
+    out[0] = v[0];
+}
+
+#[kernel(block = 32)]
+pub fn rebinds_sub_slice(out: &mut [f32]) {
+    let mut v = &mut out[1..];
+    v[0] = 1.0;
+}
+
+#[kernel(block = 32)]
+pub fn writes_read_only_sub_slice(out: &mut [f32]) {
+    let v = &out[1..];
+    v[0] = 1.0;
+}
+
+#[test]
+fn sub_slices_are_pointers_indexed_from_their_offset() {
+    use ddtree_codegen::interp::{Buffer, HostArg, Program, Value};
+    let src = SubSlices::source(&()).unwrap();
+    for decl in [
+        "const float* xs = x + base;",
+        "float* os = out + base;",
+        "float* hi = s + 64u;",
+        "cp_async_4(&hi[63u - t], &xs[t]);",
+    ] {
+        assert!(src.contains(decl), "{decl} in:\n{src}");
+    }
+    let xs: Vec<f32> = (0..128).map(|i| (i * i % 97) as f32).collect();
+    let x = Buffer::from_slice(&xs);
+    let run = |probe: u32| {
+        let mut out = Buffer::from_slice(&[f32::NAN; 128]);
+        let r = Program::of::<SubSlices>(&()).unwrap().launch(
+            [2, 1, 1],
+            &mut [
+                HostArg::In(&x),
+                HostArg::Out(&mut out),
+                HostArg::Scalar(Value::U32(probe)),
+            ],
+        );
+        r.map(|_| out.to_vec::<f32>())
+    };
+    let got = run(5).unwrap();
+    let want: Vec<f32> = (0..128)
+        .map(|i| {
+            let (b, t) = (i / 64 * 64, i % 64);
+            2.0 * xs[i] + xs[b + 63 - t] + xs[b + 5]
+        })
+        .collect();
+    assert_eq!(got, want);
+    // One past the end of `x`, through block 1's sub-slice: caught against `x`.
+    let e = run(64).unwrap_err().to_string();
+    assert!(
+        e.contains("out-of-bounds read of global buffer `x` at index 128"),
+        "{e}"
+    );
+
+    let e = RegisterSubSlice::ir(&()).unwrap_err();
+    assert!(e.message.contains("register arrays have no sub-slices"), "{e}");
+    let e = RebindsSubSlice::ir(&()).unwrap_err();
+    assert!(e.message.contains("with `let`, not `let mut`"), "{e}");
+    let e = WritesReadOnlySubSlice::ir(&()).unwrap_err();
+    assert!(e.message.contains("cannot write through a read-only sub-slice"), "{e}");
+}

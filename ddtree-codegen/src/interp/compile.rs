@@ -208,6 +208,7 @@ impl Cx<'_> {
             cx: self,
             label: &label,
             vars: HashMap::new(),
+            views: HashMap::new(),
             nslots: 0,
             ops: Vec::new(),
             loops: Vec::new(),
@@ -233,6 +234,8 @@ struct FnLower<'c, 'a> {
     cx: &'c mut Cx<'a>,
     label: &'c str,
     vars: HashMap<String, Slot>,
+    /// Sub-slices (`let v = &x[a..]`) by name: their buffer `x` (its slot holds `a`).
+    views: HashMap<String, Expr>,
     nslots: u32,
     ops: Vec<OpAt>,
     loops: Vec<Loop>,
@@ -259,7 +262,7 @@ fn hoists(e: &Expr) -> bool {
         | ExprKind::Field(a, _)
         | ExprKind::AddrOf(a)
         | ExprKind::VecLoad(a) => hoists(a),
-        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => hoists(a) || hoists(b),
+        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) | ExprKind::SubSlice(a, b) => hoists(a) || hoists(b),
         ExprKind::Select(c, a, b) => hoists(c) || hoists(a) || hoists(b),
         ExprKind::Call(f, args) => {
             matches!(f, Func::Device(_))
@@ -358,6 +361,14 @@ impl FnLower<'_, '_> {
         match s {
             Stmt::Let { name, init, loc, .. } => {
                 self.loc = *loc;
+                if let ExprKind::SubSlice(base, offset) = &init.kind {
+                    // The view's slot holds its offset; its indexing goes to `base`.
+                    let v = self.expr(offset)?;
+                    let slot = self.declare(name);
+                    self.emit(Op::Set(slot, v));
+                    self.views.insert(name.clone(), (**base).clone());
+                    return Ok(());
+                }
                 let v = self.expr(init)?;
                 let slot = self.declare(name);
                 self.emit(Op::Set(slot, v));
@@ -627,15 +638,33 @@ impl FnLower<'_, '_> {
         let ExprKind::Var(name) = &cur.kind else {
             return self.unsupported("indexing something other than a named buffer or array");
         };
+        if let Some(base) = self.views.get(name).cloned() {
+            // `v[i]` of `v = &x[a..]` is `x[a + i]`, bounds-checked against `x`.
+            let off = CExpr::Slot(self.slot(name)?);
+            if let Some(first) = indices.first_mut() {
+                let i = std::mem::replace(first, CExpr::Const(Val::U(0)));
+                *first = CExpr::Binary(BinOp::Add, Scalar::U32, Box::new(off), Box::new(i));
+            }
+            cur = &base;
+            let ExprKind::Var(bname) = &cur.kind else {
+                unreachable!("a sub-slice's base is a named buffer (checked when the kernel was built)")
+            };
+            return self.place_of(bname, cur, indices);
+        }
+        self.place_of(name, cur, indices)
+    }
+
+    /// The place `name[indices]` of the buffer or array `root`.
+    fn place_of(&self, name: &str, root_e: &Expr, indices: Vec<CExpr>) -> R<Place> {
         let root = self.slot(name)?;
-        let (space, elem, dims) = match &cur.ty {
+        let (space, elem, dims) = match &root_e.ty {
             Ty::Slice { elem, .. } => (Space::Global, *elem, Vec::new()),
             Ty::Array { elem, dims, space } => (*space, *elem, dims.clone()),
             other => return self.unsupported(format!("indexing a value of type {other}")),
         };
         Ok(Place {
             root,
-            name: name.clone(),
+            name: name.to_string(),
             space,
             elem,
             dims,
@@ -690,6 +719,7 @@ impl FnLower<'_, '_> {
             ExprKind::Index(..) => CExpr::Load(Box::new(self.place(e)?)),
             ExprKind::Field(a, l) => CExpr::Field(Box::new(self.expr(a)?), *l),
             ExprKind::AddrOf(p) => CExpr::AddrOf(Box::new(self.place(p)?)),
+            ExprKind::SubSlice(..) => return self.unsupported("a sub-slice outside `let v = &x[a..]`"),
             ExprKind::VecLoad(p) => CExpr::VecLoad(Box::new(self.place(p)?)),
             ExprKind::Select(c, a, b) if hoists(a) || hoists(b) => {
                 let t = self.temp();
