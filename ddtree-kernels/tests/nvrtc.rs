@@ -3,6 +3,10 @@
 //!
 //! Needs `libnvrtc.so.13` on the loader path and `ptxas` on PATH (or `DDTREE_PTXAS`). Where they
 //! are absent the test says so and skips, except under CI (`CI` set), where it fails.
+//!
+//! For kernel work without a GPU: `DDTREE_NVRTC_FILTER=text` compiles only the variants whose
+//! symbol contains `text`, and `DDTREE_SASS_DIR=dir` keeps each one's PTX and cubin there
+//! (`scripts/sass-stats.sh` counts the SASS instructions of their loops).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -144,7 +148,19 @@ fn every_variant_compiles_for_sm90a() {
         symbol: IntrinsicCoverage::symbol(&()),
         source: IntrinsicCoverage::source(&()).expect("the coverage kernel builds"),
     });
-    let dir = std::env::temp_dir().join(format!("ddtree-nvrtc-{}", std::process::id()));
+    let filter = std::env::var("DDTREE_NVRTC_FILTER").ok().filter(|f| !f.is_empty());
+    if let Some(f) = &filter {
+        assert!(
+            !on_ci(),
+            "DDTREE_NVRTC_FILTER is for local work; CI compiles every variant"
+        );
+        variants.retain(|v| v.symbol.contains(f.as_str()));
+        eprintln!("DDTREE_NVRTC_FILTER={f}: {} variant(s)", variants.len());
+    }
+    let kept = std::env::var_os("DDTREE_SASS_DIR").map(PathBuf::from);
+    let dir = kept
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("ddtree-nvrtc-{}", std::process::id())));
     std::fs::create_dir_all(&dir).unwrap();
 
     let results: Vec<Result<(String, u32, u32), String>> = std::thread::scope(|s| {
@@ -152,7 +168,7 @@ fn every_variant_compiles_for_sm90a() {
         let handles: Vec<_> = chunks
             .into_iter()
             .map(|chunk| {
-                let (dir, ptxas) = (&dir, &ptxas);
+                let (dir, ptxas, kept) = (&dir, &ptxas, &kept);
                 s.spawn(move || {
                     chunk
                         .iter()
@@ -163,8 +179,14 @@ fn every_variant_compiles_for_sm90a() {
                             };
                             let file = dir.join(format!("{}.ptx", v.symbol));
                             std::fs::write(&file, ptx.to_src()).map_err(|e| e.to_string())?;
+                            let cubin = if kept.is_some() {
+                                file.with_extension("cubin")
+                            } else {
+                                PathBuf::from("/dev/null")
+                            };
                             let out = Command::new(ptxas)
-                                .args(["-arch", ARCH, "-v", "-o", "/dev/null"])
+                                .args(["-arch", ARCH, "-v", "-o"])
+                                .arg(&cubin)
                                 .arg(&file)
                                 .output()
                                 .map_err(|e| format!("running {}: {e}", ptxas.display()))?;
@@ -189,7 +211,9 @@ fn every_variant_compiles_for_sm90a() {
             .flat_map(|h| h.join().expect("compile thread"))
             .collect()
     });
-    let _ = std::fs::remove_dir_all(&dir);
+    if kept.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     let failures: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
     assert!(
@@ -227,6 +251,16 @@ fn every_variant_compiles_for_sm90a() {
         ok.len()
     );
     eprint!("{summary}");
+    let mut lines: Vec<String> = ok
+        .iter()
+        .map(|(s, r, b)| format!("{s} {r} regs {b} B spilled"))
+        .collect();
+    lines.sort();
+    if filter.is_some() {
+        // A filtered run leaves the whole run's files alone.
+        eprintln!("{}", lines.join("\n"));
+        return;
+    }
     // CI prints this file after the test run (libtest hides a passing test's output).
     let _ = std::fs::write(
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-summary.txt"),
@@ -234,11 +268,6 @@ fn every_variant_compiles_for_sm90a() {
     );
     // Every variant's registers and spill bytes, sorted by symbol, for reviews.
     if ptxas.is_some() {
-        let mut lines: Vec<String> = ok
-            .iter()
-            .map(|(s, r, b)| format!("{s} {r} regs {b} B spilled"))
-            .collect();
-        lines.sort();
         let _ = std::fs::write(
             std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvrtc-registers.txt"),
             lines.join("\n") + "\n",
