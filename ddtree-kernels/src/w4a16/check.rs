@@ -1048,7 +1048,14 @@ pub fn gemv_moe_suite(
     let mut out = Vec::new();
     for (up, down) in gemv_moe_pairs() {
         let tmax = gemv::max_tokens(&up) as usize;
-        let mut cases = vec![(1, 3, 128, 32, 2), (tmax.min(5), 4, 160, 96, 3), (tmax, 3, 256, 32, 4)];
+        // (The fourth: more (expert, k step) items than warps, 3 k steps per expert, so `kw`
+        // down warps step across experts.)
+        let mut cases = vec![
+            (1, 3, 128, 32, 2),
+            (tmax.min(5), 4, 160, 96, 3),
+            (tmax, 3, 256, 32, 4),
+            (tmax.min(6), 6, 64, 288, 4),
+        ];
         if sizes == Sizes::Full {
             cases = vec![(1, 6, 256, 64, 2), (tmax, 9, 288, 128, 4), (tmax, 48, 512, 128, 8)];
         }

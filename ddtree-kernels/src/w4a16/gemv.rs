@@ -92,9 +92,10 @@ pub struct GemvW4Params {
     /// the weights (4 bytes, `stages` steps ahead) and reads it back from shared memory at use,
     /// instead of holding `stages` steps of scale words in registers.
     pub sr: bool,
-    /// Interleaved k steps (not `Down`): warp `w` of a block takes k steps `w`, `w + warps`, ...
-    /// instead of a contiguous range, so the block's warps read adjacent 512-byte pieces of each
-    /// 8-row tile at about the same time (one run of `warps` pieces per tile, not `warps` runs).
+    /// Interleaved k steps: warp `w` of a block takes k steps `w`, `w + warps`, ... (`Down`: of
+    /// its experts' steps one after another) instead of a contiguous range, so the block's warps
+    /// read adjacent 512-byte pieces of each 8-row tile at about the same time (one run of
+    /// `warps` pieces per tile, not `warps` runs).
     pub kw: bool,
 }
 
@@ -203,6 +204,8 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(G, 2, 2, 4, 1, false),
     gvs(G, 2, 2, 2, 1, false),
     gvs(G, 8, 2, 2, 1, false),
+    gvs(G, 4, 1, 2, 1, false),
+    gvk(G, 4, 1, 2, 1),
     gvs(W, 8, 2, 2, 1, false),
     gvs(W, 4, 2, 2, 2, false),
     gv(W, 4, 1, 8, 2, false),
@@ -218,6 +221,10 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(W, 8, 2, 4, 1, false),
     gvs(W, 16, 2, 2, 1, false),
     gvs(W, 8, 2, 2, 2, false),
+    gvk(W, 8, 2, 2, 1),
+    gvk(W, 8, 2, 4, 1),
+    gvk(W, 4, 2, 2, 1),
+    gvk(W, 8, 1, 2, 1),
     gvs(GG, 4, 2, 2, 1, false),
     gvs(GG, 2, 2, 2, 1, false),
     gvs(GG, 2, 2, 4, 1, false),
@@ -342,10 +349,6 @@ pub fn w4a16_gemv(
     comptime_assert!(p.stages >= 1 && p.stages <= 8, "stages must be 1..=8");
     comptime_assert!(p.chunks >= 1 && p.chunks <= 2 * p.stages, "chunks must be 1..=2 stages");
     comptime_assert!(p.chunks <= 4, "chunks must be at most 4");
-    comptime_assert!(
-        !p.kw || p.mode != GemvMode::Down,
-        "interleaved k steps need one expert per block (not Down)"
-    );
     let rb = comptime!(p.ring_bytes());
     comptime_assert!(
         rb <= 200 * 1024,
@@ -556,17 +559,28 @@ pub fn w4a16_gemv(
     // This warp's contiguous share of the block's (expert, k step) items.
     let total = ne * kbs;
     let per = (total + nw - 1) / nw;
-    // (kw: the items are this warp's own k steps wid, wid + nw, ... counted from 0.)
-    let kst = comptime!(if p.kw { p.warps } else { 1 });
+    // (kw: the items are this warp's own items wid, wid + nw, ... of the block's `total`, counted
+    // from 0.)
     let lo = if p.kw { 0u32 } else { (wid * per).min(total) };
     let hi = if p.kw {
-        if wid < kbs {
-            (kbs - wid + nw - 1) / nw
+        if wid < total {
+            (total - wid + nw - 1) / nw
         } else {
             0u32
         }
     } else {
         (lo + per).min(total)
+    };
+    // An item step moves `dq` experts and `dr` k steps, then wraps at `kbs`. Only `Down` with
+    // kw steps across experts (`warps` items, possibly past several experts when `kbs <
+    // warps`); the other modes' one expert keeps the constant step and its wrap to 0 (the
+    // general form cost the `Dense` kw default 31 registers).
+    let dkw = comptime!(p.kw && p.mode == GemvMode::Down);
+    let dq = if dkw { nw / kbs } else { 0u32 };
+    let dr = if dkw {
+        nw % kbs
+    } else {
+        comptime!(if p.kw { p.warps } else { 1 })
     };
     let cnt = hi - lo;
     let wbase = wid * ns * sw;
@@ -622,8 +636,9 @@ pub fn w4a16_gemv(
 
     // (expert index, k step) of the next item to compute and of the next to copy, stepped
     // without divisions (the item index is `ei * kbs + kb`).
-    let mut cei = lo / kbs;
-    let mut ckb = if p.kw { wid % kbs } else { lo % kbs };
+    let first = if p.kw { wid } else { lo };
+    let mut cei = first / kbs;
+    let mut ckb = first % kbs;
     let mut fei = cei;
     let mut fkb = ckb;
 
@@ -633,9 +648,10 @@ pub fn w4a16_gemv(
         let it = lo + u;
         let ei = fei;
         let kb = fkb;
-        fkb += kst;
+        fkb += dr;
+        fei += dq;
         if fkb >= kbs {
-            fkb = 0u32;
+            fkb = if dkw { fkb - kbs } else { 0u32 };
             fei += 1;
         }
         let e = if down && it < hi { list[ei] } else { expert };
@@ -725,9 +741,10 @@ pub fn w4a16_gemv(
             if it < hi {
                 let ei = cei;
                 let kb = ckb;
-                ckb += kst;
+                ckb += dr;
+                cei += dq;
                 if ckb >= kbs {
-                    ckb = 0u32;
+                    ckb = if dkw { ckb - kbs } else { 0u32 };
                     cei += 1;
                 }
                 let e = if down { list[ei] } else { expert };
@@ -879,9 +896,10 @@ pub fn w4a16_gemv(
             let it2 = it + ns;
             let ei = fei;
             let kb = fkb;
-            fkb += kst;
+            fkb += dr;
+            fei += dq;
             if fkb >= kbs {
-                fkb = 0u32;
+                fkb = if dkw { fkb - kbs } else { 0u32 };
                 fei += 1;
             }
             let e = if down && it2 < hi { list[ei] } else { expert };
