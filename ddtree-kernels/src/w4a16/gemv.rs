@@ -311,6 +311,19 @@ impl GemvW4Params {
     pub const fn ring_bytes(&self) -> u32 {
         self.warps * self.stages * self.stage_words() * 4
     }
+
+    /// Blocks per SM the registers must allow (`__launch_bounds__`' second argument; 0: ptxas
+    /// decides). Three for the `Dense` 4-warp, three-tile, two-chunk variants (the 9-16-row
+    /// default): they need about 160 registers, three blocks per SM, as measured, and without
+    /// the bound ptxas squeezes them into 128 with a spill in the loop when their code shrinks
+    /// a little (as it did when the loop's loads moved to sub-slices).
+    pub const fn min_blocks(&self) -> u32 {
+        if matches!(self.mode, GemvMode::Dense) && self.warps == 4 && self.mt == 3 && self.chunks == 2 {
+            3
+        } else {
+            0
+        }
+    }
 }
 
 /// `x` bf16 activations (`Dense`: `[m, k]`; gate_up: tokens `[T, k]`; `Down`, `GroupedDown`:
@@ -327,7 +340,7 @@ impl GemvW4Params {
 /// dependent launch, `Down` for one token reads `ids` before it waits for its predecessor: the
 /// routing must be written before that one (as [`super::MoeKernels`] launches `GateUp`
 /// between). Grid: [`grid`].
-#[kernel(block = p.warps * 32, dyn_smem = p.ring_bytes(), space = GEMV_SPACE.to_vec())]
+#[kernel(block = p.warps * 32, dyn_smem = p.ring_bytes(), min_blocks = p.min_blocks(), space = GEMV_SPACE.to_vec())]
 pub fn w4a16_gemv(
     #[comptime] p: &GemvW4Params,
     x: &[bf16],
@@ -585,14 +598,21 @@ pub fn w4a16_gemv(
     let cnt = hi - lo;
     let wbase = wid * ns * sw;
     let rbase = wbase + lane * 4;
+    // This lane's views of its warp's ring: its weight (and x) words from `rp`, its scale words
+    // (`sr`) from `sp`. They are pointers, so each slot's and tile's constant offset folds into
+    // the shared-memory address (the u32 sums `ring[rbase + ..]` cost an add and a multiply per
+    // access).
+    let rp = &mut ring[rbase..];
+    let sp = &mut ring[wbase + so + lane..];
     // x copies (xr): lane copies 16 bytes (8 k) `s` of token slots `lane / 16 + 2 i` per chunk,
     // stored as `[j][g][q]` 16-byte cells (k = 32 q + 8 j of token g) so each mma's B reads are
     // one conflict-free 512-byte row of the ring.
     let xs = lane % 16;
     let xdst = ((xs % 4) * 32 + lane / 16 * 4 + xs / 4) * 4;
     // Per 8-row tile: this lane's word offset of k step 0 in an expert's weights (row tile 0,
-    // a valid address for the zero-filled copy, when the tile is past the output rows), and
-    // its scale element of k step 0 (`u32::MAX` when its row is not an output row).
+    // a valid address for the zero-filled copy, when the tile is past the output rows), its
+    // scale element of k step 0 (row 0's when its row is not an output row: that row's
+    // results are dropped, so the scale copies need no row check).
     let mut woff = [0u32; tt];
     let mut soff = [0u32; tt];
     #[unroll]
@@ -605,7 +625,7 @@ pub fn w4a16_gemv(
         } else {
             lane * 4
         };
-        soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { u32::MAX };
+        soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { q };
     }
     let mut xbase = [0u32; nc];
     #[unroll]
@@ -661,13 +681,14 @@ pub fn w4a16_gemv(
             let lr = r0 + 16 * (mi % p.mt) + 8 * (t % 2);
             let ok = it < hi && lr < rows;
             let src = e * wstride + woff[t] + kb * 128;
-            cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
-            // The scale element of k step kb is `soff + 4 kb` (the word's half: `soff`'s parity).
-            let sok = ok && soff[t] != u32::MAX && kb * 4 + q < gpr;
-            let sidx = (e * n * gpr + soff[t] + 4 * kb) / 2;
+            cp_async_16_zfill(&mut rp[u * sw + t * 128], &w[src], ok);
+            // The scale element of k step kb is `soff + 4 kb`, in word `(e n gpr + soff) / 2 +
+            // 2 kb` (the word's half: `soff`'s parity).
+            let sok = ok && kb * 4 + q < gpr;
+            let sidx = 2 * kb + (e * n * gpr + soff[t]) / 2;
             if p.sr {
                 let src = if sok { sidx } else { 0u32 };
-                cp_async_4_zfill(&mut ring[wbase + u * sw + so + t * 32 + lane], &scales[src], sok);
+                cp_async_4_zfill(&mut sp[u * sw + t * 32], &scales[src], sok);
             } else {
                 sc[u * tt + t] = if sok { scales[sidx] } else { 0u32 };
             }
@@ -719,9 +740,10 @@ pub fn w4a16_gemv(
             } else {
                 0u32
             };
+            let xk = &x[xb + kx..];
             #[unroll]
             for j in 0..4 {
-                let v = x.vload(xb + kx + 8 * j);
+                let v = xk.vload(8 * j);
                 xn[c * 4 + j][0] = v.x;
                 xn[c * 4 + j][1] = v.y;
                 xn[c * 4 + j][2] = v.z;
@@ -789,7 +811,7 @@ pub fn w4a16_gemv(
                 }
                 #[unroll]
                 for t in 0..tt {
-                    let v = ring.vload(rbase + u * sw + t * 128);
+                    let v = rp.vload(u * sw + t * 128);
                     wv[t][0] = v.x;
                     wv[t][1] = v.y;
                     wv[t][2] = v.z;
@@ -809,9 +831,10 @@ pub fn w4a16_gemv(
                         } else {
                             0u32
                         };
+                        let xk = &x[xb + kx..];
                         #[unroll]
                         for j in 0..4 {
-                            let v = x.vload(xb + kx + 8 * j);
+                            let v = xk.vload(8 * j);
                             xn[xs1 + c * 4 + j][0] = v.x;
                             xn[xs1 + c * 4 + j][1] = v.y;
                             xn[xs1 + c * 4 + j][2] = v.z;
@@ -835,7 +858,7 @@ pub fn w4a16_gemv(
                                 xv[c][r] = 0u32;
                             }
                             if ok {
-                                let v = ring.vload(rbase + u * sw + tt * 128 + c * 512 + j * 128);
+                                let v = rp.vload(u * sw + tt * 128 + c * 512 + j * 128);
                                 xv[c][0] = v.x;
                                 xv[c][1] = v.y;
                                 xv[c][2] = v.z;
@@ -858,18 +881,10 @@ pub fn w4a16_gemv(
                             0x1010u32
                         };
                         // (sr: the words of tiles 2i and 2i + 1 this lane copied into the ring.)
-                        let sa = prmt(
-                            if p.sr {
-                                ring[wbase + u * sw + so + 64 * i + lane]
-                            } else {
-                                sc[u * tt + 2 * i]
-                            },
-                            0u32,
-                            sel,
-                        );
+                        let sa = prmt(if p.sr { sp[u * sw + 64 * i] } else { sc[u * tt + 2 * i] }, 0u32, sel);
                         let sb = prmt(
                             if p.sr {
-                                ring[wbase + u * sw + so + 64 * i + 32 + lane]
+                                sp[u * sw + 64 * i + 32]
                             } else {
                                 sc[u * tt + 2 * i + 1]
                             },
@@ -913,13 +928,13 @@ pub fn w4a16_gemv(
                     // Every lane has read this slot's x before any lane overwrites it.
                     sync_warp();
                 }
-                cp_async_16_zfill(&mut ring[rbase + u * sw + t * 128], &w[src], ok);
-                // The scale element of k step kb is `soff + 4 kb` (the word's half: `soff`'s parity).
-                let sok = ok && soff[t] != u32::MAX && kb * 4 + q < gpr;
-                let sidx = (e * n * gpr + soff[t] + 4 * kb) / 2;
+                cp_async_16_zfill(&mut rp[u * sw + t * 128], &w[src], ok);
+                // (The scale word as in the prologue.)
+                let sok = ok && kb * 4 + q < gpr;
+                let sidx = 2 * kb + (e * n * gpr + soff[t]) / 2;
                 if p.sr {
                     let src = if sok { sidx } else { 0u32 };
-                    cp_async_4_zfill(&mut ring[wbase + u * sw + so + t * 32 + lane], &scales[src], sok);
+                    cp_async_4_zfill(&mut sp[u * sw + t * 32], &scales[src], sok);
                 } else {
                     sc[u * tt + t] = if sok { scales[sidx] } else { 0u32 };
                 }
