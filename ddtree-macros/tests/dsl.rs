@@ -330,7 +330,7 @@ fn sub_slices_are_pointers_indexed_from_their_offset() {
                 HostArg::Scalar(Value::U32(probe)),
             ],
         );
-        r.map(|_| out.to_vec::<f32>())
+        r.map(|_| out.to_vec::<f32>()).map_err(|e| e.to_string())
     };
     let got = run(5).unwrap();
     let want: Vec<f32> = (0..128)
@@ -341,7 +341,7 @@ fn sub_slices_are_pointers_indexed_from_their_offset() {
         .collect();
     assert_eq!(got, want);
     // One past the end of `x`, through block 1's sub-slice: caught against `x`.
-    let e = run(64).unwrap_err().to_string();
+    let e = run(64).unwrap_err();
     assert!(
         e.contains("out-of-bounds read of global buffer `x` at index 128"),
         "{e}"
