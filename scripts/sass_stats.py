@@ -30,19 +30,18 @@ def disassemble(cubin, nvdisasm):
     if out.returncode != 0:
         sys.exit(f"{nvdisasm} failed on {cubin}:\n{out.stderr}")
     insts = []  # (address, opcode, operands)
-    labels = {}
+    labels = {}  # label -> address of the instruction after it
+    pending = []
     for line in out.stdout.splitlines():
         m = LABEL.match(line)
         if m:
-            labels[m.group(1)] = None  # address of the next instruction
-            pending = m.group(1)
+            pending.append(m.group(1))
             continue
         m = LINE.search(line)
         if m:
             addr = int(m.group(1), 16)
-            for name, a in labels.items():
-                if a is None:
-                    labels[name] = addr
+            labels.update((name, addr) for name in pending)
+            pending.clear()
             insts.append((addr, m.group(3), m.group(4)))
     return insts, labels
 
@@ -53,7 +52,7 @@ def loops(insts, labels):
     for addr, op, rest in insts:
         if op.startswith("BRA"):
             t = TARGET.search(rest)
-            if t and labels.get(t.group(1)) is not None and labels[t.group(1)] <= addr:
+            if t and t.group(1) in labels and labels[t.group(1)] <= addr:
                 out.append((labels[t.group(1)], addr))
     return sorted(set(out))
 

@@ -599,7 +599,7 @@ pub fn w4a16_gemv(
     let wbase = wid * ns * sw;
     let rbase = wbase + lane * 4;
     // This lane's views of its warp's ring: its weight (and x) words from `rp`, its scale words
-    // (`sr`) from `sp`. They are pointers, so each slot's and tile's constant offset folds into
+    // from `sp` (read with `sr` only). They are pointers, so each slot's and tile's constant offset folds into
     // the shared-memory address (the u32 sums `ring[rbase + ..]` cost an add and a multiply per
     // access).
     let rp = &mut ring[rbase..];
