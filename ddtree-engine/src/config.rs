@@ -226,6 +226,7 @@ impl DFlashConfig {
             source,
         })?;
         let f = Fields::root(path, &value)?;
+        check_dflash_architecture(&f)?;
         let dflash = f.object("dflash_config")?;
         let act = f.opt_string("hidden_act")?.unwrap_or_else(|| "silu".into());
         if act != "silu" {
@@ -300,6 +301,28 @@ impl DFlashConfig {
             target_layer_ids,
         })
     }
+}
+
+/// Drafter classes whose `config.json` [`DFlashConfig`] reads (`architectures`).
+pub const DFLASH_ARCHITECTURES: [&str; 1] = ["DFlashDraftModel"];
+
+/// Rejects a drafter config whose `architectures` names no class in [`DFLASH_ARCHITECTURES`]
+/// (a missing field is accepted: the layout is then checked field by field).
+fn check_dflash_architecture(f: &Fields<'_>) -> Result<()> {
+    let Some(value) = f.get("architectures") else {
+        return Ok(());
+    };
+    let names: Vec<&str> = match value {
+        Value::Array(items) => items.iter().filter_map(Value::as_str).collect(),
+        other => return Err(f.err("architectures", format!("expected a list of class names, got {other}"))),
+    };
+    if names.iter().any(|n| DFLASH_ARCHITECTURES.contains(n)) {
+        return Ok(());
+    }
+    Err(f.err(
+        "architectures",
+        format!("unsupported drafter architecture {names:?} (supported: {DFLASH_ARCHITECTURES:?})"),
+    ))
 }
 
 /// DFlash's `build_target_layer_ids`: `n_draft` layers spread evenly from layer 1 to
