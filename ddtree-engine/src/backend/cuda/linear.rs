@@ -120,12 +120,11 @@ impl CudaBackend {
             CudaWeight::Int4 {
                 group, packed, scales, ..
             } => {
-                if dense_int4_gemv(x.rows, n, k, *group) {
-                    let key = tune::W4GemvKey { tokens: x.rows, n, k };
-                    let kern = self.kernels.get::<W4a16Gemv>(&key)?;
+                if let Some(lookup) = Lookup::int4_gemv(x.rows, n, k, *group) {
+                    let kern = self.tuned::<W4a16Gemv>(lookup.clone())?;
                     let p = *kern.params();
                     if p.mode != GemvMode::Dense || (w4gemv::max_tokens(&p) as usize) < x.rows {
-                        return Err(fail(format!("linear: the W4A16 GEMV variant for {key} is {p:?}")));
+                        return Err(fail(format!("linear: the W4A16 GEMV variant for {lookup} is {p:?}")));
                     }
                     let none_u32 = self.identity(1)?;
                     let st = self.state();
@@ -357,8 +356,8 @@ impl CudaBackend {
             runner.run(self.stream(), logits.f32("argmax")?, values, indices, rows, n)?;
             return Ok(());
         }
-        let key = tune::TopkKey { rows, n, k: 1 };
-        let k = self.kernels.get::<RowTopk>(&key)?;
+        let lookup = Lookup::argmax(rows, n).ok_or_else(|| fail(format!("argmax: no tuned path for {rows} rows")))?;
+        let k = self.tuned::<RowTopk>(lookup)?;
         if k.params().k != 1 {
             return Err(fail("argmax: the tuned top-k variant is not k = 1".into()));
         }

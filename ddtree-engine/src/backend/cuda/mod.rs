@@ -14,6 +14,7 @@ mod attention;
 mod cache;
 mod graph;
 mod linear;
+mod lookups;
 mod moe;
 mod norm;
 mod profile;
@@ -36,7 +37,7 @@ use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput, MoeKernels};
 use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
-use ddtree_kernels::{add, fill, topk, tree, tune};
+use ddtree_kernels::{add, fill, topk, tree};
 use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
     GqaAttention, GqaParams, MlaAbsorbOutput, MlaAbsorbQuery, MlaAttention, MlaAttnParams, MlaKvAppend, MoeRoute,
@@ -48,7 +49,8 @@ use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 
 pub use attention::{AttentionKernel, WG_DECODE_MIN_KEYS};
-pub(crate) use linear::{dense_int4_gemv, DENSE_INT4_GEMV_MAX_ROWS};
+pub(crate) use linear::DENSE_INT4_GEMV_MAX_ROWS;
+pub use lookups::Lookup;
 pub(crate) use moe::DENSE_EXPERT_GROUP;
 pub use profile::HOST_PROFILE_ENV;
 pub use types::{CudaExperts, CudaKvCache, CudaRouting, CudaTensor, CudaVector, CudaWeight, DeviceData};
@@ -156,6 +158,9 @@ pub struct CudaBackend {
     pdl: bool,
     /// The verify attention's kernel (`--attention`).
     attention: AttentionKernel,
+    /// Whether tune-cache lookups are recorded ([`CudaBackend::record_lookups`]), and those made.
+    record_lookups: std::sync::atomic::AtomicBool,
+    lookups: Mutex<std::collections::HashSet<Lookup>>,
     /// The GPU has `wgmma`: dense INT4 products of [`gemm_wg::WG_MIN_ROWS`] rows or more run
     /// on [`W4a16GemmWg`].
     wgmma: bool,
@@ -266,6 +271,8 @@ impl CudaBackend {
             reads: Default::default(),
             pdl: !options.no_pdl,
             attention,
+            record_lookups: Default::default(),
+            lookups: Default::default(),
             wgmma: ddtree_kernels::wgmma_supported(gpu_cc),
         })
     }

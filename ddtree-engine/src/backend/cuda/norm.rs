@@ -10,12 +10,7 @@ impl CudaBackend {
         self.profile.forward_rows(ids.len());
         let _span = self.profile.span("embedding");
         let hidden = table.cols;
-        let key = tune::EmbeddingKey {
-            tokens: ids.len(),
-            vocab: table.rows,
-            hidden,
-        };
-        let k = self.kernels.get::<Embedding>(&key)?;
+        let k = self.tuned::<Embedding>(Lookup::embedding(ids.len(), table.rows, hidden))?;
         let d_ids = self.staged(Staged::Tokens, ids)?;
         let mut out = self.tensor_bf16(ids.len(), hidden)?;
         // SAFETY: the table is [vocab, hidden]; ids are checked by the model; out [ids, hidden].
@@ -237,7 +232,7 @@ impl CudaBackend {
         n: usize,
         eps: f32,
     ) -> Result<()> {
-        let k = self.kernels.get::<RmsNorm>(&tune::RowsKey { rows, n })?;
+        let k = self.tuned::<RmsNorm>(Lookup::rms_norm(rows, n))?;
         // SAFETY: x and out hold rows * n values, w n; the tuner's candidates respect n % 8.
         unsafe { RmsNorm::launch(&k, self.stream(), rows as u32, x, w, out, n as u32, eps)? };
         Ok(())

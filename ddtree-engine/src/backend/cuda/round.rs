@@ -30,13 +30,13 @@ use ddtree_kernels::tree::gpu::{builder_params, GpuAccept, GpuBuilder};
 use ddtree_kernels::tree::{Acceptance, MAX_K};
 use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice};
 
+use super::Lookup;
 use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, DeviceData, Staged, State, CU_EVENT_DEFAULT};
 use crate::backend::{BudgetChoice, GreedyVerify, TreeRound, TreeRoundOutcome};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows};
 use ddtree_kernels::tree::{self, build_reference, DraftTree, TreeBuild};
-use ddtree_kernels::tune::TreeBuildKey;
 
 /// The deepest tree the GPU builder takes (and the accept's path buffers hold).
 const MAX_DEPTH: usize = 16;
@@ -272,7 +272,7 @@ impl CudaBackend {
         if let Some(i) = st.builders.iter().position(|(k, _)| *k == key) {
             return Ok(i);
         }
-        let kernel = self.kernels.get::<TreeBuild>(&TreeBuildKey { depth, vocab, budget })?;
+        let kernel = self.tuned::<TreeBuild>(Lookup::tree_build(depth, vocab, budget))?;
         st.builders.push((
             key,
             tree::gpu::GpuBuilder::with_kernel(self.gpu(), kernel, depth, vocab, budget)?,
