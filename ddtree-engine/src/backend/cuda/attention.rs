@@ -19,21 +19,21 @@ pub enum AttentionKernel {
 }
 
 /// Under [`AttentionKernel::Auto`], decode steps (one node) whose length bucket holds more keys
-/// than this use `mla_verify_wg`, shorter ones `mla_verify_wide`. On the H200 (Kimi K2.6 EP8
-/// slice, `ddtree bench`, ms/token at 1K / 4K / 8K / 16K / 32K context): `mma` 10.57 / 10.89 /
-/// 11.08 / 11.47 / 12.21, `wgmma` 10.67 / 11.08 / 11.33 / 11.51 / 11.87. The one-node kernel
-/// reads one 64-key tile per block up to 8K (its 64 KB of partials per block then weigh as much
-/// as its cache bytes), where the 32-row `mma` blocks win.
+/// than this use `mla_verify_wg`, shorter ones `mla_verify_wide`: the one-node `wgmma` kernel
+/// reads one 64-key tile per block up to 8K keys, where its 64 KB of partials per block weigh
+/// as much as its cache bytes and the 32-row `mma` blocks win; past 16K keys it is ahead
+/// (`ddtree bench` on the Kimi K2.6 EP8 slice, docs/journal/verify-attention.md).
 pub const WG_DECODE_MIN_KEYS: usize = 16384;
 
 /// Most tokens for which `mla_query` uses the one-launch absorbed-MLA kernel
 /// (`mla_absorb_query`: every weight byte read once, the tokens looped in the kernel, the rope
-/// fused); above it cuBLAS's batched GEMM, a row copy and the rope kernel. On the H200
-/// (`kernel-check --decode-ops`): 8.3 vs 11.3 µs at 1 token, 10.5 vs 11.4 at 4, 21.2 vs 11.7 at 16.
+/// fused); above it cuBLAS's batched GEMM, a row copy and the rope kernel, whose tensor cores
+/// win once the tokens make the weights worth reusing (`kernel-check --decode-ops`,
+/// docs/journal/decode-ops.md).
 pub(super) const MLA_ABSORB_QUERY_MAX_ROWS: usize = 4;
 
 /// Most tokens for which `mla_output` uses `mla_absorb_output` instead of cuBLAS's batched
-/// GEMM: 7.5 vs 8.6 µs at 1 token, 10.9 vs 8.1 at 4 on the H200.
+/// GEMM (the same trade as [`MLA_ABSORB_QUERY_MAX_ROWS`], with an earlier crossover).
 pub(super) const MLA_ABSORB_OUTPUT_MAX_ROWS: usize = 2;
 
 /// The attention kernel choice for a GPU of compute capability `cc`: `wgmma` exists on sm_90
@@ -57,12 +57,9 @@ pub(super) fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result
 /// `keys` keys, by `kind` ([`AttentionKernel`]): `mla_verify_wg`'s default (a 2-deep ring of
 /// 64-key tiles, one scoring warpgroup), or the full-width `mma` split pass (`mla_verify_wide`,
 /// the same ring) with 32 rows per block up to one node of 64 heads (the decode step), else 64.
-/// From `tree-bench` on the H200 (BENCHMARKS.md, seed 504), 64 heads at 32K: `wg` 32.5 / 92.0
-/// / 584.0 µs at 1 / 8 / 64 nodes against the best `wide` 37.3 / 159.3 / 1073.0.
-/// Under `Auto`, steps of at most 8 rows take `mla_verify_narrow` (keys as the `mma` M, bulk
-/// copies): graph-timed split + combine at 8 heads, one node, under PDL (BENCHMARKS.md,
-/// twenty-third session) 6.3 / 6.9 / 12.1 / 16.7 µs at 1K / 4K / 16K / 32K against the best
-/// other kernel's 6.9 / 7.9 / 12.4 / 17.1 (and `wide`'s 8.1 / 8.5 / 14.0 / 20.1).
+/// `wg` is the faster one for trees (`tree-bench`); under `Auto`, steps of at most 8 rows
+/// take `mla_verify_narrow` (keys as the `mma` M, bulk copies), which fills the MMA with keys
+/// where a step has too few query rows to fill it with rows (docs/journal/verify-attention.md).
 pub(super) fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
     if kind == AttentionKernel::Auto && rows <= tree::VerifyVariant::Narrow.rows_per_block() as usize {
         return tree::VerifyVariant::Narrow;

@@ -5,12 +5,12 @@
 use super::*;
 
 /// Whether an INT4 `linear` of `rows` rows over an `[n, k]` weight runs the small-token
-/// [`W4a16Gemv`] (one launch, no split-K reduce) instead of the tensor-core GEMM. On the H200
-/// (`w4a16-bench`) the GEMV wins at every M <= 16 on weights of up to 2^26 elements (7168->2048
-/// 10.7 vs 18.6 µs at M = 1, 13.5 vs 17.6 at M = 16; 1536->12288 15.0 vs 19.4 at M = 16) and
-/// loses on the 7168->36864 dense MLP (64.6 vs 62.1 µs at M = 1, 114.8 vs 77.3 at M = 16).
-/// Needs scale group 32 and `k % 32 == 0`. The variant is the tuned one of the shape and token
-/// bucket ([`tune::W4GemvKey`]), the mode's default where nothing is tuned.
+/// [`W4a16Gemv`] (one launch, no split-K reduce) instead of the tensor-core GEMM: with few rows
+/// the product is a weight stream, which the GEMV reads at a higher share of the bandwidth on
+/// weights of up to 2^26 elements; on the larger dense MLP the GEMM's wider tiles win
+/// (`w4a16-bench`, docs/journal/w4a16-gemv.md). Needs scale group 32 and `k % 32 == 0`. The
+/// variant is the tuned one of the shape and token bucket ([`Lookup::int4_gemv`]), the mode's
+/// default where nothing is tuned.
 pub(crate) fn dense_int4_gemv(rows: usize, n: usize, k: usize, group: usize) -> bool {
     rows <= DENSE_INT4_GEMV_MAX_ROWS && n * k <= 1 << 26 && group == 32 && k % 32 == 0
 }
@@ -334,8 +334,8 @@ impl CudaBackend {
 
     /// The largest value of every row of f32 `logits` and its index (the lowest among equal
     /// maxima) into `values` and `indices` (at least `logits.rows` each): the split top-1 (many
-    /// blocks per row, then a merge) for fewer than [`topk::SPLIT_MAX_ROWS`] rows (the decode
-    /// step's one row of the vocabulary took 77 µs in one block on the H200), else the tuned
+    /// blocks per row, then a merge) for fewer than [`topk::SPLIT_MAX_ROWS`] rows (one block
+    /// per row leaves most SMs idle when a decode step has one row of the whole vocabulary), else the tuned
     /// one-block-per-row top-1.
     pub(super) fn argmax_into(
         &self,

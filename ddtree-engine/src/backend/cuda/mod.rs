@@ -169,9 +169,8 @@ pub struct CudaBackend {
 /// Most rows of a forward whose kernels launch with programmatic dependent launch. A forward
 /// of a few rows is a chain of weight GEMVs that load their first weights before they wait for
 /// their predecessor; a larger one (a verify tree of 9 rows and more) runs tensor-core GEMMs
-/// that gain nothing from an early start (and whose waiting blocks presumably hold SM slots):
-/// on the H200 the Kimi K2.6 EP8 verify forward at budget 8 takes 16.07 ms this way, 16.44
-/// with PDL (BENCHMARKS.md, eleventh session).
+/// that gain nothing from an early start (and whose waiting blocks presumably hold SM slots), and
+/// measured slower with it (docs/journal/engine-decode.md).
 pub const PDL_MAX_ROWS: usize = 8;
 
 pub(crate) fn fail(reason: String) -> EngineError {
