@@ -753,7 +753,7 @@ mod tests {
             r.out.tokens
         };
         let plain = run(&[]);
-        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-dflash");
+        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
         assert_eq!(run(&["--drafter", "oracle"]), plain);
         assert_eq!(run(&["--drafter", "noisy:0.5", "--budget", "3"]), plain);
         assert_eq!(run(&["--drafter", dflash, "--block-size", "4"]), plain);
@@ -810,7 +810,7 @@ mod tests {
 
     #[test]
     fn text_prompt_without_tokenizer_names_the_model() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ddtree-engine/tests/fixtures/tiny-dsv3");
         let cli =
             Cli::try_parse_from(["ddtree", "generate", "--prompt", "hi", "--model", dir.to_str().unwrap()]).unwrap();
         let Command::Generate(args) = cli.command else {
