@@ -228,3 +228,89 @@ fn bad_drafter_configs_name_the_field() {
         assert!(err.contains(field), "expected an error naming {field}, got: {err}");
     }
 }
+
+#[derive(Deserialize)]
+struct Chain {
+    block_size: usize,
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
+    output: Vec<u32>,
+    acceptance_lengths: Vec<usize>,
+    full_block: Vec<bool>,
+}
+
+/// ddtree's DFlash chain: the drafter's row-wise argmax as the only finite logit, so the
+/// best-first tree of `block_size - 1` nodes is exactly the drafted path (every other node
+/// scores [`NOT_A_CANDIDATE`] and comes after all of it).
+struct OnePath(DFlashDrafter<CpuBackend>);
+
+impl Drafter<CpuBackend> for OnePath {
+    fn name(&self) -> String {
+        format!("chain:{}", self.0.name())
+    }
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn target_layers(&self) -> &[usize] {
+        self.0.target_layers()
+    }
+    fn begin(&mut self, target: &Model<CpuBackend>, capacity: usize) -> ddtree_engine::Result<()> {
+        self.0.begin(target, capacity)
+    }
+    fn draft(&mut self, target: &Model<CpuBackend>, request: DraftRequest<'_, Matrix>) -> ddtree_engine::Result<Matrix> {
+        let mut m = self.0.draft(target, request)?;
+        for r in 0..m.rows {
+            let best = argmax(m.row(r)) as usize;
+            for (t, x) in m.row_mut(r).iter_mut().enumerate() {
+                *x = if t == best { 0.0 } else { NOT_A_CANDIDATE };
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// Runs ddtree's chain (a one-path tree of `block_size - 1` nodes) over the pair and checks it
+/// against `dflash_generate`'s record (scripts/dflash_chain_check.py): the same output and, for
+/// every round whose block was full there, the same accepted length.
+fn check_chain(target_dir: &Path, drafter_dir: &Path, record: &Path) {
+    let c: Chain = serde_json::from_str(&std::fs::read_to_string(record).unwrap()).unwrap();
+    let model = Model::load_dir(CpuBackend::default(), target_dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let mut chain = OnePath(DFlashDrafter::load(&model, drafter_dir, None).unwrap());
+    assert_eq!(chain.block_size(), c.block_size);
+    let options = GenerateOptions {
+        max_new_tokens: c.max_new_tokens,
+        stop_tokens: Vec::new(),
+        ..Default::default()
+    };
+    let spec = SpecOptions::fixed(c.block_size - 1);
+    let out = generate_speculative(&model, &mut chain, &c.prompt, &options, &spec).unwrap();
+    assert_eq!(out.generation.tokens, c.output, "output");
+    let got = &out.stats.accept_lengths;
+    // The last round may be cut short by the token limit on either side.
+    let rounds = c.acceptance_lengths.len().min(got.len()).saturating_sub(1);
+    for i in (0..rounds).filter(|&i| c.full_block[i]) {
+        assert_eq!(got[i], c.acceptance_lengths[i], "round {i}: {got:?} vs {:?}", c.acceptance_lengths);
+    }
+}
+
+#[test]
+fn chain_mode_reproduces_dflash_generate_on_the_random_pairs() {
+    // Random drafters accept nothing: this checks the plumbing (rounds, output), not acceptance.
+    for variant in ["v1", "v2"] {
+        let dir = drafter_dir(variant);
+        check_chain(&fixtures().join("tiny-kimi"), &dir, &dir.join("chain.json"));
+    }
+}
+
+/// `DDTREE_DFLASH_CHAIN=TARGET_DIR,DRAFTER_DIR,RECORD.json` (a record of
+/// scripts/dflash_chain_check.py) checks a trained pair the same way.
+#[test]
+fn chain_mode_reproduces_dflash_generate_on_a_given_pair() {
+    let Ok(spec) = std::env::var("DDTREE_DFLASH_CHAIN") else {
+        eprintln!("skipped: set DDTREE_DFLASH_CHAIN=TARGET_DIR,DRAFTER_DIR,RECORD.json to check a trained pair");
+        return;
+    };
+    let parts: Vec<&str> = spec.split(',').collect();
+    assert_eq!(parts.len(), 3, "DDTREE_DFLASH_CHAIN must be TARGET_DIR,DRAFTER_DIR,RECORD.json");
+    check_chain(Path::new(parts[0]), Path::new(parts[1]), Path::new(parts[2]));
+}
