@@ -77,7 +77,10 @@ fn check_round(got: &Matrix, want: &Round, what: &str) {
                 worst = worst.max(rel_err(row[c as usize], s));
             }
             let off = row.iter().enumerate().filter(|(t, _)| !cands.contains(&(*t as u32)));
-            assert!(off.clone().all(|(_, &x)| x == NOT_A_CANDIDATE), "{what}: row {r} scores a non-candidate");
+            assert!(
+                off.clone().all(|(_, &x)| x == NOT_A_CANDIDATE),
+                "{what}: row {r} scores a non-candidate"
+            );
             assert_eq!(off.count(), row.len() - cands.len(), "{what}: row {r} candidates");
         }
     }
@@ -146,13 +149,19 @@ fn v2_candidate_scores_match_the_official_package() {
 fn official_configs_parse_as_the_package_reads_them() {
     let cfg = |v: &str| DFlashConfig::from_file(&drafter_dir(v).join("config.json")).unwrap();
     let v1 = cfg("v1");
-    assert_eq!((v1.architecture, v1.block_size, v1.mask_token_id), (DFlashArchitecture::V1, 8, 510));
+    assert_eq!(
+        (v1.architecture, v1.block_size, v1.mask_token_id),
+        (DFlashArchitecture::V1, 8, 510)
+    );
     // The package's default over a 3-layer target for 2 draft layers.
     assert_eq!(v1.target_layer_ids, vec![1, 0]);
     assert!(v1.attention.iter().all(|a| *a == DFlashAttention::FULL));
     let f = cfg("v1-features");
     assert_eq!((f.block_size, f.mask_token_id), (6, 510));
-    assert_eq!((f.input_embedding_scale, f.output_multiplier, f.final_logit_softcapping), (1.7, 0.6, Some(5.0)));
+    assert_eq!(
+        (f.input_embedding_scale, f.output_multiplier, f.final_logit_softcapping),
+        (1.7, 0.6, Some(5.0))
+    );
     let sliding = DFlashAttention {
         causal: true,
         sliding_window: Some(4),
@@ -166,7 +175,10 @@ fn official_configs_parse_as_the_package_reads_them() {
     };
     assert_eq!(v2.attention, vec![DFlashAttention::FULL, two_sided]);
     let s = v2.v2.unwrap();
-    assert_eq!((s.conv_kernel_size, s.conv_group_size, s.selector_rank, s.selector_top_k), (3, 16, 8, 6));
+    assert_eq!(
+        (s.conv_kernel_size, s.conv_group_size, s.selector_rank, s.selector_top_k),
+        (3, 16, 8, 6)
+    );
 }
 
 #[test]
@@ -204,20 +216,35 @@ fn bad_config(edit: impl FnOnce(&mut Value)) -> String {
     }
 }
 
+/// One change to a drafter config.
+type ConfigEdit = Box<dyn FnOnce(&mut Value)>;
+
 #[test]
 fn bad_drafter_configs_name_the_field() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>)> = vec![
-        ("`architectures`", Box::new(|v| v["architectures"] = serde_json::json!(["EagleDraftModel"]))),
-        ("`dflash_config`", Box::new(|v| drop(v.as_object_mut().unwrap().remove("dflash_config")))),
+    let cases: Vec<(&str, ConfigEdit)> = vec![
+        (
+            "`architectures`",
+            Box::new(|v| v["architectures"] = serde_json::json!(["EagleDraftModel"])),
+        ),
+        (
+            "`dflash_config`",
+            Box::new(|v| drop(v.as_object_mut().unwrap().remove("dflash_config"))),
+        ),
         (
             "`dflash_config.target_layer_ids`",
             Box::new(|v| v["dflash_config"]["target_layer_ids"] = serde_json::json!([0, 3])),
         ),
         ("`vocab_size`", Box::new(|v| v["vocab_size"] = 1024.into())),
         ("`hidden_size`", Box::new(|v| v["hidden_size"] = 128.into())),
-        ("`layer_types[1]`", Box::new(|v| v["layer_types"][1] = "chunked_attention".into())),
+        (
+            "`layer_types[1]`",
+            Box::new(|v| v["layer_types"][1] = "chunked_attention".into()),
+        ),
         ("`is_causal`", Box::new(|v| v["is_causal"] = "yes".into())),
-        ("`dflash_config.block_size`", Box::new(|v| v["dflash_config"]["block_size"] = 1.into())),
+        (
+            "`dflash_config.block_size`",
+            Box::new(|v| v["dflash_config"]["block_size"] = 1.into()),
+        ),
         (
             "`conv_kernel_size`",
             Box::new(|v| v["architectures"] = serde_json::json!(["DFlash2DraftModel"])),
@@ -257,7 +284,11 @@ impl Drafter<CpuBackend> for OnePath {
     fn begin(&mut self, target: &Model<CpuBackend>, capacity: usize) -> ddtree_engine::Result<()> {
         self.0.begin(target, capacity)
     }
-    fn draft(&mut self, target: &Model<CpuBackend>, request: DraftRequest<'_, Matrix>) -> ddtree_engine::Result<Matrix> {
+    fn draft(
+        &mut self,
+        target: &Model<CpuBackend>,
+        request: DraftRequest<'_, Matrix>,
+    ) -> ddtree_engine::Result<Matrix> {
         let mut m = self.0.draft(target, request)?;
         for r in 0..m.rows {
             let best = argmax(m.row(r)) as usize;
@@ -274,7 +305,13 @@ impl Drafter<CpuBackend> for OnePath {
 /// every round whose block was full there, the same accepted length.
 fn check_chain(target_dir: &Path, drafter_dir: &Path, record: &Path) {
     let c: Chain = serde_json::from_str(&std::fs::read_to_string(record).unwrap()).unwrap();
-    let model = Model::load_dir(CpuBackend::default(), target_dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let model = Model::load_dir(
+        CpuBackend::default(),
+        target_dir,
+        LoadOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
     let mut chain = OnePath(DFlashDrafter::load(&model, drafter_dir, None).unwrap());
     assert_eq!(chain.block_size(), c.block_size);
     let options = GenerateOptions {
@@ -289,7 +326,11 @@ fn check_chain(target_dir: &Path, drafter_dir: &Path, record: &Path) {
     // The last round may be cut short by the token limit on either side.
     let rounds = c.acceptance_lengths.len().min(got.len()).saturating_sub(1);
     for i in (0..rounds).filter(|&i| c.full_block[i]) {
-        assert_eq!(got[i], c.acceptance_lengths[i], "round {i}: {got:?} vs {:?}", c.acceptance_lengths);
+        assert_eq!(
+            got[i], c.acceptance_lengths[i],
+            "round {i}: {got:?} vs {:?}",
+            c.acceptance_lengths
+        );
     }
 }
 
@@ -311,6 +352,10 @@ fn chain_mode_reproduces_dflash_generate_on_a_given_pair() {
         return;
     };
     let parts: Vec<&str> = spec.split(',').collect();
-    assert_eq!(parts.len(), 3, "DDTREE_DFLASH_CHAIN must be TARGET_DIR,DRAFTER_DIR,RECORD.json");
+    assert_eq!(
+        parts.len(),
+        3,
+        "DDTREE_DFLASH_CHAIN must be TARGET_DIR,DRAFTER_DIR,RECORD.json"
+    );
     check_chain(Path::new(parts[0]), Path::new(parts[1]), Path::new(parts[2]));
 }

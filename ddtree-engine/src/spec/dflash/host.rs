@@ -154,11 +154,7 @@ impl Codebooks {
 /// The `k` largest entries' indices (equal values: smaller index first).
 fn top_k(row: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-    let better = |a: &u32, b: &u32| {
-        row[*b as usize]
-            .total_cmp(&row[*a as usize])
-            .then(a.cmp(b))
-    };
+    let better = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k, better);
         idx.truncate(k);

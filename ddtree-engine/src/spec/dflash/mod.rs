@@ -172,7 +172,10 @@ impl<B: Backend> DFlashDrafter<B> {
         if config.mask_token_id as usize >= t.vocab_size {
             return mismatch(
                 "dflash_config.mask_token_id",
-                format!("{} is outside the target's vocabulary of {}", config.mask_token_id, t.vocab_size),
+                format!(
+                    "{} is outside the target's vocabulary of {}",
+                    config.mask_token_id, t.vocab_size
+                ),
             );
         }
         let block_size = block_size.unwrap_or(config.block_size);
@@ -194,8 +197,18 @@ impl<B: Backend> DFlashDrafter<B> {
                 let a = format!("{p}.self_attn");
                 let convs = match config.v2 {
                     Some(v2) => Some([
-                        r.conv(&format!("{p}.attention_conv"), &config, v2.conv_kernel_size, v2.conv_group_size)?,
-                        r.conv(&format!("{p}.mlp_conv"), &config, v2.conv_kernel_size, v2.conv_group_size)?,
+                        r.conv(
+                            &format!("{p}.attention_conv"),
+                            &config,
+                            v2.conv_kernel_size,
+                            v2.conv_group_size,
+                        )?,
+                        r.conv(
+                            &format!("{p}.mlp_conv"),
+                            &config,
+                            v2.conv_kernel_size,
+                            v2.conv_group_size,
+                        )?,
                     ]),
                     None => None,
                 };
@@ -272,7 +285,9 @@ fn on_host<B: Backend>(b: &B, x: &B::Tensor, f: impl FnOnce(Matrix) -> Matrix) -
 fn conv_prepare<B: Backend>(b: &B, conv: &Conv<B>, x: &B::Tensor, group: usize) -> Result<(B::Tensor, Matrix)> {
     let dynamic = b.to_host(&b.linear(x, &conv.projection)?)?;
     let half = conv.base.len() / 2;
-    let out = on_host(b, x, |x| host::grouped_causal_conv(&x, &dynamic, 0, &conv.base[..half], group))?;
+    let out = on_host(b, x, |x| {
+        host::grouped_causal_conv(&x, &dynamic, 0, &conv.base[..half], group)
+    })?;
     Ok((out, dynamic))
 }
 
@@ -280,7 +295,9 @@ fn conv_prepare<B: Backend>(b: &B, conv: &Conv<B>, x: &B::Tensor, group: usize) 
 fn conv_finish<B: Backend>(b: &B, conv: &Conv<B>, x: &B::Tensor, dynamic: &Matrix, group: usize) -> Result<B::Tensor> {
     let half = conv.base.len() / 2;
     let offset = dynamic.cols / 2;
-    on_host(b, x, |x| host::grouped_causal_conv(&x, dynamic, offset, &conv.base[half..], group))
+    on_host(b, x, |x| {
+        host::grouped_causal_conv(&x, dynamic, offset, &conv.base[half..], group)
+    })
 }
 
 impl<B: Backend> Drafter<B> for DFlashDrafter<B> {
@@ -371,7 +388,9 @@ impl<B: Backend> Drafter<B> for DFlashDrafter<B> {
                 b.gqa_attention(&q, cache, 2 * l, 2 * l + 1, dims, scale)?
             } else {
                 let kv = &self.host_kv[l];
-                on_host(b, &q, |q| host::masked_attention(&q, kv, dims, scale, start, layer.attention))?
+                on_host(b, &q, |q| {
+                    host::masked_attention(&q, kv, dims, scale, start, layer.attention)
+                })?
             };
             let mut a = b.linear(&o, &layer.o)?;
             if let (Some([conv, _]), Some(dynamic)) = (&layer.convs, &taps) {
