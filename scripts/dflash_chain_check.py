@@ -12,7 +12,7 @@ accept exactly as many tokens, round by round).
 `tokenizer.json`. With no arguments it records the random tiny pairs of the goldens
 (tiny-kimi + dflash-official/{v1,v2}) into their fixture folders.
 
-Environment: scripts/requirements-golden.txt (transformers 4.57.3) plus `dflash==0.1.0` with
+Environment: scripts/requirements-golden.txt (transformers 4.57.3) plus scripts/requirements-dflash.txt with
 --no-deps. The package's loop is written for transformers 5 caches; on 4.57 two of its cache calls
 need a shim, applied here and nothing else changed: caches are plain `DynamicCache()`s (4.57
 builds sliding-window layers from the config, which drop keys the package's index-based mask

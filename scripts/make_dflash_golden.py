@@ -24,7 +24,7 @@ Recorded: v1 draft logits (`model.compute_logits` on the model's hidden rows 1..
 candidate selector's per-position scores at temperature 0 (the tensors `CandidateSelector.select`
 takes the argmax of, captured as it runs), their candidate tokens and the chosen path.
 
-Pinned environment: scripts/requirements-golden.txt plus `dflash==0.1.0` installed with --no-deps
+Pinned environment: scripts/requirements-golden.txt plus scripts/requirements-dflash.txt (--no-deps)
 (its `local` extra pins torch 2.13 / transformers 5.15; the model classes run unchanged on the
 transformers 4.57.3 that made the target fixtures; `dflash_generate` needs transformers 5, see
 scripts/dflash_chain_check.py). Run from the repository root:
