@@ -753,7 +753,10 @@ mod tests {
             r.out.tokens
         };
         let plain = run(&[]);
-        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
+        let dflash = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../ddtree-engine/tests/fixtures/tiny-dflash"
+        );
         assert_eq!(run(&["--drafter", "oracle"]), plain);
         assert_eq!(run(&["--drafter", "noisy:0.5", "--budget", "3"]), plain);
         assert_eq!(run(&["--drafter", dflash, "--block-size", "4"]), plain);
