@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarizes an Nsight Compute CSV of `scripts/gpu-profile.sh` (one metric,
+"""Summarizes an Nsight Compute CSV of `scripts/gpu.sh profile` (one metric,
 gpu__time_duration): finds the repeating decode step (the sequence of kernels between two
 LM-head GEMVs over the vocabulary), and prints each kernel of the last complete step with its
 median time over the steps seen, then the sum.

@@ -182,10 +182,67 @@ impl ModelConfig {
     }
 }
 
-/// A DFlash block-diffusion drafter's `config.json` (z-lab `DFlashDraftModel`, `model_type`
-/// `qwen3`, with `dflash_config`).
+/// Which z-lab DFlash model class a drafter config names in `architectures`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DFlashArchitecture {
+    /// `DFlashDraftModel`: Qwen3-style layers; draft logits from the target's LM head.
+    V1,
+    /// `DFlash2DraftModel`: v1 plus grouped dynamic causal convolutions around attention and
+    /// MLP, and the candidate selector that rescores each position's top-k candidates.
+    V2,
+}
+
+/// What one draft layer's attention sees (the package's `_attention_mask`): the block's queries
+/// sit after the context, query `i` at key index `start + i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DFlashAttention {
+    /// Keys after the query are hidden.
+    pub causal: bool,
+    /// Keys `window` or more positions away (before the query; after it too when not causal)
+    /// are hidden.
+    pub sliding_window: Option<usize>,
+}
+
+impl DFlashAttention {
+    /// Non-causal, no window: the block sees itself and the whole context.
+    pub const FULL: Self = Self {
+        causal: false,
+        sliding_window: None,
+    };
+
+    /// Whether the query at key index `query` sees key index `key`.
+    pub fn sees(&self, query: usize, key: usize) -> bool {
+        if self.causal && key > query {
+            return false;
+        }
+        match self.sliding_window {
+            Some(w) => query.abs_diff(key) < w,
+            None => true,
+        }
+    }
+}
+
+/// `DFlash2DraftModel`'s extra fields (each from `dflash_config` or the top level).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DFlash2Config {
+    /// `conv_kernel_size`: taps of each grouped dynamic causal convolution.
+    pub conv_kernel_size: usize,
+    /// `conv_group_size`: channels sharing one dynamic tap (divides `hidden_size`).
+    pub conv_group_size: usize,
+    /// `selector_rank`: width of the predecessor/successor codebooks.
+    pub selector_rank: usize,
+    /// `selector_top_k`: candidates rescored per position.
+    pub selector_top_k: usize,
+}
+
+/// A DFlash block-diffusion drafter's `config.json` (z-lab `DFlashDraftModel` or
+/// `DFlash2DraftModel`, `model_type` `qwen3`). As in the package, the DFlash fields
+/// (`block_size`, `mask_token_id`, `target_layer_ids`, `input_embedding_scale`, ...) are read
+/// from `dflash_config` first and the top level second.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DFlashConfig {
+    /// `architectures[0]` (absent: v1).
+    pub architecture: DFlashArchitecture,
     /// `hidden_size` (must equal the target's).
     pub hidden_size: usize,
     /// `intermediate_size` of the SwiGLU MLPs.
@@ -196,7 +253,7 @@ pub struct DFlashConfig {
     pub num_attention_heads: usize,
     /// `num_key_value_heads` (GQA).
     pub num_key_value_heads: usize,
-    /// `head_dim` (default `hidden_size / num_attention_heads`).
+    /// `head_dim` (Qwen3's default 128).
     pub head_dim: usize,
     /// `rms_norm_eps`.
     pub rms_norm_eps: f32,
@@ -204,12 +261,23 @@ pub struct DFlashConfig {
     pub vocab_size: usize,
     /// Rotary embedding (Qwen3: rotate-half pairs, optional YaRN).
     pub rope: RopeConfig,
-    /// `block_size` (top level, or `dflash_config.block_size`).
+    /// `block_size` (default 16).
     pub block_size: usize,
-    /// `dflash_config.mask_token_id`.
+    /// `mask_token_id`.
     pub mask_token_id: u32,
-    /// `dflash_config.target_layer_ids`, or DFlash's default spread over `num_target_layers`.
+    /// `target_layer_ids`, or DFlash's default spread over `num_target_layers`.
     pub target_layer_ids: Vec<usize>,
+    /// `input_embedding_scale` (default 1): multiplies the block's target embeddings.
+    pub input_embedding_scale: f32,
+    /// `output_multiplier` (default 1): multiplies the draft logits.
+    pub output_multiplier: f32,
+    /// `final_logit_softcapping`: `c * tanh(logits / c)` when set and positive.
+    pub final_logit_softcapping: Option<f32>,
+    /// Per draft layer, from `layer_types`, `sliding_window` / `use_sliding_window` and
+    /// `is_causal`.
+    pub attention: Vec<DFlashAttention>,
+    /// The v2 fields (`Some` exactly for [`DFlashArchitecture::V2`]).
+    pub v2: Option<DFlash2Config>,
 }
 
 impl DFlashConfig {
@@ -226,17 +294,35 @@ impl DFlashConfig {
             source,
         })?;
         let f = Fields::root(path, &value)?;
-        check_dflash_architecture(&f)?;
-        let dflash = f.object("dflash_config")?;
+        let dflash = match f.get("dflash_config") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(f.object("dflash_config")?),
+        };
+        // The package's `_draft_value`: `dflash_config[name]`, else the top-level field.
+        let draft = |name: &str| draft_field(dflash.as_ref(), &f, name);
+        let architecture = match f.get("architectures") {
+            None | Some(Value::Null) => DFlashArchitecture::V1,
+            Some(Value::Array(items)) => match items.first().and_then(Value::as_str) {
+                Some("DFlashDraftModel") => DFlashArchitecture::V1,
+                Some("DFlash2DraftModel") => DFlashArchitecture::V2,
+                other => {
+                    return Err(f.err(
+                        "architectures",
+                        format!(
+                            "unsupported drafter architecture {other:?} (supported: \"DFlashDraftModel\", \
+                             \"DFlash2DraftModel\")"
+                        ),
+                    ))
+                }
+            },
+            Some(other) => return Err(f.err("architectures", format!("expected a list, got {other}"))),
+        };
         let act = f.opt_string("hidden_act")?.unwrap_or_else(|| "silu".into());
         if act != "silu" {
             return Err(f.err("hidden_act", format!("unsupported activation {act:?} (only \"silu\")")));
         }
         if f.bool_or("attention_bias", false)? {
             return Err(f.err("attention_bias", "attention biases are not supported".into()));
-        }
-        if f.bool_or("use_sliding_window", false)? {
-            return Err(f.err("use_sliding_window", "sliding-window drafters are not supported".into()));
         }
         if f.get("rope_parameters").is_some() {
             return Err(f.err(
@@ -254,35 +340,78 @@ impl DFlashConfig {
                 format!("must be positive and divide num_attention_heads ({heads}), got {kv_heads}"),
             ));
         }
-        let head_dim = f.opt_usize("head_dim")?.unwrap_or(hidden_size / heads);
+        let head_dim = f.opt_usize("head_dim")?.unwrap_or(128);
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(f.err("head_dim", format!("must be positive and even, got {head_dim}")));
         }
         let layers = f.positive("num_hidden_layers")?;
         let max_position_embeddings = f.positive("max_position_embeddings")?;
-        let block_size = match dflash.opt_usize("block_size")? {
-            Some(b) => b,
-            None => f.positive("block_size")?,
-        };
+        let block_size = draft("block_size").opt_usize("block_size")?.unwrap_or(16);
         if block_size < 2 {
-            return Err(f.err("block_size", format!("must be at least 2, got {block_size}")));
+            return Err(draft("block_size").err("block_size", format!("must be at least 2, got {block_size}")));
         }
-        let target_layer_ids = match dflash.get("target_layer_ids") {
+        let mask_token_id = match draft("mask_token_id").get("mask_token_id") {
+            Some(_) => draft("mask_token_id").token_id("mask_token_id")?,
+            None if dflash.is_none() => {
+                return Err(f.err(
+                    "dflash_config",
+                    "missing (a DFlash drafter needs dflash_config.mask_token_id)".into(),
+                ))
+            }
+            None => return Err(dflash.as_ref().unwrap_or(&f).err("mask_token_id", "missing".into())),
+        };
+        let t = draft("target_layer_ids");
+        let target_layer_ids = match t.get("target_layer_ids") {
             Some(Value::Array(items)) => items
                 .iter()
                 .map(|v| {
                     v.as_u64()
                         .map(|n| n as usize)
-                        .ok_or_else(|| dflash.err("target_layer_ids", format!("expected layer indices, got {v}")))
+                        .ok_or_else(|| t.err("target_layer_ids", format!("expected layer indices, got {v}")))
                 })
                 .collect::<Result<Vec<_>>>()?,
-            Some(other) => return Err(dflash.err("target_layer_ids", format!("expected a list, got {other}"))),
-            None => default_target_layer_ids(f.positive("num_target_layers")?, layers),
+            None | Some(Value::Null) => default_target_layer_ids(f.positive("num_target_layers")?, layers),
+            Some(other) => return Err(t.err("target_layer_ids", format!("expected a list, got {other}"))),
         };
         if target_layer_ids.is_empty() {
-            return Err(dflash.err("target_layer_ids", "must name at least one layer".into()));
+            return Err(t.err("target_layer_ids", "must name at least one layer".into()));
+        }
+        let float = |name: &str, default: f64| -> Result<f32> {
+            let v = draft(name).f64_or(name, default)?;
+            Ok(v as f32)
+        };
+        let softcap = draft("final_logit_softcapping").opt_f64("final_logit_softcapping")?;
+        let v2 = match architecture {
+            DFlashArchitecture::V1 => None,
+            DFlashArchitecture::V2 => {
+                let field = |name: &str| draft(name).positive(name);
+                let v2 = DFlash2Config {
+                    conv_kernel_size: field("conv_kernel_size")?,
+                    conv_group_size: field("conv_group_size")?,
+                    selector_rank: field("selector_rank")?,
+                    selector_top_k: field("selector_top_k")?,
+                };
+                #[allow(clippy::manual_is_multiple_of)] // MSRV 1.85
+                if hidden_size % v2.conv_group_size != 0 {
+                    return Err(draft("conv_group_size").err(
+                        "conv_group_size",
+                        format!("must divide hidden_size ({hidden_size}), got {}", v2.conv_group_size),
+                    ));
+                }
+                Some(v2)
+            }
+        };
+        let vocab_size = f.positive("vocab_size")?;
+        if let Some(v2) = v2 {
+            if v2.selector_top_k > vocab_size {
+                return Err(draft("selector_top_k").err(
+                    "selector_top_k",
+                    format!("exceeds vocab_size ({vocab_size}): {}", v2.selector_top_k),
+                ));
+            }
         }
         Ok(Self {
+            architecture,
             hidden_size,
             intermediate_size: f.positive("intermediate_size")?,
             num_hidden_layers: layers,
@@ -290,39 +419,85 @@ impl DFlashConfig {
             num_key_value_heads: kv_heads,
             head_dim,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
-            vocab_size: f.positive("vocab_size")?,
+            vocab_size,
             rope: RopeConfig {
                 theta: f.f64_or("rope_theta", 10000.0)?,
                 interleave: false,
                 yarn: parse_rope_scaling(&f, max_position_embeddings)?,
             },
             block_size,
-            mask_token_id: dflash.token_id("mask_token_id")?,
+            mask_token_id,
             target_layer_ids,
+            input_embedding_scale: float("input_embedding_scale", 1.0)?,
+            output_multiplier: float("output_multiplier", 1.0)?,
+            final_logit_softcapping: softcap.filter(|&c| c > 0.0).map(|c| c as f32),
+            attention: parse_dflash_attention(&f, layers)?,
+            v2,
         })
     }
 }
 
-/// Drafter classes whose `config.json` [`DFlashConfig`] reads (`architectures`).
-pub const DFLASH_ARCHITECTURES: [&str; 1] = ["DFlashDraftModel"];
-
-/// Rejects a drafter config whose `architectures` names no class in [`DFLASH_ARCHITECTURES`]
-/// (a missing field is accepted: the layout is then checked field by field).
-fn check_dflash_architecture(f: &Fields<'_>) -> Result<()> {
-    let Some(value) = f.get("architectures") else {
-        return Ok(());
-    };
-    let names: Vec<&str> = match value {
-        Value::Array(items) => items.iter().filter_map(Value::as_str).collect(),
-        other => return Err(f.err("architectures", format!("expected a list of class names, got {other}"))),
-    };
-    if names.iter().any(|n| DFLASH_ARCHITECTURES.contains(n)) {
-        return Ok(());
+/// Where a DFlash field lives: `dflash_config` when it holds `name`, else the top level.
+fn draft_field<'b, 'a>(dflash: Option<&'b Fields<'a>>, top: &'b Fields<'a>, name: &str) -> &'b Fields<'a> {
+    match dflash {
+        Some(d) if d.get(name).is_some() => d,
+        _ => top,
     }
-    Err(f.err(
-        "architectures",
-        format!("unsupported drafter architecture {names:?} (supported: {DFLASH_ARCHITECTURES:?})"),
-    ))
+}
+
+/// Qwen3Config's layer types (`layer_types`, else `sliding_attention` from layer
+/// `max_window_layers` on when `use_sliding_window`) and the DFlash attention rule: a
+/// sliding layer is causal with the window, `is_causal` overrides causality for every layer.
+fn parse_dflash_attention(f: &Fields<'_>, layers: usize) -> Result<Vec<DFlashAttention>> {
+    // Qwen3Config drops the window unless `use_sliding_window`.
+    let window = if f.bool_or("use_sliding_window", false)? {
+        match f.get("sliding_window") {
+            None => Some(4096),
+            Some(Value::Null) => None,
+            Some(_) => Some(f.positive("sliding_window")?),
+        }
+    } else {
+        None
+    };
+    let sliding: Vec<bool> = match f.get("layer_types") {
+        None | Some(Value::Null) => {
+            let first = f.opt_usize("max_window_layers")?.unwrap_or(28);
+            (0..layers).map(|i| window.is_some() && i >= first).collect()
+        }
+        Some(Value::Array(items)) => {
+            if items.len() != layers {
+                return Err(f.err(
+                    "layer_types",
+                    format!("has {} entries for {layers} num_hidden_layers", items.len()),
+                ));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v.as_str() {
+                    Some("full_attention") => Ok(false),
+                    Some("sliding_attention") => Ok(true),
+                    _ => Err(f.err(
+                        &format!("layer_types[{i}]"),
+                        format!("unsupported layer type {v} (only \"full_attention\" and \"sliding_attention\")"),
+                    )),
+                })
+                .collect::<Result<_>>()?
+        }
+        Some(other) => return Err(f.err("layer_types", format!("expected a list, got {other}"))),
+    };
+    let is_causal = match f.get("is_causal") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(other) => return Err(f.err("is_causal", format!("expected a boolean, got {other}"))),
+    };
+    Ok(sliding
+        .into_iter()
+        .map(|s| DFlashAttention {
+            causal: is_causal.unwrap_or(s),
+            sliding_window: if s { window } else { None },
+        })
+        .collect())
 }
 
 /// DFlash's `build_target_layer_ids`: `n_draft` layers spread evenly from layer 1 to

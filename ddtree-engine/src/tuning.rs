@@ -4,8 +4,9 @@
 //! - [`ModelDims`]: the dimensions that decide the problem keys (from a [`ModelConfig`] or the
 //!   built-in Kimi K2.6 preset);
 //! - [`Job`] / [`KeyJob`] / [`job`]: one (kernel, key) of any [`Tunable`] kernel, type-erased;
-//! - [`plan`]: every key the `autotune` binary tunes for a model (all the tunable kernels that
-//!   exist, M = 1, 2, 4, ...); [`startup_plan`]: the keys the [`crate::CudaBackend`] looks up in
+//! - [`lookups`] / [`plan`]: every key the [`crate::CudaBackend`] can look up in the tune cache
+//!   for a model (M = 1, 2, 4, ...), from the same [`Lookup`] constructors its dispatch calls:
+//!   what the `autotune` binary tunes; [`startup_plan`]: the keys the [`crate::CudaBackend`] looks up in
 //!   the tune cache (the others it runs at a fixed variant or through cuBLAS);
 //! - [`tune_missing`]: tunes the keys of [`startup_plan`] that the tune cache lacks or holds
 //!   stale (the `ddtree` CLI calls it before building the CUDA backend), with [`Progress`];
@@ -21,17 +22,14 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ddtree_kernels::tree::{self, TreeBuild};
-use ddtree_kernels::tune::{EmbeddingKey, GemmKey, RopeKey, RowsKey, TopkKey, TreeBuildKey, W4GemvKey};
-use ddtree_kernels::w4a16::gemv::W4a16Gemv;
-use ddtree_kernels::{Embedding, GemmBf16, RmsNorm, RopeInterleaved, RowTopk, SiluMul};
+use ddtree_kernels::tree;
 use ddtree_runtime::{
     Fingerprint, Gpu, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache, TuneOptions, Tuned,
     TunedKernels, Tuner,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::backend::cuda::{dense_int4_gemv, DENSE_INT4_GEMV_MAX_ROWS};
+use crate::backend::cuda::{Lookup, DENSE_INT4_GEMV_MAX_ROWS};
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -128,10 +126,10 @@ impl ModelDims {
     /// The dense W4A16 GEMV keys of a quantized checkpoint, M = 1, 2, 4, ... up to `max_m`:
     /// the `[n, k]` shapes of the linears that may be INT4 outside the routed experts (the
     /// shared experts' gate, up and down, the dense MLP's) at every M where the CUDA backend's
-    /// `linear` runs them on the GEMV ([`dense_int4_gemv`]). None for a dense checkpoint.
+    /// `linear` runs them on the GEMV ([`Lookup::int4_gemv`]). None for a dense checkpoint.
     /// Which linears are INT4 is decided at load time from the tensors present, so some of these
     /// keys may go unused (Kimi's `ignore` list keeps the shared experts and the dense MLP bf16).
-    fn int4_gemv_keys(&self, max_m: usize) -> Vec<W4GemvKey> {
+    fn int4_gemv_lookups(&self, max_m: usize) -> Vec<Lookup> {
         let Some(group) = self.int4_group else {
             return Vec::new();
         };
@@ -145,8 +143,8 @@ impl ModelDims {
         let mut keys = Vec::new();
         for tokens in token_counts(max_m.min(DENSE_INT4_GEMV_MAX_ROWS)) {
             for &(n, k) in &shapes {
-                if n > 0 && k > 0 && dense_int4_gemv(tokens, n, k, group) {
-                    keys.push(W4GemvKey { tokens, n, k });
+                if n > 0 && k > 0 {
+                    keys.extend(Lookup::int4_gemv(tokens, n, k, group));
                 }
             }
         }
@@ -209,75 +207,28 @@ fn token_counts(max_m: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Keeps the first job of every (kernel, key).
-fn dedup(mut jobs: Vec<Box<dyn Job>>) -> Vec<Box<dyn Job>> {
+/// Every tune-cache lookup the CUDA backend can make for `d` at M = 1, 2, 4, ..., `max_m`
+/// rows, built with the same [`Lookup`] constructors the backend's dispatch calls: `rms_norm`
+/// at the hidden and latent widths, `embedding`, the argmax (`row_topk`, k = 1, from
+/// [`ddtree_kernels::topk::SPLIT_MAX_ROWS`] rows on), the dense `w4a16_gemv` of a quantized
+/// checkpoint's INT4 linears, and the tree builder. Deduplicated by bucket, in a stable order.
+pub fn lookups(d: &ModelDims, max_m: usize) -> Vec<Lookup> {
+    let mut all = Vec::new();
+    for m in token_counts(max_m) {
+        all.extend(d.norms().into_iter().map(|n| Lookup::rms_norm(m, n)));
+        all.push(Lookup::embedding(m, d.vocab, d.hidden));
+        all.extend(Lookup::argmax(m, d.vocab));
+    }
+    all.extend(d.int4_gemv_lookups(max_m));
+    all.extend(tree_build_lookups(d.vocab));
     let mut seen = std::collections::HashSet::new();
-    jobs.retain(|j| seen.insert((j.kernel(), j.key())));
-    jobs
+    all.retain(|l| seen.insert(l.bucket()));
+    all
 }
 
-/// Every (kernel, key) of the tunable kernels for `d`, M = 1, 2, 4, ..., `max_m`: what
-/// `autotune` tunes. Deduplicated, in a stable order (by M, then kernel).
+/// The tuning jobs of [`lookups`]: what `autotune` tunes for `d`.
 pub fn plan(d: &ModelDims, max_m: usize) -> Vec<Box<dyn Job>> {
-    let shared = d.moe_intermediate * d.shared_experts.max(1);
-    let qk = d.qk_nope + d.qk_rope;
-    let norms = d.norms();
-    let mut linears = vec![
-        (d.kv_lora_rank + d.qk_rope, d.hidden), // kv_a_proj_with_mqa
-        (d.hidden, d.heads * d.v_head),         // o_proj
-        (2 * d.intermediate, d.hidden),         // dense MLP gate+up (layer 0)
-        (d.hidden, d.intermediate),             // dense MLP down
-        (2 * shared, d.hidden),                 // shared expert gate+up
-        (d.hidden, shared),                     // shared expert down
-        (d.routed_experts, d.hidden),           // router
-        (d.vocab, d.hidden),                    // lm_head
-    ];
-    match d.q_lora_rank {
-        Some(r) => linears.extend([(r, d.hidden), (d.heads * qk, r)]), // q_a_proj, q_b_proj
-        None => linears.push((d.heads * qk, d.hidden)),                // q_proj
-    }
-    let mut jobs: Vec<Box<dyn Job>> = Vec::new();
-    for m in token_counts(max_m) {
-        for &n in &norms {
-            jobs.push(job::<RmsNorm>(RowsKey { rows: m, n }));
-        }
-        for n in [d.intermediate, shared] {
-            jobs.push(job::<SiluMul>(RowsKey { rows: m, n }));
-        }
-        let q = RopeKey {
-            tokens: m,
-            heads: d.heads,
-            stride: qk,
-            offset: d.qk_nope,
-            dim: d.qk_rope,
-            interleave: d.rope_interleave,
-        };
-        let k_pe = RopeKey {
-            tokens: m,
-            heads: 1,
-            stride: d.kv_lora_rank + d.qk_rope,
-            offset: d.kv_lora_rank,
-            dim: d.qk_rope,
-            interleave: d.rope_interleave,
-        };
-        jobs.push(job::<RopeInterleaved>(q));
-        jobs.push(job::<RopeInterleaved>(k_pe));
-        jobs.push(job::<Embedding>(EmbeddingKey {
-            tokens: m,
-            vocab: d.vocab,
-            hidden: d.hidden,
-        }));
-        // Greedy verification takes the argmax; the drafter's tree expansion the top 8.
-        for k in [1, 8] {
-            jobs.push(job::<RowTopk>(TopkKey { rows: m, n: d.vocab, k }));
-        }
-        for &(n, k) in &linears {
-            jobs.push(job::<GemmBf16>(GemmKey { m, n, k }));
-        }
-    }
-    jobs.extend(d.int4_gemv_keys(max_m).into_iter().map(job::<W4a16Gemv>));
-    jobs.extend(tree_build_keys(d.vocab).into_iter().map(job::<TreeBuild>));
-    dedup(jobs)
+    lookups(d, max_m).iter().map(Lookup::job).collect()
 }
 
 /// The drafted positions per round the GPU tree builder is tuned for: DFlash block sizes 8
@@ -286,13 +237,13 @@ pub const TREE_DEPTHS: [usize; 2] = [7, 15];
 
 /// The GPU tree builder's keys at vocabulary `vocab`: every depth of [`TREE_DEPTHS`] at the
 /// budget buckets 1, 2, 4, ..., [`tree::MAX_K`].
-fn tree_build_keys(vocab: usize) -> Vec<TreeBuildKey> {
+fn tree_build_lookups(vocab: usize) -> Vec<Lookup> {
     TREE_DEPTHS
         .into_iter()
         .flat_map(|depth| {
             token_counts(tree::MAX_K)
                 .into_iter()
-                .map(move |budget| TreeBuildKey { depth, vocab, budget })
+                .map(move |budget| Lookup::tree_build(depth, vocab, budget))
         })
         .collect()
 }
@@ -303,29 +254,17 @@ pub const STARTUP_MAX_M: usize = 512;
 
 /// The keys the CUDA backend looks up in the tune cache for `d` (`rms_norm` at the hidden and
 /// latent widths, `embedding`, and `row_topk` with k = 1 for the argmax), M = 1, 2, 4, ...,
-/// [`STARTUP_MAX_M`]. The dense `w4a16_gemv` keys are left to `autotune` ([`plan`]): which
+/// [`STARTUP_MAX_M`] (a subset of [`lookups`]). The dense `w4a16_gemv` keys are left to `autotune` ([`plan`]): which
 /// linears are INT4 is known only once the weights load (Kimi's `ignore` list keeps them all
 /// bf16), and without an entry the backend runs the mode's default. Every other kernel the
 /// backend launches runs a fixed variant or cuBLAS, so tuning it at startup would only cost
 /// time. Deduplicated, in a stable order.
 pub fn startup_plan(d: &ModelDims) -> Vec<Box<dyn Job>> {
-    let mut jobs: Vec<Box<dyn Job>> = Vec::new();
-    for m in token_counts(STARTUP_MAX_M) {
-        for n in d.norms() {
-            jobs.push(job::<RmsNorm>(RowsKey { rows: m, n }));
-        }
-        jobs.push(job::<Embedding>(EmbeddingKey {
-            tokens: m,
-            vocab: d.vocab,
-            hidden: d.hidden,
-        }));
-        jobs.push(job::<RowTopk>(TopkKey {
-            rows: m,
-            n: d.vocab,
-            k: 1,
-        }));
-    }
-    dedup(jobs)
+    lookups(d, STARTUP_MAX_M)
+        .iter()
+        .filter(|l| matches!(l, Lookup::RmsNorm(_) | Lookup::Embedding(_) | Lookup::Argmax(_)))
+        .map(Lookup::job)
+        .collect()
 }
 
 /// Where tuning reports progress.
@@ -857,11 +796,16 @@ mod tests {
         let k = keys(&plan(&d, 256));
         assert_unique(&k);
         assert_eq!(k, keys(&plan(&d, 256)));
-        // 9 token counts; per M: 3 norms, 2 silu_mul, 2 rope, embedding, 2 top-k, 10 GEMMs; up
-        // to M = 16 the INT4 GEMV of the shared expert's gate/up (7168->2048) and down
-        // (2048->7168): the dense MLP (18432 x 7168) runs the INT4 GEMM; the tree builder at
-        // 2 depths x 11 budget buckets.
-        assert_eq!(k.len(), 9 * 20 + 5 * 2 + 2 * 11);
+        // 9 token counts; per M: 3 norms and the embedding, the argmax from M = 32 on (the
+        // split top-1 below is untuned); up to M = 16 the INT4 GEMV of the shared expert's
+        // gate/up (7168->2048) and down (2048->7168): the dense MLP (18432 x 7168) runs the
+        // INT4 GEMM; the tree builder at 2 depths x 11 budget buckets. No `gemm_bf16` (cuBLAS
+        // serves the dense products) and no kernel the backend runs at a fixed variant.
+        assert_eq!(k.len(), 9 * 4 + 4 + 5 * 2 + 2 * 11);
+        assert!(!k
+            .iter()
+            .any(|k| k.starts_with("gemm_bf16") || k.starts_with("silu_mul")));
+        assert!(!k.contains(&"row_topk rows=16 n=163840 k=1".to_string()), "{k:?}");
         assert!(
             k.contains(&"tree_build depth=7 vocab=163840 budget=64".to_string()),
             "{k:?}"
@@ -879,12 +823,11 @@ mod tests {
             "{k:?}"
         );
         assert_eq!(k[0], "rms_norm rows=1 n=7168");
-        assert!(k.contains(&"gemm_bf16 m=256 n=163840 k=7168".to_string()), "{k:?}");
         // max_m rounds down to the powers of two it covers.
         assert_eq!(plan(&d, 300).len(), plan(&d, 256).len());
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
-        assert_eq!(s.len(), 10 * 5);
+        assert_eq!(s.len(), 10 * 4 + 5);
         assert!(s
             .iter()
             .all(|k| ["rms_norm", "embedding", "row_topk"].iter().any(|p| k.starts_with(p))));
@@ -922,8 +865,9 @@ mod tests {
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
         assert_eq!(s, keys(&startup_plan(&d)));
-        // hidden, kv latent and q latent norms, embedding and argmax per M; M = 1 .. 512.
-        assert_eq!(s.len(), 10 * (d.norms().len() + 2));
+        // hidden, kv latent and q latent norms and the embedding per M, M = 1 .. 512; the argmax
+        // from M = 32 on.
+        assert_eq!(s.len(), 10 * (d.norms().len() + 1) + 5);
         assert_eq!(s[0], format!("rms_norm rows=1 n={}", c.hidden_size));
         // autotune's plan: the INT4 GEMV of the shared experts' and the dense MLP's 4 shapes up
         // to M = 8 here.

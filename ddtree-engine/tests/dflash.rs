@@ -63,13 +63,15 @@ fn config_follows_the_z_lab_layout() {
         .remove("target_layer_ids");
     value["num_target_layers"] = 61.into();
     value["num_hidden_layers"] = 6.into();
+    value.as_object_mut().unwrap().remove("layer_types");
     let kimi = DFlashConfig::from_json(&value.to_string(), Path::new("x")).unwrap();
     assert_eq!(kimi.target_layer_ids, vec![1, 12, 24, 35, 47, 58]);
-    value["use_sliding_window"] = true.into();
+    // Sliding windows are supported (tests/dflash_official.rs); other layer types are not.
+    value["layer_types"] = serde_json::json!(vec!["linear_attention"; 6]);
     let err = DFlashConfig::from_json(&value.to_string(), Path::new("x"))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("use_sliding_window"), "{err}");
+    assert!(err.contains("layer_types[0]"), "{err}");
 }
 
 #[test]

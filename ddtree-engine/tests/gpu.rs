@@ -131,6 +131,62 @@ fn ddtree_equals_plain_greedy_on_the_gpu() {
     );
 }
 
+/// The kernel, and the size fields (rows, tokens, depth, budget) of a lookup's bucketed key: the
+/// run below exercises a plan key when it looked up the same kernel at the same sizes.
+fn size_tag((kernel, key): &(&'static str, String)) -> String {
+    let sizes: Vec<&str> = key
+        .split(' ')
+        .filter(|f| {
+            ["rows=", "tokens=", "depth=", "budget="]
+                .iter()
+                .any(|p| f.starts_with(p))
+        })
+        .collect();
+    format!("{kernel} {}", sizes.join(" "))
+}
+
+/// Every tune-cache lookup the backend makes in plain decoding and in DDTree rounds (fixed
+/// budgets and `auto`; a verify of 33 rows takes the tuned argmax) is a key of the autotune
+/// plan; and every plan key at the kernel and sizes the run exercised was looked up (the plan
+/// holds nothing the backend does not launch).
+#[test]
+fn backend_lookups_are_the_plan() {
+    let Some(b) = gpu() else { return };
+    b.record_lookups(true);
+    let model = load(b, "tiny-kimi");
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        ..GenerateOptions::default()
+    };
+    let prompt: Vec<u32> = (0..40).map(|i| 5 + 7 * i).collect();
+    generate_plain(&model, &prompt, &opts).unwrap();
+    for spec in [SpecOptions::fixed(8), SpecOptions::fixed(32), SpecOptions::auto(None)] {
+        let mut drafter = Noisy::new(8, 0.7, 3).unwrap();
+        generate_speculative(&model, &mut drafter, &prompt, &opts, &spec).unwrap();
+    }
+    let made: std::collections::HashSet<_> = model.backend().lookups_made().iter().map(|l| l.bucket()).collect();
+    let dims = ddtree_engine::tuning::ModelDims::from_config("tiny-kimi".into(), model.config());
+    let plan: std::collections::HashSet<_> =
+        ddtree_engine::tuning::lookups(&dims, ddtree_engine::tuning::STARTUP_MAX_M)
+            .iter()
+            .map(|l| l.bucket())
+            .collect();
+    let mut missing: Vec<_> = made.iter().filter(|l| !plan.contains(*l)).collect();
+    missing.sort();
+    assert!(missing.is_empty(), "looked up but not in the plan: {missing:?}");
+    let seen: std::collections::HashSet<String> = made.iter().map(size_tag).collect();
+    let mut unused: Vec<_> = plan
+        .iter()
+        .filter(|l| seen.contains(&size_tag(l)) && !made.contains(*l))
+        .collect();
+    unused.sort();
+    assert!(
+        unused.is_empty(),
+        "in the plan but never looked up at sizes the run used: {unused:?}"
+    );
+    eprintln!("{} distinct tune-cache lookups, all in the plan", made.len());
+}
+
 #[test]
 fn dflash_drafter_on_the_gpu_matches_plain_greedy() {
     let Some(b) = gpu() else { return };

@@ -10,7 +10,7 @@ mod cpu;
 pub mod cuda;
 
 pub use cpu::{ActivationPrecision, CpuBackend, CpuKvCache, CpuRouting};
-pub use cuda::{AttentionKernel, CudaBackend, CudaOptions};
+pub use cuda::{AttentionKernel, CudaBackend, CudaOptions, Lookup};
 
 use std::time::Duration;
 

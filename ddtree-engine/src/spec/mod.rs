@@ -2,7 +2,7 @@
 //! and statistics, written against [`crate::Backend`] so every backend runs it unchanged.
 //!
 //! - [`drafter`]: the [`Drafter`] trait;
-//! - [`dflash`]: the DFlash block-diffusion drafter (z-lab layout);
+//! - [`dflash`]: the DFlash block-diffusion drafters of the z-lab package (v1 and v2);
 //! - [`test_drafters`]: [`Oracle`] and [`Noisy`];
 //! - [`ddtree`]: the loop, [`generate_speculative`];
 //! - [`budget`]: the cost-aware budget of `auto`, [`CostModel`] and [`choose_budget`];

@@ -21,7 +21,7 @@
 use ddtree_runtime::cudarc::driver::{sys, CudaGraph, CudaSlice, DevicePtr};
 
 use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, Staged};
-use crate::backend::{Backend, StepInputs};
+use crate::backend::StepInputs;
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
 

@@ -30,11 +30,13 @@ use ddtree_kernels::tree::gpu::{builder_params, GpuAccept, GpuBuilder};
 use ddtree_kernels::tree::{Acceptance, MAX_K};
 use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice};
 
+use super::Lookup;
 use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, DeviceData, Staged, State, CU_EVENT_DEFAULT};
-use crate::backend::{Backend, BudgetChoice, GreedyVerify, TreeRound, TreeRoundOutcome};
+use crate::backend::{BudgetChoice, GreedyVerify, TreeRound, TreeRoundOutcome};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows};
+use ddtree_kernels::tree::{self, build_reference, DraftTree, TreeBuild};
 
 /// The deepest tree the GPU builder takes (and the accept's path buffers hold).
 const MAX_DEPTH: usize = 16;
@@ -258,5 +260,42 @@ impl CudaBackend {
         accept.compact(self.stream(), cache.buf_mut(), layers, start, width, capacity * width)?;
         self.count_read();
         Ok(accept.read(self.stream())?)
+    }
+}
+
+impl CudaBackend {
+    /// The index in `st.builders` of the GPU tree builder for `depth`, `vocab` and `budget`,
+    /// made on first use with the tuned variant of its [`TreeBuildKey`] (kernels load once;
+    /// buffers are small, a few trees).
+    pub(super) fn builder_index(&self, st: &mut State, depth: usize, vocab: usize, budget: usize) -> Result<usize> {
+        let key = (depth, vocab, budget);
+        if let Some(i) = st.builders.iter().position(|(k, _)| *k == key) {
+            return Ok(i);
+        }
+        let kernel = self.tuned::<TreeBuild>(Lookup::tree_build(depth, vocab, budget))?;
+        st.builders.push((
+            key,
+            tree::gpu::GpuBuilder::with_kernel(self.gpu(), kernel, depth, vocab, budget)?,
+        ));
+        Ok(st.builders.len() - 1)
+    }
+
+    /// [`Backend::draft_tree`] on the GPU.
+    pub(super) fn draft_tree(&self, drafted: &CudaTensor, depth: usize, budget: usize, root: u32) -> Result<DraftTree> {
+        let _span = self.profile.span("draft_tree");
+        let vocab = drafted.cols;
+        if depth == 0 || depth > 16 || budget > tree::MAX_K || depth > drafted.rows {
+            let host = self.to_host(drafted)?;
+            return Ok(build_reference(&host.data[..depth * vocab], depth, vocab, budget, root));
+        }
+        let logits = drafted.f32("draft_tree")?;
+        let root = self.upload(&[root])?;
+        let mut st = self.state();
+        let at = self.builder_index(&mut st, depth, vocab, budget)?;
+        let builder = &mut st.builders[at].1;
+        builder.build(self.stream(), logits, &root)?;
+        // One read of the whole tree (its arrays copied back one after another).
+        self.count_read();
+        Ok(builder.download(self.stream())?.0)
     }
 }

@@ -815,7 +815,7 @@ mod tests {
 
     #[test]
     fn speculative_generation_matches_plain_and_reports_stats() {
-        let kimi = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-kimi");
+        let kimi = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-kimi");
         let run = |extra: &[&str]| {
             let Command::Generate(args) = Cli::try_parse_from(
                 [
@@ -841,7 +841,7 @@ mod tests {
             r.out.tokens
         };
         let plain = run(&["--model", kimi]);
-        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-dflash");
+        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle"]), plain);
         assert_eq!(run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]), plain);
         assert_eq!(run(&["--model", kimi, "--drafter", dflash, "--block-size", "4"]), plain);
@@ -912,7 +912,7 @@ mod tests {
 
     #[test]
     fn text_prompt_without_tokenizer_names_the_model() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-dsv3");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ddtree-engine/tests/fixtures/tiny-dsv3");
         let cli =
             Cli::try_parse_from(["ddtree", "generate", "--prompt", "hi", "--model", dir.to_str().unwrap()]).unwrap();
         let Command::Generate(args) = cli.command else {

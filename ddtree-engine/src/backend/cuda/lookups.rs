@@ -1,0 +1,153 @@
+//! The tune-cache lookups of the CUDA backend, in one place: each op that takes a tuned variant
+//! asks [`Lookup`] for its key here, and [`crate::tuning::plan`] enumerates the same
+//! constructors over a model's shapes, so `autotune` tunes exactly the keys the engine looks
+//! up. The backend also records every lookup it makes ([`CudaBackend::lookups_made`]), which
+//! the GPU tests compare with the plan.
+
+use std::fmt;
+
+use ddtree_kernels::topk;
+use ddtree_kernels::tree::TreeBuild;
+use ddtree_kernels::tune::{EmbeddingKey, RowsKey, TopkKey, TreeBuildKey, W4GemvKey};
+use ddtree_kernels::w4a16::gemv::W4a16Gemv;
+use ddtree_kernels::{Embedding, RmsNorm, RowTopk};
+use ddtree_runtime::Tunable;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ddtree_runtime::CompiledKernel;
+
+use super::linear::dense_int4_gemv;
+use super::{fail, CudaBackend};
+use crate::error::Result;
+use crate::tuning::{job, Job};
+
+/// One (kernel, key) the CUDA backend looks up in the tune cache.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Lookup {
+    /// `rms_norm` of `rows` rows of `n` values.
+    RmsNorm(RowsKey),
+    /// `embedding` of `tokens` ids.
+    Embedding(EmbeddingKey),
+    /// `row_topk` with k = 1: the argmax of logits rows, from [`topk::SPLIT_MAX_ROWS`] rows on
+    /// (fewer rows take the untuned split path).
+    Argmax(TopkKey),
+    /// The dense `w4a16_gemv` of an INT4 linear of few rows.
+    Int4Gemv(W4GemvKey),
+    /// The GPU tree builder.
+    TreeBuild(TreeBuildKey),
+}
+
+impl Lookup {
+    /// `rms_norm` over `rows` rows of `n`.
+    pub fn rms_norm(rows: usize, n: usize) -> Lookup {
+        Lookup::RmsNorm(RowsKey { rows, n })
+    }
+
+    /// `embedding` of `tokens` ids into a `[vocab, hidden]` table.
+    pub fn embedding(tokens: usize, vocab: usize, hidden: usize) -> Lookup {
+        Lookup::Embedding(EmbeddingKey { tokens, vocab, hidden })
+    }
+
+    /// The argmax of `rows` logits rows of `vocab`: a lookup from [`topk::SPLIT_MAX_ROWS`]
+    /// rows on, none below (the split top-1 runs a fixed variant).
+    pub fn argmax(rows: usize, vocab: usize) -> Option<Lookup> {
+        (rows >= topk::SPLIT_MAX_ROWS).then_some(Lookup::Argmax(TopkKey { rows, n: vocab, k: 1 }))
+    }
+
+    /// An INT4 linear of `rows` rows over an `[n, k]` weight of scale group `group`: a lookup
+    /// where it runs on the dense `w4a16_gemv` ([`dense_int4_gemv`]), none where it runs on a
+    /// GEMM.
+    pub fn int4_gemv(rows: usize, n: usize, k: usize, group: usize) -> Option<Lookup> {
+        dense_int4_gemv(rows, n, k, group).then_some(Lookup::Int4Gemv(W4GemvKey { tokens: rows, n, k }))
+    }
+
+    /// The tree builder for `depth` drafted positions over `vocab` at `budget` nodes.
+    pub fn tree_build(depth: usize, vocab: usize, budget: usize) -> Lookup {
+        Lookup::TreeBuild(TreeBuildKey { depth, vocab, budget })
+    }
+
+    /// Its tuning job.
+    pub fn job(&self) -> Box<dyn Job> {
+        match self {
+            Lookup::RmsNorm(k) => job::<RmsNorm>(*k),
+            Lookup::Embedding(k) => job::<Embedding>(*k),
+            Lookup::Argmax(k) => job::<RowTopk>(*k),
+            Lookup::Int4Gemv(k) => job::<W4a16Gemv>(*k),
+            Lookup::TreeBuild(k) => job::<TreeBuild>(*k),
+        }
+    }
+
+    /// The kernel and the bucketed key, as the tune cache names them.
+    pub fn bucket(&self) -> (&'static str, String) {
+        fn of<K: Tunable>(k: &K::Key) -> (&'static str, String) {
+            (K::NAME, K::bucket(k).to_string())
+        }
+        match self {
+            Lookup::RmsNorm(k) => of::<RmsNorm>(k),
+            Lookup::Embedding(k) => of::<Embedding>(k),
+            Lookup::Argmax(k) => of::<RowTopk>(k),
+            Lookup::Int4Gemv(k) => of::<W4a16Gemv>(k),
+            Lookup::TreeBuild(k) => of::<TreeBuild>(k),
+        }
+    }
+}
+
+impl fmt::Display for Lookup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (kernel, key) = self.bucket();
+        write!(f, "{kernel} {key}")
+    }
+}
+
+/// The key of tunable kernel `K` in a [`Lookup`] of its kind.
+pub trait KeyOf<K: Tunable> {
+    /// The key, when the lookup is of `K`.
+    fn key_of(&self) -> Option<&K::Key>;
+}
+
+macro_rules! key_of {
+    ($($kernel:ty => $variant:ident),* $(,)?) => {$(
+        impl KeyOf<$kernel> for Lookup {
+            fn key_of(&self) -> Option<&<$kernel as Tunable>::Key> {
+                match self {
+                    Lookup::$variant(k) => Some(k),
+                    _ => None,
+                }
+            }
+        }
+    )*};
+}
+
+key_of!(RmsNorm => RmsNorm, Embedding => Embedding, RowTopk => Argmax, W4a16Gemv => Int4Gemv, TreeBuild => TreeBuild);
+
+impl CudaBackend {
+    /// The tuned variant of `K` for `lookup` (the default where nothing valid is tuned); the
+    /// lookup is recorded while [`CudaBackend::record_lookups`] is on.
+    pub(super) fn tuned<K: Tunable>(&self, lookup: Lookup) -> Result<Arc<CompiledKernel<K>>>
+    where
+        Lookup: KeyOf<K>,
+    {
+        let Some(key) = KeyOf::<K>::key_of(&lookup) else {
+            return Err(fail(format!("{lookup} is not a lookup of `{}`", K::NAME)));
+        };
+        let kernel = self.kernels.get::<K>(key)?;
+        if self.record_lookups.load(Ordering::Relaxed) {
+            self.lookups.lock().expect("lookup log lock").insert(lookup);
+        }
+        Ok(kernel)
+    }
+
+    /// Starts (or stops) recording the tune-cache lookups the backend makes.
+    pub fn record_lookups(&self, on: bool) {
+        self.record_lookups.store(on, Ordering::Relaxed);
+    }
+
+    /// The distinct lookups recorded so far ([`CudaBackend::record_lookups`]).
+    pub fn lookups_made(&self) -> Vec<Lookup> {
+        let mut v: Vec<Lookup> = self.lookups.lock().expect("lookup log lock").iter().cloned().collect();
+        v.sort_by_key(|l| l.to_string());
+        v
+    }
+}

@@ -1,0 +1,213 @@
+//! Weights and host data on the GPU: uploads, random weights (made on the device), the INT4 repack.
+
+#[allow(unused_imports)]
+use super::*;
+
+pub(super) const FILL: FillParams = FillParams { block: 256 };
+
+impl CudaBackend {
+    /// Uploads checkpoint-layout INT4 words `[experts * n, k / 8]` and repacks them on the GPU
+    /// into the interleaved layout.
+    pub(super) fn repack(&self, packed: &[u32], n: usize, k: usize, experts: usize) -> Result<CudaSlice<u32>> {
+        let src = self.upload(packed)?;
+        let total = interleaved_words(n, k) * experts;
+        let mut dst = self.alloc::<u32>(total)?;
+        let p = RepackParams { block: 256 };
+        let kern = self.variant::<W4a16Repack>(&p)?;
+        let grid = total.div_ceil(256).clamp(1, 65535) as u32;
+        // SAFETY: src holds experts * n * k / 8 words, dst the interleaved words of every expert.
+        unsafe {
+            W4a16Repack::launch(
+                &kern,
+                self.stream(),
+                grid,
+                &src,
+                &mut dst,
+                n as u32,
+                k as u32,
+                experts as u32,
+            )?
+        };
+        Ok(dst)
+    }
+
+    /// Random words (INT4 codes of every value 0..16) and constant scales, straight in the
+    /// interleaved layout (random is random in any layout).
+    pub(super) fn random_int4(
+        &self,
+        n: usize,
+        k: usize,
+        experts: usize,
+        group: usize,
+        seed: u64,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
+        let words = interleaved_words(n, k) * experts;
+        let mut packed = self.alloc::<u32>(words)?;
+        self.fill_u32(&mut packed, words, seed)?;
+        let scale = bf16::from_f32((3.0 / k as f32).sqrt() / 8.0);
+        let groups = experts * n * k.div_ceil(group);
+        let scales = self.upload(&scale_words(&vec![scale; groups]))?;
+        Ok((packed, scales))
+    }
+
+    pub(super) fn fill_u32(&self, out: &mut CudaSlice<u32>, n: usize, seed: u64) -> Result<()> {
+        let k = self.variant::<FillRandomU32>(&FILL)?;
+        // SAFETY: out holds n words.
+        unsafe {
+            FillRandomU32::launch(
+                &k,
+                self.stream(),
+                fill::grid(&FILL, n),
+                out,
+                check_u32("fill", n)?,
+                seed as u32,
+            )?
+        };
+        Ok(())
+    }
+
+    pub(super) fn fill_bf16(&self, out: &mut CudaSlice<bf16>, n: usize, lo: f32, hi: f32, seed: u64) -> Result<()> {
+        let k = self.variant::<FillRandomBf16>(&FILL)?;
+        // SAFETY: out holds n values.
+        unsafe {
+            FillRandomBf16::launch(
+                &k,
+                self.stream(),
+                fill::grid(&FILL, n),
+                out,
+                check_u32("fill", n)?,
+                seed as u32,
+                lo,
+                hi,
+            )?
+        };
+        Ok(())
+    }
+
+    /// [`Backend::load_vector`] on the GPU.
+    pub(super) fn load_vector(&self, data: Vec<f32>) -> Result<CudaVector> {
+        let _span = self.profile.span("load_vector");
+        let half: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+        Ok(CudaVector {
+            len: data.len(),
+            bf16: self.upload(&half)?,
+            f32: self.upload(&data)?,
+        })
+    }
+
+    /// [`Backend::load_matrix`] on the GPU.
+    pub(super) fn load_matrix(&self, m: Matrix) -> Result<CudaTensor> {
+        let _span = self.profile.span("load_matrix");
+        let half: Vec<bf16> = m.data.iter().map(|&v| bf16::from_f32(v)).collect();
+        Ok(CudaTensor {
+            rows: m.rows,
+            cols: m.cols,
+            data: DeviceData::Bf16(self.upload(&half)?),
+        })
+    }
+
+    /// [`Backend::load_logits`] on the GPU.
+    pub(super) fn load_logits(&self, m: Matrix) -> Result<CudaTensor> {
+        let _span = self.profile.span("load_logits");
+        Ok(CudaTensor {
+            rows: m.rows,
+            cols: m.cols,
+            data: DeviceData::F32(self.upload(&m.data)?),
+        })
+    }
+
+    /// [`Backend::load_weight`] on the GPU.
+    pub(super) fn load_weight(&self, w: HostLinear) -> Result<CudaWeight> {
+        let _span = self.profile.span("load_weight");
+        match w {
+            HostLinear::Dense { out, inp, data } => {
+                let half: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+                Ok(CudaWeight::Dense {
+                    out,
+                    inp,
+                    w: self.upload(&half)?,
+                })
+            }
+            HostLinear::Int4 {
+                out,
+                inp,
+                group_size,
+                packed,
+                scales,
+            } => {
+                let scales: Vec<bf16> = scales.iter().map(|&v| bf16::from_f32(v)).collect();
+                Ok(CudaWeight::Int4 {
+                    out,
+                    inp,
+                    group: group_size,
+                    packed: self.repack(&packed, out, inp, 1)?,
+                    scales: self.upload(&scale_words(&scales))?,
+                })
+            }
+        }
+    }
+
+    /// [`Backend::random_weight`] on the GPU.
+    pub(super) fn random_weight(
+        &self,
+        out: usize,
+        inp: usize,
+        int4_group: Option<usize>,
+        seed: u64,
+    ) -> Result<CudaWeight> {
+        let _span = self.profile.span("random_weight");
+        match int4_group {
+            None => {
+                let mut w = self.alloc::<bf16>(out * inp)?;
+                let bound = (3.0 / inp as f32).sqrt();
+                self.fill_bf16(&mut w, out * inp, -bound, bound, seed)?;
+                Ok(CudaWeight::Dense { out, inp, w })
+            }
+            Some(group) => {
+                let (packed, scales) = self.random_int4(out, inp, 1, group, seed)?;
+                Ok(CudaWeight::Int4 {
+                    out,
+                    inp,
+                    group,
+                    packed,
+                    scales,
+                })
+            }
+        }
+    }
+
+    /// [`Backend::random_vector`] on the GPU.
+    pub(super) fn random_vector(&self, len: usize, lo: f32, hi: f32, seed: u64) -> Result<CudaVector> {
+        let _span = self.profile.span("random_vector");
+        let mut half = self.alloc::<bf16>(len)?;
+        self.fill_bf16(&mut half, len, lo, hi, seed)?;
+        let mut f = self.alloc::<f32>(len)?;
+        let k = self.variant::<FillRandomF32>(&FILL)?;
+        // SAFETY: f holds len values.
+        unsafe {
+            FillRandomF32::launch(
+                &k,
+                self.stream(),
+                fill::grid(&FILL, len),
+                &mut f,
+                len as u32,
+                seed as u32,
+                lo,
+                hi,
+            )?
+        };
+        Ok(CudaVector {
+            len,
+            bf16: half,
+            f32: f,
+        })
+    }
+
+    /// [`Backend::random_matrix`] on the GPU.
+    pub(super) fn random_matrix(&self, rows: usize, cols: usize, seed: u64) -> Result<CudaTensor> {
+        let _span = self.profile.span("random_matrix");
+        let mut t = self.tensor_bf16(rows, cols)?;
+        self.fill_bf16(t.bf16_mut("random_matrix")?, rows * cols, -1.0, 1.0, seed)?;
+        Ok(t)
+    }
+}
