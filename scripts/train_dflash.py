@@ -25,6 +25,9 @@ Export (ddtree-engine/models/tiny-code/dflash/): `config.json` in the z-lab layo
 `dflash_config.{mask_token_id, target_layer_ids}`) and `model.safetensors` (bf16).
 
     .venv-train/bin/python scripts/train_dflash.py --steps 800
+
+On a GPU machine: `--tokens tokens.pt --device cuda --batch 64 --minutes 8 --no-export --work DIR`
+(the target files carried with the scripts), then `--export-only --work DIR` here.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -157,17 +161,18 @@ class Drafter(nn.Module):
         n, s = ids.shape
         a = anchors.shape[1]
         ctx = self.hidden_norm(self.fc(features))
-        offs = torch.arange(BLOCK)
+        dev = ids.device
+        offs = torch.arange(BLOCK, device=dev)
         pos = (anchors[:, :, None] + offs).reshape(n, a * BLOCK)  # absolute positions of block rows
-        block_ids = torch.full((n, a, BLOCK), MASK_TOKEN_ID)
+        block_ids = torch.full((n, a, BLOCK), MASK_TOKEN_ID, device=dev)
         block_ids[:, :, 0] = ids.gather(1, anchors)
         x = target.model.embed_tokens(block_ids.reshape(n, a * BLOCK))
         # Block row (anchor i) sees context positions < anchor i and the rows of block i.
-        ctx_vis = torch.arange(s)[None, None, :] < anchors[:, :, None]  # [N, A, S]
+        ctx_vis = torch.arange(s, device=dev)[None, None, :] < anchors[:, :, None]  # [N, A, S]
         ctx_vis = ctx_vis[:, :, None, :].expand(n, a, BLOCK, s).reshape(n, a * BLOCK, s)
-        own = torch.eye(a, dtype=torch.bool)[:, None, :, None].expand(a, BLOCK, a, BLOCK).reshape(a * BLOCK, a * BLOCK)
+        own = torch.eye(a, dtype=torch.bool, device=dev)[:, None, :, None].expand(a, BLOCK, a, BLOCK).reshape(a * BLOCK, a * BLOCK)
         mask = torch.cat([ctx_vis, own[None].expand(n, -1, -1)], dim=2)
-        cos_k, sin_k = self.rotary(x, torch.arange(s)[None].expand(n, s))
+        cos_k, sin_k = self.rotary(x, torch.arange(s, device=dev)[None].expand(n, s))
         cos_q, sin_q = self.rotary(x, pos)
         rope_q = (cos_q, sin_q)
         rope_k = (torch.cat([cos_k, cos_q], dim=1), torch.cat([sin_k, sin_q], dim=1))
@@ -185,7 +190,8 @@ def target_pass(target, ids):
 
 def sample_anchors(g: torch.Generator, n: int, s: int) -> torch.Tensor:
     # Anchors from 1 (at least one context row) to s - BLOCK (the block's labels inside the window).
-    return torch.stack([torch.randperm(s - BLOCK, generator=g)[:ANCHORS] + 1 for _ in range(n)]).sort(dim=1)[0]
+    anchors = torch.stack([torch.randperm(s - BLOCK, generator=g)[:ANCHORS] + 1 for _ in range(n)]).sort(dim=1)[0]
+    return anchors.to(train_target.DEVICE)
 
 
 def block_loss(drafter, target, ids, g, weights):
@@ -196,7 +202,7 @@ def block_loss(drafter, target, ids, g, weights):
     hidden = drafter(target, feats, ids, anchors).view(n, ANCHORS, BLOCK, -1)[:, :, 1:]
     logits = target.lm_head(hidden)  # [N, A, BLOCK-1, V]
     # Block position k predicts the token at anchor + k: the target's distribution at anchor + k - 1.
-    src = anchors[:, :, None] + torch.arange(BLOCK - 1)  # [N, A, BLOCK-1]
+    src = anchors[:, :, None] + torch.arange(BLOCK - 1, device=anchors.device)  # [N, A, BLOCK-1]
     t = tlogits.gather(1, src.reshape(n, -1, 1).expand(-1, -1, tlogits.shape[-1])).view(logits.shape)
     p = t.softmax(-1)
     ce = -(p * logits.log_softmax(-1)).sum(-1)  # [N, A, BLOCK-1]
@@ -241,10 +247,20 @@ def export(drafter: Drafter, cfg: Qwen3Config, target_cfg, log) -> None:
 
 
 def main() -> None:
+    global WORK
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--export-only", action="store_true", help="export the last periodic checkpoint")
+    ap.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    ap.add_argument("--minutes", type=float, help="time budget: the step count is fitted to it")
+    ap.add_argument("--data-tokens", type=int, default=train_target.DATA_TOKENS, help="training stream length")
+    ap.add_argument("--tokens", help="pre-tokenized streams (train_target.py --dump-tokens) instead of the corpus")
+    ap.add_argument("--no-export", action="store_true", help="stop after saving the checkpoint")
+    ap.add_argument("--work", help=f"checkpoint folder (default {WORK})")
     args = ap.parse_args()
+    WORK = Path(args.work) if args.work else WORK
+    train_target.DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
     WORK.mkdir(parents=True, exist_ok=True)
     logf = open(WORK / "train_dflash.log", "a")
@@ -259,30 +275,34 @@ def main() -> None:
     torch.manual_seed(SEED)
     drafter = Drafter(cfg)
     log(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters, block {BLOCK}, "
-        f"target layers {TARGET_LAYER_IDS}, {args.steps} steps of {BATCH}x{SEQ_LEN} tokens, {ANCHORS} anchors each")
+        f"target layers {TARGET_LAYER_IDS}, {args.minutes or args.steps} {'minutes' if args.minutes else 'steps'} "
+        f"of {args.batch}x{SEQ_LEN} tokens, {ANCHORS} anchors each, on {train_target.DEVICE}")
     if args.export_only:
-        drafter.load_state_dict(torch.load(WORK / "dflash.pt"))
+        drafter.load_state_dict(torch.load(WORK / "dflash.pt", map_location="cpu"))
         return export(drafter, cfg, target.config, log)
     tok = Tokenizer.from_file(str(corpus.TARGET_DIR / "tokenizer.json"))
-    data = train_target.load_tokens(tok, train_target.DATA_TOKENS)
-    held = train_target.heldout_tokens(tok)
-    weights = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / GAMMA)
+    data, held = train_target.load_stream(args, tok)
+    target.to(train_target.DEVICE)
+    drafter.to(train_target.DEVICE)
+    weights = torch.exp(-torch.arange(BLOCK - 1, dtype=torch.float32) / GAMMA).to(train_target.DEVICE)
     opt = torch.optim.AdamW(drafter.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
     g = torch.Generator().manual_seed(SEED)
     t0 = time.time()
-    for step in range(args.steps):
+    steps, step = args.steps, 0
+    while step < steps:
+        steps = train_target.plan_steps(steps, args.minutes, step, time.time() - t0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps)
+            group["lr"] = lr_at(step, steps)
         drafter.train()
-        loss, agree = block_loss(drafter, target, train_target.batch(data, g, BATCH), g, weights)
+        loss, agree = block_loss(drafter, target, train_target.batch(data, g, args.batch), g, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
-        if step % 25 == 0 or step == args.steps - 1:
-            msg = (f"step {step}/{args.steps} loss {loss.item():.3f} top-1 {[round(a, 2) for a in agree.tolist()]} "
+        if step % 25 == 0 or step == steps - 1:
+            msg = (f"step {step}/{steps} loss {loss.item():.3f} top-1 {[round(a, 2) for a in agree.tolist()]} "
                    f"{time.time() - t0:.0f}s")
-            if step % 200 == 0 or step == args.steps - 1:
+            if step % 200 == 0 or step == steps - 1:
                 drafter.eval()
                 hg = torch.Generator().manual_seed(1)
                 with torch.no_grad():
@@ -292,9 +312,12 @@ def main() -> None:
             log(msg)
         if step % 100 == 99:
             torch.save(drafter.state_dict(), WORK / "dflash.pt")
+        step += 1
+    drafter.cpu()
     torch.save(drafter.state_dict(), WORK / "dflash.pt")
-    export(drafter, cfg, target.config, log)
     log(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    if not args.no_export:
+        export(drafter.cpu(), cfg, target.config, log)
 
 
 if __name__ == "__main__":

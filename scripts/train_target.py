@@ -18,6 +18,11 @@ routing bias in f32), and `golden.json`: HF greedy continuations of a few prompt
 exported (quantized, bf16-rounded) weights in f32, for the engine's test.
 
     .venv-train/bin/python scripts/train_target.py --steps 1200      # about 25 min on one core
+
+On a GPU machine without the corpus: dump the token stream here (`--dump-tokens tokens.pt`), carry
+it with the scripts, train there with `--tokens tokens.pt --device cuda --batch 64 --minutes 8
+--no-export --work DIR`, bring DIR/target.pt back and export here with `--export-only --work DIR`
+(the golden is computed with the pinned CPU stack).
 """
 
 from __future__ import annotations
@@ -128,9 +133,29 @@ def heldout_tokens(tok: Tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+DEVICE = torch.device("cpu")
+
+
 def batch(data: torch.Tensor, g: torch.Generator, n: int) -> torch.Tensor:
+    """`n` random windows of SEQ_LEN + 1 tokens (the generator stays on the CPU: same draws anywhere)."""
     starts = torch.randint(0, len(data) - SEQ_LEN - 1, (n,), generator=g)
-    return torch.stack([data[s : s + SEQ_LEN + 1] for s in starts.tolist()])
+    return torch.stack([data[s : s + SEQ_LEN + 1] for s in starts.tolist()]).to(DEVICE, torch.long)
+
+
+def load_stream(args, tok: Tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, held-out) token streams: from `--tokens` when given, else tokenized from the corpus."""
+    if args.tokens:
+        d = torch.load(args.tokens)
+        return d["train"], d["held"]
+    return load_tokens(tok, args.data_tokens), heldout_tokens(tok)
+
+
+def plan_steps(steps: int, minutes: float | None, step: int, elapsed: float) -> int:
+    """With a time budget, the step count that fits it, fixed once after the first steps' timing
+    (the warm-up does not depend on it)."""
+    if minutes is None or step != 20:
+        return steps
+    return max(step + 1, int(minutes * 60 / (elapsed / (step + 1)) * 0.92))
 
 
 def lr_at(step: int, steps: int) -> float:
@@ -153,7 +178,8 @@ def eval_loss(model, data: torch.Tensor, batches: int = 8) -> float:
     return total / batches
 
 
-def train(model, data: torch.Tensor, held: torch.Tensor, steps: int, log) -> None:
+def train(model, data: torch.Tensor, held: torch.Tensor, steps: int, log, batch_size: int = BATCH,
+          minutes: float | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     g = torch.Generator().manual_seed(SEED)
     loads: dict[int, torch.Tensor] = {}
@@ -165,10 +191,12 @@ def train(model, data: torch.Tensor, held: torch.Tensor, steps: int, log) -> Non
     hooks = [r.register_forward_hook(count) for r in routers(model)]
     model.train()
     t0 = time.time()
-    for step in range(steps):
+    step = 0
+    while step < steps:
+        steps = plan_steps(steps, minutes, step, time.time() - t0)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps)
-        x = batch(data, g, BATCH)
+        x = batch(data, g, batch_size)
         logits = model(x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -186,6 +214,7 @@ def train(model, data: torch.Tensor, held: torch.Tensor, steps: int, log) -> Non
             log(msg)
         if step % 200 == 199:
             torch.save(model.state_dict(), WORK / "target.pt")
+        step += 1
     for h in hooks:
         h.remove()
 
@@ -237,10 +266,21 @@ def export(model, tok: Tokenizer, log) -> None:
 
 
 def main() -> None:
+    global WORK, DEVICE
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--export-only", action="store_true", help="export the last periodic checkpoint")
+    ap.add_argument("--device", default="cpu", help="torch device to train on (cpu, cuda)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    ap.add_argument("--minutes", type=float, help="time budget: the step count is fitted to it")
+    ap.add_argument("--data-tokens", type=int, default=DATA_TOKENS, help="training stream length")
+    ap.add_argument("--tokens", help="pre-tokenized streams (from --dump-tokens) instead of the corpus")
+    ap.add_argument("--dump-tokens", help="write the training and held-out streams to this file and stop")
+    ap.add_argument("--no-export", action="store_true", help="stop after saving the checkpoint")
+    ap.add_argument("--work", help=f"checkpoint folder (default {WORK})")
     args = ap.parse_args()
+    WORK = Path(args.work) if args.work else WORK
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
     WORK.mkdir(parents=True, exist_ok=True)
     logf = open(WORK / "train_target.log", "a")
@@ -252,17 +292,26 @@ def main() -> None:
 
     tok = Tokenizer.from_file(str(corpus.TARGET_DIR / "tokenizer.json"))
     assert tok.get_vocab_size() == CONFIG["vocab_size"]
+    if args.dump_tokens:
+        train_ids, held = load_stream(args, tok)
+        torch.save({"train": train_ids.to(torch.int16), "held": held.to(torch.int16)}, args.dump_tokens)
+        return log(f"wrote {len(train_ids)} training and {len(held)} held-out tokens to {args.dump_tokens}")
     model = make_model()
     n = sum(p.numel() for p in model.parameters())
-    log(f"target: {n / 1e6:.2f} M parameters, {args.steps} steps of {BATCH}x{SEQ_LEN} tokens")
+    budget = f"{args.minutes} minutes" if args.minutes else f"{args.steps} steps"
+    log(f"target: {n / 1e6:.2f} M parameters, {budget} of {args.batch}x{SEQ_LEN} tokens on {DEVICE}")
     if args.export_only:
-        model.load_state_dict(torch.load(WORK / "target.pt"))
+        model.load_state_dict(torch.load(WORK / "target.pt", map_location="cpu"))
     if not args.export_only:
-        data = load_tokens(tok, DATA_TOKENS)
-        held = heldout_tokens(tok)
+        data, held = load_stream(args, tok)
         log(f"data: {len(data)} training tokens, {len(held)} held-out tokens")
-        train(model, data, held, args.steps, log)
+        model.to(DEVICE)
+        train(model, data, held, args.steps, log, args.batch, args.minutes)
+        model.cpu()
         torch.save(model.state_dict(), WORK / "target.pt")
+        log(f"torch {torch.__version__}, transformers {transformers.__version__}")
+        if args.no_export:
+            return
     export(model, tok, log)
 
 
