@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
-use ddtree_engine::tuning;
+use ddtree_engine::{eval, tuning};
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, ActivationPrecision, AttentionKernel, Backend, Budget,
     Checkpoint, CpuBackend, CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions,
@@ -69,8 +69,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generation from a prompt: plain decoding, or DDTree speculative decoding with --drafter.
+    /// Generation from a prompt: DDTree speculative decoding with --drafter (with no --model,
+    /// the built-in target with its built-in DFlash drafter), or plain decoding.
     Generate(GenerateArgs),
+    /// Acceptance and speed of DDTree against plain decoding on held-out prompts (default: the
+    /// built-in pair and its held-out prompts): budgets, the DFlash chain and `auto`.
+    Eval(EvalArgs),
     /// The engine on a synthetic model of real shapes (random weights made on the device):
     /// plain decode against the bandwidth floor, DDTree rounds per budget, speedups.
     Bench(BenchArgs),
@@ -110,7 +114,7 @@ struct DeviceArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Model shapes: `kimi-k2.6-ep8` (one GPU of 8-way expert parallel Kimi K2.6, ~100 GB) or
-    /// `tiny` (the built-in tiny model's shapes).
+    /// `tiny` (the tiny-kimi fixture's shapes).
     #[arg(long, default_value = "kimi-k2.6-ep8")]
     preset: String,
     #[command(flatten)]
@@ -144,6 +148,38 @@ struct BenchArgs {
     json: Option<PathBuf>,
 }
 
+/// Arguments of `ddtree eval`.
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// HF target directory; default: the built-in tiny-code target (needs --drafter and --prompts).
+    #[arg(long, requires_all = ["drafter", "prompts"])]
+    model: Option<PathBuf>,
+    /// DFlash drafter directory; default: the built-in drafter.
+    #[arg(long)]
+    drafter: Option<PathBuf>,
+    /// Prompt file (`{"prompts": [{"file": ..., "text": ...}]}`); default: the built-in
+    /// held-out prompts.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Fixed tree budgets (the DFlash chain of block_size - 1 nodes and `auto` run too).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 32, 64, 128])]
+    budgets: Vec<usize>,
+    /// Drafter block size (bonus slot included); default: the drafter config's.
+    #[arg(long)]
+    block_size: Option<usize>,
+    #[command(flatten)]
+    dev: DeviceArgs,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Device {
     /// The CPU reference backend (f32 unless --cpu-activations bf16).
@@ -156,7 +192,8 @@ enum Device {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// HF model directory (config.json, safetensors shards, tokenizer); default: the built-in tiny model.
+    /// HF model directory (config.json, safetensors shards, tokenizer); default: the built-in
+    /// tiny-code model (trained on Rust and Python sources), with its DFlash drafter.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text (needs a tokenizer in the model directory).
@@ -181,7 +218,7 @@ struct GenerateArgs {
     json: bool,
     /// DDTree speculative decoding with this drafter: a DFlash drafter directory, `oracle` (the
     /// target's own greedy continuation) or `noisy:P` (the oracle, right with probability P).
-    /// Without it, plain decoding.
+    /// Without it: the built-in drafter with the built-in model, plain decoding with --model.
     #[arg(long, value_parser = parse_drafter)]
     drafter: Option<DrafterArg>,
     /// Tree node budget (root not counted), or `auto`: each round the size (up to 256) with the
@@ -195,7 +232,7 @@ struct GenerateArgs {
     /// Drafter block size (bonus slot included); default: the DFlash config's, 8 for test drafters.
     #[arg(long)]
     block_size: Option<usize>,
-    /// Plain decoding even when --drafter is given (for comparisons).
+    /// Plain decoding even with a drafter (for comparisons).
     #[arg(long)]
     no_spec: bool,
     /// Sampling temperature; 0 is greedy.
@@ -218,6 +255,14 @@ fn main() -> ExitCode {
         .init();
     let result = match Cli::parse().command {
         Command::Generate(args) => on_device(&args.dev, || model_config(&args), |b| generate(b, &args)),
+        Command::Eval(args) => on_device(
+            &args.dev,
+            || match &args.model {
+                Some(dir) => ModelConfig::from_file(&dir.join("config.json")),
+                None => tiny::config(),
+            },
+            |b| run_eval(b, &args),
+        ),
         Command::Bench(args) => on_device(
             &args.dev,
             || bench::Preset::parse(&args.preset)?.config(),
@@ -402,7 +447,7 @@ fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError>
 /// The verify cost `autotune --verify-cost` stored for this GPU and model, when `--budget auto`
 /// will use one (otherwise `auto` keeps the fallback model and the statistics say so).
 fn stored_verify_cost(backend: &CudaBackend, args: &GenerateArgs) -> Option<CostModel> {
-    if args.budget != Budget::Auto || args.drafter.is_none() || args.no_spec {
+    if args.budget != Budget::Auto || args.no_spec || (args.drafter.is_none() && args.model.is_some()) {
         return None;
     }
     tuning::load_verify_cost(backend.gpu().fingerprint(), &model_config(args).ok()?)
@@ -452,9 +497,13 @@ fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostM
         },
         record_logits: false,
     };
-    let (out, stats) = match (&args.drafter, args.no_spec) {
-        (Some(which), false) => {
-            let mut drafter = make_drafter(&loaded.model, which, args)?;
+    let drafter = match (&args.drafter, &args.model, args.no_spec) {
+        (_, _, true) | (None, Some(_), false) => None,
+        (Some(which), _, false) => Some(make_drafter(&loaded.model, which, args)?),
+        (None, None, false) => Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>),
+    };
+    let (out, stats) = match drafter {
+        Some(mut drafter) => {
             let spec = SpecOptions {
                 budget: args.budget,
                 calibrate: args.calibrate_auto,
@@ -485,6 +534,43 @@ fn make_drafter<B: Backend + 'static>(
         DrafterArg::Noisy(p) => Box::new(Noisy::new(block, *p, args.seed)?),
         DrafterArg::Dir(dir) => Box::new(DFlashDrafter::load(model, dir, args.block_size)?),
     })
+}
+
+fn run_eval(backend: AnyBackend, args: &EvalArgs) -> Result<(), EngineError> {
+    match backend {
+        AnyBackend::Cpu(b) => eval_on(b, args),
+        AnyBackend::Cuda(b) => eval_on(*b, args),
+    }
+}
+
+fn eval_on<B: Backend>(backend: B, args: &EvalArgs) -> Result<(), EngineError> {
+    let setup = eval::EvalSetup {
+        model: args.model.clone(),
+        drafter: args.drafter.clone(),
+        prompts: args.prompts.clone(),
+        limit: args.limit,
+        block_size: args.block_size,
+        check_finite: true,
+    };
+    let options = eval::EvalOptions {
+        max_new_tokens: args.max_tokens,
+        budgets: args.budgets.clone(),
+        ..Default::default()
+    };
+    let report = eval::load_and_evaluate(backend, &setup, &options, &mut |row| {
+        eprintln!("eval: {} done ({:.1} s)", row.label, row.wall.as_secs_f64());
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize"));
+    } else {
+        print!("{}", report.table());
+    }
+    if !report.lossless() {
+        return Err(EngineError::Forward(
+            "eval: a DDTree output differs from plain decoding (greedy DDTree must be lossless)".into(),
+        ));
+    }
+    Ok(())
 }
 
 fn run_bench(backend: AnyBackend, args: &BenchArgs) -> Result<(), EngineError> {
@@ -729,6 +815,7 @@ mod tests {
 
     #[test]
     fn speculative_generation_matches_plain_and_reports_stats() {
+        let kimi = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-kimi");
         let run = |extra: &[&str]| {
             let Command::Generate(args) = Cli::try_parse_from(
                 [
@@ -743,7 +830,8 @@ mod tests {
                 panic!("generate")
             };
             let r = run(CpuBackend::default(), &args, None).unwrap();
-            assert_eq!(r.stats.is_some(), args.drafter.is_some() && !args.no_spec);
+            let spec = (args.drafter.is_some() || args.model.is_none()) && !args.no_spec;
+            assert_eq!(r.stats.is_some(), spec);
             if let Some(stats) = &r.stats {
                 let report = spec_json(stats);
                 assert!(report["rounds"].as_u64().unwrap() >= 1 && report["phase_ms"]["verify"].is_number());
@@ -752,15 +840,26 @@ mod tests {
             }
             r.out.tokens
         };
-        let plain = run(&[]);
-        let dflash = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../ddtree-engine/tests/fixtures/tiny-dflash"
-        );
-        assert_eq!(run(&["--drafter", "oracle"]), plain);
-        assert_eq!(run(&["--drafter", "noisy:0.5", "--budget", "3"]), plain);
-        assert_eq!(run(&["--drafter", dflash, "--block-size", "4"]), plain);
-        assert_eq!(run(&["--drafter", "oracle", "--no-spec"]), plain);
+        let plain = run(&["--model", kimi]);
+        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
+        assert_eq!(run(&["--model", kimi, "--drafter", "oracle"]), plain);
+        assert_eq!(run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]), plain);
+        assert_eq!(run(&["--model", kimi, "--drafter", dflash, "--block-size", "4"]), plain);
+        assert_eq!(run(&["--model", kimi, "--drafter", "oracle", "--no-spec"]), plain);
+        // The built-in pair: DDTree with the trained drafter by default, lossless.
+        let builtin_plain = run(&["--no-spec"]);
+        assert_eq!(run(&[]), builtin_plain);
+        assert_eq!(run(&["--budget", "16"]), builtin_plain);
+    }
+
+    #[test]
+    fn eval_rejects_a_model_without_drafter_and_prompts() {
+        assert!(Cli::try_parse_from(["ddtree", "eval", "--model", "x"]).is_err());
+        let cli = Cli::try_parse_from(["ddtree", "eval", "--budgets", "2,4", "--limit", "1", "--json"]).unwrap();
+        let Command::Eval(args) = cli.command else {
+            panic!("eval")
+        };
+        assert_eq!((args.budgets, args.limit, args.max_tokens), (vec![2, 4], Some(1), 64));
     }
 
     #[test]
@@ -778,13 +877,13 @@ mod tests {
             attention: AttentionKernel::Auto,
             cpu_activations: ActivationPrecision::Bf16,
         };
-        let err = on_device(&dev(Device::Cuda), tiny::config, |_| Ok(()))
+        let err = on_device(&dev(Device::Cuda), tiny::kimi::config, |_| Ok(()))
             .unwrap_err()
             .to_string();
         assert!(err.contains("no CUDA driver"), "{err}");
         // `auto` falls back to the CPU, at the asked activation precision.
         let mut picked = "";
-        on_device(&dev(Device::Auto), tiny::config, |b| {
+        on_device(&dev(Device::Auto), tiny::kimi::config, |b| {
             picked = match b {
                 AnyBackend::Cpu(cpu) if cpu.activations() == ActivationPrecision::Bf16 => "cpu bf16",
                 AnyBackend::Cpu(_) => "cpu f32",

@@ -5,7 +5,7 @@
 //! Presets: [`Preset::KimiK26Ep8`] is one GPU's share of an 8-GPU expert-parallel Kimi K2.6
 //! deployment (61 layers, the first dense; 48 local routed experts of 7168/2048 INT4 g32 with
 //! top-8 routing over them, one shared expert, MLA with 64 heads, vocabulary 163840; about
-//! 100 GB). [`Preset::Tiny`] has the embedded tiny model's shapes, so the whole path runs on
+//! 100 GB). [`Preset::Tiny`] has the embedded tiny-kimi fixture's shapes, so the whole path runs on
 //! the CPU in tests.
 
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ const WARMUP_STEPS: usize = 2;
 pub enum Preset {
     /// Kimi K2.6, one GPU's share of 8-way expert parallelism.
     KimiK26Ep8,
-    /// The embedded tiny model's shapes (CPU-sized).
+    /// The embedded tiny-kimi fixture's shapes (CPU-sized).
     Tiny,
 }
 
@@ -58,7 +58,7 @@ impl Preset {
     /// The model configuration (a `config.json` as the checkpoint would carry it).
     pub fn config(self) -> Result<ModelConfig> {
         match self {
-            Self::Tiny => crate::tiny::config(),
+            Self::Tiny => crate::tiny::kimi::config(),
             Self::KimiK26Ep8 => ModelConfig::from_json(KIMI_K26_EP8, std::path::Path::new("<kimi-k2.6-ep8 preset>")),
         }
     }

@@ -9,11 +9,12 @@
 //! - [`model`]: the forward (MLA with absorbed attention over the latent cache, tree masks, MoE),
 //!   written once against [`Backend`];
 //! - [`generate`]: plain (greedy or sampled) generation;
+//! - [`eval`]: `ddtree eval`, acceptance and speed of DDTree against plain decoding;
 //! - [`spec`]: DDTree speculative decoding (drafters, the loop, sampling, statistics);
 //! - [`tuning`]: the (kernel, key) plan of a model, tuning the missing keys at startup and the
 //!   stored verify cost of `--budget auto`;
 //! - [`tokenizer`]: HF `tokenizer.json` and Kimi `tiktoken.model`;
-//! - [`tiny`]: the tiny model embedded in the binary.
+//! - [`tiny`]: the models embedded in the binary (the trained tiny-code pair, the tiny-kimi fixture).
 
 #![warn(missing_docs)]
 
@@ -21,6 +22,7 @@ pub mod backend;
 pub mod bench;
 pub mod config;
 pub mod error;
+pub mod eval;
 pub mod generate;
 pub mod mask;
 pub mod model;

@@ -143,7 +143,7 @@ mod tests {
     fn kimi_softmax_scale_includes_yarn_mscale_squared() {
         // The reference notes measured HF's `attn.scaling` = 0.35439 for this tiny config
         // (qk_head_dim 32, YaRN factor 64, mscale_all_dim 1).
-        let cfg = crate::tiny::config().unwrap();
+        let cfg = crate::tiny::kimi::config().unwrap();
         assert!((Rope::softmax_scale(&cfg) - 0.35439).abs() < 1e-5);
         let rope = Rope::new(&cfg);
         assert_eq!(rope.attention_factor, 1.0, "mscale / mscale_all_dim = 1 for Kimi");

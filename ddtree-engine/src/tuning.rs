@@ -856,7 +856,7 @@ mod tests {
 
     #[test]
     fn tiny_plan_is_stable_and_deduplicated() {
-        let c = crate::tiny::config().unwrap();
+        let c = crate::tiny::kimi::config().unwrap();
         let d = ModelDims::from_config("tiny".into(), &c);
         let k = keys(&plan(&d, 8));
         assert_unique(&k);
@@ -888,7 +888,7 @@ mod tests {
             eprintln!("SKIP: a CUDA driver is present; this test checks the no-GPU message");
             return;
         }
-        let c = crate::tiny::config().unwrap();
+        let c = crate::tiny::kimi::config().unwrap();
         let err = tune_missing_on(0, &c, &Progress::silent()).unwrap_err().to_string();
         assert!(err.contains("without a GPU") && err.contains("no CUDA driver"), "{err}");
     }
@@ -906,7 +906,7 @@ mod tests {
 
     #[test]
     fn shape_hash_is_stable_and_follows_the_shapes() {
-        let tiny = crate::tiny::config().unwrap();
+        let tiny = crate::tiny::kimi::config().unwrap();
         assert_eq!(shape_hash(&tiny), shape_hash(&tiny.clone()));
         assert_eq!(shape_hash(&tiny).len(), 16);
         // A pinned value: the file names must not change between builds.
@@ -924,7 +924,7 @@ mod tests {
     #[test]
     fn verify_cost_file_round_trips() {
         let dir = std::env::temp_dir().join(format!("ddtree-verify-cost-{}", std::process::id()));
-        let config = crate::tiny::config().unwrap();
+        let config = crate::tiny::kimi::config().unwrap();
         let path = verify_cost_file_in(&dir, &fingerprint(), &config);
         let name = path.file_name().unwrap().to_str().unwrap().to_string();
         assert!(
@@ -944,7 +944,7 @@ mod tests {
     fn verify_cost_measured_on_the_cpu_is_valid() {
         let model = Model::random(
             crate::CpuBackend::default(),
-            crate::tiny::config().unwrap(),
+            crate::tiny::kimi::config().unwrap(),
             3,
             &mut |_, _| {},
         )

@@ -26,7 +26,7 @@ fn fixture() -> &'static Path {
 }
 
 fn setup() -> (Model<CpuBackend>, DFlashDrafter<CpuBackend>, Golden) {
-    let model = tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap();
+    let model = tiny::kimi::load(CpuBackend::default(), LoadOptions::default()).unwrap();
     let drafter = DFlashDrafter::load(&model, fixture(), None).unwrap();
     let golden = serde_json::from_str(&std::fs::read_to_string(fixture().join("golden.json")).unwrap()).unwrap();
     (model, drafter, golden)

@@ -184,7 +184,7 @@ fn stop_token_ends_generation() {
 
 #[test]
 fn embedded_tiny_model_is_the_kimi_fixture() {
-    let model = ddtree_engine::tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap();
+    let model = ddtree_engine::tiny::kimi::load(CpuBackend::default(), LoadOptions::default()).unwrap();
     let (_, golden) = load("tiny-kimi");
     let p = &golden.prompts[0];
     let options = GenerateOptions {
@@ -192,6 +192,6 @@ fn embedded_tiny_model_is_the_kimi_fixture() {
         ..Default::default()
     };
     assert_eq!(generate_plain(&model, &p.ids, &options).unwrap().tokens, p.generated);
-    let tok = ddtree_engine::tiny::tokenizer().unwrap();
+    let tok = ddtree_engine::tiny::kimi::tokenizer().unwrap();
     assert_eq!(tok.encode(p.text.as_deref().unwrap()).unwrap(), p.ids);
 }

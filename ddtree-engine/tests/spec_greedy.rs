@@ -9,7 +9,7 @@ use ddtree_engine::{
 };
 
 fn model() -> Model<CpuBackend> {
-    tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap()
+    tiny::kimi::load(CpuBackend::default(), LoadOptions::default()).unwrap()
 }
 
 /// Prompts of assorted lengths and token ranges (vocab 512).
@@ -128,7 +128,7 @@ fn greedy_equals_plain_for_every_drafter_budget_and_block_size() {
 /// `(1..14) * 37 % 512` does flip (with every test drafter, block size and budget tried).
 #[test]
 fn greedy_equals_plain_in_bf16_mode() {
-    let model = tiny::load(CpuBackend::new(ActivationPrecision::Bf16), LoadOptions::default()).unwrap();
+    let model = tiny::kimi::load(CpuBackend::new(ActivationPrecision::Bf16), LoadOptions::default()).unwrap();
     let options = GenerateOptions {
         max_new_tokens: 16,
         ..Default::default()
@@ -217,12 +217,12 @@ fn stop_tokens_inside_an_accepted_path() {
 
 #[test]
 fn context_end_caps_the_tree_depth() {
-    let mut cfg = tiny::config().unwrap();
+    let mut cfg = tiny::kimi::config().unwrap();
     cfg.max_position_embeddings = 11;
     let model = Model::load(
         CpuBackend::default(),
         cfg,
-        &tiny::checkpoint().unwrap(),
+        &tiny::kimi::checkpoint().unwrap(),
         LoadOptions::default(),
         &mut |_, _| {},
     )

@@ -11,7 +11,7 @@ use ddtree_engine::{
 };
 
 fn model() -> Model<CpuBackend> {
-    tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap()
+    tiny::kimi::load(CpuBackend::default(), LoadOptions::default()).unwrap()
 }
 
 fn spec(budget: usize) -> SpecOptions {

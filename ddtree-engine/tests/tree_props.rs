@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 fn model() -> &'static Model<CpuBackend> {
     static MODEL: OnceLock<Model<CpuBackend>> = OnceLock::new();
-    MODEL.get_or_init(|| tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap())
+    MODEL.get_or_init(|| tiny::kimi::load(CpuBackend::default(), LoadOptions::default()).unwrap())
 }
 
 fn run(cache: &mut CpuKvCache, tokens: &[u32], positions: &[u32], mask: Option<&AncestorMask>) -> Vec<Vec<f32>> {
