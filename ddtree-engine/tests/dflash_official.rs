@@ -343,6 +343,15 @@ fn chain_mode_reproduces_dflash_generate_on_the_random_pairs() {
     }
 }
 
+#[test]
+fn chain_mode_reproduces_dflash_generate_on_the_built_in_pair() {
+    // The trained pair accepts several tokens a round: this checks acceptance round by round.
+    let pair = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/tiny-code");
+    for record in ["chain-rust.json", "chain-python.json"] {
+        check_chain(&pair.join("target"), &pair.join("dflash"), &pair.join(record));
+    }
+}
+
 /// `DDTREE_DFLASH_CHAIN=TARGET_DIR,DRAFTER_DIR,RECORD.json` (a record of
 /// scripts/dflash_chain_check.py) checks a trained pair the same way.
 #[test]
