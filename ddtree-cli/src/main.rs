@@ -422,6 +422,7 @@ fn stop_reason(reason: StopReason) -> &'static str {
         StopReason::StopToken => "stop_token",
         StopReason::MaxTokens => "max_tokens",
         StopReason::ContextFull => "context_full",
+        StopReason::Cancelled => "cancelled",
     }
 }
 

@@ -30,7 +30,15 @@ pub enum StopReason {
     MaxTokens,
     /// The next position would exceed `max_position_embeddings`.
     ContextFull,
+    /// The token sink asked to stop (e.g. a server's client went away).
+    Cancelled,
 }
+
+/// Receives the generated tokens as they are committed: one token per plain step, the accepted
+/// tokens of a whole DDTree round at once. Returning `false` stops the generation after those
+/// tokens ([`StopReason::Cancelled`] unless it was ending anyway). It only observes: the tokens
+/// are the same with or without one.
+pub type TokenSink<'a> = dyn FnMut(&[u32]) -> bool + 'a;
 
 /// The result of a generation.
 #[derive(Debug, Clone)]
@@ -128,6 +136,16 @@ pub(crate) fn choose_rows<B: Backend>(
 
 /// Plain decoding (one forward per token) of up to `options.max_new_tokens` tokens after `prompt`.
 pub fn generate_plain<B: Backend>(model: &Model<B>, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
+    generate_plain_with_sink(model, prompt, options, &mut |_| true)
+}
+
+/// [`generate_plain`] that hands every token to `sink` as soon as it is chosen.
+pub fn generate_plain_with_sink<B: Backend>(
+    model: &Model<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    sink: &mut TokenSink<'_>,
+) -> Result<Generation> {
     check_prompt(model, prompt)?;
     options.sampling.validate()?;
     let context = model.config().max_position_embeddings;
@@ -161,7 +179,12 @@ pub fn generate_plain<B: Backend>(model: &Model<B>, prompt: &[u32], options: &Ge
         } else {
             out.decode += start.elapsed();
         }
-        if !out.emit(options, next, position, context, row) {
+        let going = out.emit(options, next, position, context, row);
+        if !sink(&[next]) && going {
+            out.stop_reason = StopReason::Cancelled;
+            break;
+        }
+        if !going {
             break;
         }
         tokens = vec![next];

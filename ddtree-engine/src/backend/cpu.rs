@@ -144,6 +144,7 @@ pub struct CpuKvCache {
     width: usize,
     capacity: usize,
     layers: Vec<Vec<f32>>,
+    _live: super::LiveCache,
 }
 
 impl CpuKvCache {
@@ -366,6 +367,7 @@ impl Backend for CpuBackend {
             width: row_width,
             capacity,
             layers: vec![Vec::new(); layers],
+            _live: super::LiveCache::new(),
         })
     }
 

@@ -12,6 +12,7 @@ pub mod cuda;
 pub use cpu::{ActivationPrecision, CpuBackend, CpuKvCache, CpuRouting};
 pub use cuda::{AttentionKernel, CudaBackend, CudaOptions, Lookup};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ddtree_kernels::tree::{build_reference, Acceptance, DraftTree};
@@ -21,6 +22,37 @@ use crate::error::Result;
 use crate::mask::AncestorMask;
 use crate::model::{Ffn, ForwardInput};
 use crate::rope::Rope;
+
+static LIVE_KV_CACHES: AtomicUsize = AtomicUsize::new(0);
+
+/// Latent KV caches alive in this process, on every backend (a server checks that finished and
+/// cancelled requests give theirs back).
+pub fn live_kv_caches() -> usize {
+    LIVE_KV_CACHES.load(Ordering::Relaxed)
+}
+
+/// Held by every KV cache: counts it in [`live_kv_caches`] from creation (or clone) to drop.
+#[derive(Debug)]
+pub(crate) struct LiveCache(());
+
+impl LiveCache {
+    pub(crate) fn new() -> Self {
+        LIVE_KV_CACHES.fetch_add(1, Ordering::Relaxed);
+        Self(())
+    }
+}
+
+impl Clone for LiveCache {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for LiveCache {
+    fn drop(&mut self) {
+        LIVE_KV_CACHES.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// A host row-major `[rows, cols]` f32 matrix: the CPU backend's activation type and the form in
 /// which every backend hands results back to the host.

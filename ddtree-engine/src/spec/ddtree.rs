@@ -26,7 +26,7 @@ use ddtree_kernels::tree::accept_reference;
 
 use crate::backend::{Backend, BudgetChoice, Matrix, TreeRound};
 use crate::error::{EngineError, Result};
-use crate::generate::{check_prompt, choose_rows, GenerateOptions, Generation};
+use crate::generate::{check_prompt, choose_rows, GenerateOptions, Generation, StopReason, TokenSink};
 use crate::mask::AncestorMask;
 use crate::model::{ForwardInput, LogitRows, Model};
 use crate::spec::budget::{choose_budget, Calibration, CostModel};
@@ -123,6 +123,19 @@ pub fn generate_speculative<B: Backend>(
     options: &GenerateOptions,
     spec: &SpecOptions,
 ) -> Result<SpecGeneration> {
+    generate_speculative_with_sink(model, drafter, prompt, options, spec, &mut |_| true)
+}
+
+/// [`generate_speculative`] that hands the tokens each round commits (the first token after
+/// the prefill, then the accepted tokens and the bonus of every round) to `sink` as a group.
+pub fn generate_speculative_with_sink<B: Backend>(
+    model: &Model<B>,
+    drafter: &mut dyn Drafter<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    spec: &SpecOptions,
+    sink: &mut TokenSink<'_>,
+) -> Result<SpecGeneration> {
     check_prompt(model, prompt)?;
     options.sampling.validate()?;
     let fallback;
@@ -194,6 +207,10 @@ pub fn generate_speculative<B: Backend>(
     let mut tokens = prompt.to_vec();
     tokens.push(first);
     let mut going = out.emit(options, first, prompt.len(), context, &row(&logits, 0));
+    if !sink(&[first]) && going {
+        out.stop_reason = StopReason::Cancelled;
+        going = false;
+    }
 
     // Greedy verification without drafter features or kept logits may run as one device round
     // (the CUDA backend: the tree stays on the GPU, one read per round; `auto` reads the path
@@ -319,12 +336,17 @@ pub fn generate_speculative<B: Backend>(
 
         // Emit the target's token at each accepted node: the accepted drafted tokens (each the
         // target's token at the node before it), then the next bonus.
+        let committed = out.tokens.len();
         for (k, (&token, &node)) in accepted.tokens.iter().zip(&accepted.indices).enumerate() {
             tokens.push(token);
             going = out.emit(options, token, start + k + 1, context, &row(&logits, node as usize));
             if !going {
                 break;
             }
+        }
+        if !sink(&out.tokens[committed..]) && going {
+            out.stop_reason = StopReason::Cancelled;
+            going = false;
         }
     }
     out.decode = stats.draft + stats.build + stats.verify + stats.accept;

@@ -56,6 +56,7 @@ impl CudaBackend {
             lens: vec![0; layers],
             buf: Some(buf),
             pool: self.caches.clone(),
+            _live: crate::backend::LiveCache::new(),
         })
     }
 

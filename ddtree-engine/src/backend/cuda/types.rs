@@ -138,6 +138,8 @@ pub struct CudaKvCache {
     pub(crate) buf: Option<CudaSlice<bf16>>,
     /// Where the buffer goes when the cache is dropped.
     pub(crate) pool: CachePool,
+    /// Counts this cache in [`crate::backend::live_kv_caches`].
+    pub(crate) _live: crate::backend::LiveCache,
 }
 
 impl CudaKvCache {
