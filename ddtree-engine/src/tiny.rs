@@ -40,6 +40,9 @@ static DRAFTER: [(&str, &[u8]); 1] = [(
     include_bytes!(model_file!("dflash/model.safetensors")),
 )];
 
+/// The embedded target's `tokenizer_config.json` (special tokens and the chat template).
+pub const TOKENIZER_CONFIG: &str = include_str!(model_file!("target/tokenizer_config.json"));
+
 /// The embedded target's configuration.
 pub fn config() -> Result<ModelConfig> {
     ModelConfig::from_json(
