@@ -30,7 +30,10 @@ fn openai_python_client() {
         let line = lines.next().expect("the server prints its address").unwrap();
         eprintln!("{line}");
         if let Some(rest) = line.split("listening on ").nth(1) {
-            assert!(line.contains("model tiny-code") && line.contains("device cpu"), "{line}");
+            assert!(
+                line.contains("model tiny-code") && line.contains("device cpu"),
+                "{line}"
+            );
             break rest.split_whitespace().next().unwrap().to_string();
         }
     };
@@ -46,7 +49,10 @@ fn openai_python_client() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     // SIGTERM: a graceful shutdown that exits 0.
-    let term = Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap();
+    let term = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status()
+        .unwrap();
     assert!(term.success());
     let mut status = None;
     for _ in 0..200 {
@@ -61,7 +67,10 @@ fn openai_python_client() {
         panic!("the server did not exit within 10 s of SIGTERM");
     };
     let log = log.join().unwrap().join("\n");
-    assert!(out.status.success(), "client check failed\n{stdout}\n{stderr}\nserver log:\n{log}");
+    assert!(
+        out.status.success(),
+        "client check failed\n{stdout}\n{stderr}\nserver log:\n{log}"
+    );
     assert!(stdout.contains("openai client check: ok"), "{stdout}");
     assert!(status.success(), "server exit: {status}\n{log}");
 }

@@ -39,6 +39,8 @@ pub use error::{EngineError, Result};
 pub use generate::{generate_plain, generate_plain_with_sink, GenerateOptions, Generation, StopReason, TokenSink};
 pub use mask::AncestorMask;
 pub use model::{ForwardInput, ForwardOutput, LoadOptions, LogitRows, Model};
-pub use spec::{generate_speculative, generate_speculative_with_sink, Budget, Drafter, Sampling, SpecOptions, SpecStats};
+pub use spec::{
+    generate_speculative, generate_speculative_with_sink, Budget, Drafter, Sampling, SpecOptions, SpecStats,
+};
 pub use tokenizer::Tokenizer;
 pub use weights::Checkpoint;

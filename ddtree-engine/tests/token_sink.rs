@@ -31,7 +31,10 @@ fn sink_sees_the_same_tokens_and_can_cancel() {
         true
     })
     .unwrap();
-    assert_eq!((out.tokens.clone(), seen.clone()), (plain.tokens.clone(), plain.tokens.clone()));
+    assert_eq!(
+        (out.tokens.clone(), seen.clone()),
+        (plain.tokens.clone(), plain.tokens.clone())
+    );
     assert_eq!(groups, plain.tokens.len(), "plain decoding commits one token per step");
 
     let spec = SpecOptions::fixed(8);

@@ -46,9 +46,13 @@ impl ChatTemplate {
             }
             _ => return Ok(None),
         };
-        Self::new(source, token_text(&config, "bos_token"), token_text(&config, "eos_token"))
-            .map(Some)
-            .map_err(|e| format!("{}: chat_template: {e}", path.display()))
+        Self::new(
+            source,
+            token_text(&config, "bos_token"),
+            token_text(&config, "eos_token"),
+        )
+        .map(Some)
+        .map_err(|e| format!("{}: chat_template: {e}", path.display()))
     }
 
     /// Compiles `source`.
@@ -81,7 +85,13 @@ impl ChatTemplate {
             })
             .map_err(|e| match e.kind() {
                 // `raise_exception` in the template: the messages broke its rules.
-                ErrorKind::InvalidOperation => ApiError::field("messages", format!("the chat template refused the messages: {}", e.detail().unwrap_or_default())),
+                ErrorKind::InvalidOperation => ApiError::field(
+                    "messages",
+                    format!(
+                        "the chat template refused the messages: {}",
+                        e.detail().unwrap_or_default()
+                    ),
+                ),
                 _ => ApiError::Internal(format!("rendering the chat template: {e}")),
             })
     }
@@ -101,14 +111,20 @@ mod tests {
     #[test]
     fn renders_hf_style_templates() {
         let config = r#"{"bos_token": {"content": "<s>"}, "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['user', 'system'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|>{{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"}"#;
-        let t = ChatTemplate::from_tokenizer_config(config, Path::new("x")).unwrap().unwrap();
-        let text = t.render(&[msg("system", "be brief "), msg("user", " hi")], true).unwrap();
+        let t = ChatTemplate::from_tokenizer_config(config, Path::new("x"))
+            .unwrap()
+            .unwrap();
+        let text = t
+            .render(&[msg("system", "be brief "), msg("user", " hi")], true)
+            .unwrap();
         assert_eq!(text, "<s><|system|>be brief\n<|user|>hi\n<|assistant|>");
         let text = t.render(&[msg("user", "hi")], false).unwrap();
         assert_eq!(text, "<s><|user|>hi\n");
         let err = t.render(&[msg("tool", "x")], true).unwrap_err();
         assert_eq!(err.param(), Some("messages"));
         assert!(err.to_string().contains("bad role tool"), "{err}");
-        assert!(ChatTemplate::from_tokenizer_config("{}", Path::new("x")).unwrap().is_none());
+        assert!(ChatTemplate::from_tokenizer_config("{}", Path::new("x"))
+            .unwrap()
+            .is_none());
     }
 }

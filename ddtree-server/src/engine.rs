@@ -184,12 +184,18 @@ pub fn engine_loop(engine: &mut dyn Engine, jobs: Receiver<Job>, metrics: &Metri
         metrics.running.fetch_sub(1, Ordering::Relaxed);
         let result = match result {
             Ok(done) => {
-                metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-                metrics.generated_tokens.fetch_add(done.tokens.len() as u64, Ordering::Relaxed);
+                metrics
+                    .prompt_tokens
+                    .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+                metrics
+                    .generated_tokens
+                    .fetch_add(done.tokens.len() as u64, Ordering::Relaxed);
                 let accepted = (done.mean_accepted_length * done.rounds as f64).round() as u64;
                 metrics.rounds.fetch_add(done.rounds as u64, Ordering::Relaxed);
                 metrics.accepted_tokens.fetch_add(accepted, Ordering::Relaxed);
-                metrics.target_forwards.fetch_add(done.target_forwards as u64, Ordering::Relaxed);
+                metrics
+                    .target_forwards
+                    .fetch_add(done.target_forwards as u64, Ordering::Relaxed);
                 if done.stop_reason == StopReason::Cancelled {
                     metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 }

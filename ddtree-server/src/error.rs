@@ -80,9 +80,10 @@ impl ApiError {
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::InvalidField { .. } | Self::MalformedJson(_) | Self::Unsupported { .. } | Self::ContextLength { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::InvalidField { .. }
+            | Self::MalformedJson(_)
+            | Self::Unsupported { .. }
+            | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,

@@ -168,7 +168,10 @@ fn params(f: &mut Fields, chat: bool) -> Result<Params, ApiError> {
     }
     if let Some(t) = f.take::<f32>("temperature", "a number")? {
         if !(0.0..=2.0).contains(&t) {
-            return Err(ApiError::field("temperature", format!("`temperature` must be in [0, 2], got {t}")));
+            return Err(ApiError::field(
+                "temperature",
+                format!("`temperature` must be in [0, 2], got {t}"),
+            ));
         }
         p.temperature = t;
     }
@@ -191,7 +194,12 @@ fn params(f: &mut Fields, chat: bool) -> Result<Params, ApiError> {
                     Value::String(s) => p.stop_strings.push(s),
                     Value::Number(n) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
                         Some(id) => p.stop_ids.push(id),
-                        None => return Err(ApiError::field(format!("stop[{i}]"), format!("`stop[{i}]` is not a token id: {n}"))),
+                        None => {
+                            return Err(ApiError::field(
+                                format!("stop[{i}]"),
+                                format!("`stop[{i}]` is not a token id: {n}"),
+                            ))
+                        }
                     },
                     other => {
                         return Err(ApiError::field(
@@ -212,30 +220,46 @@ fn params(f: &mut Fields, chat: bool) -> Result<Params, ApiError> {
     if p.stop_strings.len() > MAX_STOP_STRINGS {
         return Err(ApiError::field(
             "stop",
-            format!("`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}", p.stop_strings.len()),
+            format!(
+                "`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}",
+                p.stop_strings.len()
+            ),
         ));
     }
     if p.stop_strings.iter().any(String::is_empty) {
         return Err(ApiError::field("stop", "`stop` strings must not be empty"));
     }
-    p.stop_ids
-        .extend(f.take::<Vec<u32>>("stop_token_ids", "an array of token ids")?.unwrap_or_default());
+    p.stop_ids.extend(
+        f.take::<Vec<u32>>("stop_token_ids", "an array of token ids")?
+            .unwrap_or_default(),
+    );
     p.stream = f.take("stream", "a boolean")?.unwrap_or(false);
     if let Some(options) = f.take::<Map<String, Value>>("stream_options", "an object")? {
         let mut options = Fields(options);
         p.include_usage = options
             .take("include_usage", "a boolean")
-            .map_err(|_| ApiError::field("stream_options.include_usage", "`stream_options.include_usage` must be a boolean"))?
+            .map_err(|_| {
+                ApiError::field(
+                    "stream_options.include_usage",
+                    "`stream_options.include_usage` must be a boolean",
+                )
+            })?
             .unwrap_or(false);
         if let Err(ApiError::Unsupported { param, .. }) = options.finish() {
             let param = format!("stream_options.{param}");
-            return Err(ApiError::unsupported(param.clone(), format!("unknown parameter `{param}`")));
+            return Err(ApiError::unsupported(
+                param.clone(),
+                format!("unknown parameter `{param}`"),
+            ));
         }
     }
     p.ignore_eos = f.take("ignore_eos", "a boolean")?.unwrap_or(false);
     if let Some(n) = f.take::<i64>("n", "an integer")? {
         if n != 1 {
-            return Err(ApiError::unsupported("n", format!("`n` must be 1 (one choice per request), got {n}")));
+            return Err(ApiError::unsupported(
+                "n",
+                format!("`n` must be 1 (one choice per request), got {n}"),
+            ));
         }
     }
     let _: Option<String> = f.take("user", "a string")?;
@@ -246,7 +270,11 @@ fn params(f: &mut Fields, chat: bool) -> Result<Params, ApiError> {
     f.neutral_only("presence_penalty", is_zero, "only 0")?;
     f.neutral_only("logit_bias", |v| v.as_object().is_some_and(Map::is_empty), "only {}")?;
     if chat {
-        f.neutral_only("response_format", |v| v.get("type") == Some(&Value::from("text")), "only text")?;
+        f.neutral_only(
+            "response_format",
+            |v| v.get("type") == Some(&Value::from("text")),
+            "only text",
+        )?;
         f.neutral_only("tools", |v| v.as_array().is_some_and(Vec::is_empty), "no tool calls")?;
         f.neutral_only("tool_choice", |v| v == "none", "no tool calls")?;
         let _: Option<bool> = f.take("parallel_tool_calls", "a boolean")?;
@@ -275,7 +303,10 @@ fn prompt(v: Value) -> Result<Prompt, ApiError> {
     let bad = |got: &Value| {
         ApiError::field(
             "prompt",
-            format!("`prompt` must be a string or an array of token ids, got {}", type_name(got)),
+            format!(
+                "`prompt` must be a string or an array of token ids, got {}",
+                type_name(got)
+            ),
         )
     };
     match v {
@@ -287,7 +318,10 @@ fn prompt(v: Value) -> Result<Prompt, ApiError> {
             if items.first().is_some_and(|i| i.is_string() || i.is_array()) {
                 return Err(ApiError::unsupported(
                     "prompt",
-                    format!("`prompt` holds {} prompts; this server takes one per request", items.len()),
+                    format!(
+                        "`prompt` holds {} prompts; this server takes one per request",
+                        items.len()
+                    ),
                 ));
             }
             let mut ids = Vec::with_capacity(items.len());
@@ -357,7 +391,10 @@ fn message(i: usize, m: Value) -> Result<Message, ApiError> {
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for (k, part) in parts.iter().enumerate() {
-                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                match (
+                    part.get("type").and_then(Value::as_str),
+                    part.get("text").and_then(Value::as_str),
+                ) {
                     (Some("text"), Some(t)) => text.push_str(t),
                     _ => {
                         let param = format!("{}[{k}]", at("content"));
@@ -373,14 +410,21 @@ fn message(i: usize, m: Value) -> Result<Message, ApiError> {
         Some(other) => {
             return Err(ApiError::field(
                 at("content"),
-                format!("`{}` must be a string or an array of parts, got {}", at("content"), type_name(&other)),
+                format!(
+                    "`{}` must be a string or an array of parts, got {}",
+                    at("content"),
+                    type_name(&other)
+                ),
             ))
         }
     };
     let _: Option<String> = f.take("name", "a string")?;
     if let Err(ApiError::Unsupported { param, .. }) = f.finish() {
         let param = at(&param);
-        return Err(ApiError::unsupported(param.clone(), format!("unknown or unsupported field `{param}`")));
+        return Err(ApiError::unsupported(
+            param.clone(),
+            format!("unknown or unsupported field `{param}`"),
+        ));
     }
     Ok(Message { role, content })
 }
@@ -396,34 +440,57 @@ mod tests {
 
     #[test]
     fn completion_fields() {
-        let r = parse_completion(br#"{"model": "m", "prompt": [[1, 2]], "max_tokens": 5, "stop": ["a", 7], "seed": 3}"#)
-            .unwrap();
+        let r =
+            parse_completion(br#"{"model": "m", "prompt": [[1, 2]], "max_tokens": 5, "stop": ["a", 7], "seed": 3}"#)
+                .unwrap();
         assert_eq!(r.prompt, Prompt::Ids(vec![1, 2]));
         assert_eq!(r.params.max_tokens, Some(5));
-        assert_eq!((r.params.stop_strings, r.params.stop_ids), (vec!["a".to_string()], vec![7]));
+        assert_eq!(
+            (r.params.stop_strings, r.params.stop_ids),
+            (vec!["a".to_string()], vec![7])
+        );
         assert_eq!(r.params.seed, 3);
-        assert_eq!(err(parse_completion(br#"{"prompt": "x", "max_tokens": "5"}"#)).0, "max_tokens");
+        assert_eq!(
+            err(parse_completion(br#"{"prompt": "x", "max_tokens": "5"}"#)).0,
+            "max_tokens"
+        );
         assert_eq!(err(parse_completion(br#"{"prompt": "x", "n": 2}"#)).0, "n");
-        assert_eq!(err(parse_completion(br#"{"prompt": "x", "logprobs": 1}"#)).0, "logprobs");
+        assert_eq!(
+            err(parse_completion(br#"{"prompt": "x", "logprobs": 1}"#)).0,
+            "logprobs"
+        );
         assert_eq!(err(parse_completion(br#"{"prompt": "x", "wat": 1}"#)).0, "wat");
         assert_eq!(err(parse_completion(br#"{"prompt": [1, -2]}"#)).0, "prompt[1]");
         assert_eq!(err(parse_completion(br#"{"prompt": ["a", "b"]}"#)).0, "prompt");
         assert_eq!(err(parse_completion(br#"{"max_tokens": 1}"#)).0, "prompt");
-        assert_eq!(err(parse_completion(br#"{"prompt": "x", "temperature": 9}"#)).0, "temperature");
+        assert_eq!(
+            err(parse_completion(br#"{"prompt": "x", "temperature": 9}"#)).0,
+            "temperature"
+        );
         assert!(err(parse_completion(b"{\"prompt\": ")).1.contains("not valid JSON"));
         assert!(parse_completion(br#"{"prompt": "x", "frequency_penalty": 0, "logprobs": null}"#).is_ok());
     }
 
     #[test]
     fn chat_fields() {
-        let r = parse_chat(br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}"#).unwrap();
+        let r =
+            parse_chat(br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}"#).unwrap();
         assert_eq!(r.messages[0].content, "hi");
         assert!(r.add_generation_prompt);
         assert_eq!(err(parse_chat(br#"{"messages": []}"#)).0, "messages");
-        assert_eq!(err(parse_chat(br#"{"messages": [{"content": "x"}]}"#)).0, "messages[0].role");
-        assert_eq!(err(parse_chat(br#"{"messages": [{"role": "user", "content": 3}]}"#)).0, "messages[0].content");
         assert_eq!(
-            err(parse_chat(br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}"#)).0,
+            err(parse_chat(br#"{"messages": [{"content": "x"}]}"#)).0,
+            "messages[0].role"
+        );
+        assert_eq!(
+            err(parse_chat(br#"{"messages": [{"role": "user", "content": 3}]}"#)).0,
+            "messages[0].content"
+        );
+        assert_eq!(
+            err(parse_chat(
+                br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}"#
+            ))
+            .0,
             "tools"
         );
     }

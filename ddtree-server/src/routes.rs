@@ -87,7 +87,9 @@ async fn authorize(State(state): State<Shared>, request: Request, next: Next) ->
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         match given {
-            None => return ApiError::Unauthorized("missing API key: send `Authorization: Bearer <key>`").into_response(),
+            None => {
+                return ApiError::Unauthorized("missing API key: send `Authorization: Bearer <key>`").into_response()
+            }
             Some(g) if g != key => return ApiError::Unauthorized("wrong API key").into_response(),
             Some(_) => {}
         }
@@ -153,10 +155,13 @@ async fn completions(State(state): State<Shared>, raw: Result<Bytes, BytesReject
             if text.is_empty() {
                 return Err(ApiError::field("prompt", "`prompt` is empty"));
             }
-            let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
-                ApiError::field("prompt", "this model has no tokenizer: send `prompt` as token ids")
-            })?;
-            tokenizer.encode(&text).map_err(|e| ApiError::field("prompt", e.to_string()))?
+            let tokenizer = state
+                .tokenizer
+                .as_ref()
+                .ok_or_else(|| ApiError::field("prompt", "this model has no tokenizer: send `prompt` as token ids"))?;
+            tokenizer
+                .encode(&text)
+                .map_err(|e| ApiError::field("prompt", e.to_string()))?
         }
     };
     start(state, Kind::Completion, prompt, "prompt", request.params).await
@@ -176,7 +181,9 @@ async fn chat_completions(
         ));
     };
     let text = template.render(&request.messages, request.add_generation_prompt)?;
-    let prompt = tokenizer.encode(&text).map_err(|e| ApiError::field("messages", e.to_string()))?;
+    let prompt = tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::field("messages", e.to_string()))?;
     start(state, Kind::Chat, prompt, "messages", request.params).await
 }
 
@@ -200,16 +207,26 @@ async fn start(
     if prompt.is_empty() {
         return Err(ApiError::field(prompt_field, format!("`{prompt_field}` is empty")));
     }
-    if let Some((i, id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= info.vocab_size) {
+    if let Some((i, id)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= info.vocab_size)
+    {
         return Err(ApiError::field(
             format!("{prompt_field}[{i}]"),
-            format!("token id {id} is out of range: the vocabulary has {} ids", info.vocab_size),
+            format!(
+                "token id {id} is out of range: the vocabulary has {} ids",
+                info.vocab_size
+            ),
         ));
     }
     if let Some(id) = params.stop_ids.iter().find(|&&id| id as usize >= info.vocab_size) {
         return Err(ApiError::field(
             "stop",
-            format!("stop token id {id} is out of range: the vocabulary has {} ids", info.vocab_size),
+            format!(
+                "stop token id {id} is out of range: the vocabulary has {} ids",
+                info.vocab_size
+            ),
         ));
     }
     if prompt.len() >= info.context {
@@ -238,7 +255,11 @@ async fn start(
         None if kind == Kind::Chat => room,
         None => state.config.default_max_tokens.min(room),
     };
-    let mut stop_tokens = if params.ignore_eos { Vec::new() } else { info.eos_ids.clone() };
+    let mut stop_tokens = if params.ignore_eos {
+        Vec::new()
+    } else {
+        info.eos_ids.clone()
+    };
     stop_tokens.extend(&params.stop_ids);
     let options = GenerateOptions {
         max_new_tokens: max_tokens,
@@ -337,7 +358,11 @@ impl Running {
                 self.last = Some(t);
                 self.tokens.extend_from_slice(&tokens);
                 // A stop token is the last one generated and is not part of the text.
-                let shown: Vec<u32> = tokens.iter().copied().filter(|id| !self.stop_tokens.contains(id)).collect();
+                let shown: Vec<u32> = tokens
+                    .iter()
+                    .copied()
+                    .filter(|id| !self.stop_tokens.contains(id))
+                    .collect();
                 let piece = self.text.push(&shown).map_err(|e| ApiError::Internal(e.to_string()))?;
                 if self.text.stopped() {
                     // The engine stops at its next round.

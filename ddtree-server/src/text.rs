@@ -115,7 +115,9 @@ mod tests {
         assert_eq!(parts.concat(), text);
         assert!(parts.iter().all(|p| !p.contains('\u{FFFD}')), "{parts:?}");
         // The rare characters are byte tokens: one of them alone is not a character.
-        assert!(ids.iter().any(|&id| tokenizer.decode(&[id]).unwrap().contains('\u{FFFD}')));
+        assert!(ids
+            .iter()
+            .any(|&id| tokenizer.decode(&[id]).unwrap().contains('\u{FFFD}')));
         let (parts, stopped) = pieces(&tokenizer, &ids, &["\";"]);
         assert!(stopped);
         assert_eq!(parts.concat(), "let é = \"ü€");

@@ -23,10 +23,20 @@ async fn concurrent_streams_with_cancellations() {
         ..Default::default()
     });
     let c = reqwest::Client::new();
-    let metrics = || async { c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap() };
+    let metrics = || async {
+        c.get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
     let expected: HashMap<&str, Vec<u32>> = PROMPTS.iter().map(|&p| (p, reference(p, 12))).collect();
     // One request first: the drafter keeps a cache of its own between requests.
-    let warm = c.post(format!("{base}/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 2}));
+    let warm = c
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": "x", "max_tokens": 2}));
     assert_eq!(warm.send().await.unwrap().status().as_u16(), 200);
     let baseline = metric(&metrics().await, "ddtree_live_kv_caches");
     let started = Instant::now();
@@ -81,7 +91,10 @@ async fn concurrent_streams_with_cancellations() {
         }
     }
     let cancelled = REQUESTS - finished;
-    eprintln!("{REQUESTS} requests ({cancelled} dropped) in {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "{REQUESTS} requests ({cancelled} dropped) in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     // The dropped requests stop at their next round; wait for the engine to drain.
     let t = Instant::now();
     let m = loop {
@@ -92,7 +105,11 @@ async fn concurrent_streams_with_cancellations() {
         assert!(t.elapsed() < Duration::from_secs(20), "the engine never drained:\n{m}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert_eq!(metric(&m, "ddtree_live_kv_caches"), baseline, "a cache outlived its request");
+    assert_eq!(
+        metric(&m, "ddtree_live_kv_caches"),
+        baseline,
+        "a cache outlived its request"
+    );
     assert_eq!(
         metric(&m, "ddtree_requests_total{endpoint=\"/v1/completions\",status=\"200\"}"),
         REQUESTS as f64 + 1.0

@@ -60,5 +60,8 @@ pub fn metric(text: &str, name: &str) -> f64 {
 
 /// The `data:` payloads of an SSE body.
 pub fn sse_data(body: &str) -> Vec<String> {
-    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
 }
