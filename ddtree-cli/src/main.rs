@@ -1034,6 +1034,41 @@ mod tests {
     }
 
     #[test]
+    fn cli_parses_serve() {
+        let cli = Cli::try_parse_from(["ddtree", "serve"]).unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("serve")
+        };
+        assert_eq!((args.host.as_str(), args.port, args.max_queue), ("127.0.0.1", 8000, 64));
+        assert_eq!((args.budget, args.api_key, args.drafter), (Budget::Auto, None, None));
+        let cli = Cli::try_parse_from([
+            "ddtree",
+            "serve",
+            "--port",
+            "0",
+            "--drafter",
+            "none",
+            "--budget",
+            "16",
+            "--api-key",
+            "k",
+            "--device",
+            "cpu",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("serve")
+        };
+        assert_eq!(
+            (args.port, args.budget, args.drafter.as_deref()),
+            (0, Budget::Fixed(16), Some("none"))
+        );
+        assert!(args.dev.device == Device::Cpu && args.api_key.as_deref() == Some("k"));
+        assert!(Cli::try_parse_from(["ddtree", "serve", "--port", "70000"]).is_err());
+        assert!(Cli::try_parse_from(["ddtree", "serve", "--budget", "0"]).is_err());
+    }
+
+    #[test]
     fn eval_rejects_a_model_without_drafter_and_prompts() {
         assert!(Cli::try_parse_from(["ddtree", "eval", "--model", "x"]).is_err());
         let cli = Cli::try_parse_from(["ddtree", "eval", "--budgets", "2,4", "--limit", "1", "--json"]).unwrap();
