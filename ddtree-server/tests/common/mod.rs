@@ -13,8 +13,13 @@ pub const CONTEXT: usize = 128;
 
 /// Starts a server with `config` (its port replaced by 0) on its own thread; returns its base URL.
 pub fn start(config: ServerConfig) -> String {
+    start_thread(config).0
+}
+
+/// [`start`], and the server's thread (it ends when `run` returns after a shutdown).
+pub fn start_thread(config: ServerConfig) -> (String, std::thread::JoinHandle<()>) {
     let (tx, rx) = std::sync::mpsc::channel::<SocketAddr>();
-    std::thread::spawn(move || {
+    let thread = std::thread::spawn(move || {
         let model = tiny::load(CpuBackend::default(), LoadOptions::default()).unwrap();
         let drafter = tiny::load_drafter(&model, None).unwrap();
         let mut engine = ModelEngine {
@@ -33,7 +38,7 @@ pub fn start(config: ServerConfig) -> String {
         run(&mut engine, text, config, |addr| tx.send(addr).unwrap()).unwrap();
     });
     let addr = rx.recv().expect("the server starts");
-    format!("http://{addr}")
+    (format!("http://{addr}"), thread)
 }
 
 /// Plain greedy decoding of `prompt` by the engine itself (EOS stops it), the reference.
