@@ -180,9 +180,12 @@ pub fn engine_loop(engine: &mut dyn Engine, jobs: Receiver<Job>, metrics: &Metri
             let _ = events.send(Event::Tokens(tokens.to_vec()));
             !events.is_closed() && !job.cancel.load(Ordering::Relaxed) && !control.abort.load(Ordering::Relaxed)
         };
-        let result = engine.generate(&job.prompt, &job.options, &mut sink);
+        // A panic in the engine fails this request (500), not the server.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine.generate(&job.prompt, &job.options, &mut sink)
+        }));
         metrics.running.fetch_sub(1, Ordering::Relaxed);
-        let result = match result {
+        let result = match result.unwrap_or_else(|_| Err(EngineError::Forward("the engine panicked".into()))) {
             Ok(done) => {
                 metrics
                     .prompt_tokens
