@@ -531,3 +531,71 @@ async fn api_key_and_full_queue() {
         2.0
     );
 }
+
+/// An engine that fails: an error, then a panic.
+struct Failing(usize);
+
+impl ddtree_server::Engine for Failing {
+    fn info(&self) -> ddtree_server::ModelInfo {
+        ddtree_server::ModelInfo {
+            id: "failing".into(),
+            vocab_size: 10,
+            context: 16,
+            eos_ids: vec![],
+            device: "none".into(),
+            drafter: "none".into(),
+        }
+    }
+
+    fn generate(
+        &mut self,
+        _: &[u32],
+        _: &ddtree_engine::GenerateOptions,
+        _: &mut ddtree_engine::TokenSink<'_>,
+    ) -> Result<ddtree_server::Finished, ddtree_engine::EngineError> {
+        self.0 += 1;
+        if self.0 == 1 {
+            return Err(ddtree_engine::EngineError::Forward("scripted failure".into()));
+        }
+        panic!("scripted panic");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_failures_are_500s_and_the_server_lives_on() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let config = ServerConfig {
+            port: 0,
+            ..Default::default()
+        };
+        ddtree_server::run(&mut Failing(0), Default::default(), config, |a| tx.send(a).unwrap()).unwrap();
+    });
+    let base = format!("http://{}", rx.recv().unwrap());
+    let c = reqwest::Client::new();
+    let url = format!("{base}/v1/completions");
+    let (s, v) = post(&c, &url, json!({"prompt": [1, 2]}).to_string()).await;
+    assert_eq!(s, 500, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("scripted failure"),
+        "{v}"
+    );
+    let (s, v) = post(&c, &url, json!({"prompt": [1, 2]}).to_string()).await;
+    assert_eq!(s, 500, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("panicked"), "{v}");
+    // No tokenizer: text prompts and chat are refused by name; the server still answers.
+    bad(&c, &url, json!({"prompt": "text"}), 400, Some("prompt"), "no tokenizer").await;
+    bad(
+        &c,
+        &format!("{base}/v1/chat/completions"),
+        json!({"messages": [{"role": "user", "content": "a"}]}),
+        400,
+        Some("messages"),
+        "no chat template",
+    )
+    .await;
+    assert_eq!(
+        c.get(format!("{base}/health")).send().await.unwrap().status().as_u16(),
+        200
+    );
+}
