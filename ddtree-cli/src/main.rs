@@ -1,17 +1,21 @@
 //! `ddtree`: command-line front end of the engine.
 
+mod parallel;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ddtree_engine::parallel::ranks::run_cpu_ranks;
+use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, RankContext, Storage};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
-use ddtree_engine::{eval, tuning};
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, ActivationPrecision, AttentionKernel, Backend, Budget,
     Checkpoint, CpuBackend, CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions,
     Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
+use ddtree_engine::{eval, tuning};
 use ddtree_runtime::Gpu;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -78,6 +82,10 @@ enum Command {
     /// The engine on a synthetic model of real shapes (random weights made on the device):
     /// plain decode against the bandwidth floor, DDTree rounds per budget, speedups.
     Bench(BenchArgs),
+    /// The parallel plan of a model over 1, 2, 4, 8 GPUs: each rank's heads, experts,
+    /// intermediate columns and vocabulary slice, the bytes it holds and reads per token, and
+    /// the memory it needs.
+    Plan(parallel::PlanArgs),
 }
 
 /// Where and how the engine runs.
@@ -119,6 +127,8 @@ struct BenchArgs {
     preset: String,
     #[command(flatten)]
     dev: DeviceArgs,
+    #[command(flatten)]
+    par: parallel::ParallelArgs,
     /// Contexts of the plain-decode runs (comma-separated); default: the preset's.
     #[arg(long, value_delimiter = ',')]
     contexts: Option<Vec<usize>>,
@@ -213,6 +223,8 @@ struct GenerateArgs {
     skip_nan_check: bool,
     #[command(flatten)]
     dev: DeviceArgs,
+    #[command(flatten)]
+    par: parallel::ParallelArgs,
     /// Print one JSON object on stdout instead of text (with --drafter, plus the speculative stats).
     #[arg(long)]
     json: bool,
@@ -268,6 +280,7 @@ fn main() -> ExitCode {
             || bench::Preset::parse(&args.preset)?.config(),
             |b| run_bench(b, &args),
         ),
+        Command::Plan(args) => parallel::run_plan(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -357,27 +370,45 @@ struct Loaded<B: Backend> {
     tokenizer: Option<Tokenizer>,
 }
 
-fn load<B: Backend>(backend: B, args: &GenerateArgs) -> Result<Loaded<B>, EngineError> {
+fn load<B: Backend>(backend: B, args: &GenerateArgs, rank: Option<RankContext<B>>) -> Result<Loaded<B>, EngineError> {
     let options = LoadOptions {
         check_finite: !args.skip_nan_check,
     };
     let Some(dir) = &args.model else {
+        let model = match rank {
+            None => tiny::load(backend, options)?,
+            Some(rank) => Model::load_rank(
+                backend,
+                tiny::config()?,
+                &tiny::checkpoint()?,
+                options,
+                rank,
+                &mut |_, _| {},
+            )?,
+        };
         return Ok(Loaded {
             name: tiny::NAME.into(),
-            model: tiny::load(backend, options)?,
+            model,
             tokenizer: Some(tiny::tokenizer()?),
         });
     };
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let bar = progress_bar(
-        ckpt.total_bytes(),
-        "loading weights {bar:40} {bytes}/{total_bytes} ({eta})",
-    );
-    let model = Model::load(backend, config, &ckpt, options, &mut |done, total| {
+    // One bar for all ranks: rank 0 draws it.
+    let total = if rank.as_ref().is_some_and(|r| r.rank > 0) {
+        0
+    } else {
+        ckpt.total_bytes()
+    };
+    let bar = progress_bar(total, "loading weights {bar:40} {bytes}/{total_bytes} ({eta})");
+    let mut progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
-    })?;
+    };
+    let model = match rank {
+        None => Model::load(backend, config, &ckpt, options, &mut progress)?,
+        Some(rank) => Model::load_rank(backend, config, &ckpt, options, rank, &mut progress)?,
+    };
     bar.finish_and_clear();
     Ok(Loaded {
         name: dir.display().to_string(),
@@ -435,13 +466,95 @@ struct Run<B: Backend> {
 }
 
 fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError> {
+    let config = model_config(args)?;
     match backend {
-        AnyBackend::Cpu(b) => generate_on(b, args, None),
+        AnyBackend::Cpu(b) => {
+            let spec = args.par.cpu_spec()?;
+            let plan = ParallelPlan::new(&config, spec)?;
+            let cache = args.max_tokens + 4096;
+            ddtree_engine::parallel::MemoryEstimate::new(&plan, Storage::Cpu, cache, 1024)
+                .check_host("load a smaller model, or run on GPUs (see `ddtree plan`)")?;
+            if spec.is_parallel() {
+                return generate_ranks(b, args, plan);
+            }
+            generate_on(b, args, None)
+        }
         AnyBackend::Cuda(b) => {
+            check_single_gpu(&b, &args.par, &config, |spec| {
+                let plan = ParallelPlan::new(&config, spec)?;
+                Ok(ddtree_engine::parallel::MemoryEstimate::new(
+                    &plan,
+                    Storage::Gpu,
+                    args.max_tokens + 4096,
+                    1024,
+                ))
+            })?;
             let cost = stored_verify_cost(&b, args);
             generate_on(*b, args, cost)
         }
     }
+}
+
+/// On CUDA: picks the layout (`--gpus`), refuses what does not fit the GPU's memory by the
+/// estimate, and (for now) refuses more than one GPU: the CUDA multi-rank path is not built yet.
+fn check_single_gpu(
+    b: &CudaBackend,
+    par: &parallel::ParallelArgs,
+    _config: &ModelConfig,
+    estimate: impl Fn(ParallelSpec) -> Result<ddtree_engine::parallel::MemoryEstimate, EngineError>,
+) -> Result<(), EngineError> {
+    let memory = b.gpu().fingerprint().memory_bytes as u64;
+    let devices = ddtree_runtime::cudarc::driver::CudaContext::device_count().map_or(1, |n| n.max(1) as usize);
+    let spec = par.gpu_spec(devices, memory, &estimate)?;
+    if spec.is_parallel() {
+        return Err(EngineError::Parallel {
+            argument: "--gpus".into(),
+            reason: format!(
+                "{} GPUs: the CUDA multi-rank forward is not built yet (issue 45); the sharded \
+                 forward runs on CPU ranks (--device cpu --ranks {})",
+                spec.world, spec.world
+            ),
+        });
+    }
+    let name = format!("GPU 0 ({})", b.gpu().fingerprint().name);
+    estimate(spec)?.check(&name, memory, 1, "split it over more GPUs (--gpus, see `ddtree plan`)")
+}
+
+/// `generate` on CPU ranks: every rank loads its shard and runs the same generation; rank 0's
+/// output is printed after checking that every rank emitted the same tokens.
+fn generate_ranks(backend: CpuBackend, args: &GenerateArgs, plan: ParallelPlan) -> Result<(), EngineError> {
+    let world = plan.spec.world;
+    let runs = run_cpu_ranks(std::sync::Arc::new(plan), |rank| {
+        let r = run(backend, args, None, Some(rank))?;
+        let text = match &r.loaded.tokenizer {
+            Some(t) => Some(t.decode(&r.out.tokens)?),
+            None => None,
+        };
+        let comm = r.loaded.model.rank().map(|c| c.comm.stats()).unwrap_or_default();
+        Ok((r.loaded.name, r.prompt, r.out, r.stats, r.load_time, text, comm))
+    })?;
+    if let Some(i) = runs.iter().position(|r| r.2.tokens != runs[0].2.tokens) {
+        return Err(EngineError::Comm {
+            op: "generate".into(),
+            rank: i,
+            reason: format!("rank {i} emitted other tokens than rank 0 (the ranks diverged)"),
+        });
+    }
+    let (name, prompt, out, stats, load, text, comm) = runs.into_iter().next().expect("at least one rank");
+    let device = format!("cpu x{world} ranks");
+    if args.json {
+        let mut report = generation_json(&name, &device, prompt.len(), &out, stats.as_ref(), text, load);
+        report["ranks"] = json!({"world": world, "collectives": comm.calls, "collective_ms": millis(comm.time)});
+        println!("{report}");
+    } else {
+        print_human_named(&name, &device, &prompt, &out, stats.as_ref(), text, load);
+        println!(
+            "ranks: {world}; rank 0 ran {} collectives, {:.2} ms in them",
+            comm.calls,
+            millis(comm.time)
+        );
+    }
+    Ok(())
 }
 
 /// The verify cost `autotune --verify-cost` stored for this GPU and model, when `--budget auto`
@@ -464,7 +577,7 @@ fn generate_on<B: Backend + 'static>(
         out,
         stats,
         load_time,
-    } = run(backend, args, cost)?;
+    } = run(backend, args, cost, None)?;
     let text = match &loaded.tokenizer {
         Some(t) => Some(t.decode(&out.tokens)?),
         None => None,
@@ -478,9 +591,14 @@ fn generate_on<B: Backend + 'static>(
 }
 
 /// Generates as `args` say; `cost` is the cost model of `--budget auto` (`None`: the fallback).
-fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostModel>) -> Result<Run<B>, EngineError> {
+fn run<B: Backend + 'static>(
+    backend: B,
+    args: &GenerateArgs,
+    cost: Option<CostModel>,
+    rank: Option<RankContext<B>>,
+) -> Result<Run<B>, EngineError> {
     let start = Instant::now();
-    let loaded = load(backend, args)?;
+    let loaded = load(backend, args, rank)?;
     let load_time = start.elapsed();
     let prompt = prompt_ids(args, &loaded)?;
     let options = GenerateOptions {
@@ -500,7 +618,9 @@ fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostM
     let drafter = match (&args.drafter, &args.model, args.no_spec) {
         (_, _, true) | (None, Some(_), false) => None,
         (Some(which), _, false) => Some(make_drafter(&loaded.model, which, args)?),
-        (None, None, false) => Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>),
+        (None, None, false) => {
+            Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>)
+        }
     };
     let (out, stats) = match drafter {
         Some(mut drafter) => {
@@ -561,7 +681,10 @@ fn eval_on<B: Backend>(backend: B, args: &EvalArgs) -> Result<(), EngineError> {
         eprintln!("eval: {} done ({:.1} s)", row.label, row.wall.as_secs_f64());
     })?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize")
+        );
     } else {
         print!("{}", report.table());
     }
@@ -618,6 +741,23 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
         }
         config.num_hidden_layers = n;
     }
+    // The memory check, before anything is allocated.
+    let any = &backend as &dyn std::any::Any;
+    if let Some(cuda) = any.downcast_ref::<CudaBackend>() {
+        check_single_gpu(cuda, &args.par, &config, |spec| {
+            parallel::bench_estimate(&config, spec, &opts, Storage::Gpu)
+        })?;
+    } else if let Some(&cpu) = any.downcast_ref::<CpuBackend>() {
+        let spec = args.par.cpu_spec()?;
+        parallel::bench_estimate(&config, spec, &opts, Storage::Cpu)?.check_host(&format!(
+            "preset {} is sized for GPUs: run it on a GPU, or try --preset tiny (`ddtree plan --preset {} --cpu` shows the split)",
+            preset.name(),
+            preset.name()
+        ))?;
+        if spec.is_parallel() {
+            return bench_ranks(cpu, args, preset, &opts, config, spec);
+        }
+    }
     let start = Instant::now();
     let bar = progress_bar(
         u64::MAX,
@@ -637,6 +777,47 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
     );
     let report = bench::run(&model, preset, &opts, copy_gb_per_s, &mut |line| eprintln!("{line}"))?;
     println!("{}", bench::render(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).expect("the report serializes");
+        std::fs::write(path, text).map_err(|e| EngineError::io(path, e))?;
+    }
+    Ok(())
+}
+
+/// `bench` on CPU ranks: every rank makes its random shard and runs the benchmark; rank 0's
+/// report is printed, with its time in collectives.
+fn bench_ranks(
+    backend: CpuBackend,
+    args: &BenchArgs,
+    preset: bench::Preset,
+    opts: &bench::BenchOptions,
+    config: ModelConfig,
+    spec: ParallelSpec,
+) -> Result<(), EngineError> {
+    let plan = std::sync::Arc::new(ParallelPlan::new(&config, spec)?);
+    let start = Instant::now();
+    let reports = run_cpu_ranks(plan, |rank| {
+        let r = rank.rank;
+        let model = Model::random_rank(backend, config.clone(), opts.seed, rank, &mut |_, _| {})?;
+        let report = bench::run(&model, preset, opts, None, &mut |line| {
+            if r == 0 {
+                eprintln!("{line}");
+            }
+        })?;
+        let comm = model.rank().map(|c| c.comm.stats()).unwrap_or_default();
+        Ok((report, comm))
+    })?;
+    let (report, comm) = reports.into_iter().next().expect("at least one rank");
+    println!("{}", bench::render(&report));
+    println!(
+        "{} CPU ranks (TP {}, EP {}); rank 0: {} collectives, {:.1} ms in them; wall {:.1} s",
+        spec.world,
+        spec.tp,
+        spec.ep,
+        comm.calls,
+        millis(comm.time),
+        start.elapsed().as_secs_f64()
+    );
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report).expect("the report serializes");
         std::fs::write(path, text).map_err(|e| EngineError::io(path, e))?;
@@ -678,10 +859,27 @@ fn print_json<B: Backend>(
     text: Option<String>,
     load: Duration,
 ) {
+    let device = loaded.model.backend().name();
+    println!(
+        "{}",
+        generation_json(&loaded.name, device, prompt_tokens, out, stats, text, load)
+    );
+}
+
+/// The JSON report of one generation.
+fn generation_json(
+    name: &str,
+    device: &str,
+    prompt_tokens: usize,
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) -> serde_json::Value {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let mut report = json!({
-        "model": loaded.name,
-        "device": loaded.model.backend().name(),
+        "model": name,
+        "device": device,
         "prompt_tokens": prompt_tokens,
         "tokens": out.tokens,
         "text": text,
@@ -698,7 +896,7 @@ fn print_json<B: Backend>(
     if let Some(stats) = stats {
         report["spec"] = spec_json(stats);
     }
-    println!("{report}");
+    report
 }
 
 fn print_human<B: Backend>(
@@ -709,14 +907,23 @@ fn print_human<B: Backend>(
     text: Option<String>,
     load: Duration,
 ) {
+    let device = loaded.model.backend().name();
+    print_human_named(&loaded.name, device, prompt, out, stats, text, load);
+}
+
+/// The text report of one generation.
+fn print_human_named(
+    name: &str,
+    device: &str,
+    prompt: &[u32],
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let rate = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.1} tok/s"));
-    println!(
-        "model: {} ({}), loaded in {:.1} ms",
-        loaded.name,
-        loaded.model.backend().name(),
-        millis(load)
-    );
+    println!("model: {name} ({device}), loaded in {:.1} ms", millis(load));
     println!("prompt: {} tokens {:?}", prompt.len(), prompt);
     println!("tokens: {:?}", out.tokens);
     if let Some(text) = text {
@@ -829,7 +1036,7 @@ mod tests {
             else {
                 panic!("generate")
             };
-            let r = run(CpuBackend::default(), &args, None).unwrap();
+            let r = run(CpuBackend::default(), &args, None, None).unwrap();
             let spec = (args.drafter.is_some() || args.model.is_none()) && !args.no_spec;
             assert_eq!(r.stats.is_some(), spec);
             if let Some(stats) = &r.stats {
@@ -841,9 +1048,15 @@ mod tests {
             r.out.tokens
         };
         let plain = run(&["--model", kimi]);
-        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
+        let dflash = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../ddtree-engine/tests/fixtures/tiny-dflash"
+        );
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle"]), plain);
-        assert_eq!(run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]), plain);
+        assert_eq!(
+            run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]),
+            plain
+        );
         assert_eq!(run(&["--model", kimi, "--drafter", dflash, "--block-size", "4"]), plain);
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle", "--no-spec"]), plain);
         // The built-in pair: DDTree with the trained drafter by default, lossless.

@@ -31,6 +31,9 @@ const WARMUP_STEPS: usize = 2;
 pub enum Preset {
     /// Kimi K2.6, one GPU's share of 8-way expert parallelism.
     KimiK26Ep8,
+    /// The whole Kimi K2.6 (384 routed experts, about 595 GB on GPUs): for `--gpus N`, sharded
+    /// by the parallel plan.
+    KimiK26,
     /// The embedded tiny-kimi fixture's shapes (CPU-sized).
     Tiny,
 }
@@ -40,6 +43,7 @@ impl Preset {
     pub fn name(self) -> &'static str {
         match self {
             Self::KimiK26Ep8 => "kimi-k2.6-ep8",
+            Self::KimiK26 => "kimi-k2.6",
             Self::Tiny => "tiny",
         }
     }
@@ -48,9 +52,10 @@ impl Preset {
     pub fn parse(s: &str) -> Result<Preset> {
         match s {
             "kimi-k2.6-ep8" => Ok(Self::KimiK26Ep8),
+            "kimi-k2.6" => Ok(Self::KimiK26),
             "tiny" => Ok(Self::Tiny),
             _ => Err(EngineError::Forward(format!(
-                "unknown bench preset {s:?}; presets: kimi-k2.6-ep8, tiny"
+                "unknown bench preset {s:?}; presets: kimi-k2.6-ep8, kimi-k2.6, tiny"
             ))),
         }
     }
@@ -60,6 +65,10 @@ impl Preset {
         match self {
             Self::Tiny => crate::tiny::kimi::config(),
             Self::KimiK26Ep8 => ModelConfig::from_json(KIMI_K26_EP8, std::path::Path::new("<kimi-k2.6-ep8 preset>")),
+            Self::KimiK26 => ModelConfig::from_json(
+                &KIMI_K26_EP8.replace(r#""n_routed_experts": 48"#, r#""n_routed_experts": 384"#),
+                std::path::Path::new("<kimi-k2.6 preset>"),
+            ),
         }
     }
 }
@@ -144,7 +153,7 @@ impl BenchOptions {
     /// for the tiny model.
     pub fn for_preset(preset: Preset) -> BenchOptions {
         match preset {
-            Preset::KimiK26Ep8 => BenchOptions {
+            Preset::KimiK26Ep8 | Preset::KimiK26 => BenchOptions {
                 contexts: vec![1024, 8192, 32768],
                 decode_steps: 24,
                 budgets: vec![8, 16, 32, 64, 128, 256],

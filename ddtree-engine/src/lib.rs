@@ -26,6 +26,7 @@ pub mod eval;
 pub mod generate;
 pub mod mask;
 pub mod model;
+pub mod parallel;
 pub mod rope;
 pub mod spec;
 pub mod tiny;
