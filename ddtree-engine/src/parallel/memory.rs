@@ -50,8 +50,12 @@ impl MemoryEstimate {
                 .intermediate_size
                 .max(cfg.moe.moe_intermediate_size * cfg.moe.num_experts_per_tok)
             + vocab;
-        // The CPU backend converts one whole tensor to f32 while loading it: the largest one.
-        let largest = (vocab * cfg.hidden_size).max(cfg.intermediate_size * cfg.hidden_size) as u64 * 4;
+        // The CPU backend converts one tensor slice to f32 while loading it (the largest one)
+        // before keeping it; on GPUs that copy is on the host, not the device.
+        let largest = match storage {
+            Storage::Cpu => (vocab * cfg.hidden_size).max(cfg.intermediate_size * cfg.hidden_size) as u64 * 4,
+            Storage::Gpu => 0,
+        };
         let workspace = (row * step_tokens.max(1)) as u64 * 4 + largest + reserve(storage);
         Self {
             ranks: world,
