@@ -305,13 +305,7 @@ fn on_device(
     config: impl FnOnce() -> Result<ModelConfig, EngineError>,
     f: impl FnOnce(AnyBackend) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {
-    let options = CudaOptions {
-        no_autotune: dev.no_autotune,
-        no_graphs: dev.no_cuda_graphs,
-        one_stream: dev.one_stream,
-        no_pdl: dev.no_pdl,
-        attention: dev.attention,
-    };
+    let options = cuda_options(dev);
     let gpu = match dev.device {
         Device::Cpu => None,
         Device::Cuda => Some(Gpu::open(0)?),
@@ -337,6 +331,17 @@ fn on_device(
         }
     };
     f(backend)
+}
+
+/// The CUDA backend's options from the device flags.
+fn cuda_options(dev: &DeviceArgs) -> CudaOptions {
+    CudaOptions {
+        no_autotune: dev.no_autotune,
+        no_graphs: dev.no_cuda_graphs,
+        one_stream: dev.one_stream,
+        no_pdl: dev.no_pdl,
+        attention: dev.attention,
+    }
 }
 
 /// Tunes the missing kernel keys of `config` on `gpu` (a failure only costs speed: the backend
@@ -480,7 +485,7 @@ fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError>
             generate_on(b, args, None)
         }
         AnyBackend::Cuda(b) => {
-            check_single_gpu(&b, &args.par, &config, |spec| {
+            let spec = check_gpus(&b, &args.par, |spec| {
                 let plan = ParallelPlan::new(&config, spec)?;
                 Ok(ddtree_engine::parallel::MemoryEstimate::new(
                     &plan,
@@ -489,50 +494,83 @@ fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError>
                     1024,
                 ))
             })?;
+            if spec.is_parallel() {
+                drop(b);
+                return generate_gpu_ranks(args, ParallelPlan::new(&config, spec)?);
+            }
             let cost = stored_verify_cost(&b, args);
             generate_on(*b, args, cost)
         }
     }
 }
 
-/// On CUDA: picks the layout (`--gpus`), refuses what does not fit the GPU's memory by the
-/// estimate, and (for now) refuses more than one GPU: the CUDA multi-rank path is not built yet.
-fn check_single_gpu(
+/// On CUDA: picks the layout (`--gpus`; at most the GPUs present) and refuses what does not fit
+/// one GPU's memory by the estimate.
+fn check_gpus(
     b: &CudaBackend,
     par: &parallel::ParallelArgs,
-    _config: &ModelConfig,
     estimate: impl Fn(ParallelSpec) -> Result<ddtree_engine::parallel::MemoryEstimate, EngineError>,
-) -> Result<(), EngineError> {
+) -> Result<ParallelSpec, EngineError> {
     let memory = b.gpu().fingerprint().memory_bytes as u64;
     let devices = ddtree_runtime::cudarc::driver::CudaContext::device_count().map_or(1, |n| n.max(1) as usize);
     let spec = par.gpu_spec(devices, memory, &estimate)?;
-    if spec.is_parallel() {
+    if spec.world > devices {
         return Err(EngineError::Parallel {
             argument: "--gpus".into(),
-            reason: format!(
-                "{} GPUs: the CUDA multi-rank forward is not built yet (issue 45); the sharded \
-                 forward runs on CPU ranks (--device cpu --ranks {})",
-                spec.world, spec.world
-            ),
+            reason: format!("{} GPUs asked, {devices} present", spec.world),
         });
     }
     let name = format!("GPU 0 ({})", b.gpu().fingerprint().name);
-    estimate(spec)?.check(&name, memory, 1, "split it over more GPUs (--gpus, see `ddtree plan`)")
+    estimate(spec)?.check(&name, memory, 1, "split it over more GPUs (--gpus, see `ddtree plan`)")?;
+    Ok(spec)
 }
 
 /// `generate` on CPU ranks: every rank loads its shard and runs the same generation; rank 0's
 /// output is printed after checking that every rank emitted the same tokens.
 fn generate_ranks(backend: CpuBackend, args: &GenerateArgs, plan: ParallelPlan) -> Result<(), EngineError> {
     let world = plan.spec.world;
-    let runs = run_cpu_ranks(std::sync::Arc::new(plan), |rank| {
-        let r = run(backend, args, None, Some(rank))?;
-        let text = match &r.loaded.tokenizer {
-            Some(t) => Some(t.decode(&r.out.tokens)?),
-            None => None,
-        };
-        let comm = r.loaded.model.rank().map(|c| c.comm.stats()).unwrap_or_default();
-        Ok((r.loaded.name, r.prompt, r.out, r.stats, r.load_time, text, comm))
+    let runs = run_cpu_ranks(std::sync::Arc::new(plan), |rank| rank_run(backend, args, rank))?;
+    report_ranks(args, &format!("cpu x{world} ranks"), world, runs)
+}
+
+/// `generate` on GPUs `0..N` of this node, one rank each (NCCL); as [`generate_ranks`].
+fn generate_gpu_ranks(args: &GenerateArgs, plan: ParallelPlan) -> Result<(), EngineError> {
+    let world = plan.spec.world;
+    let options = cuda_options(&args.dev);
+    let runs = ddtree_engine::parallel::cuda::run_cuda_ranks(std::sync::Arc::new(plan), options, |backend, rank| {
+        rank_run(backend, args, rank)
     })?;
+    report_ranks(args, &format!("cuda x{world} GPUs"), world, runs)
+}
+
+/// What one rank of a multi-rank `generate` hands back.
+type RankRun = (
+    String,
+    Vec<u32>,
+    Generation,
+    Option<SpecStats>,
+    Duration,
+    Option<String>,
+    ddtree_engine::parallel::CommStats,
+);
+
+/// One rank's generation.
+fn rank_run<B: Backend + 'static>(
+    backend: B,
+    args: &GenerateArgs,
+    rank: RankContext<B>,
+) -> Result<RankRun, EngineError> {
+    let r = run(backend, args, None, Some(rank))?;
+    let text = match &r.loaded.tokenizer {
+        Some(t) => Some(t.decode(&r.out.tokens)?),
+        None => None,
+    };
+    let comm = r.loaded.model.rank().map(|c| c.comm.stats()).unwrap_or_default();
+    Ok((r.loaded.name, r.prompt, r.out, r.stats, r.load_time, text, comm))
+}
+
+/// Checks that every rank emitted rank 0's tokens and prints rank 0's report.
+fn report_ranks(args: &GenerateArgs, device: &str, world: usize, runs: Vec<RankRun>) -> Result<(), EngineError> {
     if let Some(i) = runs.iter().position(|r| r.2.tokens != runs[0].2.tokens) {
         return Err(EngineError::Comm {
             op: "generate".into(),
@@ -541,13 +579,12 @@ fn generate_ranks(backend: CpuBackend, args: &GenerateArgs, plan: ParallelPlan) 
         });
     }
     let (name, prompt, out, stats, load, text, comm) = runs.into_iter().next().expect("at least one rank");
-    let device = format!("cpu x{world} ranks");
     if args.json {
-        let mut report = generation_json(&name, &device, prompt.len(), &out, stats.as_ref(), text, load);
+        let mut report = generation_json(&name, device, prompt.len(), &out, stats.as_ref(), text, load);
         report["ranks"] = json!({"world": world, "collectives": comm.calls, "collective_ms": millis(comm.time)});
         println!("{report}");
     } else {
-        print_human_named(&name, &device, &prompt, &out, stats.as_ref(), text, load);
+        print_human_named(&name, device, &prompt, &out, stats.as_ref(), text, load);
         println!(
             "ranks: {world}; rank 0 ran {} collectives, {:.2} ms in them",
             comm.calls,
@@ -744,9 +781,18 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
     // The memory check, before anything is allocated.
     let any = &backend as &dyn std::any::Any;
     if let Some(cuda) = any.downcast_ref::<CudaBackend>() {
-        check_single_gpu(cuda, &args.par, &config, |spec| {
+        let spec = check_gpus(cuda, &args.par, |spec| {
             parallel::bench_estimate(&config, spec, &opts, Storage::Gpu)
         })?;
+        if spec.is_parallel() {
+            let plan = std::sync::Arc::new(ParallelPlan::new(&config, spec)?);
+            let options = cuda_options(&args.dev);
+            let start = Instant::now();
+            let reports = ddtree_engine::parallel::cuda::run_cuda_ranks(plan, options, |backend, rank| {
+                bench_rank(backend, rank, preset, &opts, &config, copy_gb_per_s)
+            })?;
+            return print_rank_bench(args, reports, spec, "GPU", start);
+        }
     } else if let Some(&cpu) = any.downcast_ref::<CpuBackend>() {
         let spec = args.par.cpu_spec()?;
         parallel::bench_estimate(&config, spec, &opts, Storage::Cpu)?.check_host(&format!(
@@ -796,21 +842,43 @@ fn bench_ranks(
 ) -> Result<(), EngineError> {
     let plan = std::sync::Arc::new(ParallelPlan::new(&config, spec)?);
     let start = Instant::now();
-    let reports = run_cpu_ranks(plan, |rank| {
-        let r = rank.rank;
-        let model = Model::random_rank(backend, config.clone(), opts.seed, rank, &mut |_, _| {})?;
-        let report = bench::run(&model, preset, opts, None, &mut |line| {
-            if r == 0 {
-                eprintln!("{line}");
-            }
-        })?;
-        let comm = model.rank().map(|c| c.comm.stats()).unwrap_or_default();
-        Ok((report, comm))
+    let reports = run_cpu_ranks(plan, |rank| bench_rank(backend, rank, preset, opts, &config, None))?;
+    print_rank_bench(args, reports, spec, "CPU", start)
+}
+
+/// One rank of a multi-rank bench: its random shard, the benchmark (rank 0 prints progress),
+/// its time in collectives.
+fn bench_rank<B: Backend>(
+    backend: B,
+    rank: RankContext<B>,
+    preset: bench::Preset,
+    opts: &bench::BenchOptions,
+    config: &ModelConfig,
+    copy_gb_per_s: Option<f64>,
+) -> Result<(bench::BenchReport, ddtree_engine::parallel::CommStats), EngineError> {
+    let r = rank.rank;
+    let model = Model::random_rank(backend, config.clone(), opts.seed, rank, &mut |_, _| {})?;
+    let report = bench::run(&model, preset, opts, copy_gb_per_s, &mut |line| {
+        if r == 0 {
+            eprintln!("{line}");
+        }
     })?;
+    let comm = model.rank().map(|c| c.comm.stats()).unwrap_or_default();
+    Ok((report, comm))
+}
+
+/// Prints rank 0's bench report and its collective time.
+fn print_rank_bench(
+    args: &BenchArgs,
+    reports: Vec<(bench::BenchReport, ddtree_engine::parallel::CommStats)>,
+    spec: ParallelSpec,
+    kind: &str,
+    start: Instant,
+) -> Result<(), EngineError> {
     let (report, comm) = reports.into_iter().next().expect("at least one rank");
     println!("{}", bench::render(&report));
     println!(
-        "{} CPU ranks (TP {}, EP {}); rank 0: {} collectives, {:.1} ms in them; wall {:.1} s",
+        "{} {kind} ranks (TP {}, EP {}); rank 0: {} collectives, {:.1} ms in them; wall {:.1} s",
         spec.world,
         spec.tp,
         spec.ep,

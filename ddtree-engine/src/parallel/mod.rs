@@ -18,6 +18,7 @@
 
 pub mod comm;
 pub mod cpu;
+pub mod cuda;
 pub mod memory;
 pub mod nccl;
 pub mod plan;

@@ -64,7 +64,7 @@ pub fn run_threads<C: Send, T: Send>(items: Vec<C>, f: impl Fn(C) -> Result<T> +
             .collect()
     });
     if results.iter().all(Result::is_ok) {
-        return Ok(results.into_iter().map(|r| r.ok().expect("all ok")).collect());
+        return results.into_iter().collect();
     }
     let is_peer = |e: &EngineError| matches!(e, EngineError::Comm { reason, .. } if reason.contains("has stopped"));
     let mut errors: Vec<EngineError> = results.into_iter().filter_map(Result::err).collect();
