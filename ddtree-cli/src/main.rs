@@ -778,6 +778,9 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
         }
         config.num_hidden_layers = n;
     }
+    if let Some(rank) = args.par.virtual_rank {
+        return bench_virtual_rank(backend, args, preset, opts, config, rank, copy_gb_per_s);
+    }
     // The memory check, before anything is allocated.
     let any = &backend as &dyn std::any::Any;
     if let Some(cuda) = any.downcast_ref::<CudaBackend>() {
@@ -844,6 +847,62 @@ fn bench_ranks(
     let start = Instant::now();
     let reports = run_cpu_ranks(plan, |rank| bench_rank(backend, rank, preset, opts, &config, None))?;
     print_rank_bench(args, reports, spec, "CPU", start)
+}
+
+/// `bench --virtual-rank R`: rank R's share of the plan alone on this device (memory checked
+/// against this one device), collectives that move nothing, the rank's bytes as the floor.
+fn bench_virtual_rank<B: Backend + 'static>(
+    backend: B,
+    args: &BenchArgs,
+    preset: bench::Preset,
+    mut opts: bench::BenchOptions,
+    config: ModelConfig,
+    rank: usize,
+    copy_gb_per_s: Option<f64>,
+) -> Result<(), EngineError> {
+    let spec = args.par.virtual_spec(rank)?;
+    let plan = std::sync::Arc::new(ParallelPlan::new(&config, spec)?);
+    let any = &backend as &dyn std::any::Any;
+    let hint = "pick a larger --gpus (see `ddtree plan`)";
+    if let Some(cuda) = any.downcast_ref::<CudaBackend>() {
+        let name = format!("GPU 0 ({})", cuda.gpu().fingerprint().name);
+        let memory = cuda.gpu().fingerprint().memory_bytes as u64;
+        parallel::bench_estimate(&config, spec, &opts, Storage::Gpu)?.check(&name, memory, 1, hint)?;
+    } else {
+        let host = ddtree_engine::parallel::memory::host_available()?;
+        parallel::bench_estimate(&config, spec, &opts, Storage::Cpu)?.check("the CPU host", host, 1, hint)?;
+    }
+    opts.rank = Some((plan.clone(), rank));
+    let context = RankContext {
+        plan,
+        rank,
+        comm: Box::new(ddtree_engine::parallel::virtual_rank::VirtualComm {
+            rank,
+            world: spec.world,
+        }),
+    };
+    let start = Instant::now();
+    let model = Model::random_rank(backend, config, opts.seed, context, &mut |_, _| {})?;
+    eprintln!(
+        "{}: rank {rank} of {} (TP {}, EP {}) alone on {}: made in {:.1} s",
+        preset.name(),
+        spec.world,
+        spec.tp,
+        spec.ep,
+        model.backend().name(),
+        start.elapsed().as_secs_f64()
+    );
+    let report = bench::run(&model, preset, &opts, copy_gb_per_s, &mut |line| eprintln!("{line}"))?;
+    println!("{}", bench::render(&report));
+    println!(
+        "virtual rank {rank} of {}: one rank's compute; collectives not run (bytes per token are the rank's)",
+        spec.world
+    );
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report).expect("the report serializes");
+        std::fs::write(path, text).map_err(|e| EngineError::io(path, e))?;
+    }
+    Ok(())
 }
 
 /// One rank of a multi-rank bench: its random shard, the benchmark (rank 0 prints progress),

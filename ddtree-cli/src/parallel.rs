@@ -48,9 +48,35 @@ pub struct ParallelArgs {
     /// count).
     #[arg(long)]
     pub ep: Option<usize>,
+    /// `bench` only: run rank R's share of the `--gpus N` (or `--ranks N`) plan alone on this
+    /// device, with collectives that move nothing (one rank's compute time against its bytes
+    /// floor; the tokens are not the model's).
+    #[arg(long)]
+    pub virtual_rank: Option<usize>,
 }
 
 impl ParallelArgs {
+    /// The layout a `--virtual-rank` stands in: `--gpus N` or `--ranks N`, required.
+    pub fn virtual_spec(&self, rank: usize) -> Result<ParallelSpec, EngineError> {
+        let world = match (self.ranks, self.gpus) {
+            (Some(n), _) | (None, Some(GpuCount::N(n))) => n,
+            _ => {
+                return Err(EngineError::Parallel {
+                    argument: "--virtual-rank".into(),
+                    reason: "needs the plan's rank count: --gpus N (or --ranks N)".into(),
+                })
+            }
+        };
+        let spec = ParallelSpec::new(world, self.tp, self.ep)?;
+        if rank >= world {
+            return Err(EngineError::Parallel {
+                argument: "--virtual-rank".into(),
+                reason: format!("rank {rank} of a {world}-rank plan"),
+            });
+        }
+        Ok(spec)
+    }
+
     /// The layout on CPU ranks (all sharing the host memory: `--gpus auto` is one rank).
     pub fn cpu_spec(&self) -> Result<ParallelSpec, EngineError> {
         let world = match (self.ranks, self.gpus) {

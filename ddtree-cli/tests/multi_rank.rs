@@ -74,3 +74,43 @@ fn generate_on_cpu_ranks_matches_one_rank() {
     assert_eq!(tokens(&["--ranks", "2"]), one);
     assert_eq!(tokens(&["--ranks", "4", "--drafter", "oracle", "--budget", "4"]), one);
 }
+
+#[test]
+fn bench_on_cpu_ranks_and_one_virtual_rank() {
+    let tiny = [
+        "bench",
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--contexts",
+        "16",
+        "--budgets",
+        "4",
+    ];
+    let (ok, out, err, _) = ddtree(&[&tiny[..], &["--ranks", "2"]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("2 CPU ranks (TP 2, EP 2)"), "{out}");
+    let (ok, out, err, _) = ddtree(&[&tiny[..], &["--gpus", "2", "--virtual-rank", "1"]].concat());
+    assert!(ok, "{err}");
+    assert!(out.contains("virtual rank 1 of 2"), "{out}");
+    let (ok, _, err, _) = ddtree(&[&tiny[..], &["--gpus", "2", "--virtual-rank", "2"]].concat());
+    assert!(
+        !ok && err.contains("--virtual-rank") && err.contains("rank 2 of a 2-rank plan"),
+        "{err}"
+    );
+    // One rank of TP8 + EP8 Kimi is still far more than 24 GiB of f32 on the CPU.
+    let (ok, _, err, took) = ddtree(&[
+        "bench",
+        "--device",
+        "cpu",
+        "--preset",
+        "kimi-k2.6",
+        "--gpus",
+        "8",
+        "--virtual-rank",
+        "0",
+    ]);
+    assert!(!ok && err.contains("not enough memory on the CPU host"), "{err}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}

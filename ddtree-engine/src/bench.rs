@@ -8,6 +8,7 @@
 //! 100 GB). [`Preset::Tiny`] has the embedded tiny-kimi fixture's shapes, so the whole path runs on
 //! the CPU in tests.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -19,6 +20,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::generate::{generate_plain, GenerateOptions};
 use crate::model::{ForwardInput, LogitRows, Model};
+use crate::parallel::{ParallelPlan, Storage};
 use crate::spec::budget::CostModel;
 use crate::spec::drafter::{DraftRequest, Drafter};
 use crate::spec::{generate_speculative, Budget, SpecOptions, SpecStats, AUTO_MAX_BUDGET};
@@ -146,6 +148,9 @@ pub struct BenchOptions {
     pub calibrate_auto: bool,
     /// Seed of the weights, prompts and drafters.
     pub seed: u64,
+    /// The model is one rank's share of this plan (`--virtual-rank`): the decode bytes floor is
+    /// that rank's ([`ParallelPlan::decode_read_bytes`], expected), not the whole model's.
+    pub rank: Option<(Arc<ParallelPlan>, usize)>,
 }
 
 impl BenchOptions {
@@ -169,6 +174,7 @@ impl BenchOptions {
                 block_size: 8,
                 calibrate_auto: false,
                 seed: 1,
+                rank: None,
             },
             Preset::Tiny => BenchOptions {
                 contexts: vec![16, 64],
@@ -184,6 +190,7 @@ impl BenchOptions {
                 block_size: 4,
                 calibrate_auto: false,
                 seed: 1,
+                rank: None,
             },
         }
     }
@@ -505,7 +512,10 @@ pub fn run<B: Backend>(
             }
         }
         let step = median(&mut steps);
-        let bytes = decode_bytes(&cfg, context);
+        let bytes = match &opts.rank {
+            Some((plan, rank)) => plan.decode_read_bytes(*rank, context, Storage::Gpu).0,
+            None => decode_bytes(&cfg, context),
+        };
         let gbs = bytes as f64 / step.as_secs_f64() / 1e9;
         let row = DecodeRow {
             context,

@@ -746,7 +746,7 @@ impl<B: Backend> Model<B> {
         match &self.rank {
             Some(r) if gather => {
                 r.comm
-                    .gather_vocab(&self.backend, &local, r.shard().vocab.clone(), self.config.vocab_size)
+                    .gather_vocab(&self.backend, local, r.shard().vocab.clone(), self.config.vocab_size)
             }
             _ => Ok(local),
         }

@@ -39,7 +39,7 @@ impl TensorComm<CpuBackend> for CpuTensorComm {
         self.comm.all_reduce_sum_f32(&mut x.data)
     }
 
-    fn gather_vocab(&self, _b: &CpuBackend, local: &Matrix, vocab: Range<usize>, vocab_size: usize) -> Result<Matrix> {
+    fn gather_vocab(&self, _b: &CpuBackend, local: Matrix, vocab: Range<usize>, vocab_size: usize) -> Result<Matrix> {
         let world = self.comm.world();
         // Every rank sends the same count: its slice padded to the largest one's width.
         let width = vocab_size.div_ceil(world);

@@ -89,14 +89,14 @@ impl TensorComm<CudaBackend> for CudaTensorComm {
     fn gather_vocab(
         &self,
         _b: &CudaBackend,
-        local: &CudaTensor,
+        local: CudaTensor,
         vocab: Range<usize>,
         vocab_size: usize,
     ) -> Result<CudaTensor> {
         let op = "gather_vocab";
         let (rows, world, s) = (local.rows, self.world, &self.stream);
         let width = vocab_size.div_ceil(world);
-        let src = Self::f32(local, op)?;
+        let src = Self::f32(&local, op)?;
         // Every rank sends `rows * width` values: its slice padded to the widest one.
         let mut send = s.alloc_zeros::<f32>(rows * width).map_err(driver(op, self.rank))?;
         for r in 0..rows {

@@ -9,6 +9,7 @@
 //! - [`nccl`]: [`comm::Comm`] over NCCL for GPUs;
 //! - [`cpu`]: the CPU backend's tensor collectives ([`TensorComm`] over an in-process group);
 //! - [`ranks`]: running one closure per rank on its own thread;
+//! - [`virtual_rank`]: one rank's share run alone on one device (timing);
 //! - `shard`: loading a rank's slice of every tensor from the mmap'd checkpoint.
 //!
 //! The model forward ([`crate::Model`]) is the same program on every rank: a rank's model holds
@@ -24,6 +25,7 @@ pub mod nccl;
 pub mod plan;
 pub mod ranks;
 pub(crate) mod shard;
+pub mod virtual_rank;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -44,8 +46,9 @@ pub trait TensorComm<B: Backend> {
     /// `x` summed over the ranks, in place.
     fn all_reduce_sum(&self, b: &B, x: &mut B::Tensor) -> Result<()>;
     /// Vocabulary-parallel logits (`[rows, vocab.len()]` on this rank, `vocab` its slice) to
-    /// the whole `[rows, vocab_size]` logits on every rank.
-    fn gather_vocab(&self, b: &B, local: &B::Tensor, vocab: Range<usize>, vocab_size: usize) -> Result<B::Tensor>;
+    /// the whole `[rows, vocab_size]` logits on every rank (a virtual rank hands its slice
+    /// back).
+    fn gather_vocab(&self, b: &B, local: B::Tensor, vocab: Range<usize>, vocab_size: usize) -> Result<B::Tensor>;
     /// The greedy token of every row of vocabulary-parallel logits, reduced across ranks
     /// without gathering the logits (lowest index among equal maxima).
     fn argmax_vocab(&self, b: &B, local: &B::Tensor, vocab: Range<usize>) -> Result<Vec<u32>>;
