@@ -253,3 +253,57 @@ fn a_plan_for_another_model_is_refused() {
     .to_string();
     assert!(err.contains("made for another model"), "{err}");
 }
+
+#[test]
+fn a_rank_group_serves_several_jobs_and_survives_bad_input() {
+    use ddtree_engine::parallel::group::RankGroup;
+    let g = golden("tiny-dsv3");
+    let dir = fixture("tiny-dsv3");
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let plan = Arc::new(ParallelPlan::new(&config, spec(2)).unwrap());
+    let group = RankGroup::cpu(plan, move |rank| {
+        let ckpt = Checkpoint::open(&dir)?;
+        Model::load_rank(
+            CpuBackend::default(),
+            config.clone(),
+            &ckpt,
+            LoadOptions::default(),
+            rank,
+            &mut |_, _| {},
+        )
+    })
+    .unwrap();
+    assert_eq!(group.world(), 2);
+    let steps = g.steps;
+    for p in &g.prompts {
+        let ids = p.ids.clone();
+        let tokens = group
+            .run(move |model| {
+                let options = GenerateOptions {
+                    max_new_tokens: steps,
+                    ..Default::default()
+                };
+                Ok(generate_plain(model, &ids, &options)?.tokens)
+            })
+            .unwrap();
+        assert_eq!(tokens, vec![p.generated.clone(), p.generated.clone()]);
+    }
+    // An empty prompt fails alike on every rank, before any collective; the group goes on.
+    let err = group
+        .run_rank0(|model| Ok(generate_plain(model, &[], &GenerateOptions::default())?.tokens))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prompt is empty"), "{err}");
+    let p = &g.prompts[0];
+    let ids = p.ids.clone();
+    let again = group
+        .run_rank0(move |model| {
+            let options = GenerateOptions {
+                max_new_tokens: steps,
+                ..Default::default()
+            };
+            Ok(generate_plain(model, &ids, &options)?.tokens)
+        })
+        .unwrap();
+    assert_eq!(again, p.generated);
+}

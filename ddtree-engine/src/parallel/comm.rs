@@ -13,6 +13,10 @@ use half::bf16;
 
 use crate::error::{EngineError, Result};
 
+/// How long a rank waits in one collective for its peers before giving up (a peer that stopped
+/// without dropping its handle, e.g. one rank's job failed alone).
+const PEER_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Collectives over the ranks of one group. The buffer types are the implementation's: host
 /// slices for [`InProcessComm`], device slices for NCCL.
 pub trait Comm {
@@ -224,11 +228,21 @@ impl InProcessComm {
                 if let Some(r) = s.closed {
                     return Err(self.error(op, &format!("rank {r} has stopped")));
                 }
-                s = self
+                let (guard, waited) = self
                     .shared
                     .ready
-                    .wait(s)
+                    .wait_timeout(s, PEER_TIMEOUT)
                     .map_err(|_| self.error(op, "a peer rank panicked"))?;
+                s = guard;
+                if waited.timed_out() && s.generation == generation {
+                    return Err(self.error(
+                        op,
+                        &format!(
+                            "peers have not joined for {} s (a rank has stopped)",
+                            PEER_TIMEOUT.as_secs()
+                        ),
+                    ));
+                }
             }
         }
         // The next exchange cannot complete before this rank enters it, so `result` is still

@@ -9,6 +9,7 @@
 //! - [`nccl`]: [`comm::Comm`] over NCCL for GPUs;
 //! - [`cpu`]: the CPU backend's tensor collectives ([`TensorComm`] over an in-process group);
 //! - [`ranks`]: running one closure per rank on its own thread;
+//! - [`group`]: long-lived rank threads that each keep their shard (for a server);
 //! - [`virtual_rank`]: one rank's share run alone on one device (timing);
 //! - `shard`: loading a rank's slice of every tensor from the mmap'd checkpoint.
 //!
@@ -20,6 +21,7 @@
 pub mod comm;
 pub mod cpu;
 pub mod cuda;
+pub mod group;
 pub mod memory;
 pub mod nccl;
 pub mod plan;
