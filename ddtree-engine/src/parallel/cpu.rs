@@ -40,26 +40,7 @@ impl TensorComm<CpuBackend> for CpuTensorComm {
     }
 
     fn gather_vocab(&self, _b: &CpuBackend, local: Matrix, vocab: Range<usize>, vocab_size: usize) -> Result<Matrix> {
-        let world = self.comm.world();
-        // Every rank sends the same count: its slice padded to the largest one's width.
-        let width = vocab_size.div_ceil(world);
-        let rows = local.rows;
-        let mut send = vec![0.0f32; rows * width];
-        for r in 0..rows {
-            send[r * width..r * width + vocab.len()].copy_from_slice(local.row(r));
-        }
-        let mut all = vec![0.0f32; world * rows * width];
-        self.comm.all_gather_f32(&send, &mut all)?;
-        let mut out = Matrix::zeros(rows, vocab_size);
-        for rank in 0..world {
-            let start = (rank * width).min(vocab_size);
-            let len = ((rank + 1) * width).min(vocab_size) - start;
-            for r in 0..rows {
-                let src = &all[(rank * rows + r) * width..][..len];
-                out.row_mut(r)[start..start + len].copy_from_slice(src);
-            }
-        }
-        Ok(out)
+        gather_vocab_host(&self.comm, &local, vocab, vocab_size)
     }
 
     fn argmax_vocab(&self, _b: &CpuBackend, local: &Matrix, vocab: Range<usize>) -> Result<Vec<u32>> {
@@ -89,4 +70,35 @@ impl TensorComm<CpuBackend> for CpuTensorComm {
     fn stats(&self) -> CommStats {
         self.comm.stats()
     }
+}
+
+/// Vocabulary-parallel logits on the host to the whole `[rows, vocab_size]` logits: every rank
+/// sends its slice padded to the widest one, the all-gather's rank-major blocks are laid out
+/// row by row.
+pub(crate) fn gather_vocab_host(
+    comm: &InProcessComm,
+    local: &Matrix,
+    vocab: Range<usize>,
+    vocab_size: usize,
+) -> Result<Matrix> {
+    let world = comm.world();
+    // Every rank sends the same count: its slice padded to the largest one's width.
+    let width = vocab_size.div_ceil(world);
+    let rows = local.rows;
+    let mut send = vec![0.0f32; rows * width];
+    for r in 0..rows {
+        send[r * width..r * width + vocab.len()].copy_from_slice(local.row(r));
+    }
+    let mut all = vec![0.0f32; world * rows * width];
+    comm.all_gather_f32(&send, &mut all)?;
+    let mut out = Matrix::zeros(rows, vocab_size);
+    for rank in 0..world {
+        let start = (rank * width).min(vocab_size);
+        let len = ((rank + 1) * width).min(vocab_size) - start;
+        for r in 0..rows {
+            let src = &all[(rank * rows + r) * width..][..len];
+            out.row_mut(r)[start..start + len].copy_from_slice(src);
+        }
+    }
+    Ok(out)
 }

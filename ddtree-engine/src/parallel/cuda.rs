@@ -11,9 +11,11 @@ use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use ddtree_runtime::Gpu;
 
 use crate::backend::cuda::{CudaRouting, CudaTensor, DeviceData};
+use crate::backend::Matrix;
 use crate::backend::{Backend, CudaBackend, CudaOptions};
 use crate::error::{EngineError, Result};
-use crate::parallel::comm::{Bootstrap, Comm, CommStats};
+use crate::parallel::comm::{argmax_reduce, Bootstrap, Comm, CommStats, InProcessComm};
+use crate::parallel::cpu::gather_vocab_host;
 use crate::parallel::nccl::{NcclBootstrap, NcclComm};
 use crate::parallel::ranks::run_threads;
 use crate::parallel::{ParallelPlan, RankContext, TensorComm};
@@ -167,28 +169,7 @@ impl TensorComm<CudaBackend> for CudaTensorComm {
     }
 
     fn embedding(&self, b: &CudaBackend, table: &CudaTensor, ids: &[u32], vocab: Range<usize>) -> Result<CudaTensor> {
-        let op = "embedding";
-        let local: Vec<u32> = ids
-            .iter()
-            .map(|&id| {
-                if vocab.contains(&(id as usize)) {
-                    id - vocab.start as u32
-                } else {
-                    0
-                }
-            })
-            .collect();
-        let mut out = b.embedding(table, &local)?;
-        let hidden = table.cols;
-        if let DeviceData::Bf16(d) = &mut out.data {
-            for (t, &id) in ids.iter().enumerate() {
-                if !vocab.contains(&(id as usize)) {
-                    self.stream
-                        .memset_zeros(&mut d.slice_mut(t * hidden..(t + 1) * hidden))
-                        .map_err(driver(op, self.rank))?;
-                }
-            }
-        }
+        let mut out = local_embedding(b, &self.stream, self.rank, table, ids, vocab)?;
         self.all_reduce_sum(b, &mut out)?;
         Ok(out)
     }
@@ -242,5 +223,145 @@ pub fn localize_routing(stream: &Arc<CudaStream>, routing: &CudaRouting, local: 
         topk: routing.topk,
         ids: stream.clone_htod(&ids).map_err(driver(op, 0))?,
         weights: stream.clone_htod(&weights).map_err(driver(op, 0))?,
+    })
+}
+
+/// Copy-based collectives for ranks that share one GPU (a test of the sharded CUDA forward
+/// without several GPUs, not a collective for real multi-GPU runs: those use NCCL): buffers are
+/// read back, combined through an in-process group on the host, and written again.
+pub struct HostStagedComm {
+    comm: InProcessComm,
+    stream: Arc<CudaStream>,
+}
+
+impl HostStagedComm {
+    /// Rank `comm.rank()` on `stream` (its backend's compute stream).
+    pub fn new(comm: InProcessComm, stream: Arc<CudaStream>) -> Self {
+        Self { comm, stream }
+    }
+}
+
+impl TensorComm<CudaBackend> for HostStagedComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    fn all_reduce_sum(&self, _b: &CudaBackend, x: &mut CudaTensor) -> Result<()> {
+        let (op, rank, s) = ("all_reduce_sum", self.comm.rank(), &self.stream);
+        match &mut x.data {
+            DeviceData::Bf16(d) => {
+                let mut host = s.clone_dtoh(d).map_err(driver(op, rank))?;
+                self.comm.all_reduce_sum_bf16(&mut host)?;
+                s.memcpy_htod(&host, d).map_err(driver(op, rank))
+            }
+            DeviceData::F32(d) => {
+                let mut host = s.clone_dtoh(d).map_err(driver(op, rank))?;
+                self.comm.all_reduce_sum_f32(&mut host)?;
+                s.memcpy_htod(&host, d).map_err(driver(op, rank))
+            }
+        }
+    }
+
+    fn gather_vocab(
+        &self,
+        _b: &CudaBackend,
+        local: CudaTensor,
+        vocab: Range<usize>,
+        vocab_size: usize,
+    ) -> Result<CudaTensor> {
+        let (op, rank, s) = ("gather_vocab", self.comm.rank(), &self.stream);
+        let host = Matrix {
+            rows: local.rows,
+            cols: local.cols,
+            data: s
+                .clone_dtoh(CudaTensorComm::f32(&local, op)?)
+                .map_err(driver(op, rank))?,
+        };
+        let all = gather_vocab_host(&self.comm, &host, vocab, vocab_size)?;
+        Ok(CudaTensor {
+            rows: all.rows,
+            cols: all.cols,
+            data: DeviceData::F32(s.clone_htod(&all.data).map_err(driver(op, rank))?),
+        })
+    }
+
+    fn argmax_vocab(&self, b: &CudaBackend, local: &CudaTensor, vocab: Range<usize>) -> Result<Vec<u32>> {
+        let (op, rank, s) = ("argmax_vocab", self.comm.rank(), &self.stream);
+        let logits = CudaTensorComm::f32(local, op)?;
+        let idx = b.argmax_rows(local)?;
+        let mut pairs = Vec::with_capacity(idx.len());
+        for (r, &i) in idx.iter().enumerate() {
+            let at = r * local.cols + i as usize;
+            let v = s.clone_dtoh(&logits.slice(at..at + 1)).map_err(driver(op, rank))?[0];
+            pairs.push((v, vocab.start as u32 + i));
+        }
+        argmax_reduce(&self.comm, &pairs)
+    }
+
+    fn embedding(&self, b: &CudaBackend, table: &CudaTensor, ids: &[u32], vocab: Range<usize>) -> Result<CudaTensor> {
+        let mut out = local_embedding(b, &self.stream, self.comm.rank(), table, ids, vocab)?;
+        self.all_reduce_sum(b, &mut out)?;
+        Ok(out)
+    }
+
+    fn stats(&self) -> CommStats {
+        self.comm.stats()
+    }
+}
+
+/// The rows of `ids` in this rank's embedding slice `vocab`, zero rows for the other ids.
+fn local_embedding(
+    b: &CudaBackend,
+    stream: &Arc<CudaStream>,
+    rank: usize,
+    table: &CudaTensor,
+    ids: &[u32],
+    vocab: Range<usize>,
+) -> Result<CudaTensor> {
+    let local: Vec<u32> = ids
+        .iter()
+        .map(|&id| {
+            if vocab.contains(&(id as usize)) {
+                id - vocab.start as u32
+            } else {
+                0
+            }
+        })
+        .collect();
+    let mut out = b.embedding(table, &local)?;
+    let hidden = table.cols;
+    if let DeviceData::Bf16(d) = &mut out.data {
+        for (t, &id) in ids.iter().enumerate() {
+            if !vocab.contains(&(id as usize)) {
+                stream
+                    .memset_zeros(&mut d.slice_mut(t * hidden..(t + 1) * hidden))
+                    .map_err(driver("embedding", rank))?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Runs `f` once per rank of `plan` as threads that share GPU 0 (each with its own
+/// [`CudaBackend`]) joined by [`HostStagedComm`]: the sharded CUDA forward checked on one GPU.
+pub fn run_virtual_cuda_ranks<T: Send>(
+    plan: Arc<ParallelPlan>,
+    options: CudaOptions,
+    f: impl Fn(CudaBackend, RankContext<CudaBackend>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let comms = InProcessComm::group(plan.spec.world);
+    run_threads(comms.into_iter().enumerate().collect(), |(rank, comm)| {
+        let backend = CudaBackend::new(Gpu::open(0)?, options)?;
+        let stream = backend.gpu().stream().clone();
+        let context = RankContext {
+            plan: plan.clone(),
+            rank,
+            comm: Box::new(HostStagedComm::new(comm, stream)),
+        };
+        f(backend, context)
     })
 }
