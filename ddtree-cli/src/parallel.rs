@@ -231,3 +231,34 @@ pub fn run_plan(args: &PlanArgs) -> Result<(), EngineError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_auto_takes_the_fewest_that_hold_kimi() {
+        let config = Preset::KimiK26.config().unwrap();
+        let opts = BenchOptions::for_preset(Preset::KimiK26);
+        let args = ParallelArgs {
+            gpus: Some(GpuCount::Auto),
+            ..Default::default()
+        };
+        let estimate = |spec| bench_estimate(&config, spec, &opts, Storage::Gpu);
+        let h200 = 150_000_000_000;
+        assert_eq!(args.gpu_spec(8, h200, estimate).unwrap().world, 8);
+        let err = args.gpu_spec(4, h200, estimate).unwrap_err().to_string();
+        assert!(err.contains("--gpus auto found no GPU count"), "{err}");
+        assert!(parse_gpus("3x").is_err() && parse_gpus("auto") == Ok(GpuCount::Auto));
+        let cpu = ParallelArgs {
+            ranks: Some(2),
+            ..Default::default()
+        };
+        assert_eq!(cpu.cpu_spec().unwrap().world, 2);
+        assert!(cpu
+            .gpu_spec(8, h200, estimate)
+            .unwrap_err()
+            .to_string()
+            .contains("--ranks"));
+    }
+}
