@@ -307,3 +307,33 @@ fn a_rank_group_serves_several_jobs_and_survives_bad_input() {
         .unwrap();
     assert_eq!(again, p.generated);
 }
+
+#[test]
+fn a_rank_that_fails_alone_releases_its_peers_and_its_error_is_reported() {
+    let dir = fixture("tiny-kimi");
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let plan = Arc::new(ParallelPlan::new(&config, spec(2)).unwrap());
+    let err = run_cpu_ranks(plan, |rank| {
+        let model = Model::load_rank(
+            CpuBackend::default(),
+            config.clone(),
+            &ckpt,
+            LoadOptions::default(),
+            rank,
+            &mut |_, _| {},
+        )?;
+        if model.rank().unwrap().rank == 1 {
+            return Err(ddtree_engine::EngineError::Forward("rank 1 gave up".into()));
+        }
+        // Rank 0 enters the first collective and is released when rank 1's model drops.
+        let options = GenerateOptions {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        generate_plain(&model, &[1, 2, 3], &options).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rank 1 gave up"), "{err}");
+}
