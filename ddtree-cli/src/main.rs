@@ -1,17 +1,24 @@
 //! `ddtree`: command-line front end of the engine.
 
+mod parallel;
+mod ranks;
+
+use ranks::{bench_layout, check_gpus, generate_gpu_ranks, generate_ranks, BenchPath};
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ddtree_engine::parallel::ranks::run_cpu_ranks;
+use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, RankContext, Storage};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
-use ddtree_engine::{eval, tuning};
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, ActivationPrecision, AttentionKernel, Backend, Budget,
     Checkpoint, CpuBackend, CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions,
     Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
+use ddtree_engine::{eval, tuning};
 use ddtree_runtime::Gpu;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -78,6 +85,10 @@ enum Command {
     /// The engine on a synthetic model of real shapes (random weights made on the device):
     /// plain decode against the bandwidth floor, DDTree rounds per budget, speedups.
     Bench(BenchArgs),
+    /// The parallel plan of a model over 1, 2, 4, 8 GPUs: each rank's heads, experts,
+    /// intermediate columns and vocabulary slice, the bytes it holds and reads per token, and
+    /// the memory it needs.
+    Plan(parallel::PlanArgs),
 }
 
 /// Where and how the engine runs.
@@ -119,6 +130,8 @@ struct BenchArgs {
     preset: String,
     #[command(flatten)]
     dev: DeviceArgs,
+    #[command(flatten)]
+    par: parallel::ParallelArgs,
     /// Contexts of the plain-decode runs (comma-separated); default: the preset's.
     #[arg(long, value_delimiter = ',')]
     contexts: Option<Vec<usize>>,
@@ -213,6 +226,8 @@ struct GenerateArgs {
     skip_nan_check: bool,
     #[command(flatten)]
     dev: DeviceArgs,
+    #[command(flatten)]
+    par: parallel::ParallelArgs,
     /// Print one JSON object on stdout instead of text (with --drafter, plus the speculative stats).
     #[arg(long)]
     json: bool,
@@ -268,6 +283,7 @@ fn main() -> ExitCode {
             || bench::Preset::parse(&args.preset)?.config(),
             |b| run_bench(b, &args),
         ),
+        Command::Plan(args) => parallel::run_plan(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -292,13 +308,7 @@ fn on_device(
     config: impl FnOnce() -> Result<ModelConfig, EngineError>,
     f: impl FnOnce(AnyBackend) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {
-    let options = CudaOptions {
-        no_autotune: dev.no_autotune,
-        no_graphs: dev.no_cuda_graphs,
-        one_stream: dev.one_stream,
-        no_pdl: dev.no_pdl,
-        attention: dev.attention,
-    };
+    let options = cuda_options(dev);
     let gpu = match dev.device {
         Device::Cpu => None,
         Device::Cuda => Some(Gpu::open(0)?),
@@ -324,6 +334,17 @@ fn on_device(
         }
     };
     f(backend)
+}
+
+/// The CUDA backend's options from the device flags.
+fn cuda_options(dev: &DeviceArgs) -> CudaOptions {
+    CudaOptions {
+        no_autotune: dev.no_autotune,
+        no_graphs: dev.no_cuda_graphs,
+        one_stream: dev.one_stream,
+        no_pdl: dev.no_pdl,
+        attention: dev.attention,
+    }
 }
 
 /// Tunes the missing kernel keys of `config` on `gpu` (a failure only costs speed: the backend
@@ -357,27 +378,45 @@ struct Loaded<B: Backend> {
     tokenizer: Option<Tokenizer>,
 }
 
-fn load<B: Backend>(backend: B, args: &GenerateArgs) -> Result<Loaded<B>, EngineError> {
+fn load<B: Backend>(backend: B, args: &GenerateArgs, rank: Option<RankContext<B>>) -> Result<Loaded<B>, EngineError> {
     let options = LoadOptions {
         check_finite: !args.skip_nan_check,
     };
     let Some(dir) = &args.model else {
+        let model = match rank {
+            None => tiny::load(backend, options)?,
+            Some(rank) => Model::load_rank(
+                backend,
+                tiny::config()?,
+                &tiny::checkpoint()?,
+                options,
+                rank,
+                &mut |_, _| {},
+            )?,
+        };
         return Ok(Loaded {
             name: tiny::NAME.into(),
-            model: tiny::load(backend, options)?,
+            model,
             tokenizer: Some(tiny::tokenizer()?),
         });
     };
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let bar = progress_bar(
-        ckpt.total_bytes(),
-        "loading weights {bar:40} {bytes}/{total_bytes} ({eta})",
-    );
-    let model = Model::load(backend, config, &ckpt, options, &mut |done, total| {
+    // One bar for all ranks: rank 0 draws it.
+    let total = if rank.as_ref().is_some_and(|r| r.rank > 0) {
+        0
+    } else {
+        ckpt.total_bytes()
+    };
+    let bar = progress_bar(total, "loading weights {bar:40} {bytes}/{total_bytes} ({eta})");
+    let mut progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
-    })?;
+    };
+    let model = match rank {
+        None => Model::load(backend, config, &ckpt, options, &mut progress)?,
+        Some(rank) => Model::load_rank(backend, config, &ckpt, options, rank, &mut progress)?,
+    };
     bar.finish_and_clear();
     Ok(Loaded {
         name: dir.display().to_string(),
@@ -435,9 +474,33 @@ struct Run<B: Backend> {
 }
 
 fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError> {
+    let config = model_config(args)?;
     match backend {
-        AnyBackend::Cpu(b) => generate_on(b, args, None),
+        AnyBackend::Cpu(b) => {
+            let spec = args.par.cpu_spec()?;
+            let plan = ParallelPlan::new(&config, spec)?;
+            let cache = args.max_tokens + 4096;
+            ddtree_engine::parallel::MemoryEstimate::new(&plan, Storage::Cpu, cache, 1024)
+                .check_host("load a smaller model, or run on GPUs (see `ddtree plan`)")?;
+            if spec.is_parallel() {
+                return generate_ranks(b, args, plan);
+            }
+            generate_on(b, args, None)
+        }
         AnyBackend::Cuda(b) => {
+            let spec = check_gpus(&b, &args.par, |spec| {
+                let plan = ParallelPlan::new(&config, spec)?;
+                Ok(ddtree_engine::parallel::MemoryEstimate::new(
+                    &plan,
+                    Storage::Gpu,
+                    args.max_tokens + 4096,
+                    1024,
+                ))
+            })?;
+            if spec.is_parallel() {
+                drop(b);
+                return generate_gpu_ranks(args, ParallelPlan::new(&config, spec)?);
+            }
             let cost = stored_verify_cost(&b, args);
             generate_on(*b, args, cost)
         }
@@ -464,7 +527,7 @@ fn generate_on<B: Backend + 'static>(
         out,
         stats,
         load_time,
-    } = run(backend, args, cost)?;
+    } = run(backend, args, cost, None)?;
     let text = match &loaded.tokenizer {
         Some(t) => Some(t.decode(&out.tokens)?),
         None => None,
@@ -478,9 +541,14 @@ fn generate_on<B: Backend + 'static>(
 }
 
 /// Generates as `args` say; `cost` is the cost model of `--budget auto` (`None`: the fallback).
-fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostModel>) -> Result<Run<B>, EngineError> {
+fn run<B: Backend + 'static>(
+    backend: B,
+    args: &GenerateArgs,
+    cost: Option<CostModel>,
+    rank: Option<RankContext<B>>,
+) -> Result<Run<B>, EngineError> {
     let start = Instant::now();
-    let loaded = load(backend, args)?;
+    let loaded = load(backend, args, rank)?;
     let load_time = start.elapsed();
     let prompt = prompt_ids(args, &loaded)?;
     let options = GenerateOptions {
@@ -500,7 +568,9 @@ fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostM
     let drafter = match (&args.drafter, &args.model, args.no_spec) {
         (_, _, true) | (None, Some(_), false) => None,
         (Some(which), _, false) => Some(make_drafter(&loaded.model, which, args)?),
-        (None, None, false) => Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>),
+        (None, None, false) => {
+            Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>)
+        }
     };
     let (out, stats) = match drafter {
         Some(mut drafter) => {
@@ -561,7 +631,10 @@ fn eval_on<B: Backend>(backend: B, args: &EvalArgs) -> Result<(), EngineError> {
         eprintln!("eval: {} done ({:.1} s)", row.label, row.wall.as_secs_f64());
     })?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize")
+        );
     } else {
         print!("{}", report.table());
     }
@@ -618,6 +691,11 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
         }
         config.num_hidden_layers = n;
     }
+    // The multi-rank paths, and the memory check before anything is allocated.
+    let backend = match bench_layout(backend, args, preset, &opts, &config, copy_gb_per_s)? {
+        BenchPath::Done => return Ok(()),
+        BenchPath::One(b) => b,
+    };
     let start = Instant::now();
     let bar = progress_bar(
         u64::MAX,
@@ -678,10 +756,27 @@ fn print_json<B: Backend>(
     text: Option<String>,
     load: Duration,
 ) {
+    let device = loaded.model.backend().name();
+    println!(
+        "{}",
+        generation_json(&loaded.name, device, prompt_tokens, out, stats, text, load)
+    );
+}
+
+/// The JSON report of one generation.
+fn generation_json(
+    name: &str,
+    device: &str,
+    prompt_tokens: usize,
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) -> serde_json::Value {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let mut report = json!({
-        "model": loaded.name,
-        "device": loaded.model.backend().name(),
+        "model": name,
+        "device": device,
         "prompt_tokens": prompt_tokens,
         "tokens": out.tokens,
         "text": text,
@@ -698,7 +793,7 @@ fn print_json<B: Backend>(
     if let Some(stats) = stats {
         report["spec"] = spec_json(stats);
     }
-    println!("{report}");
+    report
 }
 
 fn print_human<B: Backend>(
@@ -709,14 +804,23 @@ fn print_human<B: Backend>(
     text: Option<String>,
     load: Duration,
 ) {
+    let device = loaded.model.backend().name();
+    print_human_named(&loaded.name, device, prompt, out, stats, text, load);
+}
+
+/// The text report of one generation.
+fn print_human_named(
+    name: &str,
+    device: &str,
+    prompt: &[u32],
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let rate = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.1} tok/s"));
-    println!(
-        "model: {} ({}), loaded in {:.1} ms",
-        loaded.name,
-        loaded.model.backend().name(),
-        millis(load)
-    );
+    println!("model: {name} ({device}), loaded in {:.1} ms", millis(load));
     println!("prompt: {} tokens {:?}", prompt.len(), prompt);
     println!("tokens: {:?}", out.tokens);
     if let Some(text) = text {
@@ -829,7 +933,7 @@ mod tests {
             else {
                 panic!("generate")
             };
-            let r = run(CpuBackend::default(), &args, None).unwrap();
+            let r = run(CpuBackend::default(), &args, None, None).unwrap();
             let spec = (args.drafter.is_some() || args.model.is_none()) && !args.no_spec;
             assert_eq!(r.stats.is_some(), spec);
             if let Some(stats) = &r.stats {
@@ -841,9 +945,15 @@ mod tests {
             r.out.tokens
         };
         let plain = run(&["--model", kimi]);
-        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
+        let dflash = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../ddtree-engine/tests/fixtures/tiny-dflash"
+        );
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle"]), plain);
-        assert_eq!(run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]), plain);
+        assert_eq!(
+            run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]),
+            plain
+        );
         assert_eq!(run(&["--model", kimi, "--drafter", dflash, "--block-size", "4"]), plain);
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle", "--no-spec"]), plain);
         // The built-in pair: DDTree with the trained drafter by default, lossless.

@@ -669,6 +669,10 @@ impl Backend for CudaBackend {
         CudaBackend::moe_experts(self, x, routing, ex)
     }
 
+    fn moe_localize(&self, routing: &CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
+        crate::parallel::cuda::localize_routing(self.stream(), routing, local)
+    }
+
     fn kv_append(&self, cache: &mut CudaKvCache, layer: usize, rows: &CudaTensor) -> Result<()> {
         CudaBackend::kv_append(self, cache, layer, rows)
     }
