@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
-use ddtree_engine::{eval, tuning};
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, ActivationPrecision, AttentionKernel, Backend, Budget,
     Checkpoint, CpuBackend, CudaBackend, CudaOptions, Drafter, EngineError, GenerateOptions, Generation, LoadOptions,
     Model, ModelConfig, Sampling, SpecOptions, SpecStats, StopReason, Tokenizer,
 };
+use ddtree_engine::{eval, tuning};
 use ddtree_runtime::Gpu;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -500,7 +500,9 @@ fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostM
     let drafter = match (&args.drafter, &args.model, args.no_spec) {
         (_, _, true) | (None, Some(_), false) => None,
         (Some(which), _, false) => Some(make_drafter(&loaded.model, which, args)?),
-        (None, None, false) => Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>),
+        (None, None, false) => {
+            Some(Box::new(tiny::load_drafter(&loaded.model, args.block_size)?) as Box<dyn Drafter<B>>)
+        }
     };
     let (out, stats) = match drafter {
         Some(mut drafter) => {
@@ -561,7 +563,10 @@ fn eval_on<B: Backend>(backend: B, args: &EvalArgs) -> Result<(), EngineError> {
         eprintln!("eval: {} done ({:.1} s)", row.label, row.wall.as_secs_f64());
     })?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report.to_json()).expect("JSON values serialize")
+        );
     } else {
         print!("{}", report.table());
     }
@@ -841,9 +846,15 @@ mod tests {
             r.out.tokens
         };
         let plain = run(&["--model", kimi]);
-        let dflash = concat!(env!("CARGO_MANIFEST_DIR"), "/../ddtree-engine/tests/fixtures/tiny-dflash");
+        let dflash = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../ddtree-engine/tests/fixtures/tiny-dflash"
+        );
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle"]), plain);
-        assert_eq!(run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]), plain);
+        assert_eq!(
+            run(&["--model", kimi, "--drafter", "noisy:0.5", "--budget", "3"]),
+            plain
+        );
         assert_eq!(run(&["--model", kimi, "--drafter", dflash, "--block-size", "4"]), plain);
         assert_eq!(run(&["--model", kimi, "--drafter", "oracle", "--no-spec"]), plain);
         // The built-in pair: DDTree with the trained drafter by default, lossless.

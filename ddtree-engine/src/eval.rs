@@ -203,7 +203,11 @@ impl EvalRow {
         self.accepted += stats.accept_lengths.iter().sum::<usize>();
         self.target_forwards += stats.target_forwards;
         self.tree_nodes += stats.budgets.iter().sum::<usize>();
-        for (total, d) in self.phases.iter_mut().zip([stats.draft, stats.build, stats.verify, stats.accept]) {
+        for (total, d) in self
+            .phases
+            .iter_mut()
+            .zip([stats.draft, stats.build, stats.verify, stats.accept])
+        {
             *total += d;
         }
     }
@@ -347,7 +351,9 @@ pub fn measure_cost<B: Backend>(model: &Model<B>, runs: &[EvalRow]) -> Result<Co
     let (build_us, accept_us) = runs
         .iter()
         .max_by_key(|r| r.tree_nodes / r.rounds.max(1))
-        .map_or((0.0, 0.0), |r| (per_round(r.phases[1], r.rounds), per_round(r.phases[3], r.rounds)));
+        .map_or((0.0, 0.0), |r| {
+            (per_round(r.phases[1], r.rounds), per_round(r.phases[3], r.rounds))
+        });
     let points: Vec<(usize, f64)> = verify.cost.verify.iter().map(|p| (p.tokens, p.us)).collect();
     CostModel::new(
         format!(
@@ -413,7 +419,11 @@ pub fn evaluate<B: Backend>(
         let cost = match &options.cost {
             Some(c) => c.clone(),
             None => {
-                let fixed: Vec<EvalRow> = rows.iter().filter(|r| matches!(r.mode, EvalMode::Fixed(_))).cloned().collect();
+                let fixed: Vec<EvalRow> = rows
+                    .iter()
+                    .filter(|r| matches!(r.mode, EvalMode::Fixed(_)))
+                    .cloned()
+                    .collect();
                 measure_cost(model, &fixed)?
             }
         };
@@ -506,7 +516,11 @@ pub fn load_and_evaluate<B: Backend>(
         check_finite: setup.check_finite,
     };
     let (model, name, tokenizer) = match &setup.model {
-        None => (tiny::load(backend, load)?, tiny::NAME.to_string(), Some(tiny::tokenizer()?)),
+        None => (
+            tiny::load(backend, load)?,
+            tiny::NAME.to_string(),
+            Some(tiny::tokenizer()?),
+        ),
         Some(dir) => {
             let config = ModelConfig::from_file(&dir.join("config.json"))?;
             let model = Model::load(backend, config, &Checkpoint::open(dir)?, load, &mut |_, _| {})?;

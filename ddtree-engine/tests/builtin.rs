@@ -8,7 +8,9 @@ use std::sync::OnceLock;
 use ddtree_engine::config::DFlashConfig;
 use ddtree_engine::eval::{evaluate, EvalMode, EvalOptions};
 use ddtree_engine::spec::{CostModel, DFlashDrafter};
-use ddtree_engine::{generate_plain, generate_speculative, tiny, CpuBackend, GenerateOptions, LoadOptions, Model, SpecOptions};
+use ddtree_engine::{
+    generate_plain, generate_speculative, tiny, CpuBackend, GenerateOptions, LoadOptions, Model, SpecOptions,
+};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -79,7 +81,10 @@ fn trained_pair_generates_readable_text() {
         text.chars().all(|c| c.is_ascii_graphic() || c.is_ascii_whitespace()),
         "{text:?}"
     );
-    assert!(out.stats.mean_accept_len() > 1.0, "the trained drafter accepts something");
+    assert!(
+        out.stats.mean_accept_len() > 1.0,
+        "the trained drafter accepts something"
+    );
 }
 
 #[test]
@@ -120,10 +125,19 @@ fn eval_reports_every_mode_lossless() {
         cost: Some(CostModel::fallback()),
     };
     let mut seen = Vec::new();
-    let report = evaluate(model(), &mut drafter, tiny::NAME, &prompts, &options, &mut |r| seen.push(r.mode)).unwrap();
+    let report = evaluate(model(), &mut drafter, tiny::NAME, &prompts, &options, &mut |r| {
+        seen.push(r.mode)
+    })
+    .unwrap();
     assert_eq!(
         seen,
-        [EvalMode::Plain, EvalMode::Fixed(1), EvalMode::Fixed(8), EvalMode::Chain, EvalMode::Auto]
+        [
+            EvalMode::Plain,
+            EvalMode::Fixed(1),
+            EvalMode::Fixed(8),
+            EvalMode::Chain,
+            EvalMode::Auto
+        ]
     );
     assert!(report.lossless());
     let chain = report.row(EvalMode::Chain).unwrap();
@@ -145,7 +159,13 @@ fn load_edited(edit: impl FnOnce(&mut Value)) -> String {
     edit(&mut value);
     let path = Path::new("edited/config.json");
     let result = DFlashConfig::from_json(&value.to_string(), path).and_then(|cfg| {
-        DFlashDrafter::from_parts(model(), cfg, &tiny::drafter_checkpoint().unwrap(), "edited".into(), None)
+        DFlashDrafter::from_parts(
+            model(),
+            cfg,
+            &tiny::drafter_checkpoint().unwrap(),
+            "edited".into(),
+            None,
+        )
     });
     match result {
         Ok(_) => panic!("the edited config loaded"),
@@ -156,13 +176,19 @@ fn load_edited(edit: impl FnOnce(&mut Value)) -> String {
 #[test]
 fn bad_drafter_configs_are_clear_errors() {
     let err = load_edited(|v| v["architectures"] = serde_json::json!(["LlamaForCausalLM"]));
-    assert!(err.contains("architectures") && err.contains("LlamaForCausalLM"), "{err}");
+    assert!(
+        err.contains("architectures") && err.contains("LlamaForCausalLM"),
+        "{err}"
+    );
     let err = load_edited(|v| {
         v.as_object_mut().unwrap().remove("dflash_config");
     });
     assert!(err.contains("dflash_config") && err.contains("missing"), "{err}");
     let err = load_edited(|v| v["dflash_config"]["target_layer_ids"] = serde_json::json!([1, 4]));
-    assert!(err.contains("target_layer_ids") && err.contains("layer 4 is past"), "{err}");
+    assert!(
+        err.contains("target_layer_ids") && err.contains("layer 4 is past"),
+        "{err}"
+    );
     let err = load_edited(|v| v["vocab_size"] = 4000.into());
     assert!(err.contains("vocab_size") && err.contains("4000 differs"), "{err}");
     let err = load_edited(|v| v["hidden_size"] = 128.into());

@@ -7,24 +7,24 @@
 // Check errors carry the interpreter's located hazard report; they are cold.
 #![allow(clippy::result_large_err)]
 
-pub mod add;
 pub mod attention;
 pub mod check;
 pub mod common;
-pub mod copy_rows;
+pub mod elementwise;
 pub mod embedding;
-pub mod fill;
 pub mod gemm_bf16;
-pub mod gemv;
+pub mod gemv_bf16;
 pub mod moe_route;
-pub mod residual;
-pub mod rms_norm;
-pub mod rope;
-pub mod silu_mul;
+pub mod norm;
 pub mod topk;
 pub mod tree;
 pub mod tune;
 pub mod w4a16;
+
+// The flat module paths callers used before the kernels moved into family folders.
+pub use elementwise::{add, copy_rows, fill, rope, silu_mul};
+pub use gemv_bf16 as gemv;
+pub use norm::{residual, rms_norm};
 
 pub use add::{AddAssign, AddParams};
 pub use attention::{

@@ -17,6 +17,9 @@ use ddtree_macros::{device_fn, kernel, KernelParams};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream};
 use ddtree_runtime::{CompiledKernel, Gpu, RuntimeError};
 
+/// This family's checks (re-exported by [`crate::check`]).
+pub mod check;
+
 /// Compile-time parameters of [`RowTopk`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct TopkParams {
