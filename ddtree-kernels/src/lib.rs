@@ -16,6 +16,7 @@ pub mod gemm_bf16;
 pub mod gemv_bf16;
 pub mod moe_route;
 pub mod norm;
+pub mod op;
 pub mod topk;
 pub mod tree;
 pub mod tune;

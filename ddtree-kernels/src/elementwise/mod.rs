@@ -6,5 +6,6 @@ pub mod add;
 pub mod check;
 pub mod copy_rows;
 pub mod fill;
+pub mod op;
 pub mod rope;
 pub mod silu_mul;

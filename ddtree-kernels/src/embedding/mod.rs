@@ -5,6 +5,7 @@ use ddtree_macros::{kernel, KernelParams};
 
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
+pub mod op;
 
 /// Compile-time parameters of [`Embedding`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]

@@ -31,6 +31,7 @@ use crate::silu_mul::silu;
 
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
+pub mod op;
 
 /// Compile-time parameters of [`GemvBf16`], [`GemvBf16F32`] and [`GemvGateUpSilu`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]

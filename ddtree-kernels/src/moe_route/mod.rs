@@ -19,6 +19,7 @@ use crate::common::order_key;
 
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
+pub mod op;
 
 /// Most experts [`MoeRoute`] handles (Kimi K2: 384).
 pub const MAX_EXPERTS: u32 = 1024;

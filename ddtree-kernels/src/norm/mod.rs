@@ -2,5 +2,6 @@
 //! the following RMSNorm and the residual-stream casts and f32 row copy ([`residual`]).
 
 pub mod check;
+pub mod op;
 pub mod residual;
 pub mod rms_norm;

@@ -2,6 +2,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::elementwise::op::{FillBf16Op, FillF32Op, FillU32Op};
 
 pub(super) const FILL: FillParams = FillParams { block: 256 };
 
@@ -52,35 +53,27 @@ impl CudaBackend {
 
     pub(super) fn fill_u32(&self, out: &mut CudaSlice<u32>, n: usize, seed: u64) -> Result<()> {
         let k = self.variant::<FillRandomU32>(&FILL)?;
-        // SAFETY: out holds n words.
-        unsafe {
-            FillRandomU32::launch(
-                &k,
-                self.stream(),
-                fill::grid(&FILL, n),
-                out,
-                check_u32("fill", n)?,
-                seed as u32,
-            )?
-        };
+        check_u32("fill", n)?;
+        FillU32Op {
+            out,
+            n,
+            seed: seed as u32,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 
     pub(super) fn fill_bf16(&self, out: &mut CudaSlice<bf16>, n: usize, lo: f32, hi: f32, seed: u64) -> Result<()> {
         let k = self.variant::<FillRandomBf16>(&FILL)?;
-        // SAFETY: out holds n values.
-        unsafe {
-            FillRandomBf16::launch(
-                &k,
-                self.stream(),
-                fill::grid(&FILL, n),
-                out,
-                check_u32("fill", n)?,
-                seed as u32,
-                lo,
-                hi,
-            )?
-        };
+        check_u32("fill", n)?;
+        FillBf16Op {
+            out,
+            n,
+            seed: seed as u32,
+            lo,
+            hi,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 
@@ -183,19 +176,14 @@ impl CudaBackend {
         self.fill_bf16(&mut half, len, lo, hi, seed)?;
         let mut f = self.alloc::<f32>(len)?;
         let k = self.variant::<FillRandomF32>(&FILL)?;
-        // SAFETY: f holds len values.
-        unsafe {
-            FillRandomF32::launch(
-                &k,
-                self.stream(),
-                fill::grid(&FILL, len),
-                &mut f,
-                len as u32,
-                seed as u32,
-                lo,
-                hi,
-            )?
-        };
+        FillF32Op {
+            out: &mut f,
+            n: len,
+            seed: seed as u32,
+            lo,
+            hi,
+        }
+        .launch(&k, self.stream())?;
         Ok(CudaVector {
             len,
             bf16: half,
