@@ -493,46 +493,13 @@ pub use crate::topk::check::*;
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;
 
-/// Every kernel's suite, in catalogue order.
-pub const SUITES: &[Suite] = &[
-    rms_norm_suite,
-    silu_mul_suite,
-    silu_mul_split_suite,
-    rope_suite,
-    embedding_suite,
-    add_suite,
-    copy_rows_suite,
-    topk_suite,
-    topk_split_suite,
-    gemm_suite,
-    fill_suite,
-    crate::w4a16::check::suite,
-    crate::w4a16::check::gemv_suite,
-    crate::attention::check::kv_append_suite,
-    crate::attention::check::mla_attention_suite,
-    crate::attention::check::gqa_attention_suite,
-    crate::tree::check::verify_suite,
-    moe_route_suite,
-    add_rms_norm_suite,
-    cast_bf16_f32_suite,
-    cast_f32_bf16_suite,
-    copy_rows_f32_suite,
-    gemv_suite,
-    gemv_split_suite,
-    gemv_gate_up_suite,
-    gemv_split_gate_up_suite,
-    gemv_rms_norm_suite,
-    crate::attention::check::mla_absorb_query_suite,
-    crate::attention::check::mla_absorb_output_suite,
-];
-
 /// Runs every candidate of every kernel at the sizes of `sizes` and returns the results.
 /// Variants that cannot take a size (vector paths need multiples of 8) skip it.
 pub fn run_all(t: &Target<'_>, sizes: Sizes, seed: u64) -> Result<Vec<CheckResult>, CheckError> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
-    for suite in SUITES {
-        out.extend(suite(t, sizes, &mut rng)?);
+    for entry in crate::registry::ENTRIES {
+        out.extend(entry.run(t, sizes, &mut rng)?);
     }
     Ok(out)
 }
