@@ -21,7 +21,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::check::{self, CheckResult};
+use crate::elementwise::op::{FillBf16Op, FillF32Op, FillU32Op};
+use crate::embedding::op::EmbeddingOp;
 use crate::fill::{self, FillParams, FILL_MAX};
+use crate::norm::op::RmsNormOp;
+use crate::topk::RowTopkOp;
 use crate::tree::gpu::{builder_fits, GpuBuilder};
 use crate::tree::{self, TreeBuild, TreeBuildParams, MAX_K};
 use crate::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv};
@@ -89,27 +93,27 @@ impl Fills {
     /// `n` random bf16 in `[lo, hi]` from `seed`.
     fn bf16(&self, gpu: &Gpu, n: usize, seed: u64, (lo, hi): (f32, f32)) -> Result<CudaSlice<bf16>, RuntimeError> {
         let k = &*self.bf16;
-        random(gpu, k, n, |out, grid, n| {
-            // SAFETY: out holds n elements.
-            unsafe { FillRandomBf16::launch(k, gpu.stream(), grid, out, n, seed as u32, lo, hi) }
+        random(gpu, k, n, |out, _, n| {
+            let (n, seed) = (n as usize, seed as u32);
+            FillBf16Op { out, n, seed, lo, hi }.launch(k, gpu.stream())
         })
     }
 
     /// `n` random f32 in `[lo, hi)` from `seed`.
     fn f32(&self, gpu: &Gpu, n: usize, seed: u64, (lo, hi): (f32, f32)) -> Result<CudaSlice<f32>, RuntimeError> {
         let k = &*self.f32;
-        random(gpu, k, n, |out, grid, n| {
-            // SAFETY: out holds n elements.
-            unsafe { FillRandomF32::launch(k, gpu.stream(), grid, out, n, seed as u32, lo, hi) }
+        random(gpu, k, n, |out, _, n| {
+            let (n, seed) = (n as usize, seed as u32);
+            FillF32Op { out, n, seed, lo, hi }.launch(k, gpu.stream())
         })
     }
 
     /// `n` random 32-bit words from `seed` (INT4 weight words: every word is 8 valid codes).
     fn u32(&self, gpu: &Gpu, n: usize, seed: u64) -> Result<CudaSlice<u32>, RuntimeError> {
         let k = &*self.u32;
-        random(gpu, k, n, |out, grid, n| {
-            // SAFETY: out holds n elements.
-            unsafe { FillRandomU32::launch(k, gpu.stream(), grid, out, n, seed as u32) }
+        random(gpu, k, n, |out, _, n| {
+            let (n, seed) = (n as usize, seed as u32);
+            FillU32Op { out, n, seed }.launch(k, gpu.stream())
         })
     }
 
@@ -259,8 +263,16 @@ impl Tunable for RmsNorm {
     fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut RmsNormWorkload, i: usize) -> Result<(), RuntimeError> {
         let RowsKey { rows, n } = w.key;
         let (x, out) = (&w.x[i % w.x.len()], &mut w.out[i % w.x.len()]);
-        // SAFETY: x and out hold rows * n elements, weight n; candidates with vec need n % 8 == 0.
-        unsafe { RmsNorm::launch(k, gpu.stream(), rows as u32, x, &w.w, out, n as u32, 1e-6) }
+        let weight = &w.w;
+        RmsNormOp {
+            x,
+            weight,
+            out,
+            rows,
+            n,
+            eps: 1e-6,
+        }
+        .launch(k, gpu.stream())
     }
 
     fn check_key(key: &RowsKey) -> RowsKey {
@@ -575,20 +587,15 @@ impl Tunable for Embedding {
         let copies = w.ids.len();
         let (ids, out) = (&w.ids[i % copies], &mut w.out[i % copies]);
         let table = &w.table[i % w.table.len()];
-        // SAFETY: the table holds vocab * hidden elements, out tokens * hidden; ids < vocab;
-        // vec candidates need hidden % 8 == 0.
-        unsafe {
-            Embedding::launch(
-                k,
-                gpu.stream(),
-                tokens as u32,
-                ids,
-                table,
-                out,
-                hidden as u32,
-                vocab as u32,
-            )
+        EmbeddingOp {
+            ids,
+            table,
+            out,
+            rows: tokens,
+            hidden,
+            vocab,
         }
+        .launch(k, gpu.stream())
     }
 
     fn check_key(key: &EmbeddingKey) -> EmbeddingKey {
@@ -681,8 +688,14 @@ impl Tunable for RowTopk {
         let TopkKey { rows, n, .. } = w.key;
         let c = i % w.logits.len();
         let (logits, values, indices) = (&w.logits[c], &mut w.values[c], &mut w.indices[c]);
-        // SAFETY: logits hold rows * n values with n >= k; the outputs hold rows * k.
-        unsafe { RowTopk::launch(k, gpu.stream(), rows as u32, logits, values, indices, n as u32) }
+        RowTopkOp {
+            logits,
+            values,
+            indices,
+            rows,
+            n,
+        }
+        .launch(k, gpu.stream())
     }
 
     fn check_key(key: &TopkKey) -> TopkKey {
