@@ -9,3 +9,4 @@ pub mod fill;
 pub mod op;
 pub mod rope;
 pub mod silu_mul;
+pub mod tune;

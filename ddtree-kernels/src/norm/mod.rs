@@ -5,3 +5,4 @@ pub mod check;
 pub mod op;
 pub mod residual;
 pub mod rms_norm;
+pub mod tune;

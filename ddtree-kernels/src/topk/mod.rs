@@ -16,6 +16,7 @@ use ddtree_macros::{device_fn, kernel, KernelParams};
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
 pub mod op;
+pub mod tune;
 
 pub use op::{RowTopkOp, TopkRunner, SPLIT_MAX_ROWS};
 

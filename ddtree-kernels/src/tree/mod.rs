@@ -25,3 +25,4 @@ pub use verify_attn::{
 };
 pub mod check;
 pub mod gpu;
+pub mod tune;
