@@ -3,6 +3,7 @@
 //! every timed run). Prints µs and the weight/activation bytes moved per µs (GB/s).
 
 use ddtree_codegen::Kernel;
+use ddtree_kernels::attention::op::MlaAbsorbOutputOp;
 use ddtree_kernels::attention::{mla, mla_absorb};
 use ddtree_kernels::elementwise::op::{AddAssignOp, FillBf16Op, FillF32Op, SiluMulSplitOp};
 use ddtree_kernels::gemv::op::{GateUpSiluOp, GemvOp, GemvRmsNormOp};
@@ -179,22 +180,17 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         let o_lat = b.bf16(t * HEADS * LORA)?;
         let mut o = b.bf16(t * HEADS * V)?;
         let us = time(&mut flush, &mut || {
-            // SAFETY: Kimi shapes; buffers sized above.
-            unsafe {
-                MlaAbsorbOutput::launch(
-                    &ok,
-                    s,
-                    mla_absorb::output_grid(&op, HEADS as u32, V as u32),
-                    &o_lat,
-                    &kv_b,
-                    &mut o,
-                    t as u32,
-                    HEADS as u32,
-                    NOPE as u32,
-                    V as u32,
-                    ((NOPE + V) * LORA) as u32,
-                )
+            let (o_lat, kv_b, out) = (&o_lat, &kv_b, &mut o);
+            MlaAbsorbOutputOp {
+                o_lat,
+                kv_b,
+                out,
+                rows: t,
+                heads: HEADS,
+                nope: NOPE,
+                v: V,
             }
+            .launch(&ok, s)
         })?;
         row("mla_output", t, &MlaAbsorbOutput::symbol(&op), us, w_bytes);
         let g = BatchedGemm {

@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::attention::op::{GqaAttentionOp, MlaAbsorbOutputOp};
 
 /// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -401,24 +402,16 @@ impl CudaBackend {
             .flatten();
         if let Some(p) = absorb {
             let kern = self.variant::<MlaAbsorbOutput>(&p)?;
-            let grid = ddtree_kernels::attention::mla_absorb::output_grid(&p, d.heads as u32, d.v as u32);
-            // SAFETY: o_lat [t, heads, kv_lora], kv_b [heads * (nope + v), kv_lora], o [t, heads * v];
-            // v % cols == 0.
-            unsafe {
-                MlaAbsorbOutput::launch(
-                    &kern,
-                    self.stream(),
-                    grid,
-                    o_lat.bf16("mla_output")?,
-                    w,
-                    o.bf16_mut("mla_output")?,
-                    t as u32,
-                    d.heads as u32,
-                    d.nope as u32,
-                    d.v as u32,
-                    ((d.nope + d.v) * d.kv_lora) as u32,
-                )?
-            };
+            MlaAbsorbOutputOp {
+                o_lat: o_lat.bf16("mla_output")?,
+                kv_b: w,
+                out: o.bf16_mut("mla_output")?,
+                rows: t,
+                heads: d.heads,
+                nope: d.nope,
+                v: d.v,
+            }
+            .launch(&kern, self.stream())?;
             return Ok(o);
         }
         let g = BatchedGemm {
@@ -472,24 +465,19 @@ impl CudaBackend {
         }
         let mut out = self.tensor_bf16(q.rows, q.cols)?;
         let k = self.first_variant::<GqaAttention>(|_: &GqaParams| true)?;
-        // SAFETY: q [rows, heads * hd], k/v layers hold `keys` rows of kv_heads * hd.
-        unsafe {
-            GqaAttention::launch(
-                &k,
-                self.stream(),
-                (q.rows * dims.heads) as u32,
-                q.bf16("gqa_attention")?,
-                &cache.layer(k_layer),
-                &cache.layer(v_layer),
-                out.bf16_mut("gqa_attention")?,
-                q.rows as u32,
-                keys as u32,
-                dims.heads as u32,
-                dims.kv_heads as u32,
-                dims.head_dim as u32,
-                scale,
-            )?
-        };
+        GqaAttentionOp {
+            q: q.bf16("gqa_attention")?,
+            k: &cache.layer(k_layer),
+            v: &cache.layer(v_layer),
+            out: out.bf16_mut("gqa_attention")?,
+            rows: q.rows,
+            keys,
+            heads: dims.heads,
+            kv_heads: dims.kv_heads,
+            head_dim: dims.head_dim,
+            scale,
+        }
+        .launch(&k, self.stream())?;
         Ok(out)
     }
 
