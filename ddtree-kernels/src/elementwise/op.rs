@@ -1,4 +1,4 @@
-//! Host ops of the elementwise family: [`AddAssignOp`], [`SiluMulSplitOp`], the row copies
+//! Host ops of the elementwise family: [`AddAssignOp`], [`SiluMulOp`], [`SiluMulSplitOp`], [`RopeOp`], the row copies
 //! [`CopyRowsOp`] (bf16 [`CopyRows`] and f32 [`CopyRowsF32`]) and the random fills
 //! [`FillBf16Op`], [`FillF32Op`], [`FillU32Op`].
 
@@ -12,7 +12,8 @@ use half::bf16;
 use super::add::{self, AddAssign};
 use super::copy_rows::{self, CopyRows};
 use super::fill::{self, FillRandomBf16, FillRandomF32, FillRandomU32};
-use super::silu_mul::{self, SiluMulSplit};
+use super::rope::{self, RopeInterleaved};
+use super::silu_mul::{self, SiluMul, SiluMulSplit};
 use crate::norm::residual::CopyRowsF32;
 use crate::op::{holds, require, size32};
 
@@ -248,5 +249,112 @@ impl<O: DevicePtrMut<u32>> FillU32Op<'_, O> {
         let grid = fill::grid(k.params(), self.n);
         // SAFETY: out holds n words (checked above).
         unsafe { FillRandomU32::launch(k, stream, grid, self.out, n, self.seed) }
+    }
+}
+
+/// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, d + j]` for `rows` rows of a fused gate/up
+/// projection ([`SiluMul`], grid [`silu_mul::grid`]).
+pub struct SiluMulOp<'a, G, O> {
+    /// Gate and up, `[rows, 2 * d]` (gate columns first).
+    pub gate_up: &'a G,
+    /// Output, `[rows, d]`.
+    pub out: &'a mut O,
+    /// Rows.
+    pub rows: usize,
+    /// Output width.
+    pub d: usize,
+}
+
+impl<G: DevicePtr<bf16>, O: DevicePtrMut<bf16>> SiluMulOp<'_, G, O> {
+    /// Checks the sizes and the variant (`vec` needs `d % 8 == 0`) and launches `k` on `stream`.
+    pub fn launch(self, k: &CompiledKernel<SiluMul>, stream: &Arc<CudaStream>) -> Result<(), RuntimeError> {
+        let name = SiluMul::NAME;
+        let (rows, d) = (self.rows, self.d);
+        holds(name, "gate_up", self.gate_up, rows * 2 * d)?;
+        holds(name, "out", &*self.out, rows * d)?;
+        require(name, !k.params().vec || d % 8 == 0, || {
+            format!("{:?} needs d % 8 == 0, d = {d}", k.params())
+        })?;
+        let grid = silu_mul::grid(k.params(), rows, d);
+        let (rows, d) = (size32(name, "rows", rows)?, size32(name, "d", d)?);
+        // SAFETY: sizes and the variant's width checked above.
+        unsafe { SiluMul::launch(k, stream, grid, self.gate_up, self.out, rows, d) }
+    }
+}
+
+/// RoPE in place on the variant's `dim` rope dims at `offset` of each of `rows` rows (`rows =
+/// tokens * heads`, row stride `stride`), token `t` at `positions[t]` ([`RopeInterleaved`], grid
+/// [`rope::grid`] unless given).
+pub struct RopeOp<'a, X, P, T> {
+    /// Rows rotated in place, `[rows, stride]` (the last row may end after its rope dims).
+    pub x: &'a mut X,
+    /// Position of each token, `[rows / heads]`.
+    pub positions: &'a P,
+    /// Cosine table, `[max_pos, dim / 2]`.
+    pub cos: &'a T,
+    /// Sine table, `[max_pos, dim / 2]`.
+    pub sin: &'a T,
+    /// Rows (tokens times heads).
+    pub rows: usize,
+    /// Heads per token.
+    pub heads: usize,
+    /// Row stride in elements.
+    pub stride: usize,
+    /// First rope element of a row.
+    pub offset: usize,
+    /// Blocks; `None`: [`rope::grid`].
+    pub grid: Option<u32>,
+}
+
+impl<X: DevicePtrMut<bf16>, P: DevicePtr<u32>, T: DevicePtr<f32>> RopeOp<'_, X, P, T> {
+    /// Checks the sizes the host can see and launches `k` on `stream`.
+    ///
+    /// # Safety
+    /// Every position (on the device) is a row of the tables: `positions[t] * dim / 2 + dim / 2
+    /// <= cos.len()` and `sin.len()`.
+    pub unsafe fn launch(
+        self,
+        k: &CompiledKernel<RopeInterleaved>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), RuntimeError> {
+        let name = RopeInterleaved::NAME;
+        let (rows, heads, stride, offset, dim) =
+            (self.rows, self.heads, self.stride, self.offset, k.params().dim as usize);
+        require(name, heads >= 1 && rows % heads == 0, || {
+            format!("{rows} rows of {heads} heads")
+        })?;
+        require(name, offset + dim <= stride, || {
+            format!("rope dims {offset}..+{dim} past a row of {stride}")
+        })?;
+        holds(
+            name,
+            "x",
+            &*self.x,
+            if rows == 0 {
+                0
+            } else {
+                (rows - 1) * stride + offset + dim
+            },
+        )?;
+        holds(name, "positions", self.positions, rows / heads)?;
+        let grid = self.grid.unwrap_or_else(|| rope::grid(k.params(), rows));
+        let (rows, heads) = (size32(name, "rows", rows)?, size32(name, "heads", heads)?);
+        let (stride, offset) = (size32(name, "stride", stride)?, size32(name, "offset", offset)?);
+        // SAFETY: x and positions checked above; the table rows are the caller's contract.
+        unsafe {
+            RopeInterleaved::launch(
+                k,
+                stream,
+                grid,
+                self.x,
+                self.positions,
+                self.cos,
+                self.sin,
+                rows,
+                heads,
+                stride,
+                offset,
+            )
+        }
     }
 }

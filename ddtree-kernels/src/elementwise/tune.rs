@@ -10,9 +10,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::check;
+use crate::elementwise::op::{RopeOp, SiluMulOp};
 #[allow(unused_imports)]
 use crate::tune::*;
-use crate::{rope, silu_mul, RopeInterleaved, SiluMul};
+use crate::{RopeInterleaved, SiluMul};
 
 /// SiLU-and-mul timing buffers.
 pub struct SiluMulWorkload {
@@ -57,10 +58,14 @@ impl Tunable for SiluMul {
 
     fn run(gpu: &Gpu, k: &CompiledKernel<Self>, w: &mut SiluMulWorkload, i: usize) -> Result<(), RuntimeError> {
         let RowsKey { rows, n } = w.key;
-        let grid = silu_mul::grid(k.params(), rows, n);
-        let (x, out) = (&w.gate_up[i % w.gate_up.len()], &mut w.out[i % w.gate_up.len()]);
-        // SAFETY: gate_up holds rows * 2n elements and out rows * n; vec candidates need n % 8 == 0.
-        unsafe { SiluMul::launch(k, gpu.stream(), grid, x, out, rows as u32, n as u32) }
+        let (gate_up, out) = (&w.gate_up[i % w.gate_up.len()], &mut w.out[i % w.gate_up.len()]);
+        SiluMulOp {
+            gate_up,
+            out,
+            rows,
+            d: n,
+        }
+        .launch(k, gpu.stream())
     }
 
     fn check_key(key: &RowsKey) -> RowsKey {
@@ -188,24 +193,20 @@ impl Tunable for RopeInterleaved {
         let rows = tokens * heads;
         let copies = w.x.len();
         let (x, pos, cos, sin) = (&mut w.x[i % copies], &w.positions, &w.cos, &w.sin);
-        let grid = rope::grid(k.params(), rows);
-        // SAFETY: x holds rows * stride elements with offset + dim <= stride (the key's layout);
-        // the tables hold ROPE_MAX_POS * dim / 2 values and positions are below ROPE_MAX_POS.
-        unsafe {
-            RopeInterleaved::launch(
-                k,
-                gpu.stream(),
-                grid,
-                x,
-                pos,
-                cos,
-                sin,
-                rows as u32,
-                heads as u32,
-                stride as u32,
-                offset as u32,
-            )
-        }
+        let op = RopeOp {
+            x,
+            positions: pos,
+            cos,
+            sin,
+            rows,
+            heads,
+            stride,
+            offset,
+            grid: None,
+        };
+        // SAFETY: the tables hold ROPE_MAX_POS * dim / 2 values and positions are below
+        // ROPE_MAX_POS.
+        unsafe { op.launch(k, gpu.stream()) }
     }
 
     fn check_key(key: &RopeKey) -> RopeKey {

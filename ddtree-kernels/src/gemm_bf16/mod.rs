@@ -11,6 +11,7 @@ use ddtree_macros::{kernel, KernelParams};
 
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
+pub mod op;
 pub mod tune;
 
 /// Compile-time parameters of [`GemmBf16`].

@@ -11,9 +11,10 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use crate::check;
+use crate::gemm_bf16::op::GemmBf16Op;
 #[allow(unused_imports)]
 use crate::tune::*;
-use crate::{gemm_bf16, GemmBf16};
+use crate::GemmBf16;
 
 /// `c[m, n] = a[m, k] . b[n, k]^T` in bf16 (a Linear layer: `m` tokens, `n` outputs, `k`
 /// inputs). `m` is bucketed to powers of two.
@@ -91,9 +92,15 @@ impl Tunable for GemmBf16 {
         let GemmKey { m, n, k: kd } = w.key;
         let (a, b) = (&w.a[i % w.a.len()], &w.b[i % w.b.len()]);
         let c = i % w.c.len();
-        let grid = gemm_bf16::grid(k.params(), m, n);
-        // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0 (the candidate filter).
-        unsafe { GemmBf16::launch(k, gpu.stream(), grid, a, b, &mut w.c[c], m as u32, n as u32, kd as u32) }
+        GemmBf16Op {
+            a,
+            b,
+            c: &mut w.c[c],
+            m,
+            n,
+            k: kd,
+        }
+        .launch(k, gpu.stream())
     }
 
     fn check_key(key: &GemmKey) -> GemmKey {

@@ -4,6 +4,7 @@
 #[allow(unused_imports)]
 use super::*;
 use ddtree_kernels::attention::op::{GqaAttentionOp, MlaAbsorbOutputOp};
+use ddtree_kernels::elementwise::op::RopeOp;
 
 /// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -141,22 +142,19 @@ impl CudaBackend {
         let rows = positions.len() * heads;
         let pairs = rows * rope.dim() / 2;
         let grid = pairs.div_ceil(k.params().block as usize).max(1) as u32;
-        // SAFETY: x holds rows * stride values; positions one per token; tables cover max.
-        unsafe {
-            RopeInterleaved::launch(
-                &k,
-                self.stream(),
-                grid,
-                x,
-                &*pos,
-                &tables.cos,
-                &tables.sin,
-                rows as u32,
-                heads as u32,
-                stride as u32,
-                offset as u32,
-            )?
+        let op = RopeOp {
+            x,
+            positions: &*pos,
+            cos: &tables.cos,
+            sin: &tables.sin,
+            rows,
+            heads,
+            stride,
+            offset,
+            grid: Some(grid),
         };
+        // SAFETY: the tables cover every position up to max.
+        unsafe { op.launch(&k, self.stream())? };
         Ok(())
     }
 
