@@ -3,6 +3,7 @@
 #[allow(unused_imports)]
 use super::*;
 use ddtree_kernels::elementwise::op::{FillBf16Op, FillF32Op, FillU32Op};
+use ddtree_kernels::w4a16::op::RepackOp;
 
 pub(super) const FILL: FillParams = FillParams { block: 256 };
 
@@ -15,20 +16,14 @@ impl CudaBackend {
         let mut dst = self.alloc::<u32>(total)?;
         let p = RepackParams { block: 256 };
         let kern = self.variant::<W4a16Repack>(&p)?;
-        let grid = total.div_ceil(256).clamp(1, 65535) as u32;
-        // SAFETY: src holds experts * n * k / 8 words, dst the interleaved words of every expert.
-        unsafe {
-            W4a16Repack::launch(
-                &kern,
-                self.stream(),
-                grid,
-                &src,
-                &mut dst,
-                n as u32,
-                k as u32,
-                experts as u32,
-            )?
-        };
+        RepackOp {
+            src: &src,
+            dst: &mut dst,
+            n,
+            k,
+            experts,
+        }
+        .launch(&kern, self.stream())?;
         Ok(dst)
     }
 
