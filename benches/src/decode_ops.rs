@@ -3,9 +3,9 @@
 //! every timed run). Prints µs and the weight/activation bytes moved per µs (GB/s).
 
 use ddtree_codegen::Kernel;
-use ddtree_kernels::attention::op::MlaAbsorbOutputOp;
-use ddtree_kernels::attention::{mla, mla_absorb};
-use ddtree_kernels::elementwise::op::{AddAssignOp, FillBf16Op, FillF32Op, SiluMulSplitOp};
+use ddtree_kernels::attention::mla;
+use ddtree_kernels::attention::op::{MlaAbsorbOutputOp, MlaAbsorbQueryOp, MlaKvAppendOp};
+use ddtree_kernels::elementwise::op::{AddAssignOp, FillBf16Op, FillF32Op, RopeOp, SiluMulSplitOp};
 use ddtree_kernels::gemv::op::{GateUpSiluOp, GemvOp, GemvRmsNormOp};
 use ddtree_kernels::gemv::{self, GemvChoice};
 use ddtree_kernels::norm::op::{AddRmsNormOp, RmsNormOp};
@@ -113,24 +113,22 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         let q = b.bf16(t * HEADS * (NOPE + ROPE))?;
         let mut q_abs = b.bf16(t * HEADS * (LORA + ROPE))?;
         let us = time(&mut flush, &mut || {
-            // SAFETY: Kimi shapes; buffers sized above.
-            unsafe {
-                MlaAbsorbQuery::launch(
-                    &qk,
-                    s,
-                    mla_absorb::query_grid(&qp, HEADS as u32, LORA as u32),
-                    &q,
-                    &kv_b,
-                    &pos,
-                    &cos,
-                    &sin,
-                    &mut q_abs,
-                    t as u32,
-                    HEADS as u32,
-                    LORA as u32,
-                    ((NOPE + V) * LORA) as u32,
-                )
-            }
+            let (q, kv_b, positions, cos, sin, out) = (&q, &kv_b, &pos, &cos, &sin, &mut q_abs);
+            let (rows, heads, lora, v) = (t, HEADS, LORA, V);
+            let op = MlaAbsorbQueryOp {
+                q,
+                kv_b,
+                positions,
+                cos,
+                sin,
+                out,
+                rows,
+                heads,
+                lora,
+                v,
+            };
+            // SAFETY: the positions (1000..1016) are rows of the 4096-row tables.
+            unsafe { op.launch(&qk, s) }
         })?;
         row("mla_query", t, &MlaAbsorbQuery::symbol(&qp), us, w_bytes);
         let g = BatchedGemm {
@@ -155,24 +153,24 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 stride: LORA + ROPE,
             },
         };
-        let rp = *rope_k.params();
         let us = time(&mut flush, &mut || {
             // SAFETY: the strides stay inside q, kv_b and q_abs; the rope covers t * heads rows.
             unsafe {
                 blas.batched(&g, &q, &kv_b, &mut q_abs)?;
-                RopeInterleaved::launch(
-                    &rope_k,
-                    s,
-                    ddtree_kernels::rope::grid(&rp, t * HEADS),
-                    &mut q_abs,
-                    &pos,
-                    &cos,
-                    &sin,
-                    (t * HEADS) as u32,
-                    HEADS as u32,
-                    (LORA + ROPE) as u32,
-                    LORA as u32,
-                )
+                let (x, positions, cos, sin) = (&mut q_abs, &pos, &cos, &sin);
+                let (rows, heads, stride, offset) = (t * HEADS, HEADS, LORA + ROPE, LORA);
+                RopeOp {
+                    x,
+                    positions,
+                    cos,
+                    sin,
+                    rows,
+                    heads,
+                    stride,
+                    offset,
+                    grid: None,
+                }
+                .launch(&rope_k, s)
             }
         })?;
         row("mla_query", t, "cuBLAS batched + rope (old path, no copy)", us, w_bytes);
@@ -629,25 +627,23 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         for (p, what) in [(old, "old"), (new, "new")] {
             let k = gpu.compile::<MlaKvAppend>(&p)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: kv_a holds t rows of 576, the cache 64 >= 3 + t rows.
-                unsafe {
-                    MlaKvAppend::launch(
-                        &k,
-                        s,
-                        t as u32,
-                        &kv_a,
-                        &g,
-                        &pos,
-                        &cos,
-                        &sin,
-                        &mut cache,
-                        &lens,
-                        t as u32,
-                        LORA as u32,
-                        ROPE as u32,
-                        1e-6,
-                    )
-                }
+                let (kv_a, norm, positions, cos, sin, cache, lens) = (&kv_a, &g, &pos, &cos, &sin, &mut cache, &lens);
+                let (rows, lora, rope, eps) = (t, LORA, ROPE, 1e-6);
+                let op = MlaKvAppendOp {
+                    kv_a,
+                    norm,
+                    positions,
+                    cos,
+                    sin,
+                    cache,
+                    lens,
+                    rows,
+                    lora,
+                    rope,
+                    eps,
+                };
+                // SAFETY: the cache's 64 rows hold 3 + t; the positions are rows of the tables.
+                unsafe { op.launch(&k, s) }
             })?;
             row(
                 "mla_append_kv",

@@ -1,6 +1,6 @@
-//! Host ops of the attention family that the host can check in full: [`GqaAttentionOp`] and
-//! [`MlaAbsorbOutputOp`]. (The MLA kernels that read positions or cache lengths on the device are
-//! still launched directly.)
+//! Host ops of the attention family: [`GqaAttentionOp`] and [`MlaAbsorbOutputOp`], checked in
+//! full on the host, and [`MlaKvAppendOp`], [`MlaAttentionOp`] and [`MlaAbsorbQueryOp`], whose
+//! `launch` stays `unsafe`: they read positions or the cache length on the device.
 
 use std::sync::Arc;
 
@@ -9,8 +9,8 @@ use ddtree_runtime::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use ddtree_runtime::{CompiledKernel, RuntimeError};
 use half::bf16;
 
-use super::mla_absorb::output_grid;
-use super::{GqaAttention, MlaAbsorbOutput};
+use super::mla_absorb::{output_grid, query_grid};
+use super::{GqaAttention, MlaAbsorbOutput, MlaAbsorbQuery, MlaAttention, MlaKvAppend};
 use crate::op::{holds, require, size32};
 
 /// Grouped-query attention without a mask over `keys` cached rows ([`GqaAttention`], one block
@@ -109,6 +109,232 @@ impl<L: DevicePtr<bf16>, W: DevicePtr<bf16>, O: DevicePtrMut<bf16>> MlaAbsorbOut
         unsafe {
             MlaAbsorbOutput::launch(
                 kern, stream, grid, self.o_lat, self.kv_b, self.out, rows, heads, nope, v, w_head,
+            )
+        }
+    }
+}
+
+/// Appends `rows` latent rows to a layer of the MLA cache at the length `lens[0]` (read on the
+/// device): the first `lora` values RMS-normalized by `norm`, the last `rope` rotated to each
+/// token's position ([`MlaKvAppend`], one block per row).
+pub struct MlaKvAppendOp<'a, A, N, P, T, C, L> {
+    /// New rows, `[rows, lora + rope]`.
+    pub kv_a: &'a A,
+    /// Latent norm scale, `[lora]`.
+    pub norm: &'a N,
+    /// Position of each row, `[rows]`.
+    pub positions: &'a P,
+    /// Cosine table, `[max_pos, rope / 2]`.
+    pub cos: &'a T,
+    /// Sine table, `[max_pos, rope / 2]`.
+    pub sin: &'a T,
+    /// The layer's cache, `[capacity, lora + rope]`.
+    pub cache: &'a mut C,
+    /// The cache length before the append, `[1]`.
+    pub lens: &'a L,
+    /// Rows appended.
+    pub rows: usize,
+    /// Latent width.
+    pub lora: usize,
+    /// Rope width (even).
+    pub rope: usize,
+    /// Added to the mean square.
+    pub eps: f32,
+}
+
+impl<A, N, P, T, C, L> MlaKvAppendOp<'_, A, N, P, T, C, L>
+where
+    A: DevicePtr<bf16>,
+    N: DevicePtr<bf16>,
+    P: DevicePtr<u32>,
+    T: DevicePtr<f32>,
+    C: DevicePtrMut<bf16>,
+    L: DevicePtr<u32>,
+{
+    /// Checks what the host can see (input sizes, `rope` even, `vec` widths) and launches `k`.
+    ///
+    /// # Safety
+    /// `lens[0] + rows` rows fit the cache, and every position is a row of the tables.
+    pub unsafe fn launch(self, k: &CompiledKernel<MlaKvAppend>, stream: &Arc<CudaStream>) -> Result<(), RuntimeError> {
+        let name = MlaKvAppend::NAME;
+        let (rows, lora, rope) = (self.rows, self.lora, self.rope);
+        require(name, rope % 2 == 0, || format!("rope = {rope} is odd"))?;
+        require(name, !k.params().vec || (lora % 8 == 0 && rope % 8 == 0), || {
+            format!("{:?} needs lora and rope multiples of 8: {lora}, {rope}", k.params())
+        })?;
+        holds(name, "kv_a", self.kv_a, rows * (lora + rope))?;
+        holds(name, "norm", self.norm, lora)?;
+        holds(name, "positions", self.positions, rows)?;
+        holds(name, "lens", self.lens, 1)?;
+        let (r, lora, rope) = (
+            size32(name, "rows", rows)?,
+            size32(name, "lora", lora)?,
+            size32(name, "rope", rope)?,
+        );
+        // SAFETY: inputs checked above; the cache room and the table rows are the caller's contract.
+        unsafe {
+            MlaKvAppend::launch(
+                k,
+                stream,
+                r,
+                self.kv_a,
+                self.norm,
+                self.positions,
+                self.cos,
+                self.sin,
+                self.cache,
+                self.lens,
+                r,
+                lora,
+                rope,
+                self.eps,
+            )
+        }
+    }
+}
+
+/// Absorbed-MLA attention of `nodes` query rows over a layer's latent cache of `lens[0]` prefix
+/// rows plus the `nodes` new ones, under a tree mask ([`MlaAttention`], one block per (node,
+/// head)).
+pub struct MlaAttentionOp<'a, Q, C, M, O, L> {
+    /// Queries, `[nodes, heads, lora + rope]`.
+    pub q: &'a Q,
+    /// The layer's cache, `[prefix + nodes, lora + rope]` at least.
+    pub cache: &'a C,
+    /// Tree mask, `[nodes, words]`.
+    pub mask: &'a M,
+    /// Output, `[nodes, heads, lora]`.
+    pub out: &'a mut O,
+    /// The prefix length, `[1]`.
+    pub lens: &'a L,
+    /// Heads.
+    pub heads: usize,
+    /// Query rows (new cache rows).
+    pub nodes: usize,
+    /// Mask words per node.
+    pub words: usize,
+    /// Latent width.
+    pub lora: usize,
+    /// Rope width.
+    pub rope: usize,
+    /// Score scale.
+    pub scale: f32,
+}
+
+impl<Q, C, M, O, L> MlaAttentionOp<'_, Q, C, M, O, L>
+where
+    Q: DevicePtr<bf16>,
+    C: DevicePtr<bf16>,
+    M: DevicePtr<u32>,
+    O: DevicePtrMut<bf16>,
+    L: DevicePtr<u32>,
+{
+    /// Checks what the host can see and launches `k` on `stream`.
+    ///
+    /// # Safety
+    /// The cache holds `lens[0] + nodes` rows (the prefix length lives on the device).
+    pub unsafe fn launch(self, k: &CompiledKernel<MlaAttention>, stream: &Arc<CudaStream>) -> Result<(), RuntimeError> {
+        let name = MlaAttention::NAME;
+        let (heads, nodes, words, lora, rope) = (self.heads, self.nodes, self.words, self.lora, self.rope);
+        require(name, words * 32 >= nodes, || {
+            format!("{words} mask words for {nodes} nodes")
+        })?;
+        holds(name, "q", self.q, nodes * heads * (lora + rope))?;
+        holds(name, "cache", self.cache, nodes * (lora + rope))?;
+        holds(name, "mask", self.mask, nodes * words)?;
+        holds(name, "out", &*self.out, nodes * heads * lora)?;
+        holds(name, "lens", self.lens, 1)?;
+        let grid = size32(name, "nodes * heads", nodes * heads)?;
+        let (heads, nodes, words) = (
+            size32(name, "heads", heads)?,
+            size32(name, "nodes", nodes)?,
+            size32(name, "words", words)?,
+        );
+        let (lora, rope) = (size32(name, "lora", lora)?, size32(name, "rope", rope)?);
+        // SAFETY: host-side sizes checked above; the prefix rows are the caller's contract.
+        unsafe {
+            MlaAttention::launch(
+                k, stream, grid, self.q, self.cache, self.mask, self.out, self.lens, heads, nodes, words, lora, rope,
+                self.scale,
+            )
+        }
+    }
+}
+
+/// The absorbed MLA query ([`MlaAbsorbQuery`], grid [`query_grid`]): the non-rope dims of each
+/// head projected through `W_UK` into the latent space, the rope dims rotated to each token's
+/// position; `out` is `[rows, heads, lora + rope]` (the variant's `nope` and `rope`).
+pub struct MlaAbsorbQueryOp<'a, Q, W, P, T, O> {
+    /// Queries, `[rows, heads, nope + rope]`.
+    pub q: &'a Q,
+    /// `kv_b_proj` weight, `[heads * (nope + v), lora]`.
+    pub kv_b: &'a W,
+    /// Position of each token, `[rows]`.
+    pub positions: &'a P,
+    /// Cosine table, `[max_pos, rope / 2]`.
+    pub cos: &'a T,
+    /// Sine table, `[max_pos, rope / 2]`.
+    pub sin: &'a T,
+    /// Output, `[rows, heads, lora + rope]`.
+    pub out: &'a mut O,
+    /// Tokens.
+    pub rows: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Latent width (a multiple of the variant's `cols`).
+    pub lora: usize,
+    /// Value width per head (with `nope`, the rows of a head in `kv_b`).
+    pub v: usize,
+}
+
+impl<Q, W, P, T, O> MlaAbsorbQueryOp<'_, Q, W, P, T, O>
+where
+    Q: DevicePtr<bf16>,
+    W: DevicePtr<bf16>,
+    P: DevicePtr<u32>,
+    T: DevicePtr<f32>,
+    O: DevicePtrMut<bf16>,
+{
+    /// Checks what the host can see (sizes, `lora % cols == 0`) and launches `k` on `stream`.
+    ///
+    /// # Safety
+    /// Every position (on the device) is a row of the tables.
+    pub unsafe fn launch(
+        self,
+        k: &CompiledKernel<MlaAbsorbQuery>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), RuntimeError> {
+        let name = MlaAbsorbQuery::NAME;
+        let p = *k.params();
+        let (rows, heads, lora, v) = (self.rows, self.heads, self.lora, self.v);
+        let (nope, rope) = (p.nope as usize, p.rope as usize);
+        require(name, lora % p.cols as usize == 0, || {
+            format!("lora = {lora} is not a multiple of {p:?}'s cols")
+        })?;
+        let w_head = (nope + v) * lora;
+        holds(name, "q", self.q, rows * heads * (nope + rope))?;
+        holds(name, "kv_b", self.kv_b, heads * w_head)?;
+        holds(name, "positions", self.positions, rows)?;
+        holds(name, "out", &*self.out, rows * heads * (lora + rope))?;
+        let (rows, heads) = (size32(name, "rows", rows)?, size32(name, "heads", heads)?);
+        let (lora, w_head) = (size32(name, "lora", lora)?, size32(name, "w_head", w_head)?);
+        let grid = query_grid(&p, heads, lora);
+        // SAFETY: sizes checked above; the table rows are the caller's contract.
+        unsafe {
+            MlaAbsorbQuery::launch(
+                k,
+                stream,
+                grid,
+                self.q,
+                self.kv_b,
+                self.positions,
+                self.cos,
+                self.sin,
+                self.out,
+                rows,
+                heads,
+                lora,
+                w_head,
             )
         }
     }

@@ -3,7 +3,9 @@
 
 #[allow(unused_imports)]
 use super::*;
-use ddtree_kernels::attention::op::{GqaAttentionOp, MlaAbsorbOutputOp};
+use ddtree_kernels::attention::op::{
+    GqaAttentionOp, MlaAbsorbOutputOp, MlaAbsorbQueryOp, MlaAttentionOp, MlaKvAppendOp,
+};
 use ddtree_kernels::elementwise::op::RopeOp;
 
 /// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
@@ -205,25 +207,21 @@ impl CudaBackend {
         let lens = self.staged(Staged::Lens, &[start as u32])?;
         let k = self.variant::<MlaKvAppend>(&ddtree_kernels::attention::mla::choose_append(lora, width - lora))?;
         let mut dst = cache.layer_mut(layer);
-        // SAFETY: kv_a [rows, width]; the layer holds capacity rows and start + rows fit.
-        unsafe {
-            MlaKvAppend::launch(
-                &k,
-                self.stream(),
-                kv_a.rows as u32,
-                kv_a.bf16("mla_append_kv")?,
-                &norm.bf16,
-                &*pos,
-                &tables.cos,
-                &tables.sin,
-                &mut dst,
-                &*lens,
-                kv_a.rows as u32,
-                lora as u32,
-                (width - lora) as u32,
-                eps,
-            )?
+        let op = MlaKvAppendOp {
+            kv_a: kv_a.bf16("mla_append_kv")?,
+            norm: &norm.bf16,
+            positions: &*pos,
+            cos: &tables.cos,
+            sin: &tables.sin,
+            cache: &mut dst,
+            lens: &*lens,
+            rows: kv_a.rows,
+            lora,
+            rope: width - lora,
+            eps,
         };
+        // SAFETY: start + rows fit the layer's capacity (checked above); the tables cover max.
+        unsafe { op.launch(&k, self.stream())? };
         if !rope.interleaved() {
             // The kernel ropes adjacent pairs; for the half-split layout put the raw k_pe back
             // and rope it with the rotate-half variant in place (at a host-side offset: a
@@ -276,26 +274,20 @@ impl CudaBackend {
             let max = positions.iter().copied().max().unwrap_or(0);
             let tables = self.rope_tables(rope, max)?;
             let pos = self.staged(Staged::Positions, positions)?;
-            let grid = ddtree_kernels::attention::mla_absorb::query_grid(&p, d.heads as u32, d.kv_lora as u32);
-            // SAFETY: q [t, heads, nope + rope], kv_b [heads * (nope + v), kv_lora] with
-            // kv_lora % cols == 0, q_abs [t, heads, lw]; one position per token within the tables.
-            unsafe {
-                MlaAbsorbQuery::launch(
-                    &kern,
-                    self.stream(),
-                    grid,
-                    q.bf16("mla_query")?,
-                    w,
-                    &*pos,
-                    &tables.cos,
-                    &tables.sin,
-                    q_abs.bf16_mut("mla_query")?,
-                    t as u32,
-                    d.heads as u32,
-                    d.kv_lora as u32,
-                    ((d.nope + d.v) * d.kv_lora) as u32,
-                )?
+            let op = MlaAbsorbQueryOp {
+                q: q.bf16("mla_query")?,
+                kv_b: w,
+                positions: &*pos,
+                cos: &tables.cos,
+                sin: &tables.sin,
+                out: q_abs.bf16_mut("mla_query")?,
+                rows: t,
+                heads: d.heads,
+                lora: d.kv_lora,
+                v: d.v,
             };
+            // SAFETY: the tables cover every position up to max.
+            unsafe { op.launch(&kern, self.stream())? };
             return Ok(q_abs);
         }
         let g = BatchedGemm {
@@ -582,25 +574,21 @@ impl CudaBackend {
             ));
         }
         let k = self.first_variant::<MlaAttention>(|_: &MlaAttnParams| true)?;
-        // SAFETY: q [n, heads, lw], the layer's first prefix + n rows, mask [n, words].
-        unsafe {
-            MlaAttention::launch(
-                &k,
-                self.stream(),
-                (n * d.heads) as u32,
-                q,
-                &kv,
-                &*mask,
-                out.bf16_mut("mla_attention")?,
-                &*lens,
-                d.heads as u32,
-                n as u32,
-                words as u32,
-                d.kv_lora as u32,
-                d.rope as u32,
-                scale,
-            )?
+        let op = MlaAttentionOp {
+            q,
+            cache: &kv,
+            mask: &*mask,
+            out: out.bf16_mut("mla_attention")?,
+            lens: &*lens,
+            heads: d.heads,
+            nodes: n,
+            words,
+            lora: d.kv_lora,
+            rope: d.rope,
+            scale,
         };
+        // SAFETY: the layer holds the prefix + n rows (the cache's length bookkeeping).
+        unsafe { op.launch(&k, self.stream())? };
         Ok(out)
     }
 }
