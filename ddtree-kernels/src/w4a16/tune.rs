@@ -17,6 +17,7 @@ use crate::check;
 use crate::tune::*;
 use crate::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv};
 use crate::w4a16::layout::interleaved_words;
+use crate::w4a16::op::DenseGemvOp;
 
 /// A dense W4A16 linear at a few tokens ([`W4a16Gemv`] in [`GemvMode::Dense`]): `out[tokens, n]
 /// = x[tokens, k] . dequant(W)[n, k]^T`, INT4 group 32. Tokens are bucketed to powers of two (the
@@ -126,30 +127,18 @@ impl Tunable for W4a16Gemv {
         let W4GemvKey { tokens, n, k } = w.key;
         let (x, (wq, sc)) = (&w.x[i % w.x.len()], &w.w[i % w.w.len()]);
         let c = i % w.out.len();
-        let grid = w4gemv::grid(kern.params(), n as u32, 1);
-        // SAFETY: x is [tokens, k] with tokens <= 8 chunks (the candidate filter), the weights
-        // are interleaved [n, k] words with the g32 scale words, out is [tokens, n]; the routing
-        // buffers are unused by dense variants.
-        unsafe {
-            W4a16Gemv::launch(
-                kern,
-                gpu.stream(),
-                grid,
-                x,
-                wq,
-                sc,
-                &w.ids,
-                &w.route_w,
-                &w.ids,
-                &w.ids,
-                &mut w.out[c],
-                tokens as u32,
-                n as u32,
-                k as u32,
-                1,
-                1,
-            )
+        DenseGemvOp {
+            x,
+            w: wq,
+            scales: sc,
+            out: &mut w.out[c],
+            rows: tokens,
+            n,
+            k,
+            unused_u32: &w.ids,
+            unused_f32: &w.route_w,
         }
+        .launch(kern, gpu.stream())
     }
 
     fn check_key(key: &W4GemvKey) -> W4GemvKey {

@@ -5,6 +5,7 @@
 use super::*;
 use ddtree_kernels::gemv_bf16::op::{GateUpSiluOp, GemvOp, GemvRmsNormOp};
 use ddtree_kernels::topk::RowTopkOp;
+use ddtree_kernels::w4a16::op::DenseGemvOp;
 
 /// Whether an INT4 `linear` of `rows` rows over an `[n, k]` weight runs the small-token
 /// [`W4a16Gemv`] (one launch, no split-K reduce) instead of the tensor-core GEMM: with few rows
@@ -124,28 +125,18 @@ impl CudaBackend {
                     }
                     let none_u32 = self.identity(1)?;
                     let st = self.state();
-                    // SAFETY: a [rows <= 8 chunks, k], weights interleaved [n, k] with g32 scale
-                    // words, out [rows, n]; the routing arguments are unused by dense variants.
-                    unsafe {
-                        W4a16Gemv::launch(
-                            &kern,
-                            self.stream(),
-                            w4gemv::grid(&p, n as u32, 1),
-                            a,
-                            packed,
-                            scales,
-                            none_u32.as_ref(),
-                            &st.w4a16[self.lane()].part,
-                            none_u32.as_ref(),
-                            none_u32.as_ref(),
-                            out.bf16_mut("linear")?,
-                            x.rows as u32,
-                            n as u32,
-                            k as u32,
-                            1,
-                            1,
-                        )?
-                    };
+                    DenseGemvOp {
+                        x: a,
+                        w: packed,
+                        scales,
+                        out: out.bf16_mut("linear")?,
+                        rows: x.rows,
+                        n,
+                        k,
+                        unused_u32: none_u32.as_ref(),
+                        unused_f32: &st.w4a16[self.lane()].part,
+                    }
+                    .launch(&kern, self.stream())?;
                     return Ok(out);
                 }
                 let args = GemmArgs {
