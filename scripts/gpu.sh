@@ -10,6 +10,8 @@
 #                                               kernel checks, GPU tests, `generate` on cpu and cuda, `ddtree bench`
 #                                               (VERIFY_COST_PRESET=P adds `autotune --preset P --verify-cost`)
 #   scripts/gpu.sh final                        the GPU tests and the full Kimi K2.6 EP8 bench (four drafter profiles)
+#   scripts/gpu.sh parallel                     multi-GPU code on one GPU: NCCL with one rank (eager and in a graph),
+#                                               virtual ranks vs one rank, nccl_bench, one rank's share of TP8+EP8
 #   scripts/gpu.sh tree-build [BIN_DIR] [TREE_BENCH_ARGS...]
 #                                               autotune tree_build into a fresh cache, then `tree-bench --build-only`
 #   scripts/gpu.sh tune [BIN_DIR]               NVRTC compile cache, cold/warm autotune, warm startup
@@ -25,7 +27,7 @@ OUT=${OUT:-/tmp/out}
 BIN=.gpu
 
 usage() {
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -126,6 +128,25 @@ cmd_engine() {
     echo "autotune --verify-cost rc=$?"
     tail -15 "$OUT/verify-cost.txt"
   fi
+}
+
+# Needs .gpu/gpu-nccl and .gpu/gpu-parallel (the test executables of ddtree-engine's gpu_nccl
+# and gpu_parallel tests) and .gpu/nccl_bench beside ddtree.
+cmd_parallel() {
+  gpu_name
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+  local t
+  for t in gpu-nccl gpu-parallel; do
+    DDTREE_REQUIRE_GPU=1 timeout 90 "$BIN/$t" --test-threads=1 --nocapture > "$OUT/$t.txt" 2>&1
+    echo "$t rc=$?"
+    grep -E "^test |test result|panicked" "$OUT/$t.txt" | head -12
+  done
+  timeout 60 "$BIN/nccl_bench" --gpus 1 > "$OUT/nccl-bench.txt" 2>&1; echo "nccl_bench rc=$?"
+  tail -n 8 "$OUT/nccl-bench.txt"
+  timeout 120 "$BIN/ddtree" bench --preset kimi-k2.6 --gpus 8 --virtual-rank 0 --accept 1 --budgets 8 --tokens 16 \
+    > "$OUT/virtual-rank.txt" 2>&1
+  echo "virtual-rank bench rc=$?"
+  tail -n 12 "$OUT/virtual-rank.txt"
 }
 
 cmd_final() {
@@ -284,6 +305,7 @@ case $sub in
   kernels) cmd_kernels ;;
   engine) cmd_engine "$@" ;;
   final) cmd_final ;;
+  parallel) cmd_parallel ;;
   tree-build) cmd_tree_build "$@" ;;
   tune) cmd_tune "$@" ;;
   profile) cmd_profile "$@" ;;

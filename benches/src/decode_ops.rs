@@ -3,13 +3,17 @@
 //! every timed run). Prints µs and the weight/activation bytes moved per µs (GB/s).
 
 use ddtree_codegen::Kernel;
-use ddtree_kernels::attention::{mla, mla_absorb};
+use ddtree_kernels::attention::mla;
+use ddtree_kernels::attention::op::{MlaAbsorbOutputOp, MlaAbsorbQueryOp, MlaKvAppendOp};
+use ddtree_kernels::elementwise::op::{AddAssignOp, FillBf16Op, FillF32Op, RopeOp, SiluMulSplitOp};
+use ddtree_kernels::gemv::op::{GateUpSiluOp, GemvOp, GemvRmsNormOp};
 use ddtree_kernels::gemv::{self, GemvChoice};
+use ddtree_kernels::norm::op::{AddRmsNormOp, RmsNormOp};
 use ddtree_kernels::residual;
 use ddtree_kernels::{
-    add, fill, silu_mul, AddAssign, AddRmsNorm, FillParams, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32,
-    GemvGateUpSilu, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu, MlaAbsorbOutput, MlaAbsorbQuery,
-    MlaKvAppend, RmsNorm, RopeInterleaved, SiluMulSplit,
+    silu_mul, AddAssign, AddRmsNorm, FillRandomBf16, FillRandomF32, GemvBf16, GemvBf16F32, GemvGateUpSilu,
+    GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32, GemvSplitGateUpSilu, MlaAbsorbOutput, MlaAbsorbQuery, MlaKvAppend,
+    RmsNorm, RopeInterleaved, SiluMulSplit,
 };
 use ddtree_runtime::blas::{BatchedGemm, RightOperand, Strided};
 use ddtree_runtime::cudarc::driver::CudaSlice;
@@ -38,9 +42,15 @@ impl Bufs<'_> {
             .alloc_zeros::<bf16>(n.max(1))
             .map_err(RuntimeError::driver("allocating"))?;
         self.seed += 1;
-        let grid = fill::grid(&FillParams { block: 256 }, n);
-        // SAFETY: out holds n elements.
-        unsafe { FillRandomBf16::launch(&self.fill_bf16, s, grid, &mut out, n as u32, self.seed, -1.0, 1.0)? };
+        let (out_ref, seed) = (&mut out, self.seed);
+        FillBf16Op {
+            out: out_ref,
+            n,
+            seed,
+            lo: -1.0,
+            hi: 1.0,
+        }
+        .launch(&self.fill_bf16, s)?;
         Ok(out)
     }
 
@@ -50,9 +60,15 @@ impl Bufs<'_> {
             .alloc_zeros::<f32>(n.max(1))
             .map_err(RuntimeError::driver("allocating"))?;
         self.seed += 1;
-        let grid = fill::grid(&FillParams { block: 256 }, n);
-        // SAFETY: out holds n elements.
-        unsafe { FillRandomF32::launch(&self.fill_f32, s, grid, &mut out, n as u32, self.seed, lo, hi)? };
+        let (out_ref, seed) = (&mut out, self.seed);
+        FillF32Op {
+            out: out_ref,
+            n,
+            seed,
+            lo,
+            hi,
+        }
+        .launch(&self.fill_f32, s)?;
         Ok(out)
     }
 }
@@ -97,24 +113,22 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         let q = b.bf16(t * HEADS * (NOPE + ROPE))?;
         let mut q_abs = b.bf16(t * HEADS * (LORA + ROPE))?;
         let us = time(&mut flush, &mut || {
-            // SAFETY: Kimi shapes; buffers sized above.
-            unsafe {
-                MlaAbsorbQuery::launch(
-                    &qk,
-                    s,
-                    mla_absorb::query_grid(&qp, HEADS as u32, LORA as u32),
-                    &q,
-                    &kv_b,
-                    &pos,
-                    &cos,
-                    &sin,
-                    &mut q_abs,
-                    t as u32,
-                    HEADS as u32,
-                    LORA as u32,
-                    ((NOPE + V) * LORA) as u32,
-                )
-            }
+            let (q, kv_b, positions, cos, sin, out) = (&q, &kv_b, &pos, &cos, &sin, &mut q_abs);
+            let (rows, heads, lora, v) = (t, HEADS, LORA, V);
+            let op = MlaAbsorbQueryOp {
+                q,
+                kv_b,
+                positions,
+                cos,
+                sin,
+                out,
+                rows,
+                heads,
+                lora,
+                v,
+            };
+            // SAFETY: the positions (1000..1016) are rows of the 4096-row tables.
+            unsafe { op.launch(&qk, s) }
         })?;
         row("mla_query", t, &MlaAbsorbQuery::symbol(&qp), us, w_bytes);
         let g = BatchedGemm {
@@ -139,24 +153,24 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 stride: LORA + ROPE,
             },
         };
-        let rp = *rope_k.params();
         let us = time(&mut flush, &mut || {
             // SAFETY: the strides stay inside q, kv_b and q_abs; the rope covers t * heads rows.
             unsafe {
                 blas.batched(&g, &q, &kv_b, &mut q_abs)?;
-                RopeInterleaved::launch(
-                    &rope_k,
-                    s,
-                    ddtree_kernels::rope::grid(&rp, t * HEADS),
-                    &mut q_abs,
-                    &pos,
-                    &cos,
-                    &sin,
-                    (t * HEADS) as u32,
-                    HEADS as u32,
-                    (LORA + ROPE) as u32,
-                    LORA as u32,
-                )
+                let (x, positions, cos, sin) = (&mut q_abs, &pos, &cos, &sin);
+                let (rows, heads, stride, offset) = (t * HEADS, HEADS, LORA + ROPE, LORA);
+                RopeOp {
+                    x,
+                    positions,
+                    cos,
+                    sin,
+                    rows,
+                    heads,
+                    stride,
+                    offset,
+                    grid: None,
+                }
+                .launch(&rope_k, s)
             }
         })?;
         row("mla_query", t, "cuBLAS batched + rope (old path, no copy)", us, w_bytes);
@@ -164,22 +178,17 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         let o_lat = b.bf16(t * HEADS * LORA)?;
         let mut o = b.bf16(t * HEADS * V)?;
         let us = time(&mut flush, &mut || {
-            // SAFETY: Kimi shapes; buffers sized above.
-            unsafe {
-                MlaAbsorbOutput::launch(
-                    &ok,
-                    s,
-                    mla_absorb::output_grid(&op, HEADS as u32, V as u32),
-                    &o_lat,
-                    &kv_b,
-                    &mut o,
-                    t as u32,
-                    HEADS as u32,
-                    NOPE as u32,
-                    V as u32,
-                    ((NOPE + V) * LORA) as u32,
-                )
+            let (o_lat, kv_b, out) = (&o_lat, &kv_b, &mut o);
+            MlaAbsorbOutputOp {
+                o_lat,
+                kv_b,
+                out,
+                rows: t,
+                heads: HEADS,
+                nope: NOPE,
+                v: V,
             }
+            .launch(&ok, s)
         })?;
         row("mla_output", t, &MlaAbsorbOutput::symbol(&op), us, w_bytes);
         let g = BatchedGemm {
@@ -233,33 +242,27 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
             let ko = gpu.compile::<GemvBf16>(&old)?;
             let kf = gpu.compile::<GemvBf16F32>(&old)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: a [t, k], w [n, k], out [t, n].
-                unsafe {
-                    if f32_out {
-                        GemvBf16F32::launch(
-                            &kf,
-                            s,
-                            gemv::grid(&old, n as u32),
-                            &a,
-                            &w,
-                            &mut out_f,
-                            t as u32,
-                            n as u32,
-                            k as u32,
-                        )
-                    } else {
-                        GemvBf16::launch(
-                            &ko,
-                            s,
-                            gemv::grid(&old, n as u32),
-                            &a,
-                            &w,
-                            &mut out,
-                            t as u32,
-                            n as u32,
-                            k as u32,
-                        )
+                let (a, w, rows) = (&a, &w, t);
+                if f32_out {
+                    GemvOp {
+                        a,
+                        w,
+                        out: &mut out_f,
+                        rows,
+                        n,
+                        k,
                     }
+                    .launch_f32(&kf, s)
+                } else {
+                    GemvOp {
+                        a,
+                        w,
+                        out: &mut out,
+                        rows,
+                        n,
+                        k,
+                    }
+                    .launch_bf16(&ko, s)
                 }
             })?;
             row(&op, t, &format!("{} (old)", GemvBf16::symbol(&old)), us, bytes);
@@ -275,33 +278,27 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 let ks = gpu.compile::<GemvSplitBf16>(&p)?;
                 let ksf = gpu.compile::<GemvSplitF32>(&p)?;
                 let us = time(&mut flush, &mut || {
-                    // SAFETY: as above.
-                    unsafe {
-                        if f32_out {
-                            GemvSplitF32::launch(
-                                &ksf,
-                                s,
-                                gemv::split_grid(&p, n as u32),
-                                &a,
-                                &w,
-                                &mut out_f,
-                                t as u32,
-                                n as u32,
-                                k as u32,
-                            )
-                        } else {
-                            GemvSplitBf16::launch(
-                                &ks,
-                                s,
-                                gemv::split_grid(&p, n as u32),
-                                &a,
-                                &w,
-                                &mut out,
-                                t as u32,
-                                n as u32,
-                                k as u32,
-                            )
+                    let (a, w, rows) = (&a, &w, t);
+                    if f32_out {
+                        GemvOp {
+                            a,
+                            w,
+                            out: &mut out_f,
+                            rows,
+                            n,
+                            k,
                         }
+                        .launch_split_f32(&ksf, s)
+                    } else {
+                        GemvOp {
+                            a,
+                            w,
+                            out: &mut out,
+                            rows,
+                            n,
+                            k,
+                        }
+                        .launch_split_bf16(&ks, s)
                     }
                 })?;
                 let mark = if chosen == Some(p) { " (chosen)" } else { "" };
@@ -318,34 +315,77 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
     for (n, k) in [(2048, HIDDEN), (18432, HIDDEN)] {
         let gate = b.bf16(n * k)?;
         let up = b.bf16(n * k)?;
-        let (n32, k32) = (n as u32, k as u32);
         let bytes = (4 * n * k) as f64;
         let op = format!("gate_up_silu {k}->{n}");
         for t in [1usize, 4] {
             let a = b.bf16(t * k)?;
             let (mut g, mut u, mut out) = (b.bf16(t * n)?, b.bf16(t * n)?, b.bf16(t * n)?);
-            let (t32, silu_grid) = (t as u32, silu_mul::grid_split(&silu_p, t * n));
+            let silu_grid = silu_mul::grid_split(&silu_p, t * n);
             let us = match gemv::choose(t, n, k, sms).expect("a GEMV shape") {
                 GemvChoice::Warp(p) => {
                     let kg = gpu.compile::<GemvBf16>(&p)?;
                     time(&mut flush, &mut || {
-                        // SAFETY: a [t, k], gate and up [n, k], g, u and out [t, n].
-                        unsafe {
-                            GemvBf16::launch(&kg, s, gemv::grid(&p, n32), &a, &gate, &mut g, t32, n32, k32)?;
-                            GemvBf16::launch(&kg, s, gemv::grid(&p, n32), &a, &up, &mut u, t32, n32, k32)?;
-                            SiluMulSplit::launch(&silu_k, s, silu_grid, &g, &u, &mut out, t32 * n32)
+                        let (a, rows) = (&a, t);
+                        GemvOp {
+                            a,
+                            w: &gate,
+                            out: &mut g,
+                            rows,
+                            n,
+                            k,
                         }
+                        .launch_bf16(&kg, s)?;
+                        GemvOp {
+                            a,
+                            w: &up,
+                            out: &mut u,
+                            rows,
+                            n,
+                            k,
+                        }
+                        .launch_bf16(&kg, s)?;
+                        let (gate, up, out, n) = (&g, &u, &mut out, t * n);
+                        SiluMulSplitOp {
+                            gate,
+                            up,
+                            out,
+                            n,
+                            grid: Some(silu_grid),
+                        }
+                        .launch(&silu_k, s)
                     })?
                 }
                 GemvChoice::Split(p) => {
                     let kg = gpu.compile::<GemvSplitBf16>(&p)?;
                     time(&mut flush, &mut || {
-                        // SAFETY: as above.
-                        unsafe {
-                            GemvSplitBf16::launch(&kg, s, gemv::split_grid(&p, n32), &a, &gate, &mut g, t32, n32, k32)?;
-                            GemvSplitBf16::launch(&kg, s, gemv::split_grid(&p, n32), &a, &up, &mut u, t32, n32, k32)?;
-                            SiluMulSplit::launch(&silu_k, s, silu_grid, &g, &u, &mut out, t32 * n32)
+                        let (a, rows) = (&a, t);
+                        GemvOp {
+                            a,
+                            w: &gate,
+                            out: &mut g,
+                            rows,
+                            n,
+                            k,
                         }
+                        .launch_split_bf16(&kg, s)?;
+                        GemvOp {
+                            a,
+                            w: &up,
+                            out: &mut u,
+                            rows,
+                            n,
+                            k,
+                        }
+                        .launch_split_bf16(&kg, s)?;
+                        let (gate, up, out, n) = (&g, &u, &mut out, t * n);
+                        SiluMulSplitOp {
+                            gate,
+                            up,
+                            out,
+                            n,
+                            grid: Some(silu_grid),
+                        }
+                        .launch(&silu_k, s)
                     })?
                 }
             };
@@ -358,21 +398,17 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                     for p in GemvGateUpSilu::space().into_iter().filter(|p| p.m == m) {
                         let kf = gpu.compile::<GemvGateUpSilu>(&p)?;
                         let us = time(&mut flush, &mut || {
-                            // SAFETY: a [t, k], gate and up [n, k], out [t, n].
-                            unsafe {
-                                GemvGateUpSilu::launch(
-                                    &kf,
-                                    s,
-                                    gemv::grid(&p, n32),
-                                    &a,
-                                    &gate,
-                                    &up,
-                                    &mut out,
-                                    t32,
-                                    n32,
-                                    k32,
-                                )
+                            let (a, gate, up, out, rows) = (&a, &gate, &up, &mut out, t);
+                            GateUpSiluOp {
+                                a,
+                                gate,
+                                up,
+                                out,
+                                rows,
+                                n,
+                                k,
                             }
+                            .launch_warp(&kf, s)
                         })?;
                         row(&op, t, &label(GemvGateUpSilu::symbol(&p), p == chosen), us, bytes);
                     }
@@ -380,12 +416,18 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
                 GemvChoice::Split(chosen) => {
                     for p in GemvSplitGateUpSilu::space().into_iter().filter(|p| p.m == m) {
                         let kf = gpu.compile::<GemvSplitGateUpSilu>(&p)?;
-                        let grid = gemv::split_grid(&p, n32);
                         let us = time(&mut flush, &mut || {
-                            // SAFETY: as above.
-                            unsafe {
-                                GemvSplitGateUpSilu::launch(&kf, s, grid, &a, &gate, &up, &mut out, t32, n32, k32)
+                            let (a, gate, up, out, rows) = (&a, &gate, &up, &mut out, t);
+                            GateUpSiluOp {
+                                a,
+                                gate,
+                                up,
+                                out,
+                                rows,
+                                n,
+                                k,
                             }
+                            .launch_split(&kf, s)
                         })?;
                         row(&op, t, &label(GemvSplitGateUpSilu::symbol(&p), p == chosen), us, bytes);
                     }
@@ -414,21 +456,25 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
             };
             let gk = gpu.compile::<GemvBf16>(&gp)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: a and normed [t, k], nw [k], w [n, k], out [t, n].
-                unsafe {
-                    RmsNorm::launch(&nk, s, t as u32, &a, &nw, &mut normed, k as u32, 1e-6)?;
-                    GemvBf16::launch(
-                        &gk,
-                        s,
-                        gemv::grid(&gp, n as u32),
-                        &normed,
-                        &w,
-                        &mut out,
-                        t as u32,
-                        n as u32,
-                        k as u32,
-                    )
+                let (x, weight, rows, eps) = (&a, &nw, t, 1e-6);
+                RmsNormOp {
+                    x,
+                    weight,
+                    out: &mut normed,
+                    rows,
+                    n: k,
+                    eps,
                 }
+                .launch(&nk, s)?;
+                GemvOp {
+                    a: &normed,
+                    w: &w,
+                    out: &mut out,
+                    rows,
+                    n,
+                    k,
+                }
+                .launch_bf16(&gk, s)
             })?;
             let what = format!("{} + {} (unfused)", RmsNorm::symbol(&np), GemvBf16::symbol(&gp));
             row("q_norm + q_b 1536->12288", t, &what, us, bytes);
@@ -437,22 +483,18 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
             for p in <GemvRmsNormBf16 as Kernel>::space().into_iter().filter(|p| p.m == m) {
                 let kk = gpu.compile::<GemvRmsNormBf16>(&p)?;
                 let us = time(&mut flush, &mut || {
-                    // SAFETY: a [t, k], nw [k], w [n, k], out [t, n]; k <= NORM_MAX_K.
-                    unsafe {
-                        GemvRmsNormBf16::launch(
-                            &kk,
-                            s,
-                            gemv::grid(&p, n as u32),
-                            &a,
-                            &nw,
-                            1e-6,
-                            &w,
-                            &mut out,
-                            t as u32,
-                            n as u32,
-                            k as u32,
-                        )
+                    let (a, norm, w, out, rows) = (&a, &nw, &w, &mut out, t);
+                    GemvRmsNormOp {
+                        a,
+                        norm,
+                        eps: 1e-6,
+                        w,
+                        out,
+                        rows,
+                        n,
+                        k,
                     }
+                    .launch(&kk, s)
                 })?;
                 let mark = if chosen == Some(p) { " (chosen)" } else { "" };
                 let what = format!("{}{mark}", GemvRmsNormBf16::symbol(&p));
@@ -472,8 +514,16 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         for (p, what) in [(space[0], "default"), (held, "holds the row")] {
             let k = gpu.compile::<RmsNorm>(&p)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: x and out hold t rows of 7168.
-                unsafe { RmsNorm::launch(&k, s, t as u32, &x, &nw, &mut out, HIDDEN as u32, 1e-6) }
+                let (x, weight, out, rows) = (&x, &nw, &mut out, t);
+                RmsNormOp {
+                    x,
+                    weight,
+                    out,
+                    rows,
+                    n: HIDDEN,
+                    eps: 1e-6,
+                }
+                .launch(&k, s)
             })?;
             row(
                 "rms_norm 7168",
@@ -490,8 +540,18 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         for (p, what) in [(old, "old"), (new, "new")] {
             let k = gpu.compile::<AddRmsNorm>(&p)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: x, y and out hold t rows of 7168 (`z` is not read with one addend).
-                unsafe { AddRmsNorm::launch(&k, s, t as u32, &mut xf, &y, &y, &nw, &mut out, HIDDEN as u32, 1e-6) }
+                let (x, y, weight, out, rows) = (&mut xf, &y, &nw, &mut out, t);
+                AddRmsNormOp {
+                    x,
+                    y,
+                    z: None,
+                    weight,
+                    out,
+                    rows,
+                    n: HIDDEN,
+                    eps: 1e-6,
+                }
+                .launch(&k, s)
             })?;
             row(
                 "add_rms_norm 7168",
@@ -504,27 +564,29 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         // The MoE block's routed + shared outputs into the stream: `add_assign` then the norm,
         // next to the norm's two-addend variant.
         let mut shared = b.bf16(t * HIDDEN)?;
-        let n = (t * HIDDEN) as u32;
+        let n = t * HIDDEN;
         let add_p = <AddAssign as Kernel>::space()[0];
         let add_k = gpu.compile::<AddAssign>(&add_p)?;
         let one = gpu.compile::<AddRmsNorm>(&new)?;
         let us = time(&mut flush, &mut || {
-            // SAFETY: every buffer holds t rows of 7168 (n % 8 == 0 for the vector add).
-            unsafe {
-                AddAssign::launch(&add_k, s, add::grid(&add_p, n), &mut shared, &y, n)?;
-                AddRmsNorm::launch(
-                    &one,
-                    s,
-                    t as u32,
-                    &mut xf,
-                    &shared,
-                    &shared,
-                    &nw,
-                    &mut out,
-                    HIDDEN as u32,
-                    1e-6,
-                )
+            AddAssignOp {
+                x: &mut shared,
+                y: &y,
+                n,
             }
+            .launch(&add_k, s)?;
+            let (x, y, weight, out, rows) = (&mut xf, &shared, &nw, &mut out, t);
+            AddRmsNormOp {
+                x,
+                y,
+                z: None,
+                weight,
+                out,
+                rows,
+                n: HIDDEN,
+                eps: 1e-6,
+            }
+            .launch(&one, s)
         })?;
         row(
             "add2_rms_norm 7168",
@@ -536,21 +598,18 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         let p = residual::choose_add_rms_norm(t, HIDDEN, 2).expect("a two-addend variant");
         let two = gpu.compile::<AddRmsNorm>(&p)?;
         let us = time(&mut flush, &mut || {
-            // SAFETY: every buffer holds t rows of 7168.
-            unsafe {
-                AddRmsNorm::launch(
-                    &two,
-                    s,
-                    t as u32,
-                    &mut xf,
-                    &shared,
-                    &y,
-                    &nw,
-                    &mut out,
-                    HIDDEN as u32,
-                    1e-6,
-                )
+            let (x, y, z, weight, out, rows) = (&mut xf, &shared, Some(&y), &nw, &mut out, t);
+            AddRmsNormOp {
+                x,
+                y,
+                z,
+                weight,
+                out,
+                rows,
+                n: HIDDEN,
+                eps: 1e-6,
             }
+            .launch(&two, s)
         })?;
         row(
             "add2_rms_norm 7168",
@@ -568,25 +627,23 @@ pub fn decode_ops_bench(gpu: &Gpu) -> Result<(), RuntimeError> {
         for (p, what) in [(old, "old"), (new, "new")] {
             let k = gpu.compile::<MlaKvAppend>(&p)?;
             let us = time(&mut flush, &mut || {
-                // SAFETY: kv_a holds t rows of 576, the cache 64 >= 3 + t rows.
-                unsafe {
-                    MlaKvAppend::launch(
-                        &k,
-                        s,
-                        t as u32,
-                        &kv_a,
-                        &g,
-                        &pos,
-                        &cos,
-                        &sin,
-                        &mut cache,
-                        &lens,
-                        t as u32,
-                        LORA as u32,
-                        ROPE as u32,
-                        1e-6,
-                    )
-                }
+                let (kv_a, norm, positions, cos, sin, cache, lens) = (&kv_a, &g, &pos, &cos, &sin, &mut cache, &lens);
+                let (rows, lora, rope, eps) = (t, LORA, ROPE, 1e-6);
+                let op = MlaKvAppendOp {
+                    kv_a,
+                    norm,
+                    positions,
+                    cos,
+                    sin,
+                    cache,
+                    lens,
+                    rows,
+                    lora,
+                    rope,
+                    eps,
+                };
+                // SAFETY: the cache's 64 rows hold 3 + t; the positions are rows of the tables.
+                unsafe { op.launch(&k, s) }
             })?;
             row(
                 "mla_append_kv",

@@ -1,10 +1,19 @@
 //! `ddtree`: command-line front end of the engine.
 
+mod parallel;
+mod ranks;
+mod serve;
+use serve::{serve, ServeArgs};
+
+use ranks::{bench_layout, check_gpus, generate_gpu_ranks, generate_ranks, BenchPath};
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ddtree_engine::parallel::ranks::run_cpu_ranks;
+use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, RankContext, Storage};
 use ddtree_engine::spec::{CostModel, DFlashDrafter, Noisy, Oracle};
 use ddtree_engine::{
     bench, generate_plain, generate_speculative, tiny, ActivationPrecision, AttentionKernel, Backend, Budget,
@@ -81,56 +90,10 @@ enum Command {
     /// An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models,
     /// /health, /metrics); see docs/serve.md.
     Serve(ServeArgs),
-}
-
-/// Arguments of `ddtree serve`.
-#[derive(clap::Args)]
-struct ServeArgs {
-    /// HF model directory; default: the built-in tiny-code model with its DFlash drafter.
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// DDTree drafter: a DFlash directory, `oracle`, `noisy:P`, or `none` for plain decoding;
-    /// default: the built-in drafter with the built-in model, none with --model.
-    #[arg(long)]
-    drafter: Option<String>,
-    /// Address to bind.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port (0: an ephemeral port, logged at startup).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
-    #[arg(long)]
-    api_key: Option<String>,
-    /// Requests that may wait for the engine; more are answered 429.
-    #[arg(long, default_value_t = 64)]
-    max_queue: usize,
-    /// Longest prompt plus completion; default: the model's context.
-    #[arg(long)]
-    max_model_len: Option<usize>,
-    /// Largest request body in bytes (more: 413).
-    #[arg(long, default_value_t = 1 << 20)]
-    max_body_bytes: usize,
-    /// Seconds requests in flight may run after SIGINT/SIGTERM before they are cancelled.
-    #[arg(long, default_value_t = 10)]
-    shutdown_timeout: u64,
-    /// The model id of /v1/models and responses; default: `tiny-code` or the directory name.
-    #[arg(long)]
-    served_model_name: Option<String>,
-    /// Tree node budget (root not counted), or `auto`.
-    #[arg(long, value_parser = parse_budget, default_value = "auto")]
-    budget: Budget,
-    /// With `--budget auto`: calibrate the drafter's probabilities by the earlier rounds.
-    #[arg(long)]
-    calibrate_auto: bool,
-    /// Drafter block size (bonus slot included); default: the DFlash config's, 8 for test drafters.
-    #[arg(long)]
-    block_size: Option<usize>,
-    /// Skip the load-time scan of the weights for NaN/infinity.
-    #[arg(long)]
-    skip_nan_check: bool,
-    #[command(flatten)]
-    dev: DeviceArgs,
+    /// The parallel plan of a model over 1, 2, 4, 8 GPUs: each rank's heads, experts,
+    /// intermediate columns and vocabulary slice, the bytes it holds and reads per token, and
+    /// the memory it needs.
+    Plan(parallel::PlanArgs),
 }
 
 /// Where and how the engine runs.
@@ -172,6 +135,8 @@ struct BenchArgs {
     preset: String,
     #[command(flatten)]
     dev: DeviceArgs,
+    #[command(flatten)]
+    par: parallel::ParallelArgs,
     /// Contexts of the plain-decode runs (comma-separated); default: the preset's.
     #[arg(long, value_delimiter = ',')]
     contexts: Option<Vec<usize>>,
@@ -266,6 +231,8 @@ struct GenerateArgs {
     skip_nan_check: bool,
     #[command(flatten)]
     dev: DeviceArgs,
+    #[command(flatten)]
+    par: parallel::ParallelArgs,
     /// Print one JSON object on stdout instead of text (with --drafter, plus the speculative stats).
     #[arg(long)]
     json: bool,
@@ -329,6 +296,7 @@ fn main() -> ExitCode {
             || bench::Preset::parse(&args.preset)?.config(),
             |b| run_bench(b, &args),
         ),
+        Command::Plan(args) => parallel::run_plan(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -353,13 +321,7 @@ fn on_device(
     config: impl FnOnce() -> Result<ModelConfig, EngineError>,
     f: impl FnOnce(AnyBackend) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {
-    let options = CudaOptions {
-        no_autotune: dev.no_autotune,
-        no_graphs: dev.no_cuda_graphs,
-        one_stream: dev.one_stream,
-        no_pdl: dev.no_pdl,
-        attention: dev.attention,
-    };
+    let options = cuda_options(dev);
     let gpu = match dev.device {
         Device::Cpu => None,
         Device::Cuda => Some(Gpu::open(0)?),
@@ -385,6 +347,17 @@ fn on_device(
         }
     };
     f(backend)
+}
+
+/// The CUDA backend's options from the device flags.
+fn cuda_options(dev: &DeviceArgs) -> CudaOptions {
+    CudaOptions {
+        no_autotune: dev.no_autotune,
+        no_graphs: dev.no_cuda_graphs,
+        one_stream: dev.one_stream,
+        no_pdl: dev.no_pdl,
+        attention: dev.attention,
+    }
 }
 
 /// Tunes the missing kernel keys of `config` on `gpu` (a failure only costs speed: the backend
@@ -418,27 +391,45 @@ struct Loaded<B: Backend> {
     tokenizer: Option<Tokenizer>,
 }
 
-fn load<B: Backend>(backend: B, args: &GenerateArgs) -> Result<Loaded<B>, EngineError> {
+fn load<B: Backend>(backend: B, args: &GenerateArgs, rank: Option<RankContext<B>>) -> Result<Loaded<B>, EngineError> {
     let options = LoadOptions {
         check_finite: !args.skip_nan_check,
     };
     let Some(dir) = &args.model else {
+        let model = match rank {
+            None => tiny::load(backend, options)?,
+            Some(rank) => Model::load_rank(
+                backend,
+                tiny::config()?,
+                &tiny::checkpoint()?,
+                options,
+                rank,
+                &mut |_, _| {},
+            )?,
+        };
         return Ok(Loaded {
             name: tiny::NAME.into(),
-            model: tiny::load(backend, options)?,
+            model,
             tokenizer: Some(tiny::tokenizer()?),
         });
     };
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let bar = progress_bar(
-        ckpt.total_bytes(),
-        "loading weights {bar:40} {bytes}/{total_bytes} ({eta})",
-    );
-    let model = Model::load(backend, config, &ckpt, options, &mut |done, total| {
+    // One bar for all ranks: rank 0 draws it.
+    let total = if rank.as_ref().is_some_and(|r| r.rank > 0) {
+        0
+    } else {
+        ckpt.total_bytes()
+    };
+    let bar = progress_bar(total, "loading weights {bar:40} {bytes}/{total_bytes} ({eta})");
+    let mut progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
-    })?;
+    };
+    let model = match rank {
+        None => Model::load(backend, config, &ckpt, options, &mut progress)?,
+        Some(rank) => Model::load_rank(backend, config, &ckpt, options, rank, &mut progress)?,
+    };
     bar.finish_and_clear();
     Ok(Loaded {
         name: dir.display().to_string(),
@@ -497,9 +488,33 @@ struct Run<B: Backend> {
 }
 
 fn generate(backend: AnyBackend, args: &GenerateArgs) -> Result<(), EngineError> {
+    let config = model_config(args)?;
     match backend {
-        AnyBackend::Cpu(b) => generate_on(b, args, None),
+        AnyBackend::Cpu(b) => {
+            let spec = args.par.cpu_spec()?;
+            let plan = ParallelPlan::new(&config, spec)?;
+            let cache = args.max_tokens + 4096;
+            ddtree_engine::parallel::MemoryEstimate::new(&plan, Storage::Cpu, cache, 1024)
+                .check_host("load a smaller model, or run on GPUs (see `ddtree plan`)")?;
+            if spec.is_parallel() {
+                return generate_ranks(b, args, plan);
+            }
+            generate_on(b, args, None)
+        }
         AnyBackend::Cuda(b) => {
+            let spec = check_gpus(&b, &args.par, |spec| {
+                let plan = ParallelPlan::new(&config, spec)?;
+                Ok(ddtree_engine::parallel::MemoryEstimate::new(
+                    &plan,
+                    Storage::Gpu,
+                    args.max_tokens + 4096,
+                    1024,
+                ))
+            })?;
+            if spec.is_parallel() {
+                drop(b);
+                return generate_gpu_ranks(args, ParallelPlan::new(&config, spec)?);
+            }
             let cost = stored_verify_cost(&b, args);
             generate_on(*b, args, cost)
         }
@@ -526,7 +541,7 @@ fn generate_on<B: Backend + 'static>(
         out,
         stats,
         load_time,
-    } = run(backend, args, cost)?;
+    } = run(backend, args, cost, None)?;
     let text = match &loaded.tokenizer {
         Some(t) => Some(t.decode(&out.tokens)?),
         None => None,
@@ -540,9 +555,14 @@ fn generate_on<B: Backend + 'static>(
 }
 
 /// Generates as `args` say; `cost` is the cost model of `--budget auto` (`None`: the fallback).
-fn run<B: Backend + 'static>(backend: B, args: &GenerateArgs, cost: Option<CostModel>) -> Result<Run<B>, EngineError> {
+fn run<B: Backend + 'static>(
+    backend: B,
+    args: &GenerateArgs,
+    cost: Option<CostModel>,
+    rank: Option<RankContext<B>>,
+) -> Result<Run<B>, EngineError> {
     let start = Instant::now();
-    let loaded = load(backend, args)?;
+    let loaded = load(backend, args, rank)?;
     let load_time = start.elapsed();
     let prompt = prompt_ids(args, &loaded)?;
     let options = GenerateOptions {
@@ -598,114 +618,6 @@ fn make_drafter<B: Backend + 'static>(
         DrafterArg::Noisy(p) => Box::new(Noisy::new(block, *p, args.seed)?),
         DrafterArg::Dir(dir) => Box::new(DFlashDrafter::load(model, dir, args.block_size)?),
     })
-}
-
-fn serve(backend: AnyBackend, args: &ServeArgs) -> Result<(), EngineError> {
-    match backend {
-        AnyBackend::Cpu(b) => serve_on(b, args, None),
-        AnyBackend::Cuda(b) => {
-            let cost = match &args.model {
-                Some(dir) => ModelConfig::from_file(&dir.join("config.json")).ok(),
-                None => tiny::config().ok(),
-            }
-            .filter(|_| args.budget == Budget::Auto)
-            .and_then(|cfg| tuning::load_verify_cost(b.gpu().fingerprint(), &cfg));
-            serve_on(*b, args, cost)
-        }
-    }
-}
-
-/// Loads the model, drafter, tokenizer and chat template, then serves until SIGINT/SIGTERM.
-fn serve_on<B: Backend + 'static>(backend: B, args: &ServeArgs, cost: Option<CostModel>) -> Result<(), EngineError> {
-    let options = LoadOptions {
-        check_finite: !args.skip_nan_check,
-    };
-    let (id, model, tokenizer, template) = match &args.model {
-        None => {
-            let model = tiny::load(backend, options)?;
-            let template = ddtree_server::ChatTemplate::from_tokenizer_config(
-                tiny::TOKENIZER_CONFIG,
-                &PathBuf::from(tiny::NAME).join("tokenizer_config.json"),
-            )
-            .map_err(EngineError::Forward)?;
-            ("tiny-code".to_string(), model, Some(tiny::tokenizer()?), template)
-        }
-        Some(dir) => {
-            let config = ModelConfig::from_file(&dir.join("config.json"))?;
-            let ckpt = Checkpoint::open(dir)?;
-            let model = Model::load(backend, config, &ckpt, options, &mut |_, _| {})?;
-            let path = dir.join("tokenizer_config.json");
-            let template = match std::fs::read_to_string(&path) {
-                Ok(text) => {
-                    ddtree_server::ChatTemplate::from_tokenizer_config(&text, &path).map_err(EngineError::Forward)?
-                }
-                Err(_) => None,
-            };
-            let name = dir
-                .file_name()
-                .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-            (name, model, Tokenizer::from_dir(dir)?, template)
-        }
-    };
-    let gen_args = GenerateArgs {
-        model: args.model.clone(),
-        prompt: None,
-        prompt_ids: None,
-        max_tokens: 0,
-        ignore_eos: false,
-        skip_nan_check: args.skip_nan_check,
-        dev: args.dev.clone(),
-        json: false,
-        drafter: None,
-        budget: args.budget,
-        calibrate_auto: args.calibrate_auto,
-        block_size: args.block_size,
-        no_spec: false,
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-    };
-    let drafter: Option<Box<dyn Drafter<B>>> = match (args.drafter.as_deref(), &args.model) {
-        (Some("none"), _) | (None, Some(_)) => None,
-        (None, None) => Some(Box::new(tiny::load_drafter(&model, args.block_size)?)),
-        (Some(which), _) => {
-            let which = parse_drafter(which).map_err(EngineError::Forward)?;
-            Some(make_drafter(&model, &which, &gen_args)?)
-        }
-    };
-    let max_model_len = args.max_model_len.unwrap_or(usize::MAX);
-    let mut engine = ddtree_server::ModelEngine {
-        model,
-        drafter,
-        spec: SpecOptions {
-            budget: args.budget,
-            calibrate: args.calibrate_auto,
-            ..SpecOptions::auto(cost)
-        },
-        id: args.served_model_name.clone().unwrap_or(id),
-        max_model_len,
-    };
-    let config = ddtree_server::ServerConfig {
-        host: args.host.clone(),
-        port: args.port,
-        api_key: args.api_key.clone(),
-        max_queue: args.max_queue,
-        max_body_bytes: args.max_body_bytes,
-        shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
-        ..Default::default()
-    };
-    let info = ddtree_server::Engine::info(&engine);
-    let text = ddtree_server::ModelText {
-        tokenizer,
-        chat_template: template,
-    };
-    ddtree_server::run(&mut engine, text, config, |addr| {
-        eprintln!(
-            "ddtree serve: listening on http://{addr} (model {}, device {}, drafter {}, context {})",
-            info.id, info.device, info.drafter, info.context
-        );
-    })
-    .map_err(|e| EngineError::Forward(e.to_string()))
 }
 
 fn run_eval(backend: AnyBackend, args: &EvalArgs) -> Result<(), EngineError> {
@@ -793,6 +705,11 @@ fn bench_on<B: Backend + 'static>(backend: B, args: &BenchArgs, copy_gb_per_s: O
         }
         config.num_hidden_layers = n;
     }
+    // The multi-rank paths, and the memory check before anything is allocated.
+    let backend = match bench_layout(backend, args, preset, &opts, &config, copy_gb_per_s)? {
+        BenchPath::Done => return Ok(()),
+        BenchPath::One(b) => b,
+    };
     let start = Instant::now();
     let bar = progress_bar(
         u64::MAX,
@@ -853,10 +770,27 @@ fn print_json<B: Backend>(
     text: Option<String>,
     load: Duration,
 ) {
+    let device = loaded.model.backend().name();
+    println!(
+        "{}",
+        generation_json(&loaded.name, device, prompt_tokens, out, stats, text, load)
+    );
+}
+
+/// The JSON report of one generation.
+fn generation_json(
+    name: &str,
+    device: &str,
+    prompt_tokens: usize,
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) -> serde_json::Value {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let mut report = json!({
-        "model": loaded.name,
-        "device": loaded.model.backend().name(),
+        "model": name,
+        "device": device,
         "prompt_tokens": prompt_tokens,
         "tokens": out.tokens,
         "text": text,
@@ -873,7 +807,7 @@ fn print_json<B: Backend>(
     if let Some(stats) = stats {
         report["spec"] = spec_json(stats);
     }
-    println!("{report}");
+    report
 }
 
 fn print_human<B: Backend>(
@@ -884,14 +818,23 @@ fn print_human<B: Backend>(
     text: Option<String>,
     load: Duration,
 ) {
+    let device = loaded.model.backend().name();
+    print_human_named(&loaded.name, device, prompt, out, stats, text, load);
+}
+
+/// The text report of one generation.
+fn print_human_named(
+    name: &str,
+    device: &str,
+    prompt: &[u32],
+    out: &Generation,
+    stats: Option<&SpecStats>,
+    text: Option<String>,
+    load: Duration,
+) {
     let decode_tokens = out.tokens.len().saturating_sub(1);
     let rate = |r: Option<f64>| r.map_or_else(|| "-".into(), |r| format!("{r:.1} tok/s"));
-    println!(
-        "model: {} ({}), loaded in {:.1} ms",
-        loaded.name,
-        loaded.model.backend().name(),
-        millis(load)
-    );
+    println!("model: {name} ({device}), loaded in {:.1} ms", millis(load));
     println!("prompt: {} tokens {:?}", prompt.len(), prompt);
     println!("tokens: {:?}", out.tokens);
     if let Some(text) = text {
@@ -1004,7 +947,7 @@ mod tests {
             else {
                 panic!("generate")
             };
-            let r = run(CpuBackend::default(), &args, None).unwrap();
+            let r = run(CpuBackend::default(), &args, None, None).unwrap();
             let spec = (args.drafter.is_some() || args.model.is_none()) && !args.no_spec;
             assert_eq!(r.stats.is_some(), spec);
             if let Some(stats) = &r.stats {

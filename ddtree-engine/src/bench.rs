@@ -8,6 +8,7 @@
 //! 100 GB). [`Preset::Tiny`] has the embedded tiny-kimi fixture's shapes, so the whole path runs on
 //! the CPU in tests.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -19,6 +20,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::generate::{generate_plain, GenerateOptions};
 use crate::model::{ForwardInput, LogitRows, Model};
+use crate::parallel::{ParallelPlan, Storage};
 use crate::spec::budget::CostModel;
 use crate::spec::drafter::{DraftRequest, Drafter};
 use crate::spec::{generate_speculative, Budget, SpecOptions, SpecStats, AUTO_MAX_BUDGET};
@@ -31,6 +33,9 @@ const WARMUP_STEPS: usize = 2;
 pub enum Preset {
     /// Kimi K2.6, one GPU's share of 8-way expert parallelism.
     KimiK26Ep8,
+    /// The whole Kimi K2.6 (384 routed experts, about 595 GB on GPUs): for `--gpus N`, sharded
+    /// by the parallel plan.
+    KimiK26,
     /// The embedded tiny-kimi fixture's shapes (CPU-sized).
     Tiny,
 }
@@ -40,6 +45,7 @@ impl Preset {
     pub fn name(self) -> &'static str {
         match self {
             Self::KimiK26Ep8 => "kimi-k2.6-ep8",
+            Self::KimiK26 => "kimi-k2.6",
             Self::Tiny => "tiny",
         }
     }
@@ -48,9 +54,10 @@ impl Preset {
     pub fn parse(s: &str) -> Result<Preset> {
         match s {
             "kimi-k2.6-ep8" => Ok(Self::KimiK26Ep8),
+            "kimi-k2.6" => Ok(Self::KimiK26),
             "tiny" => Ok(Self::Tiny),
             _ => Err(EngineError::Forward(format!(
-                "unknown bench preset {s:?}; presets: kimi-k2.6-ep8, tiny"
+                "unknown bench preset {s:?}; presets: kimi-k2.6-ep8, kimi-k2.6, tiny"
             ))),
         }
     }
@@ -60,6 +67,10 @@ impl Preset {
         match self {
             Self::Tiny => crate::tiny::kimi::config(),
             Self::KimiK26Ep8 => ModelConfig::from_json(KIMI_K26_EP8, std::path::Path::new("<kimi-k2.6-ep8 preset>")),
+            Self::KimiK26 => ModelConfig::from_json(
+                &KIMI_K26_EP8.replace(r#""n_routed_experts": 48"#, r#""n_routed_experts": 384"#),
+                std::path::Path::new("<kimi-k2.6 preset>"),
+            ),
         }
     }
 }
@@ -137,6 +148,9 @@ pub struct BenchOptions {
     pub calibrate_auto: bool,
     /// Seed of the weights, prompts and drafters.
     pub seed: u64,
+    /// The model is one rank's share of this plan (`--virtual-rank`): the decode bytes floor is
+    /// that rank's ([`ParallelPlan::decode_read_bytes`], expected), not the whole model's.
+    pub rank: Option<(Arc<ParallelPlan>, usize)>,
 }
 
 impl BenchOptions {
@@ -144,7 +158,7 @@ impl BenchOptions {
     /// for the tiny model.
     pub fn for_preset(preset: Preset) -> BenchOptions {
         match preset {
-            Preset::KimiK26Ep8 => BenchOptions {
+            Preset::KimiK26Ep8 | Preset::KimiK26 => BenchOptions {
                 contexts: vec![1024, 8192, 32768],
                 decode_steps: 24,
                 budgets: vec![8, 16, 32, 64, 128, 256],
@@ -160,6 +174,7 @@ impl BenchOptions {
                 block_size: 8,
                 calibrate_auto: false,
                 seed: 1,
+                rank: None,
             },
             Preset::Tiny => BenchOptions {
                 contexts: vec![16, 64],
@@ -175,6 +190,7 @@ impl BenchOptions {
                 block_size: 4,
                 calibrate_auto: false,
                 seed: 1,
+                rank: None,
             },
         }
     }
@@ -496,7 +512,10 @@ pub fn run<B: Backend>(
             }
         }
         let step = median(&mut steps);
-        let bytes = decode_bytes(&cfg, context);
+        let bytes = match &opts.rank {
+            Some((plan, rank)) => plan.decode_read_bytes(*rank, context, Storage::Gpu).0,
+            None => decode_bytes(&cfg, context),
+        };
         let gbs = bytes as f64 / step.as_secs_f64() / 1e9;
         let row = DecodeRow {
             context,

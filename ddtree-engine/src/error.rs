@@ -159,6 +159,44 @@ pub enum EngineError {
         /// Why it cannot run.
         reason: String,
     },
+    /// A parallel layout (`--gpus`, `--ranks`, `--tp`, `--ep`) does not fit the model or cannot
+    /// run here.
+    #[error("parallel plan: `{argument}`: {reason}")]
+    Parallel {
+        /// The argument or config field at fault (`--tp`, `num_attention_heads`, ...).
+        argument: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A run needs more memory per rank than the device (or host) has; nothing was allocated.
+    #[error(
+        "not enough memory on {device}: each of {ranks} rank(s) needs about {need_gib:.1} GiB \
+         ({breakdown}), {available_gib:.1} GiB available{hint}"
+    )]
+    OutOfMemory {
+        /// Where the ranks run (`the CPU host`, `GPU 0 (NVIDIA H200)`).
+        device: String,
+        /// Ranks sharing the model.
+        ranks: usize,
+        /// GiB one rank needs.
+        need_gib: f64,
+        /// GiB available to one rank.
+        available_gib: f64,
+        /// What the need is made of.
+        breakdown: String,
+        /// What to try instead (starts with `; ` when set).
+        hint: String,
+    },
+    /// A collective (all-reduce, all-gather, broadcast) failed or a peer rank is gone.
+    #[error("collective `{op}` on rank {rank}: {reason}")]
+    Comm {
+        /// The collective.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 impl EngineError {

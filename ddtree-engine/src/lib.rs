@@ -8,6 +8,8 @@
 //! - [`bench`]: `ddtree bench` on synthetic models of real shapes;
 //! - [`model`]: the forward (MLA with absorbed attention over the latent cache, tree masks, MoE),
 //!   written once against [`Backend`];
+//! - [`parallel`]: one model over several ranks (GPUs or CPU threads): the parallel plan, the
+//!   memory estimate, collectives (in-process, NCCL), sharded loading, rank groups;
 //! - [`generate`]: plain (greedy or sampled) generation;
 //! - [`eval`]: `ddtree eval`, acceptance and speed of DDTree against plain decoding;
 //! - [`spec`]: DDTree speculative decoding (drafters, the loop, sampling, statistics);
@@ -26,6 +28,7 @@ pub mod eval;
 pub mod generate;
 pub mod mask;
 pub mod model;
+pub mod parallel;
 pub mod rope;
 pub mod spec;
 pub mod tiny;

@@ -8,6 +8,7 @@ use crate::backend::{AttentionSpan, Backend, HostLinear, Matrix, MlaDims, StepIn
 use crate::config::{ModelConfig, QuantConfig};
 use crate::error::{EngineError, Result};
 use crate::mask::AncestorMask;
+use crate::parallel::RankContext;
 use crate::rope::Rope;
 use crate::weights::{Checkpoint, TensorRef, FLOAT_DTYPES};
 
@@ -17,7 +18,7 @@ pub const MLA_NORM_EPS: f32 = 1e-6;
 
 /// Tensor-name prefixes under which checkpoints keep the decoder (`language_model.` for the
 /// multimodal Kimi K2.5/K2.6), tried in order.
-const PREFIXES: [&str; 2] = ["", "language_model."];
+pub(crate) const PREFIXES: [&str; 2] = ["", "language_model."];
 
 /// A SwiGLU feed-forward block: `down(silu(gate x) * up x)`.
 #[derive(Debug)]
@@ -111,7 +112,7 @@ pub struct Weights<W, V, T, E> {
 }
 
 /// Produces the leaves of [`Weights`] by tensor name and expected shape.
-trait LeafSource {
+pub(crate) trait LeafSource {
     type W;
     type V;
     type T;
@@ -124,7 +125,7 @@ trait LeafSource {
 }
 
 /// The checkpoint names of one SwiGLU block's linears: `(name, out, in)` for gate, up, down.
-fn ffn_names(p: &str, inter: usize, hidden: usize) -> [(String, usize, usize); 3] {
+pub(crate) fn ffn_names(p: &str, inter: usize, hidden: usize) -> [(String, usize, usize); 3] {
     [
         (format!("{p}.gate_proj"), inter, hidden),
         (format!("{p}.up_proj"), inter, hidden),
@@ -133,10 +134,11 @@ fn ffn_names(p: &str, inter: usize, hidden: usize) -> [(String, usize, usize); 3
 }
 
 /// The weights a [`LeafSource`] produces.
-type SourceWeights<S> = Weights<<S as LeafSource>::W, <S as LeafSource>::V, <S as LeafSource>::T, <S as LeafSource>::E>;
+pub(crate) type SourceWeights<S> =
+    Weights<<S as LeafSource>::W, <S as LeafSource>::V, <S as LeafSource>::T, <S as LeafSource>::E>;
 
 /// Walks every tensor the config implies, in checkpoint naming.
-fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<SourceWeights<S>> {
+pub(crate) fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<SourceWeights<S>> {
     let h = cfg.hidden_size;
     let heads = cfg.num_attention_heads;
     let ffn = |s: &mut S, p: &str, inter: usize| -> Result<Ffn<S::W>> {
@@ -210,7 +212,7 @@ fn build<S: LeafSource>(cfg: &ModelConfig, prefix: &str, s: &mut S) -> Result<So
 }
 
 /// The tensors behind one linear layer, dtype- and shape-checked.
-enum LinearTensors<'a> {
+pub(crate) enum LinearTensors<'a> {
     Dense(TensorRef<'a>),
     Int4 {
         packed: TensorRef<'a>,
@@ -228,7 +230,7 @@ pub(crate) fn float_tensor<'a>(ckpt: &'a Checkpoint, name: &str, shape: &[usize]
 
 /// Resolves `{name}.weight` (dense) or `{name}.weight_packed` + `weight_scale` + `weight_shape`
 /// (INT4), whichever the checkpoint holds.
-fn linear_tensors<'a>(
+pub(crate) fn linear_tensors<'a>(
     ckpt: &'a Checkpoint,
     quant: Option<&QuantConfig>,
     name: &str,
@@ -281,10 +283,10 @@ fn linear_tensors<'a>(
 }
 
 /// Header-only pass: checks presence, dtype and shape of every tensor and sums their bytes.
-struct Validate<'a> {
-    ckpt: &'a Checkpoint,
-    quant: Option<&'a QuantConfig>,
-    bytes: u64,
+pub(crate) struct Validate<'a> {
+    pub(crate) ckpt: &'a Checkpoint,
+    pub(crate) quant: Option<&'a QuantConfig>,
+    pub(crate) bytes: u64,
 }
 
 impl LeafSource for Validate<'_> {
@@ -403,13 +405,13 @@ impl<B: Backend> LeafSource for Load<'_, B> {
 /// Random leaves on a backend, for benchmarks of real shapes without a checkpoint: dense
 /// linears (INT4 routed experts when the config is quantized), norms near 1, routing biases near
 /// 0. Every leaf gets its own seed, so the model is a pure function of the seed.
-struct Random<'a, B> {
-    backend: &'a B,
-    int4_group: Option<usize>,
-    seed: u64,
-    done: u64,
-    total: u64,
-    progress: &'a mut dyn FnMut(u64, u64),
+pub(crate) struct Random<'a, B> {
+    pub(crate) backend: &'a B,
+    pub(crate) int4_group: Option<usize>,
+    pub(crate) seed: u64,
+    pub(crate) done: u64,
+    pub(crate) total: u64,
+    pub(crate) progress: &'a mut dyn FnMut(u64, u64),
 }
 
 impl<B> Random<'_, B> {
@@ -453,7 +455,7 @@ impl<B: Backend> LeafSource for Random<'_, B> {
 }
 
 /// Counts parameters per leaf (the progress total of [`Model::random`]).
-struct Count(u64);
+pub(crate) struct Count(pub(crate) u64);
 
 impl LeafSource for Count {
     type W = ();
@@ -530,6 +532,8 @@ pub struct Model<B: Backend> {
     rope: Rope,
     dims: MlaDims,
     scale: f32,
+    /// This rank's part when the model is split over ranks (`None`: the whole model).
+    rank: Option<RankContext<B>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -562,7 +566,7 @@ impl<B: Backend> Model<B> {
             progress,
         };
         let weights = build(&config, prefix, &mut load)?;
-        Ok(Self::assemble(backend, config, weights))
+        Ok(Self::assemble(backend, config, weights, None))
     }
 
     /// A model of `config`'s shapes with random weights made on `backend` (no checkpoint):
@@ -580,16 +584,20 @@ impl<B: Backend> Model<B> {
             progress,
         };
         let weights = build(&config, "", &mut random)?;
-        Ok(Self::assemble(backend, config, weights))
+        Ok(Self::assemble(backend, config, weights, None))
     }
 
-    fn assemble(
+    /// The model from its loaded weights; with `rank`, one rank's shard of it.
+    pub(crate) fn assemble(
         backend: B,
         config: ModelConfig,
         weights: Weights<B::Weight, B::Vector, B::Tensor, B::Experts>,
+        rank: Option<RankContext<B>>,
     ) -> Self {
         let dims = MlaDims {
-            heads: config.num_attention_heads,
+            heads: rank
+                .as_ref()
+                .map_or(config.num_attention_heads, |r| r.shard().heads.len()),
             nope: config.qk_nope_head_dim,
             rope: config.qk_rope_head_dim,
             v: config.v_head_dim,
@@ -602,7 +610,13 @@ impl<B: Backend> Model<B> {
             config,
             weights,
             dims,
+            rank,
         }
+    }
+
+    /// This rank's part when the model is split over ranks.
+    pub fn rank(&self) -> Option<&RankContext<B>> {
+        self.rank.as_ref()
     }
 
     /// Reads `config.json` and the checkpoint from `dir` and loads them.
@@ -661,7 +675,7 @@ impl<B: Backend> Model<B> {
             )));
         }
         let prefix_len = self.begin_forward(cache, &input)?;
-        let result = self.forward_inner(cache, input, prefix_len, feature_layers);
+        let result = self.forward_inner(cache, input, prefix_len, feature_layers, true);
         if result.is_err() {
             self.backend.kv_truncate(cache, prefix_len)?;
         }
@@ -676,9 +690,15 @@ impl<B: Backend> Model<B> {
     pub fn forward_greedy(&self, cache: &mut B::KvCache, input: ForwardInput<'_>) -> Result<Vec<u32>> {
         self.check_input(&input)?;
         let prefix_len = self.begin_forward(cache, &input)?;
-        let result = self.backend.greedy_forward(cache, &mut |c| {
-            Ok(self.forward_inner(c, input, prefix_len, &[])?.logits)
-        });
+        let result = match &self.rank {
+            // Vocabulary-parallel: each rank's argmax over its slice, reduced across ranks.
+            Some(r) => self
+                .forward_inner(cache, input, prefix_len, &[], false)
+                .and_then(|out| r.comm.argmax_vocab(&self.backend, &out.logits, r.shard().vocab.clone())),
+            None => self.backend.greedy_forward(cache, &mut |c| {
+                Ok(self.forward_inner(c, input, prefix_len, &[], true)?.logits)
+            }),
+        };
         if result.is_err() {
             self.backend.kv_truncate(cache, prefix_len)?;
         }
@@ -700,12 +720,50 @@ impl<B: Backend> Model<B> {
     /// The token embeddings of `ids` (`[ids, hidden]`).
     pub fn embed(&self, ids: &[u32]) -> Result<B::Tensor> {
         check_tokens(ids, self.config.vocab_size)?;
-        self.backend.embedding(&self.weights.embed, ids)
+        self.embed_rows(ids)
     }
 
-    /// The LM head applied to already-normalized hidden states: `[rows, vocab]` logits.
+    /// The embedding lookup (vocabulary-parallel and summed over the ranks when split).
+    fn embed_rows(&self, ids: &[u32]) -> Result<B::Tensor> {
+        match &self.rank {
+            Some(r) => r
+                .comm
+                .embedding(&self.backend, &self.weights.embed, ids, r.shard().vocab.clone()),
+            None => self.backend.embedding(&self.weights.embed, ids),
+        }
+    }
+
+    /// The LM head applied to already-normalized hidden states: `[rows, vocab]` logits (when
+    /// split over ranks, the slices gathered from every rank).
     pub fn lm_head(&self, h: &B::Tensor) -> Result<B::Tensor> {
-        self.backend.linear_f32(h, &self.weights.lm_head)
+        self.head(h, true)
+    }
+
+    /// The LM head; split over ranks, `gather` assembles the whole logits, otherwise each rank
+    /// keeps its vocabulary slice.
+    fn head(&self, h: &B::Tensor, gather: bool) -> Result<B::Tensor> {
+        let local = self.backend.linear_f32(h, &self.weights.lm_head)?;
+        match &self.rank {
+            Some(r) if gather => {
+                r.comm
+                    .gather_vocab(&self.backend, local, r.shard().vocab.clone(), self.config.vocab_size)
+            }
+            _ => Ok(local),
+        }
+    }
+
+    /// Sums a partial result over the ranks when `partial` (a tensor-parallel or
+    /// expert-parallel block's output).
+    fn reduce(&self, x: &mut B::Tensor, partial: bool) -> Result<()> {
+        match &self.rank {
+            Some(r) if partial => r.comm.all_reduce_sum(&self.backend, x),
+            _ => Ok(()),
+        }
+    }
+
+    /// The tensor- and expert-parallel degrees (1 and 1 on one rank).
+    fn degrees(&self) -> (usize, usize) {
+        self.rank.as_ref().map_or((1, 1), |r| (r.plan.spec.tp, r.plan.spec.ep))
     }
 
     fn check_input(&self, input: &ForwardInput<'_>) -> Result<()> {
@@ -746,6 +804,7 @@ impl<B: Backend> Model<B> {
         input: ForwardInput<'_>,
         prefix_len: usize,
         feature_layers: &[usize],
+        gather: bool,
     ) -> Result<ForwardOutput<B::Tensor>> {
         let b = &self.backend;
         let w = &self.weights;
@@ -757,7 +816,7 @@ impl<B: Backend> Model<B> {
         let n = input.tokens.len();
         let all_rows: Vec<usize> = (0..n).collect();
         let mut hidden: Vec<Option<B::Tensor>> = w.layers.iter().map(|_| None).collect();
-        let embedded = b.embedding(&w.embed, input.tokens)?;
+        let embedded = self.embed_rows(input.tokens)?;
         // Each residual add is fused with the norm that follows it: the next layer's input norm,
         // or after the last layer the final norm.
         let mut h = b.rms_norm(&embedded, w.layers.first().map_or(&w.norm, |l| &l.input_norm), eps)?;
@@ -788,7 +847,7 @@ impl<B: Backend> Model<B> {
             h = b.take_rows(&h, &[n - 1])?;
         }
         Ok(ForwardOutput {
-            logits: b.linear_f32(&h, &w.lm_head)?,
+            logits: self.head(&h, gather)?,
             features,
         })
     }
@@ -815,7 +874,9 @@ impl<B: Backend> Model<B> {
         let q_abs = b.mla_query(&q, &a.kv_b, &self.rope, positions, self.dims)?;
         b.join_branch()?;
         let o = b.mla_attention_output(&q_abs, cache, layer, span, self.dims, self.scale, &a.kv_b)?;
-        b.linear(&o, &a.o)
+        let mut out = b.linear(&o, &a.o)?;
+        self.reduce(&mut out, self.degrees().0 > 1)?;
+        Ok(out)
     }
 
     /// A layer's MLP: the dense block's or the routed experts' output, and the shared experts'
@@ -827,8 +888,13 @@ impl<B: Backend> Model<B> {
         h: &B::Tensor,
     ) -> Result<(B::Tensor, Option<B::Tensor>)> {
         let b = &self.backend;
+        let (tp, ep) = self.degrees();
         match mlp {
-            Mlp::Dense(f) => Ok((ffn(b, f, h)?, None)),
+            Mlp::Dense(f) => {
+                let mut out = ffn(b, f, h)?;
+                self.reduce(&mut out, tp > 1)?;
+                Ok((out, None))
+            }
             Mlp::Moe(m) => {
                 // The shared experts beside the router and the routed experts.
                 let shared = match &m.shared {
@@ -836,10 +902,27 @@ impl<B: Backend> Model<B> {
                     None => None,
                 };
                 let logits = b.linear_f32(h, &m.router)?;
-                let routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
-                let routed = b.moe_experts(h, &routing, &m.experts)?;
+                let mut routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
+                if let Some(r) = self.rank.as_ref().filter(|_| ep > 1) {
+                    routing = b.moe_localize(&routing, r.shard().experts.clone())?;
+                }
+                let mut routed = b.moe_experts(h, &routing, &m.experts)?;
                 b.join_branch()?;
-                Ok((routed, shared))
+                match shared {
+                    // Both partial: one all-reduce of their sum.
+                    Some(s) if tp > 1 && ep > 1 => {
+                        b.add_assign(&mut routed, &s)?;
+                        self.reduce(&mut routed, true)?;
+                        Ok((routed, None))
+                    }
+                    mut shared => {
+                        self.reduce(&mut routed, ep > 1)?;
+                        if let Some(s) = shared.as_mut() {
+                            self.reduce(s, tp > 1)?;
+                        }
+                        Ok((routed, shared))
+                    }
+                }
             }
         }
     }

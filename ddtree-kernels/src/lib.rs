@@ -2,29 +2,32 @@
 //!
 //! Every kernel module holds the kernel (a type implementing [`ddtree_codegen::Kernel`]), its
 //! params struct with the candidate list, and `reference`, the CPU version the GPU output is
-//! checked against. [`catalogue`] lists every kernel for the snapshot and NVRTC tests.
+//! checked against. [`catalogue`] lists every kernel for the snapshot and NVRTC tests, from the
+//! [`registry`], where each kernel is listed once.
 #![warn(missing_docs)]
 // Check errors carry the interpreter's located hazard report; they are cold.
 #![allow(clippy::result_large_err)]
 
-pub mod add;
 pub mod attention;
 pub mod check;
 pub mod common;
-pub mod copy_rows;
+pub mod elementwise;
 pub mod embedding;
-pub mod fill;
 pub mod gemm_bf16;
-pub mod gemv;
+pub mod gemv_bf16;
 pub mod moe_route;
-pub mod residual;
-pub mod rms_norm;
-pub mod rope;
-pub mod silu_mul;
+pub mod norm;
+pub mod op;
+pub mod registry;
 pub mod topk;
 pub mod tree;
 pub mod tune;
 pub mod w4a16;
+
+// The flat module paths callers used before the kernels moved into family folders.
+pub use elementwise::{add, copy_rows, fill, rope, silu_mul};
+pub use gemv_bf16 as gemv;
+pub use norm::{residual, rms_norm};
 
 pub use add::{AddAssign, AddParams};
 pub use attention::{
@@ -79,60 +82,15 @@ fn variants<K: Kernel>() -> Result<Vec<Variant>, CodegenError> {
         .collect()
 }
 
-/// Every variant of every kernel in this crate, in a fixed order.
-pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
-    let mut all = Vec::new();
-    all.extend(variants::<RmsNorm>()?);
-    all.extend(variants::<SiluMul>()?);
-    all.extend(variants::<SiluMulSplit>()?);
-    all.extend(variants::<RopeInterleaved>()?);
-    all.extend(variants::<Embedding>()?);
-    all.extend(variants::<AddAssign>()?);
-    all.extend(variants::<CopyRows>()?);
-    all.extend(variants::<RowTopk>()?);
-    all.extend(variants::<RowTopkSplit>()?);
-    all.extend(variants::<GemmBf16>()?);
-    all.extend(variants::<FillRandomBf16>()?);
-    all.extend(variants::<FillRandomF32>()?);
-    all.extend(variants::<FillRandomU32>()?);
-    all.extend(variants::<w4a16::W4a16Gemm>()?);
-    all.extend(variants::<w4a16::W4a16GemmWg>()?);
-    all.extend(variants::<w4a16::W4a16GemmSk>()?);
-    all.extend(variants::<w4a16::W4a16ActTiles>()?);
-    all.extend(variants::<w4a16::W4a16Reduce>()?);
-    all.extend(variants::<w4a16::W4a16Repack>()?);
-    all.extend(variants::<w4a16::W4a16RepackFragment>()?);
-    all.extend(variants::<w4a16::MoeAlign>()?);
-    all.extend(variants::<w4a16::MoeSum>()?);
-    all.extend(variants::<w4a16::W4a16Gemv>()?);
-    all.extend(variants::<tree::TreeBuild>()?);
-    all.extend(variants::<tree::MlaVerifySplit>()?);
-    all.extend(variants::<tree::MlaVerifyWide>()?);
-    all.extend(variants::<tree::MlaVerifyWg>()?);
-    all.extend(variants::<tree::MlaVerifyNarrow>()?);
-    all.extend(variants::<tree::MlaVerifyCombine>()?);
-    all.extend(variants::<tree::MlaCombineOutput>()?);
-    all.extend(variants::<tree::MlaVerifyNaive>()?);
-    all.extend(variants::<tree::TreeAccept>()?);
-    all.extend(variants::<tree::TreeStage>()?);
-    all.extend(variants::<tree::TreeSample>()?);
-    all.extend(variants::<tree::CompactRows>()?);
-    all.extend(variants::<MlaKvAppend>()?);
-    all.extend(variants::<MlaAttention>()?);
-    all.extend(variants::<GqaAttention>()?);
-    all.extend(variants::<MoeRoute>()?);
-    all.extend(variants::<AddRmsNorm>()?);
-    all.extend(variants::<CastBf16F32>()?);
-    all.extend(variants::<CastF32Bf16>()?);
-    all.extend(variants::<CopyRowsF32>()?);
-    all.extend(variants::<GemvBf16>()?);
-    all.extend(variants::<GemvBf16F32>()?);
-    all.extend(variants::<GemvRmsNormBf16>()?);
-    all.extend(variants::<GemvSplitBf16>()?);
-    all.extend(variants::<GemvSplitF32>()?);
-    all.extend(variants::<GemvGateUpSilu>()?);
-    all.extend(variants::<GemvSplitGateUpSilu>()?);
-    all.extend(variants::<MlaAbsorbQuery>()?);
-    all.extend(variants::<MlaAbsorbOutput>()?);
-    Ok(all)
+macro_rules! catalogue_of {
+    (suites { $( $name:ident: [ $( $(#[$flag:ident])? $k:path ),+ ] => $suite:path; )* } elsewhere [ $($o:path),* ]) => {
+        /// Every variant of every kernel in this crate, in registry order ([`registry`]).
+        pub fn catalogue() -> Result<Vec<Variant>, CodegenError> {
+            let mut all = Vec::new();
+            $($(all.extend(variants::<$k>()?);)+)*
+            $(all.extend(variants::<$o>()?);)*
+            Ok(all)
+        }
+    };
 }
+crate::for_each_suite!(catalogue_of);

@@ -1,6 +1,6 @@
 //! The tree kernels run on the CPU interpreter at small sizes against the CPU references:
 //! builder (top-K + expansion + mask) identical, accept / sampling identical, compaction exact.
-//! (Verify attention is `tests/interp.rs`'s `verify_attention`, through `check::SUITES`.)
+//! (Verify attention is `tests/interp.rs`'s `verify_attention`, through the registry.)
 
 use ddtree_codegen::interp::{Buffer, Element, HostArg, Program};
 use ddtree_codegen::Kernel;

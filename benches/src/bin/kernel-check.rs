@@ -20,6 +20,8 @@ use std::process::ExitCode;
 use clap::Parser;
 use ddtree_codegen::Kernel;
 use ddtree_kernels::check::{self, CheckResult, Sizes, Target};
+use ddtree_kernels::gemm_bf16::op::GemmBf16Op;
+use ddtree_kernels::topk::RowTopkOp;
 use ddtree_kernels::{topk, GemmBf16, RowTopk, TopkRunner};
 use ddtree_runtime::timing::median_us;
 use ddtree_runtime::{Gpu, RuntimeError};
@@ -85,22 +87,17 @@ fn gemm_bench(gpu: &Gpu, shapes: &[(usize, usize, usize)]) -> Result<(), Runtime
         );
         for p in GemmBf16::space() {
             let kern = gpu.compile::<GemmBf16>(&p)?;
-            let grid = ((n as u32).div_ceil(p.bn), (m as u32).div_ceil(p.bm));
             let us = median_us(s, 5, 30, |i| {
-                // SAFETY: a is m x k, b is n x k, c is m x n, k % 8 == 0.
-                unsafe {
-                    GemmBf16::launch(
-                        &kern,
-                        s,
-                        grid,
-                        &a_bufs[i % copies],
-                        &b_bufs[i % copies],
-                        &mut c,
-                        m as u32,
-                        n as u32,
-                        k as u32,
-                    )
+                let (a, b) = (&a_bufs[i % copies], &b_bufs[i % copies]);
+                GemmBf16Op {
+                    a,
+                    b,
+                    c: &mut c,
+                    m,
+                    n,
+                    k,
                 }
+                .launch(&kern, s)
             })?;
             println!(
                 "| {m} x {n} x {k} | {} | {us:.1} | {:.1} | {:.2} |",
@@ -146,8 +143,15 @@ fn topk_bench(gpu: &Gpu) -> Result<bool, RuntimeError> {
             let ok = got == topk::reference(&logits, n, k);
             all_ok &= ok;
             let full_us = median_us(s, 10, 100, |_| {
-                // SAFETY: logits hold rows * n values with n >= k; the outputs hold rows * k.
-                unsafe { RowTopk::launch(&full, s, rows as u32, &dl, &mut values, &mut indices, n as u32) }
+                let (logits, values, indices) = (&dl, &mut values, &mut indices);
+                RowTopkOp {
+                    logits,
+                    values,
+                    indices,
+                    rows,
+                    n,
+                }
+                .launch(&full, s)
             })?;
             let split_us = median_us(s, 10, 100, |_| runner.run(s, &dl, &mut values, &mut indices, rows, n))?;
             println!(

@@ -43,6 +43,7 @@ use ddtree_kernels::w4a16::gemm_wg::{self, WG_DENSE_SPACE, WG_FUSED_SPACE};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, GemvW4Params, W4a16Gemv, GEMV_SPACE};
 use ddtree_kernels::w4a16::layout::{fragment_words, scale_words, PackedInt4, RepackParams};
 use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput};
+use ddtree_kernels::w4a16::op::DenseGemvOp;
 use ddtree_kernels::w4a16::{
     ActTilesParams, Epilogue, Layout, MoeKernels, ReduceParams, W4a16ActTiles, W4a16Gemm, W4a16GemmSk, W4a16GemmWg,
     W4a16Params, W4a16Reduce, W4a16RepackFragment, W4a16SkParams, W4a16WgParams,
@@ -270,27 +271,20 @@ fn time_gemv(
     let ids = upload(s, &[0u32])?;
     time_us(s, reps, |i| {
         let (_, wi, sc) = &wts[i % wts.len()];
-        // SAFETY: a [m <= 8 chunks, k], interleaved weights [n, k], out [m, n].
-        unsafe {
-            W4a16Gemv::launch(
-                gk,
-                s,
-                w4gemv::grid(gk.params(), n as u32, 1),
-                &acts[i % acts.len()],
-                wi,
-                sc,
-                &ids,
-                none,
-                &ids,
-                &ids,
-                out,
-                m as u32,
-                n as u32,
-                k as u32,
-                1,
-                1,
-            )
+        let (x, w, scales, rows) = (&acts[i % acts.len()], wi, sc, m);
+        let (unused_u32, unused_f32) = (&ids, none);
+        DenseGemvOp {
+            x,
+            w,
+            scales,
+            out: &mut *out,
+            rows,
+            n,
+            k,
+            unused_u32,
+            unused_f32,
         }
+        .launch(gk, s)
     })
 }
 

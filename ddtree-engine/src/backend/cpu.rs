@@ -688,6 +688,22 @@ impl Backend for CpuBackend {
         Ok(self.rounded(out))
     }
 
+    fn moe_localize(&self, routing: &CpuRouting, local: std::ops::Range<usize>) -> Result<CpuRouting> {
+        Ok(CpuRouting(
+            routing
+                .0
+                .iter()
+                .map(|choices| {
+                    choices
+                        .iter()
+                        .filter(|c| local.contains(&c.0))
+                        .map(|&(e, w)| (e - local.start, w))
+                        .collect()
+                })
+                .collect(),
+        ))
+    }
+
     fn kv_append(&self, cache: &mut CpuKvCache, layer: usize, rows: &Matrix) -> Result<()> {
         check_cols("kv_append", rows, cache.width)?;
         if layer >= cache.layers.len() {

@@ -532,6 +532,18 @@ pub trait Backend {
     fn moe_route(&self, logits: &Self::Tensor, bias: &Self::Vector, cfg: &MoeConfig) -> Result<Self::Routing>;
     /// `sum_k w_k expert_k(x)` per token for the routed experts.
     fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
+    /// Expert parallelism: `routing` (global expert ids) restricted to the experts `local`
+    /// this rank holds, renumbered from 0, for [`Backend::moe_experts`] over the rank's experts
+    /// (tokens with no local expert get zero rows). By default unsupported.
+    fn moe_localize(&self, _routing: &Self::Routing, local: std::ops::Range<usize>) -> Result<Self::Routing> {
+        Err(crate::error::EngineError::Backend {
+            backend: self.name().into(),
+            reason: format!(
+                "expert parallelism (experts {}..{} on this rank) is not implemented on this backend",
+                local.start, local.end
+            ),
+        })
+    }
 
     /// Appends the rows of `rows` (as wide as the cache's rows) to `layer` of a cache used as plain
     /// row storage (the DFlash drafter keeps its keys in layer `2l` and values in `2l + 1`).

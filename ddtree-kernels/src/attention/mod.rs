@@ -13,6 +13,7 @@ pub mod check;
 pub mod gqa;
 pub mod mla;
 pub mod mla_absorb;
+pub mod op;
 
 pub use gqa::{GqaAttention, GqaParams};
 pub use mla::{MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend};

@@ -25,3 +25,5 @@ pub use verify_attn::{
 };
 pub mod check;
 pub mod gpu;
+pub mod op;
+pub mod tune;

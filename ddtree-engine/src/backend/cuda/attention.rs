@@ -3,6 +3,10 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::attention::op::{
+    GqaAttentionOp, MlaAbsorbOutputOp, MlaAbsorbQueryOp, MlaAttentionOp, MlaKvAppendOp,
+};
+use ddtree_kernels::elementwise::op::RopeOp;
 
 /// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -140,22 +144,19 @@ impl CudaBackend {
         let rows = positions.len() * heads;
         let pairs = rows * rope.dim() / 2;
         let grid = pairs.div_ceil(k.params().block as usize).max(1) as u32;
-        // SAFETY: x holds rows * stride values; positions one per token; tables cover max.
-        unsafe {
-            RopeInterleaved::launch(
-                &k,
-                self.stream(),
-                grid,
-                x,
-                &*pos,
-                &tables.cos,
-                &tables.sin,
-                rows as u32,
-                heads as u32,
-                stride as u32,
-                offset as u32,
-            )?
+        let op = RopeOp {
+            x,
+            positions: &*pos,
+            cos: &tables.cos,
+            sin: &tables.sin,
+            rows,
+            heads,
+            stride,
+            offset,
+            grid: Some(grid),
         };
+        // SAFETY: the tables cover every position up to max.
+        unsafe { op.launch(&k, self.stream())? };
         Ok(())
     }
 
@@ -206,25 +207,21 @@ impl CudaBackend {
         let lens = self.staged(Staged::Lens, &[start as u32])?;
         let k = self.variant::<MlaKvAppend>(&ddtree_kernels::attention::mla::choose_append(lora, width - lora))?;
         let mut dst = cache.layer_mut(layer);
-        // SAFETY: kv_a [rows, width]; the layer holds capacity rows and start + rows fit.
-        unsafe {
-            MlaKvAppend::launch(
-                &k,
-                self.stream(),
-                kv_a.rows as u32,
-                kv_a.bf16("mla_append_kv")?,
-                &norm.bf16,
-                &*pos,
-                &tables.cos,
-                &tables.sin,
-                &mut dst,
-                &*lens,
-                kv_a.rows as u32,
-                lora as u32,
-                (width - lora) as u32,
-                eps,
-            )?
+        let op = MlaKvAppendOp {
+            kv_a: kv_a.bf16("mla_append_kv")?,
+            norm: &norm.bf16,
+            positions: &*pos,
+            cos: &tables.cos,
+            sin: &tables.sin,
+            cache: &mut dst,
+            lens: &*lens,
+            rows: kv_a.rows,
+            lora,
+            rope: width - lora,
+            eps,
         };
+        // SAFETY: start + rows fit the layer's capacity (checked above); the tables cover max.
+        unsafe { op.launch(&k, self.stream())? };
         if !rope.interleaved() {
             // The kernel ropes adjacent pairs; for the half-split layout put the raw k_pe back
             // and rope it with the rotate-half variant in place (at a host-side offset: a
@@ -277,26 +274,20 @@ impl CudaBackend {
             let max = positions.iter().copied().max().unwrap_or(0);
             let tables = self.rope_tables(rope, max)?;
             let pos = self.staged(Staged::Positions, positions)?;
-            let grid = ddtree_kernels::attention::mla_absorb::query_grid(&p, d.heads as u32, d.kv_lora as u32);
-            // SAFETY: q [t, heads, nope + rope], kv_b [heads * (nope + v), kv_lora] with
-            // kv_lora % cols == 0, q_abs [t, heads, lw]; one position per token within the tables.
-            unsafe {
-                MlaAbsorbQuery::launch(
-                    &kern,
-                    self.stream(),
-                    grid,
-                    q.bf16("mla_query")?,
-                    w,
-                    &*pos,
-                    &tables.cos,
-                    &tables.sin,
-                    q_abs.bf16_mut("mla_query")?,
-                    t as u32,
-                    d.heads as u32,
-                    d.kv_lora as u32,
-                    ((d.nope + d.v) * d.kv_lora) as u32,
-                )?
+            let op = MlaAbsorbQueryOp {
+                q: q.bf16("mla_query")?,
+                kv_b: w,
+                positions: &*pos,
+                cos: &tables.cos,
+                sin: &tables.sin,
+                out: q_abs.bf16_mut("mla_query")?,
+                rows: t,
+                heads: d.heads,
+                lora: d.kv_lora,
+                v: d.v,
             };
+            // SAFETY: the tables cover every position up to max.
+            unsafe { op.launch(&kern, self.stream())? };
             return Ok(q_abs);
         }
         let g = BatchedGemm {
@@ -401,24 +392,16 @@ impl CudaBackend {
             .flatten();
         if let Some(p) = absorb {
             let kern = self.variant::<MlaAbsorbOutput>(&p)?;
-            let grid = ddtree_kernels::attention::mla_absorb::output_grid(&p, d.heads as u32, d.v as u32);
-            // SAFETY: o_lat [t, heads, kv_lora], kv_b [heads * (nope + v), kv_lora], o [t, heads * v];
-            // v % cols == 0.
-            unsafe {
-                MlaAbsorbOutput::launch(
-                    &kern,
-                    self.stream(),
-                    grid,
-                    o_lat.bf16("mla_output")?,
-                    w,
-                    o.bf16_mut("mla_output")?,
-                    t as u32,
-                    d.heads as u32,
-                    d.nope as u32,
-                    d.v as u32,
-                    ((d.nope + d.v) * d.kv_lora) as u32,
-                )?
-            };
+            MlaAbsorbOutputOp {
+                o_lat: o_lat.bf16("mla_output")?,
+                kv_b: w,
+                out: o.bf16_mut("mla_output")?,
+                rows: t,
+                heads: d.heads,
+                nope: d.nope,
+                v: d.v,
+            }
+            .launch(&kern, self.stream())?;
             return Ok(o);
         }
         let g = BatchedGemm {
@@ -472,24 +455,19 @@ impl CudaBackend {
         }
         let mut out = self.tensor_bf16(q.rows, q.cols)?;
         let k = self.first_variant::<GqaAttention>(|_: &GqaParams| true)?;
-        // SAFETY: q [rows, heads * hd], k/v layers hold `keys` rows of kv_heads * hd.
-        unsafe {
-            GqaAttention::launch(
-                &k,
-                self.stream(),
-                (q.rows * dims.heads) as u32,
-                q.bf16("gqa_attention")?,
-                &cache.layer(k_layer),
-                &cache.layer(v_layer),
-                out.bf16_mut("gqa_attention")?,
-                q.rows as u32,
-                keys as u32,
-                dims.heads as u32,
-                dims.kv_heads as u32,
-                dims.head_dim as u32,
-                scale,
-            )?
-        };
+        GqaAttentionOp {
+            q: q.bf16("gqa_attention")?,
+            k: &cache.layer(k_layer),
+            v: &cache.layer(v_layer),
+            out: out.bf16_mut("gqa_attention")?,
+            rows: q.rows,
+            keys,
+            heads: dims.heads,
+            kv_heads: dims.kv_heads,
+            head_dim: dims.head_dim,
+            scale,
+        }
+        .launch(&k, self.stream())?;
         Ok(out)
     }
 
@@ -596,25 +574,21 @@ impl CudaBackend {
             ));
         }
         let k = self.first_variant::<MlaAttention>(|_: &MlaAttnParams| true)?;
-        // SAFETY: q [n, heads, lw], the layer's first prefix + n rows, mask [n, words].
-        unsafe {
-            MlaAttention::launch(
-                &k,
-                self.stream(),
-                (n * d.heads) as u32,
-                q,
-                &kv,
-                &*mask,
-                out.bf16_mut("mla_attention")?,
-                &*lens,
-                d.heads as u32,
-                n as u32,
-                words as u32,
-                d.kv_lora as u32,
-                d.rope as u32,
-                scale,
-            )?
+        let op = MlaAttentionOp {
+            q,
+            cache: &kv,
+            mask: &*mask,
+            out: out.bf16_mut("mla_attention")?,
+            lens: &*lens,
+            heads: d.heads,
+            nodes: n,
+            words,
+            lora: d.kv_lora,
+            rope: d.rope,
+            scale,
         };
+        // SAFETY: the layer holds the prefix + n rows (the cache's length bookkeeping).
+        unsafe { op.launch(&k, self.stream())? };
         Ok(out)
     }
 }

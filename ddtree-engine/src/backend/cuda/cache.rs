@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::tree::op::CompactRowsOp;
 
 impl CudaBackend {
     /// [`Backend::kv_fill_random`] on the GPU.
@@ -110,21 +111,18 @@ impl CudaBackend {
             let count = self.upload(&[moved.len() as u32])?;
             let k = self.variant::<tree::CompactRows>(&())?;
             let layers = cache.lens.len();
-            let (width, stride) = (cache.width, check_u32("kv_compact", cache.capacity * cache.width)?);
-            // SAFETY: every kept row is below len; rows move down in ascending order.
-            unsafe {
-                tree::CompactRows::launch(
-                    &k,
-                    self.stream(),
-                    layers as u32,
-                    cache.buf_mut(),
-                    &accepted,
-                    &count,
-                    base as u32,
-                    width as u32,
-                    stride,
-                )?
+            check_u32("kv_compact", cache.capacity * cache.width)?;
+            let op = CompactRowsOp {
+                layers,
+                base,
+                row_len: cache.width,
+                layer_stride: cache.capacity * cache.width,
+                buf: cache.buf_mut(),
+                accepted: &accepted,
+                accept_len: &count,
             };
+            // SAFETY: every kept row is below len; rows move down in ascending order.
+            unsafe { op.launch(&k, self.stream())? };
         }
         cache.lens.iter_mut().for_each(|l| *l = base + keep.len());
         Ok(())

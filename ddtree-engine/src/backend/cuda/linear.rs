@@ -3,6 +3,9 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::gemv_bf16::op::{GateUpSiluOp, GemvOp, GemvRmsNormOp};
+use ddtree_kernels::topk::RowTopkOp;
+use ddtree_kernels::w4a16::op::DenseGemvOp;
 
 /// Whether an INT4 `linear` of `rows` rows over an `[n, k]` weight runs the small-token
 /// [`W4a16Gemv`] (one launch, no split-K reduce) instead of the tensor-core GEMM: with few rows
@@ -84,23 +87,17 @@ impl CudaBackend {
         };
         let _span = self.profile.span("rms_norm_linear");
         let mut out = self.tensor_bf16(x.rows, n)?;
-        // SAFETY: a [rows <= p.m, k], norm [k], w [n, k], out [rows, n]; k % 8 == 0 and k <=
-        // NORM_MAX_K (choose_rms_norm).
-        unsafe {
-            GemvRmsNormBf16::launch(
-                &*self.variant::<GemvRmsNormBf16>(&p)?,
-                self.stream(),
-                gemv::grid(&p, n as u32),
-                x.bf16("rms_norm_linear")?,
-                &weight.bf16,
-                eps,
-                wd,
-                out.bf16_mut("rms_norm_linear")?,
-                x.rows as u32,
-                n as u32,
-                k as u32,
-            )?
-        };
+        GemvRmsNormOp {
+            a: x.bf16("rms_norm_linear")?,
+            norm: &weight.bf16,
+            eps,
+            w: wd,
+            out: out.bf16_mut("rms_norm_linear")?,
+            rows: x.rows,
+            n,
+            k,
+        }
+        .launch(&*self.variant::<GemvRmsNormBf16>(&p)?, self.stream())?;
         Ok(out)
     }
 
@@ -128,28 +125,18 @@ impl CudaBackend {
                     }
                     let none_u32 = self.identity(1)?;
                     let st = self.state();
-                    // SAFETY: a [rows <= 8 chunks, k], weights interleaved [n, k] with g32 scale
-                    // words, out [rows, n]; the routing arguments are unused by dense variants.
-                    unsafe {
-                        W4a16Gemv::launch(
-                            &kern,
-                            self.stream(),
-                            w4gemv::grid(&p, n as u32, 1),
-                            a,
-                            packed,
-                            scales,
-                            none_u32.as_ref(),
-                            &st.w4a16[self.lane()].part,
-                            none_u32.as_ref(),
-                            none_u32.as_ref(),
-                            out.bf16_mut("linear")?,
-                            x.rows as u32,
-                            n as u32,
-                            k as u32,
-                            1,
-                            1,
-                        )?
-                    };
+                    DenseGemvOp {
+                        x: a,
+                        w: packed,
+                        scales,
+                        out: out.bf16_mut("linear")?,
+                        rows: x.rows,
+                        n,
+                        k,
+                        unused_u32: none_u32.as_ref(),
+                        unused_f32: &st.w4a16[self.lane()].part,
+                    }
+                    .launch(&kern, self.stream())?;
                     return Ok(out);
                 }
                 let args = GemmArgs {
@@ -220,39 +207,20 @@ impl CudaBackend {
             return unfused_gate_up_silu(self, x, gate, up);
         };
         let _span = self.profile.span("gate_up_silu");
-        let (r, n32, k32) = (x.rows as u32, *n as u32, *k as u32);
         let mut out = self.tensor_bf16(x.rows, *n)?;
-        let (a, o) = (x.bf16("gate_up_silu")?, out.bf16_mut("gate_up_silu")?);
-        // SAFETY: a [rows <= p.m, k], gate and up [n, k], out [rows, n]; k % 8 == 0 (the fused
-        // GEMVs are only chosen then).
-        unsafe {
-            match choice {
-                GemvChoice::Warp(p) => GemvGateUpSilu::launch(
-                    &*self.variant::<GemvGateUpSilu>(&p)?,
-                    self.stream(),
-                    gemv::grid(&p, n32),
-                    a,
-                    g,
-                    u,
-                    o,
-                    r,
-                    n32,
-                    k32,
-                )?,
-                GemvChoice::Split(p) => GemvSplitGateUpSilu::launch(
-                    &*self.variant::<GemvSplitGateUpSilu>(&p)?,
-                    self.stream(),
-                    gemv::split_grid(&p, n32),
-                    a,
-                    g,
-                    u,
-                    o,
-                    r,
-                    n32,
-                    k32,
-                )?,
-            }
+        let op = GateUpSiluOp {
+            a: x.bf16("gate_up_silu")?,
+            gate: g,
+            up: u,
+            out: out.bf16_mut("gate_up_silu")?,
+            rows: x.rows,
+            n: *n,
+            k: *k,
         };
+        match choice {
+            GemvChoice::Warp(p) => op.launch_warp(&*self.variant::<GemvGateUpSilu>(&p)?, self.stream())?,
+            GemvChoice::Split(p) => op.launch_split(&*self.variant::<GemvSplitGateUpSilu>(&p)?, self.stream())?,
+        }
         Ok(out)
     }
 
@@ -275,58 +243,30 @@ impl CudaBackend {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        let (r, n32, k32) = (rows as u32, n as u32, k as u32);
         let s = self.stream();
-        // SAFETY (every launch): a [rows <= p.m, k], w [n, k], out [rows, n]; k % 8 == 0 (the
-        // GEMVs are only chosen then); cuBLAS: a [m, k], w [n, k], out [m, n].
-        unsafe {
-            match (self.gemv_params(rows, n, k), out) {
-                (Some(GemvChoice::Warp(p)), DenseOut::Bf16(o)) => GemvBf16::launch(
-                    &*self.variant::<GemvBf16>(&p)?,
-                    s,
-                    gemv::grid(&p, n32),
-                    a,
-                    w,
-                    o,
-                    r,
-                    n32,
-                    k32,
-                )?,
-                (Some(GemvChoice::Warp(p)), DenseOut::F32(o)) => GemvBf16F32::launch(
-                    &*self.variant::<GemvBf16F32>(&p)?,
-                    s,
-                    gemv::grid(&p, n32),
-                    a,
-                    w,
-                    o,
-                    r,
-                    n32,
-                    k32,
-                )?,
-                (Some(GemvChoice::Split(p)), DenseOut::Bf16(o)) => GemvSplitBf16::launch(
-                    &*self.variant::<GemvSplitBf16>(&p)?,
-                    s,
-                    gemv::split_grid(&p, n32),
-                    a,
-                    w,
-                    o,
-                    r,
-                    n32,
-                    k32,
-                )?,
-                (Some(GemvChoice::Split(p)), DenseOut::F32(o)) => GemvSplitF32::launch(
-                    &*self.variant::<GemvSplitF32>(&p)?,
-                    s,
-                    gemv::split_grid(&p, n32),
-                    a,
-                    w,
-                    o,
-                    r,
-                    n32,
-                    k32,
-                )?,
-                (None, DenseOut::Bf16(o)) => self.blas().linear(a, w, o, rows, n, k)?,
-                (None, DenseOut::F32(o)) => self.blas().linear(a, w, o, rows, n, k)?,
+        let Some(choice) = self.gemv_params(rows, n, k) else {
+            // SAFETY: cuBLAS reads a [rows, k] and w [n, k] and writes out [rows, n], as sized by
+            // the callers.
+            unsafe {
+                match out {
+                    DenseOut::Bf16(o) => self.blas().linear(a, w, o, rows, n, k)?,
+                    DenseOut::F32(o) => self.blas().linear(a, w, o, rows, n, k)?,
+                }
+            }
+            return Ok(());
+        };
+        match (choice, out) {
+            (GemvChoice::Warp(p), DenseOut::Bf16(out)) => {
+                GemvOp { a, w, out, rows, n, k }.launch_bf16(&*self.variant::<GemvBf16>(&p)?, s)?
+            }
+            (GemvChoice::Warp(p), DenseOut::F32(out)) => {
+                GemvOp { a, w, out, rows, n, k }.launch_f32(&*self.variant::<GemvBf16F32>(&p)?, s)?
+            }
+            (GemvChoice::Split(p), DenseOut::Bf16(out)) => {
+                GemvOp { a, w, out, rows, n, k }.launch_split_bf16(&*self.variant::<GemvSplitBf16>(&p)?, s)?
+            }
+            (GemvChoice::Split(p), DenseOut::F32(out)) => {
+                GemvOp { a, w, out, rows, n, k }.launch_split_f32(&*self.variant::<GemvSplitF32>(&p)?, s)?
             }
         }
         Ok(())
@@ -361,18 +301,14 @@ impl CudaBackend {
         if k.params().k != 1 {
             return Err(fail("argmax: the tuned top-k variant is not k = 1".into()));
         }
-        // SAFETY: logits [rows, n]; the outputs hold at least one value and index per row.
-        unsafe {
-            RowTopk::launch(
-                &k,
-                self.stream(),
-                rows as u32,
-                logits.f32("argmax")?,
-                values,
-                indices,
-                n as u32,
-            )?
-        };
+        RowTopkOp {
+            logits: logits.f32("argmax")?,
+            values,
+            indices,
+            rows,
+            n,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 }

@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::moe_route::op::MoeRouteOp;
 
 /// Scale group of dense routed experts, which [`CudaBackend::load_experts`] quantizes to INT4 for
 /// the grouped kernels (the CPU backend's bf16 mode does the same).
@@ -160,24 +161,20 @@ impl CudaBackend {
         let mut ids = self.alloc::<u32>(t * topk)?;
         let mut weights = self.alloc::<f32>(t * topk)?;
         let k = self.first_variant::<MoeRoute>(|_: &MoeRouteParams| true)?;
-        // SAFETY: logits [t, experts] f32, bias [experts]; outputs [t, topk].
-        unsafe {
-            MoeRoute::launch(
-                &k,
-                self.stream(),
-                t as u32,
-                logits.f32("moe_route")?,
-                &bias.f32,
-                &mut ids,
-                &mut weights,
-                experts as u32,
-                topk as u32,
-                cfg.n_group as u32,
-                cfg.topk_group as u32,
-                u32::from(cfg.norm_topk_prob),
-                cfg.routed_scaling_factor,
-            )?
-        };
+        MoeRouteOp {
+            logits: logits.f32("moe_route")?,
+            bias: &bias.f32,
+            ids: &mut ids,
+            weights: &mut weights,
+            tokens: t,
+            experts,
+            topk,
+            n_group: cfg.n_group,
+            topk_group: cfg.topk_group,
+            norm: cfg.norm_topk_prob,
+            scale: cfg.routed_scaling_factor,
+        }
+        .launch(&k, self.stream())?;
         Ok(CudaRouting {
             tokens: t,
             topk,

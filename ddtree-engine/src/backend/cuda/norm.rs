@@ -3,6 +3,9 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::elementwise::op::{AddAssignOp, SiluMulSplitOp};
+use ddtree_kernels::embedding::op::EmbeddingOp;
+use ddtree_kernels::norm::op::{AddRmsNormOp, CastBf16F32Op, RmsNormOp};
 
 impl CudaBackend {
     /// [`Backend::embedding`] on the GPU.
@@ -13,19 +16,15 @@ impl CudaBackend {
         let k = self.tuned::<Embedding>(Lookup::embedding(ids.len(), table.rows, hidden))?;
         let d_ids = self.staged(Staged::Tokens, ids)?;
         let mut out = self.tensor_bf16(ids.len(), hidden)?;
-        // SAFETY: the table is [vocab, hidden]; ids are checked by the model; out [ids, hidden].
-        unsafe {
-            Embedding::launch(
-                &k,
-                self.stream(),
-                ids.len() as u32,
-                &*d_ids,
-                table.bf16("embedding")?,
-                out.bf16_mut("embedding")?,
-                hidden as u32,
-                table.rows as u32,
-            )?
-        };
+        EmbeddingOp {
+            ids: &*d_ids,
+            table: table.bf16("embedding")?,
+            out: out.bf16_mut("embedding")?,
+            rows: ids.len(),
+            hidden,
+            vocab: table.rows,
+        }
+        .launch(&k, self.stream())?;
         Ok(out)
     }
 
@@ -55,9 +54,12 @@ impl CudaBackend {
         }
         let n = x.rows * x.cols;
         let k = self.first_variant::<AddAssign>(|p: &AddParams| !p.vec || n % 8 == 0)?;
-        let grid = add::grid(k.params(), n as u32);
-        // SAFETY: both hold n values.
-        unsafe { AddAssign::launch(&k, self.stream(), grid, x.bf16_mut("add")?, y.bf16("add")?, n as u32)? };
+        AddAssignOp {
+            x: x.bf16_mut("add")?,
+            y: y.bf16("add")?,
+            n,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 
@@ -70,17 +72,7 @@ impl CudaBackend {
         };
         let mut dst = self.alloc::<f32>(n)?;
         let k = self.first_variant::<CastBf16F32>(|_: &CastParams| true)?;
-        // SAFETY: both hold n values.
-        unsafe {
-            CastBf16F32::launch(
-                &k,
-                self.stream(),
-                residual::grid(k.params(), n),
-                src,
-                &mut dst,
-                n as u32,
-            )?
-        };
+        CastBf16F32Op { src, dst: &mut dst, n }.launch(&k, self.stream())?;
         Ok(CudaTensor {
             rows: x.rows,
             cols: x.cols,
@@ -132,18 +124,14 @@ impl CudaBackend {
             .div_ceil(k.params().block as usize * if k.params().vec { 8 } else { 1 })
             .clamp(1, 65535) as u32;
         let mut out = self.tensor_bf16(gate.rows, gate.cols)?;
-        // SAFETY: all hold n values.
-        unsafe {
-            SiluMulSplit::launch(
-                &k,
-                self.stream(),
-                grid,
-                gate.bf16("silu_mul")?,
-                up.bf16("silu_mul")?,
-                out.bf16_mut("silu_mul")?,
-                n as u32,
-            )?
-        };
+        SiluMulSplitOp {
+            gate: gate.bf16("silu_mul")?,
+            up: up.bf16("silu_mul")?,
+            out: out.bf16_mut("silu_mul")?,
+            n,
+            grid: Some(grid),
+        }
+        .launch(&k, self.stream())?;
         Ok(out)
     }
 
@@ -198,27 +186,17 @@ impl CudaBackend {
             DeviceData::F32(xf) => xf,
             DeviceData::Bf16(_) => return Err(fail("add_rms_norm: the residual stream is not f32".into())),
         };
-        let y16 = y.bf16("add_rms_norm")?;
-        // With one addend `z` is not read: any buffer will do.
-        let z16 = match z {
-            Some(z) => z.bf16("add_rms_norm")?,
-            None => y16,
-        };
-        // SAFETY: x [rows, n] f32, y and z [rows, n] bf16, weight n, out [rows, n].
-        unsafe {
-            AddRmsNorm::launch(
-                &k,
-                self.stream(),
-                rows as u32,
-                xf,
-                y16,
-                z16,
-                &weight.bf16,
-                out.bf16_mut("add_rms_norm")?,
-                n as u32,
-                eps,
-            )?
-        };
+        AddRmsNormOp {
+            x: xf,
+            y: y.bf16("add_rms_norm")?,
+            z: z.map(|z| z.bf16("add_rms_norm")).transpose()?,
+            weight: &weight.bf16,
+            out: out.bf16_mut("add_rms_norm")?,
+            rows,
+            n,
+            eps,
+        }
+        .launch(&k, self.stream())?;
         Ok(out)
     }
 
@@ -233,8 +211,15 @@ impl CudaBackend {
         eps: f32,
     ) -> Result<()> {
         let k = self.tuned::<RmsNorm>(Lookup::rms_norm(rows, n))?;
-        // SAFETY: x and out hold rows * n values, w n; the tuner's candidates respect n % 8.
-        unsafe { RmsNorm::launch(&k, self.stream(), rows as u32, x, w, out, n as u32, eps)? };
+        RmsNormOp {
+            x,
+            weight: w,
+            out,
+            rows,
+            n,
+            eps,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 }

@@ -3,6 +3,8 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::elementwise::op::CopyRowsOp;
+use ddtree_kernels::norm::op::CastF32Bf16Op;
 
 /// Upload slots whose last contents are kept on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,23 +103,17 @@ impl CudaBackend {
             return Ok(());
         }
         let k = self.first_variant::<CopyRows>(|_: &CopyParams| true)?;
-        // SAFETY: the callers size src, idx and dst for `rows` rows of the given strides.
-        unsafe {
-            CopyRows::launch(
-                &k,
-                self.stream(),
-                rows as u32,
-                src,
-                idx,
-                dst,
-                rows as u32,
-                cols as u32,
-                src_stride as u32,
-                src_off as u32,
-                dst_stride as u32,
-                dst_off as u32,
-            )?
+        let op = CopyRowsOp {
+            src,
+            idx,
+            dst,
+            rows,
+            cols,
+            src_at: (src_stride, src_off),
+            dst_at: (dst_stride, dst_off),
         };
+        // SAFETY: the callers' indices name rows inside src at its stride.
+        unsafe { op.launch_bf16(&k, self.stream())? };
         Ok(())
     }
 
@@ -158,35 +154,24 @@ impl CudaBackend {
                 let n = rows.len() * x.cols;
                 let mut picked = self.alloc::<f32>(n)?;
                 let k = self.first_variant::<CopyRowsF32>(|_: &CopyParams| true)?;
-                // SAFETY: src [x.rows, cols], idx rows below x.rows, picked [rows, cols].
-                unsafe {
-                    CopyRowsF32::launch(
-                        &k,
-                        self.stream(),
-                        rows.len() as u32,
-                        src,
-                        &idx,
-                        &mut picked,
-                        rows.len() as u32,
-                        x.cols as u32,
-                        x.cols as u32,
-                        0,
-                        x.cols as u32,
-                        0,
-                    )?
+                let op = CopyRowsOp {
+                    src,
+                    idx: &idx,
+                    dst: &mut picked,
+                    rows: rows.len(),
+                    cols: x.cols,
+                    src_at: (x.cols, 0),
+                    dst_at: (x.cols, 0),
                 };
+                // SAFETY: src is [x.rows, cols] and every index is below x.rows (checked above).
+                unsafe { op.launch_f32(&k, self.stream())? };
                 let c = self.first_variant::<CastF32Bf16>(|_: &CastParams| true)?;
-                // SAFETY: both hold n values.
-                unsafe {
-                    CastF32Bf16::launch(
-                        &c,
-                        self.stream(),
-                        residual::grid(c.params(), n),
-                        &picked,
-                        out.bf16_mut("take_rows")?,
-                        n as u32,
-                    )?
-                };
+                CastF32Bf16Op {
+                    src: &picked,
+                    dst: out.bf16_mut("take_rows")?,
+                    n,
+                }
+                .launch(&c, self.stream())?;
             }
         }
         Ok(out)

@@ -2,6 +2,8 @@
 
 #[allow(unused_imports)]
 use super::*;
+use ddtree_kernels::elementwise::op::{FillBf16Op, FillF32Op, FillU32Op};
+use ddtree_kernels::w4a16::op::RepackOp;
 
 pub(super) const FILL: FillParams = FillParams { block: 256 };
 
@@ -14,20 +16,14 @@ impl CudaBackend {
         let mut dst = self.alloc::<u32>(total)?;
         let p = RepackParams { block: 256 };
         let kern = self.variant::<W4a16Repack>(&p)?;
-        let grid = total.div_ceil(256).clamp(1, 65535) as u32;
-        // SAFETY: src holds experts * n * k / 8 words, dst the interleaved words of every expert.
-        unsafe {
-            W4a16Repack::launch(
-                &kern,
-                self.stream(),
-                grid,
-                &src,
-                &mut dst,
-                n as u32,
-                k as u32,
-                experts as u32,
-            )?
-        };
+        RepackOp {
+            src: &src,
+            dst: &mut dst,
+            n,
+            k,
+            experts,
+        }
+        .launch(&kern, self.stream())?;
         Ok(dst)
     }
 
@@ -52,35 +48,27 @@ impl CudaBackend {
 
     pub(super) fn fill_u32(&self, out: &mut CudaSlice<u32>, n: usize, seed: u64) -> Result<()> {
         let k = self.variant::<FillRandomU32>(&FILL)?;
-        // SAFETY: out holds n words.
-        unsafe {
-            FillRandomU32::launch(
-                &k,
-                self.stream(),
-                fill::grid(&FILL, n),
-                out,
-                check_u32("fill", n)?,
-                seed as u32,
-            )?
-        };
+        check_u32("fill", n)?;
+        FillU32Op {
+            out,
+            n,
+            seed: seed as u32,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 
     pub(super) fn fill_bf16(&self, out: &mut CudaSlice<bf16>, n: usize, lo: f32, hi: f32, seed: u64) -> Result<()> {
         let k = self.variant::<FillRandomBf16>(&FILL)?;
-        // SAFETY: out holds n values.
-        unsafe {
-            FillRandomBf16::launch(
-                &k,
-                self.stream(),
-                fill::grid(&FILL, n),
-                out,
-                check_u32("fill", n)?,
-                seed as u32,
-                lo,
-                hi,
-            )?
-        };
+        check_u32("fill", n)?;
+        FillBf16Op {
+            out,
+            n,
+            seed: seed as u32,
+            lo,
+            hi,
+        }
+        .launch(&k, self.stream())?;
         Ok(())
     }
 
@@ -183,19 +171,14 @@ impl CudaBackend {
         self.fill_bf16(&mut half, len, lo, hi, seed)?;
         let mut f = self.alloc::<f32>(len)?;
         let k = self.variant::<FillRandomF32>(&FILL)?;
-        // SAFETY: f holds len values.
-        unsafe {
-            FillRandomF32::launch(
-                &k,
-                self.stream(),
-                fill::grid(&FILL, len),
-                &mut f,
-                len as u32,
-                seed as u32,
-                lo,
-                hi,
-            )?
-        };
+        FillF32Op {
+            out: &mut f,
+            n: len,
+            seed: seed as u32,
+            lo,
+            hi,
+        }
+        .launch(&k, self.stream())?;
         Ok(CudaVector {
             len,
             bf16: half,

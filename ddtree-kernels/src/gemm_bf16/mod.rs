@@ -9,6 +9,11 @@
 use ddtree_codegen::dsl::*;
 use ddtree_macros::{kernel, KernelParams};
 
+/// This family's checks (re-exported by [`crate::check`]).
+pub mod check;
+pub mod op;
+pub mod tune;
+
 /// Compile-time parameters of [`GemmBf16`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct GemmParams {

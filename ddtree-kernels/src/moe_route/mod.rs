@@ -17,6 +17,10 @@ use ddtree_macros::{kernel, KernelParams};
 
 use crate::common::order_key;
 
+/// This family's checks (re-exported by [`crate::check`]).
+pub mod check;
+pub mod op;
+
 /// Most experts [`MoeRoute`] handles (Kimi K2: 384).
 pub const MAX_EXPERTS: u32 = 1024;
 /// Most experts chosen per token.

@@ -29,6 +29,10 @@ use crate::common::{block_sum, warp_sum};
 use crate::rms_norm::{scale_bf16x2, sq_bf16x2};
 use crate::silu_mul::silu;
 
+/// This family's checks (re-exported by [`crate::check`]).
+pub mod check;
+pub mod op;
+
 /// Compile-time parameters of [`GemvBf16`], [`GemvBf16F32`] and [`GemvGateUpSilu`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]
 pub struct GemvParams {

@@ -1,0 +1,88 @@
+//! Running one model over several ranks (GPUs, or CPU threads): the parallel plan, the memory
+//! estimate checked before any allocation, the collectives, and what a rank of a model holds.
+//!
+//! - [`plan`]: which heads, experts, intermediate columns and vocabulary slice each rank holds,
+//!   and the bytes each rank holds and reads per token;
+//! - [`memory`]: the per-rank memory estimate and the refusal when it does not fit;
+//! - [`comm`]: the [`comm::Comm`] trait, the in-process implementation for CPU ranks and tests,
+//!   the rank bootstrap;
+//! - [`nccl`]: [`comm::Comm`] over NCCL for GPUs;
+//! - [`cpu`]: the CPU backend's tensor collectives ([`TensorComm`] over an in-process group);
+//! - [`ranks`]: running one closure per rank on its own thread;
+//! - [`group`]: long-lived rank threads that each keep their shard (for a server);
+//! - [`virtual_rank`]: one rank's share run alone on one device (timing);
+//! - `shard`: loading a rank's slice of every tensor from the mmap'd checkpoint.
+//!
+//! The model forward ([`crate::Model`]) is the same program on every rank: a rank's model holds
+//! a [`RankContext`] and reduces where the plan makes partial sums (after the attention output
+//! and after the MLP), looks embeddings up vocabulary-parallel and reduces the LM head's argmax
+//! across ranks.
+
+pub mod comm;
+pub mod cpu;
+pub mod cuda;
+pub mod group;
+pub mod memory;
+pub mod nccl;
+pub mod plan;
+pub mod ranks;
+pub(crate) mod shard;
+pub mod virtual_rank;
+
+use std::ops::Range;
+use std::sync::Arc;
+
+pub use comm::{Comm, CommStats, InProcessComm};
+pub use memory::MemoryEstimate;
+pub use plan::{ParallelPlan, ParallelSpec, RankShard, Split, Storage};
+
+use crate::backend::Backend;
+use crate::error::Result;
+
+/// Collectives on a backend's tensors, as the sharded forward needs them.
+pub trait TensorComm<B: Backend> {
+    /// The underlying group's rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// `x` summed over the ranks, in place.
+    fn all_reduce_sum(&self, b: &B, x: &mut B::Tensor) -> Result<()>;
+    /// Vocabulary-parallel logits (`[rows, vocab.len()]` on this rank, `vocab` its slice) to
+    /// the whole `[rows, vocab_size]` logits on every rank (a virtual rank hands its slice
+    /// back).
+    fn gather_vocab(&self, b: &B, local: B::Tensor, vocab: Range<usize>, vocab_size: usize) -> Result<B::Tensor>;
+    /// The greedy token of every row of vocabulary-parallel logits, reduced across ranks
+    /// without gathering the logits (lowest index among equal maxima).
+    fn argmax_vocab(&self, b: &B, local: &B::Tensor, vocab: Range<usize>) -> Result<Vec<u32>>;
+    /// Vocabulary-parallel embedding: rows of `table` (this rank's slice `vocab`) for the ids in
+    /// it, zero rows for the others, summed over the ranks.
+    fn embedding(&self, b: &B, table: &B::Tensor, ids: &[u32], vocab: Range<usize>) -> Result<B::Tensor>;
+    /// Collectives so far and the time in them.
+    fn stats(&self) -> CommStats;
+}
+
+/// A rank's part in a multi-rank model: the plan, which rank, and its collectives.
+pub struct RankContext<B: Backend> {
+    /// The plan (shared by the ranks).
+    pub plan: Arc<ParallelPlan>,
+    /// This rank.
+    pub rank: usize,
+    /// Its collectives.
+    pub comm: Box<dyn TensorComm<B> + Send + Sync>,
+}
+
+impl<B: Backend> RankContext<B> {
+    /// What this rank holds.
+    pub fn shard(&self) -> &RankShard {
+        &self.plan.shards[self.rank]
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for RankContext<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankContext")
+            .field("rank", &self.rank)
+            .field("spec", &self.plan.spec)
+            .finish()
+    }
+}

@@ -1,0 +1,85 @@
+//! The sharded CUDA forward on one GPU: N virtual ranks (threads, each with its own
+//! `CudaBackend` on GPU 0) joined by copy-based collectives, against the unsharded forward on
+//! the same GPU: same greedy tokens, logits within bf16 tolerance. SKIP without a GPU
+//! (`DDTREE_REQUIRE_GPU` makes that a failure).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ddtree_engine::parallel::cuda::run_virtual_cuda_ranks;
+use ddtree_engine::parallel::{ParallelPlan, ParallelSpec};
+use ddtree_engine::{
+    generate_plain, Checkpoint, CudaBackend, CudaOptions, GenerateOptions, LoadOptions, Model, ModelConfig,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// Relative to the row's largest logit (at least 1): bf16 activations.
+const BF16_TOLERANCE: f32 = 3e-2;
+
+#[test]
+fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
+    let single = match CudaBackend::open(CudaOptions::default()) {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(
+                std::env::var("DDTREE_REQUIRE_GPU").is_err(),
+                "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
+            );
+            eprintln!("SKIP: no GPU ({e})");
+            return;
+        }
+    };
+    let dir = fixture("tiny-kimi");
+    let prompt = [441u32, 13, 423, 2, 453];
+    let options = GenerateOptions {
+        max_new_tokens: 8,
+        record_logits: true,
+        ..Default::default()
+    };
+    let model = Model::load_dir(single, &dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let want = generate_plain(&model, &prompt, &options).unwrap();
+    drop(model);
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    for world in [2, 4] {
+        let plan = Arc::new(ParallelPlan::new(&config, ParallelSpec::new(world, None, None).unwrap()).unwrap());
+        let outs = run_virtual_cuda_ranks(plan, CudaOptions::default(), |backend, rank| {
+            let model = Model::load_rank(
+                backend,
+                config.clone(),
+                &ckpt,
+                LoadOptions::default(),
+                rank,
+                &mut |_, _| {},
+            )?;
+            let logged = generate_plain(&model, &prompt, &options)?;
+            let greedy = generate_plain(
+                &model,
+                &prompt,
+                &GenerateOptions {
+                    record_logits: false,
+                    ..options.clone()
+                },
+            )?;
+            Ok((logged, greedy.tokens))
+        })
+        .unwrap();
+        for (rank, (logged, greedy)) in outs.iter().enumerate() {
+            assert_eq!(logged.tokens, want.tokens, "{world} virtual ranks, rank {rank}");
+            assert_eq!(
+                greedy, &want.tokens,
+                "{world} virtual ranks, rank {rank}: reduced argmax"
+            );
+            for (step, (got, w)) in logged.logits.iter().zip(&want.logits).enumerate() {
+                let scale = w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+                let err = got.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale;
+                assert!(err < BF16_TOLERANCE, "{world} ranks, rank {rank}, step {step}: {err:e}");
+            }
+        }
+    }
+}
