@@ -10,6 +10,7 @@
 #                                               kernel checks, GPU tests, `generate` on cpu and cuda, `ddtree bench`
 #                                               (VERIFY_COST_PRESET=P adds `autotune --preset P --verify-cost`)
 #   scripts/gpu.sh final                        the GPU tests and the full Kimi K2.6 EP8 bench (four drafter profiles)
+#   scripts/gpu.sh train [TARGET_MIN DRAFTER_MIN]  train the built-in tiny-code pair (.gpu/train: docs/models.md)
 #   scripts/gpu.sh parallel                     multi-GPU code on one GPU: NCCL with one rank (eager and in a graph),
 #                                               virtual ranks vs one rank, nccl_bench, one rank's share of TP8+EP8
 #   scripts/gpu.sh tree-build [BIN_DIR] [TREE_BENCH_ARGS...]
@@ -27,7 +28,7 @@ OUT=${OUT:-/tmp/out}
 BIN=.gpu
 
 usage() {
-  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -147,6 +148,32 @@ cmd_parallel() {
     > "$OUT/virtual-rank.txt" 2>&1
   echo "virtual-rank bench rc=$?"
   tail -n 12 "$OUT/virtual-rank.txt"
+}
+
+# .gpu/train holds a copy of scripts/ and ddtree-engine/models/tiny-code/target/tokenizer.json in
+# the repository's layout, whl/ (transformers 4.57.3, tokenizers 0.22.2, huggingface_hub 0.36.0)
+# and tokens.pt.xz (train_target.py --dump-tokens). $OUT gets target-bf16.pt (bf16 loses nothing
+# the export keeps; the routing bias stays f32), dflash.pt, the logs and the device's export.
+cmd_train() {
+  local tm=${1:-4.2} dm=${2:-3.3} dir=$BIN/train pyx=/tmp/pyx-train w=/tmp/train-work
+  gpu_name
+  python3 -m pip install -q --no-deps --no-index --target "$pyx" "$dir"/whl/*.whl || return
+  xz -dc "$dir/tokens.pt.xz" > /tmp/tokens.pt || return
+  rm -rf "$w"; mkdir -p "$w" "$OUT/target"
+  (
+    cd "$dir/scripts" && export PYTHONPATH=$pyx
+    python3 train_target.py --tokens /tmp/tokens.pt --device cuda --batch 64 --minutes "$tm" --work "$w" 2>&1 | tail -n 12
+    python3 - "$w" "$OUT" <<'PY'
+import sys, torch
+w, out = sys.argv[1:]
+sd = torch.load(f"{w}/target.pt", map_location="cpu")
+sd = {k: v if "correction_bias" in k or not v.is_floating_point() else v.to(torch.bfloat16) for k, v in sd.items()}
+torch.save(sd, f"{out}/target-bf16.pt")
+PY
+    cp ../ddtree-engine/models/tiny-code/target/{config.json,model.safetensors,golden.json} "$OUT/target/"
+    python3 train_dflash.py --tokens /tmp/tokens.pt --device cuda --batch 64 --minutes "$dm" --work "$w" --no-export 2>&1 | tail -n 6
+  )
+  cp "$w/dflash.pt" "$w/train_target.log" "$w/train_dflash.log" "$OUT/"
 }
 
 cmd_final() {
@@ -306,6 +333,7 @@ case $sub in
   engine) cmd_engine "$@" ;;
   final) cmd_final ;;
   parallel) cmd_parallel ;;
+  train) cmd_train "$@" ;;
   tree-build) cmd_tree_build "$@" ;;
   tune) cmd_tune "$@" ;;
   profile) cmd_profile "$@" ;;
