@@ -118,7 +118,8 @@ impl ModelDims {
 
     /// The widths the RMS norms run at: hidden, the KV latent and the query latent.
     fn norms(&self) -> Vec<usize> {
-        let mut norms = vec![self.hidden, self.kv_lora_rank];
+        // The latent KV's norm (`kv_lora_rank`) runs fused in `mla_append_kv`, not on `rms_norm`.
+        let mut norms = vec![self.hidden];
         norms.extend(self.q_lora_rank);
         norms
     }
@@ -796,12 +797,12 @@ mod tests {
         let k = keys(&plan(&d, 256));
         assert_unique(&k);
         assert_eq!(k, keys(&plan(&d, 256)));
-        // 9 token counts; per M: 3 norms and the embedding, the argmax from M = 32 on (the
+        // 9 token counts; per M: 2 norms (hidden, q_lora_rank) and the embedding, the argmax from M = 32 on (the
         // split top-1 below is untuned); up to M = 16 the INT4 GEMV of the shared expert's
         // gate/up (7168->2048) and down (2048->7168): the dense MLP (18432 x 7168) runs the
         // INT4 GEMM; the tree builder at 2 depths x 11 budget buckets. No `gemm_bf16` (cuBLAS
         // serves the dense products) and no kernel the backend runs at a fixed variant.
-        assert_eq!(k.len(), 9 * 4 + 4 + 5 * 2 + 2 * 11);
+        assert_eq!(k.len(), 9 * 3 + 4 + 5 * 2 + 2 * 11);
         assert!(!k
             .iter()
             .any(|k| k.starts_with("gemm_bf16") || k.starts_with("silu_mul")));
@@ -827,7 +828,7 @@ mod tests {
         assert_eq!(plan(&d, 300).len(), plan(&d, 256).len());
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
-        assert_eq!(s.len(), 10 * 4 + 5);
+        assert_eq!(s.len(), 10 * 3 + 5);
         assert!(s
             .iter()
             .all(|k| ["rms_norm", "embedding", "row_topk"].iter().any(|p| k.starts_with(p))));
