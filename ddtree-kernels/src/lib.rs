@@ -42,7 +42,7 @@ pub use gemv::{
     GemvBf16, GemvBf16F32, GemvGateUpSilu, GemvParams, GemvRmsNormBf16, GemvSplitBf16, GemvSplitF32,
     GemvSplitGateUpSilu, GemvSplitParams,
 };
-pub use moe_route::{MoeRoute, MoeRouteParams};
+pub use moe_route::{MoeLocalize, MoeLocalizeParams, MoeRoute, MoeRouteParams};
 pub use residual::{AddRmsNorm, AddRmsNormParams, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};

@@ -53,7 +53,7 @@ macro_rules! for_each_suite {
                     $crate::tree::MlaCombineOutput,
                     #[unchecked] $crate::tree::MlaVerifyNaive
                 ] => $crate::tree::check::verify_suite;
-                moe_route: [$crate::MoeRoute] => $crate::check::moe_route_suite;
+                moe_route: [$crate::MoeRoute, $crate::MoeLocalize] => $crate::check::moe_route_suite;
                 add_rms_norm: [$crate::AddRmsNorm] => $crate::check::add_rms_norm_suite;
                 cast_bf16_f32: [$crate::CastBf16F32] => $crate::check::cast_bf16_f32_suite;
                 cast_f32_bf16: [$crate::CastF32Bf16] => $crate::check::cast_f32_bf16_suite;

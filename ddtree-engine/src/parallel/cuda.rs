@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ddtree_runtime::cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use ddtree_runtime::Gpu;
 
-use crate::backend::cuda::{CudaRouting, CudaTensor, DeviceData};
+use crate::backend::cuda::{CudaTensor, DeviceData};
 use crate::backend::Matrix;
 use crate::backend::{Backend, CudaBackend, CudaOptions};
 use crate::error::{EngineError, Result};
@@ -200,29 +200,6 @@ pub fn run_cuda_ranks<T: Send>(
             comm: Box::new(CudaTensorComm::new(comm)),
         };
         f(backend, context)
-    })
-}
-
-/// [`Backend::moe_localize`] for the CUDA backend: expert choices outside `local` get weight 0
-/// and local expert 0 (the grouped MoE kernels take a fixed top-k per token), the others are
-/// renumbered from 0. Reads the routing back and writes it again (one host round trip per MoE
-/// layer: correct, not fast; a device kernel is the next step, see docs/multi-gpu.md).
-pub fn localize_routing(stream: &Arc<CudaStream>, routing: &CudaRouting, local: Range<usize>) -> Result<CudaRouting> {
-    let op = "moe_localize";
-    let mut ids = stream.clone_dtoh(&routing.ids).map_err(driver(op, 0))?;
-    let mut weights = stream.clone_dtoh(&routing.weights).map_err(driver(op, 0))?;
-    for (id, w) in ids.iter_mut().zip(weights.iter_mut()) {
-        if local.contains(&(*id as usize)) {
-            *id -= local.start as u32;
-        } else {
-            (*id, *w) = (0, 0.0);
-        }
-    }
-    Ok(CudaRouting {
-        tokens: routing.tokens,
-        topk: routing.topk,
-        ids: stream.clone_htod(&ids).map_err(driver(op, 0))?,
-        weights: stream.clone_htod(&weights).map_err(driver(op, 0))?,
     })
 }
 

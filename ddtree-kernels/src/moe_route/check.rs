@@ -5,7 +5,8 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use crate::check::*;
-use crate::{moe_route, MoeRoute, MoeRouteParams};
+use crate::moe_route::localize::{self, MoeLocalizeParams};
+use crate::{moe_route, MoeLocalize, MoeRoute, MoeRouteParams};
 
 /// One [`moe_route`] problem: tokens, experts, top-k, groups, kept groups, normalization,
 /// scale, and whether the bias is all negative (kept experts then lose to dropped ones, whose
@@ -140,5 +141,58 @@ pub fn moe_route_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result
             out.push(moe_route(t, &p, c, rng)?);
         }
     }
+    // One rank of EP8 Kimi (48 of 384 experts), the first and last ranks, a rank with every
+    // expert, one with none, and more choices than one block's grid-stride covers.
+    let mut local = vec![
+        (3 * 8, 384, 48..96),
+        (5, 16, 0..4),
+        (7, 16, 12..16),
+        (2, 8, 0..8),
+        (2, 8, 3..3),
+    ];
+    if sizes == Sizes::Full {
+        local.push((4099, 8, 48..96));
+    }
+    for p in MoeLocalize::space() {
+        for (tokens, experts, range) in local.clone() {
+            out.push(moe_localize(t, &p, tokens * 8, experts, range, rng)?);
+        }
+    }
     Ok(out)
+}
+
+/// Checks [`MoeLocalize`] on `choices` random expert ids below `experts` (and their weights),
+/// keeping the rank's `local` experts. Exact.
+pub fn moe_localize(
+    t: &Target<'_>,
+    p: &MoeLocalizeParams,
+    choices: usize,
+    experts: usize,
+    local: std::ops::Range<usize>,
+    rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let ids: Vec<u32> = (0..choices).map(|_| rng.random_range(0..experts as u32)).collect();
+    let weights: Vec<f32> = (0..choices).map(|_| rng.random_range(0.01f32..3.0)).collect();
+    let (mut di, mut dw) = (t.upload(&ids)?, t.upload(&weights)?);
+    let (lo, hi) = (local.start as u32, local.end as u32);
+    let mut args = [
+        Arg::Out(&mut di),
+        Arg::Out(&mut dw),
+        Arg::from(choices as u32),
+        Arg::from(lo),
+        Arg::from(hi),
+    ];
+    // SAFETY: both buffers hold `choices` values; the kernel strides over them.
+    unsafe { t.launch::<MoeLocalize>(p, localize::grid(p, choices), &mut args)? };
+    let (gi, gw) = (t.download(&di)?, t.download(&dw)?);
+    let (wi, ww) = localize::reference(&ids, &weights, lo, hi);
+    let got: Vec<f32> = gi.iter().map(|&i| i as f32).chain(gw).collect();
+    let want: Vec<f32> = wi.iter().map(|&i| i as f32).chain(ww).collect();
+    let tol = Tolerance {
+        rtol: 0.0,
+        atol: 0.0,
+        rel_l2: 0.0,
+    };
+    let case = format!("choices={choices} experts={experts} local={local:?}");
+    Ok(result::<MoeLocalize>(p, case, &got, &want, tol))
 }

@@ -19,7 +19,10 @@ use crate::common::order_key;
 
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
+pub mod localize;
 pub mod op;
+
+pub use localize::{MoeLocalize, MoeLocalizeParams};
 
 /// Most experts [`MoeRoute`] handles (Kimi K2: 384).
 pub const MAX_EXPERTS: u32 = 1024;

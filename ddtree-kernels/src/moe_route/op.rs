@@ -1,4 +1,4 @@
-//! Host op of MoE routing: [`MoeRouteOp`].
+//! Host ops of MoE routing: [`MoeRouteOp`], [`MoeLocalizeOp`].
 
 use std::sync::Arc;
 
@@ -6,7 +6,8 @@ use ddtree_codegen::Kernel;
 use ddtree_runtime::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use ddtree_runtime::{CompiledKernel, RuntimeError};
 
-use super::{MoeRoute, MAX_EXPERTS, MAX_GROUPS, MAX_TOPK};
+use super::localize::grid;
+use super::{MoeLocalize, MoeRoute, MAX_EXPERTS, MAX_GROUPS, MAX_TOPK};
 use crate::op::{holds, require, size32};
 
 /// DeepSeek-V3 `noaux_tc` routing of `tokens` tokens ([`MoeRoute`], one block per token): the
@@ -80,6 +81,49 @@ impl<L: DevicePtr<f32>, B: DevicePtr<f32>, I: DevicePtrMut<u32>, W: DevicePtrMut
                 topk_group,
                 u32::from(self.norm),
                 self.scale,
+            )
+        }
+    }
+}
+
+/// One expert-parallel rank's view of a routing, in place ([`MoeLocalize`]): choices of experts
+/// in `local` renumbered from 0, the others set to expert 0 with weight 0.
+pub struct MoeLocalizeOp<'a, I, W> {
+    /// Chosen experts, `[choices]`.
+    pub ids: &'a mut I,
+    /// Their weights, `[choices]`.
+    pub weights: &'a mut W,
+    /// Choices (tokens x top-k).
+    pub choices: usize,
+    /// The rank's experts.
+    pub local: std::ops::Range<usize>,
+}
+
+impl<I: DevicePtrMut<u32>, W: DevicePtrMut<f32>> MoeLocalizeOp<'_, I, W> {
+    /// Checks the sizes and launches `k` on `stream`.
+    pub fn launch(self, k: &CompiledKernel<MoeLocalize>, stream: &Arc<CudaStream>) -> Result<(), RuntimeError> {
+        let name = MoeLocalize::NAME;
+        holds(name, "ids", &*self.ids, self.choices)?;
+        holds(name, "weights", &*self.weights, self.choices)?;
+        require(name, self.local.start <= self.local.end, || {
+            format!("expert range {:?}", self.local)
+        })?;
+        let n = size32(name, "choices", self.choices)?;
+        let (lo, hi) = (
+            size32(name, "local.start", self.local.start)?,
+            size32(name, "local.end", self.local.end)?,
+        );
+        // SAFETY: both buffers hold `choices` values (checked above); the kernel strides over them.
+        unsafe {
+            MoeLocalize::launch(
+                k,
+                stream,
+                grid(k.params(), self.choices),
+                self.ids,
+                self.weights,
+                n,
+                lo,
+                hi,
             )
         }
     }

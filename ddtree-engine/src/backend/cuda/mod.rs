@@ -670,7 +670,7 @@ impl Backend for CudaBackend {
     }
 
     fn moe_localize(&self, routing: &CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
-        crate::parallel::cuda::localize_routing(self.stream(), routing, local)
+        CudaBackend::moe_localize(self, routing, local)
     }
 
     fn kv_append(&self, cache: &mut CudaKvCache, layer: usize, rows: &CudaTensor) -> Result<()> {

@@ -3,7 +3,8 @@
 
 #[allow(unused_imports)]
 use super::*;
-use ddtree_kernels::moe_route::op::MoeRouteOp;
+use ddtree_kernels::moe_route::op::{MoeLocalizeOp, MoeRouteOp};
+use ddtree_kernels::{MoeLocalize, MoeLocalizeParams};
 
 /// Scale group of dense routed experts, which [`CudaBackend::load_experts`] quantizes to INT4 for
 /// the grouped kernels (the CPU backend's bf16 mode does the same).
@@ -178,6 +179,35 @@ impl CudaBackend {
         Ok(CudaRouting {
             tokens: t,
             topk,
+            ids,
+            weights,
+        })
+    }
+
+    /// [`Backend::moe_localize`] on the GPU: a copy of the routing with the experts outside
+    /// `local` dropped (weight 0, local expert 0: the grouped kernels take a fixed top-k per
+    /// token) and the others renumbered from 0. Device-only (no host round trip), so a
+    /// rank's step can be recorded in a graph.
+    pub(super) fn moe_localize(&self, routing: &CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
+        let _span = self.profile.span("moe_localize");
+        let n = routing.tokens * routing.topk;
+        let mut ids = self.alloc::<u32>(n)?;
+        let mut weights = self.alloc::<f32>(n)?;
+        let s = self.stream();
+        s.memcpy_dtod(&routing.ids, &mut ids).map_err(drv("moe_localize"))?;
+        s.memcpy_dtod(&routing.weights, &mut weights)
+            .map_err(drv("moe_localize"))?;
+        let k = self.first_variant::<MoeLocalize>(|_: &MoeLocalizeParams| true)?;
+        MoeLocalizeOp {
+            ids: &mut ids,
+            weights: &mut weights,
+            choices: n,
+            local,
+        }
+        .launch(&k, s)?;
+        Ok(CudaRouting {
+            tokens: routing.tokens,
+            topk: routing.topk,
             ids,
             weights,
         })
