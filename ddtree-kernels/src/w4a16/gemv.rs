@@ -24,7 +24,9 @@
 //! memory, not registers (a ring of 32 KB per block keeps ~4-6 blocks x 32 KB in flight per SM).
 //! The scale words ride a small register ring (plain loads `stages` steps ahead), or with `sr`
 //! the shared-memory ring too (a 4-byte `cp.async` per lane and 8-row tile, read back at use:
-//! no registers held and no exposed load latency). The warps of a block split the k steps (and,
+//! no registers held and no exposed load latency): one bf16 scale per lane, row and k step, of
+//! the variant's scale group (`group`: a lane's 32 k lie in one group of 32, 64 or 128; at g64
+//! two lanes, at g128 all four load the same word). The warps of a block split the k steps (and,
 //! for `Down`, the experts) in contiguous ranges, or with `kw` every `warps`-th step each (the
 //! block's warps then read adjacent pieces of each tile together), and their f32 accumulators
 //! are summed through the ring's shared memory once at the end.
@@ -73,6 +75,9 @@ pub const MAX_PAIRS: u32 = 128;
 /// Compile-time parameters of [`W4a16Gemv`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, KernelParams)]
 pub struct GemvW4Params {
+    /// Scale group size along K: 32, 64 or 128 (one scale per lane and 8-row tile of a k128
+    /// step at g32; at g64 lanes `2i`, `2i + 1` share one, at g128 all four lanes).
+    pub group: u32,
     /// What the variant computes.
     pub mode: GemvMode,
     /// Warps per block; they split the k steps (and experts) of the block's rows.
@@ -101,6 +106,7 @@ pub struct GemvW4Params {
 
 const fn gv(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: bool) -> GemvW4Params {
     GemvW4Params {
+        group: 32,
         mode,
         warps,
         mt,
@@ -126,6 +132,11 @@ const fn gvs(mode: GemvMode, warps: u32, mt: u32, stages: u32, chunks: u32, xr: 
         sr: true,
         ..gv(mode, warps, mt, stages, chunks, xr)
     }
+}
+
+/// `p` at scale group `group`.
+const fn grp(group: u32, p: GemvW4Params) -> GemvW4Params {
+    GemvW4Params { group, ..p }
 }
 
 const D: GemvMode = GemvMode::Dense;
@@ -188,6 +199,26 @@ pub const GEMV_SPACE: &[GemvW4Params] = &[
     gvs(D, 8, 1, 4, 1, true),
     gvs(D, 4, 2, 4, 1, true),
     gvs(D, 4, 4, 2, 2, false),
+    // Groups 64 and 128: each mode's defaults (one and two chunks), and a dense one with the
+    // scale words in registers.
+    grp(64, gvk(D, 4, 2, 2, 1)),
+    grp(64, gvk(D, 4, 3, 2, 2)),
+    grp(64, gv(D, 8, 1, 4, 1, false)),
+    grp(64, gvs(G, 4, 2, 2, 1, false)),
+    grp(64, gvs(G, 4, 2, 2, 2, false)),
+    grp(64, gvs(W, 8, 2, 2, 1, false)),
+    grp(64, gvs(W, 4, 2, 2, 2, false)),
+    grp(64, gvs(GG, 4, 2, 2, 1, false)),
+    grp(64, gvs(GD, 1, 2, 4, 1, false)),
+    grp(128, gvk(D, 4, 2, 2, 1)),
+    grp(128, gvk(D, 4, 3, 2, 2)),
+    grp(128, gv(D, 8, 1, 4, 1, false)),
+    grp(128, gvs(G, 4, 2, 2, 1, false)),
+    grp(128, gvs(G, 4, 2, 2, 2, false)),
+    grp(128, gvs(W, 8, 2, 2, 1, false)),
+    grp(128, gvs(W, 4, 2, 2, 2, false)),
+    grp(128, gvs(GG, 4, 2, 2, 1, false)),
+    grp(128, gvs(GD, 1, 2, 4, 1, false)),
     gvs(G, 4, 2, 2, 1, false),
     gvs(G, 4, 2, 2, 2, false),
     gv(G, 4, 1, 4, 2, false),
@@ -250,13 +281,23 @@ pub fn max_tokens(p: &GemvW4Params) -> u32 {
     }
 }
 
-/// The default variant of `mode` for `tokens` tokens (dense rows, or MoE tokens), if one takes
-/// them: the first candidate of the mode with enough chunks (the grouped modes: the first).
-pub fn default_params(mode: GemvMode, tokens: u32) -> Option<GemvW4Params> {
+/// The default variant of `mode` at scale group `group` for `tokens` tokens (dense rows, or MoE
+/// tokens), if one takes them: the first candidate of the mode and group with enough chunks (the
+/// grouped modes: the first).
+pub fn default_params(mode: GemvMode, group: u32, tokens: u32) -> Option<GemvW4Params> {
     GEMV_SPACE
         .iter()
-        .find(|p| p.mode == mode && (mode.grouped() || (max_tokens(p) >= tokens && (tokens > 8) == (p.chunks > 1))))
+        .find(|p| {
+            p.mode == mode
+                && p.group == group
+                && (mode.grouped() || (max_tokens(p) >= tokens && (tokens > 8) == (p.chunks > 1)))
+        })
         .copied()
+}
+
+/// Whether the GEMV takes scale group `group` (32, 64 or 128).
+pub const fn takes_group(group: usize) -> bool {
+    matches!(group, 32 | 64 | 128)
 }
 
 /// Output rows of one block: `16 mt`.
@@ -328,13 +369,13 @@ impl GemvW4Params {
 
 /// `x` bf16 activations (`Dense`: `[m, k]`; gate_up: tokens `[T, k]`; `Down`, `GroupedDown`:
 /// `act` `[pairs, k]`), `w` interleaved INT4 weights (experts stacked; `[n, k]` each), `scales`
-/// the bf16 `[n, k / 32]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
+/// the bf16 `[n, k / group]` scales (stacked) as words ([`super::layout::scale_words`]), `ids` the
 /// routing's expert per pair `[T, topk]` (ids `>= experts` belong to other ranks and are
 /// skipped), `route_w` its router weights, `sorted` / `block_expert` `moe_align`'s blocks of
 /// `8 chunks` slots (grouped modes), `out` (`Dense`: `[m, n]`; gate_up: `act` `[pairs, n / 2]`,
 /// rows of non-local pairs not written; `Down`: `[T, n]`; `GroupedDown`: `y` `[pairs, n]`, rows
 /// of non-local pairs not written). `m` is the dense rows, gate_up's and `GroupedDown`'s pairs,
-/// or `Down`'s tokens. Needs `k % 32 == 0`, group 32, gate_up `(n / 2) % 8 == 0`, at most
+/// or `Down`'s tokens. Needs `k % 32 == 0`, `k % group == 0`, gate_up `(n / 2) % 8 == 0`, at most
 /// `8 chunks` tokens (`Dense`, `Down`) or pairs per expert (`GateUp`), and `Down` at most
 /// [`MAX_PAIRS`] pairs. Unused buffers may be any non-empty buffer. Under programmatic
 /// dependent launch, `Down` for one token reads `ids` before it waits for its predecessor: the
@@ -357,6 +398,10 @@ pub fn w4a16_gemv(
     topk: u32,
     experts: u32,
 ) {
+    comptime_assert!(
+        p.group == 32 || p.group == 64 || p.group == 128,
+        "group must be 32, 64 or 128"
+    );
     comptime_assert!(p.warps >= 1 && p.warps <= 16, "warps must be 1..=16");
     comptime_assert!(p.mt >= 1 && p.mt <= 4, "mt must be 1..=4");
     comptime_assert!(p.stages >= 1 && p.stages <= 8, "stages must be 1..=8");
@@ -397,7 +442,7 @@ pub fn w4a16_gemv(
     let g = lane / 4;
     let q = lane % 4;
     let kbs = (k + 127u32) / 128u32;
-    let gpr = k / 32;
+    let gpr = k / p.group;
     // Output rows (GateUp: the intermediate size; its up rows start at `rows`).
     let rows = if gu { n / 2 } else { n };
     let r0 = block_idx_x() * 16 * p.mt;
@@ -612,7 +657,8 @@ pub fn w4a16_gemv(
     // Per 8-row tile: this lane's word offset of k step 0 in an expert's weights (row tile 0,
     // a valid address for the zero-filled copy, when the tile is past the output rows), its
     // scale element of k step 0 (row 0's when its row is not an output row: that row's
-    // results are dropped, so the scale copies need no row check).
+    // results are dropped, so the scale copies need no row check). A k step holds `128 / group`
+    // groups of a row; lane q's 32 k are in its group `q` (g32), `q / 2` (g64) or 0 (g128).
     let mut woff = [0u32; tt];
     let mut soff = [0u32; tt];
     #[unroll]
@@ -625,7 +671,13 @@ pub fn w4a16_gemv(
         } else {
             lane * 4
         };
-        soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { q };
+        if p.group == 32 {
+            soff[t] = if lr + g < rows { (grow + g) * gpr + q } else { q };
+        } else if p.group == 64 {
+            soff[t] = if lr + g < rows { (grow + g) * gpr + q / 2 } else { q / 2 };
+        } else {
+            soff[t] = if lr + g < rows { (grow + g) * gpr } else { 0u32 };
+        }
     }
     let mut xbase = [0u32; nc];
     #[unroll]
@@ -683,9 +735,23 @@ pub fn w4a16_gemv(
             let src = e * wstride + woff[t] + kb * 128;
             cp_async_16_zfill(&mut rp[u * sw + t * 128], &w[src], ok);
             // The scale element of k step kb is `soff + 4 kb`, in word `(e n gpr + soff) / 2 +
-            // 2 kb` (the word's half: `soff`'s parity).
-            let sok = ok && kb * 4 + q < gpr;
-            let sidx = 2 * kb + (e * n * gpr + soff[t]) / 2;
+            // 2 kb` (the word's half: `soff`'s parity). g64: `soff + 2 kb`, in word `(e n gpr +
+            // soff) / 2 + kb`; g128: `soff + kb`, in word `(e n gpr + soff + kb) / 2` (the half
+            // alternates with kb).
+            let sok = if p.group == 32 {
+                ok && kb * 4 + q < gpr
+            } else if p.group == 64 {
+                ok && kb * 2 + q / 2 < gpr
+            } else {
+                ok && kb < gpr
+            };
+            let sidx = if p.group == 32 {
+                2 * kb + (e * n * gpr + soff[t]) / 2
+            } else if p.group == 64 {
+                kb + (e * n * gpr + soff[t]) / 2
+            } else {
+                (e * n * gpr + soff[t] + kb) / 2
+            };
             if p.sr {
                 let src = if sok { sidx } else { 0u32 };
                 cp_async_4_zfill(&mut sp[u * sw + t * 32], &scales[src], sok);
@@ -874,8 +940,15 @@ pub fn w4a16_gemv(
                     }
                     #[unroll]
                     for i in 0..mtt {
-                        // Scales of rows g (tile 2i) and g + 8 (tile 2i + 1), in both halves.
-                        let sel = if (e * n * gpr + soff[2 * i]) % 2 == 1 {
+                        // Scales of rows g (tile 2i) and g + 8 (tile 2i + 1), in both halves (g128:
+                        // the half of k step kb).
+                        let sel = if p.group == 128 {
+                            if (e * n * gpr + soff[2 * i] + kb) % 2 == 1 {
+                                0x3232u32
+                            } else {
+                                0x1010u32
+                            }
+                        } else if (e * n * gpr + soff[2 * i]) % 2 == 1 {
                             0x3232u32
                         } else {
                             0x1010u32
@@ -930,8 +1003,20 @@ pub fn w4a16_gemv(
                 }
                 cp_async_16_zfill(&mut rp[u * sw + t * 128], &w[src], ok);
                 // (The scale word as in the prologue.)
-                let sok = ok && kb * 4 + q < gpr;
-                let sidx = 2 * kb + (e * n * gpr + soff[t]) / 2;
+                let sok = if p.group == 32 {
+                    ok && kb * 4 + q < gpr
+                } else if p.group == 64 {
+                    ok && kb * 2 + q / 2 < gpr
+                } else {
+                    ok && kb < gpr
+                };
+                let sidx = if p.group == 32 {
+                    2 * kb + (e * n * gpr + soff[t]) / 2
+                } else if p.group == 64 {
+                    kb + (e * n * gpr + soff[t]) / 2
+                } else {
+                    (e * n * gpr + soff[t] + kb) / 2
+                };
                 if p.sr {
                     let src = if sok { sidx } else { 0u32 };
                     cp_async_4_zfill(&mut sp[u * sw + t * 32], &scales[src], sok);

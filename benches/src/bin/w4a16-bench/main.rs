@@ -365,7 +365,7 @@ fn bench_shape(
     };
     let gemv_kernels: Vec<(GemvW4Params, _)> = GEMV_SPACE
         .iter()
-        .filter(|p| p.mode == GemvMode::Dense)
+        .filter(|p| p.mode == GemvMode::Dense && p.group == 32)
         .map(|p| Ok((*p, gpu.compile::<W4a16Gemv>(p)?)))
         .collect::<Result<_, RuntimeError>>()?;
     for &m in ms {
@@ -557,7 +557,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> R
     let s = gpu.stream();
     let dense: Vec<(GemvW4Params, CompiledKernel<W4a16Gemv>)> = GEMV_SPACE
         .iter()
-        .filter(|p| p.mode == GemvMode::Dense)
+        .filter(|p| p.mode == GemvMode::Dense && p.group == 32)
         .map(|p| Ok((*p, gpu.compile::<W4a16Gemv>(p)?)))
         .collect::<Result<_, RuntimeError>>()?;
     println!("\nDense GEMV candidates, µs (% of copy bandwidth; bytes = packed weights + scales + x + out); GEMM = default_dense's pick and splits");
@@ -657,7 +657,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> R
 fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let (n, k) = (36864, 7168);
-    let p = w4gemv::default_params(GemvMode::Dense, 1).expect("a one-row dense GEMV");
+    let p = w4gemv::default_params(GemvMode::Dense, 32, 1).expect("a one-row dense GEMV");
     let gk = gpu.compile::<W4a16Gemv>(&p)?;
     let wts = dense_weights(gpu, n, k, rng)?;
     let acts = vec![random_bf16_dev(s, rng, k)?];
