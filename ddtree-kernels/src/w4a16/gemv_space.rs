@@ -36,8 +36,9 @@ pub const MAX_PAIRS: u32 = 128;
 /// Compile-time parameters of [`W4a16Gemv`](super::W4a16Gemv).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, KernelParams)]
 pub struct GemvW4Params {
-    /// Scale group size along K: 32, 64 or 128 (one scale per lane and 8-row tile of a k128
-    /// step at g32; at g64 lanes `2i`, `2i + 1` share one, at g128 all four lanes).
+    /// Scale group size along K: 32, 64 or 128 (a row's k128 step holds 4, 2 or 1 groups: the
+    /// four lanes `q = lane % 4` of a row each read their own scale at g32, pairs `q / 2` share
+    /// one at g64, all four one at g128).
     pub group: u32,
     /// What the variant computes.
     pub mode: GemvMode,

@@ -10,7 +10,7 @@ pub(super) const FILL: FillParams = FillParams { block: 256 };
 /// The scale group of INT4 weights (`what`) as the CUDA W4A16 kernels take it: 32, 64 or 128
 /// (the GEMMs' and the GEMV's compile-time group); any other group (the checkpoint's
 /// `quantization_config` `group_size`) is an error naming `what` and the group.
-pub(crate) fn int4_group(group: usize, what: &str) -> Result<u32> {
+pub(crate) fn supported_int4_group(group: usize, what: &str) -> Result<u32> {
     if w4gemv::takes_group(group) {
         Ok(group as u32)
     } else {
@@ -137,7 +137,7 @@ impl CudaBackend {
                 packed,
                 scales,
             } => {
-                int4_group(group_size, &format!("INT4 weight [{out}, {inp}]"))?;
+                supported_int4_group(group_size, &format!("INT4 weight [{out}, {inp}]"))?;
                 let scales: Vec<bf16> = scales.iter().map(|&v| bf16::from_f32(v)).collect();
                 Ok(CudaWeight::Int4 {
                     out,
@@ -167,7 +167,7 @@ impl CudaBackend {
                 Ok(CudaWeight::Dense { out, inp, w })
             }
             Some(group) => {
-                int4_group(group, &format!("INT4 weight [{out}, {inp}]"))?;
+                supported_int4_group(group, &format!("INT4 weight [{out}, {inp}]"))?;
                 let (packed, scales) = self.random_int4(out, inp, 1, group, seed)?;
                 Ok(CudaWeight::Int4 {
                     out,
@@ -220,10 +220,10 @@ mod tests {
     #[test]
     fn int4_groups_other_than_32_64_128_are_an_error_naming_the_weight_and_group() {
         for g in [32, 64, 128] {
-            assert_eq!(int4_group(g, "w").unwrap(), g as u32);
+            assert_eq!(supported_int4_group(g, "w").unwrap(), g as u32);
         }
         for g in [16, 48, 256] {
-            let err = int4_group(g, "INT4 weight [7168, 2048]").unwrap_err().to_string();
+            let err = supported_int4_group(g, "INT4 weight [7168, 2048]").unwrap_err().to_string();
             assert!(
                 err.contains("INT4 weight [7168, 2048]")
                     && err.contains(&format!("scale group {g}"))
