@@ -16,11 +16,7 @@ use ddtree_kernels::w4a16::op::DenseGemvOp;
 /// the tuned one of the shape, group and token bucket ([`Lookup::int4_gemv`]), the mode's
 /// default where nothing is tuned.
 pub(crate) fn dense_int4_gemv(rows: usize, n: usize, k: usize, group: usize) -> bool {
-    rows <= DENSE_INT4_GEMV_MAX_ROWS
-        && n * k <= 1 << 26
-        && w4gemv::takes_group(group)
-        && k % 32 == 0
-        && k % group == 0
+    rows <= DENSE_INT4_GEMV_MAX_ROWS && n * k <= 1 << 26 && w4gemv::takes_group(group) && k % 32 == 0 && k % group == 0
 }
 /// Most rows of an INT4 `linear` on the [`W4a16Gemv`] ([`dense_int4_gemv`]).
 pub(crate) const DENSE_INT4_GEMV_MAX_ROWS: usize = 16;

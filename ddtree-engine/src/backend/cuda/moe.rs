@@ -113,7 +113,10 @@ impl CudaBackend {
             );
         }
         let (up, down) = stack_experts(&experts, DENSE_EXPERT_GROUP)?;
-        weights::supported_int4_group(up.group, &format!("routed experts [{} x {}, {}]", up.experts, up.n, up.k))?;
+        weights::supported_int4_group(
+            up.group,
+            &format!("routed experts [{} x {}, {}]", up.experts, up.n, up.k),
+        )?;
         Ok(CudaExperts {
             count: experts.len(),
             inter: up.n / 2,

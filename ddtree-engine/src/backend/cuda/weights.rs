@@ -223,7 +223,9 @@ mod tests {
             assert_eq!(supported_int4_group(g, "w").unwrap(), g as u32);
         }
         for g in [16, 48, 256] {
-            let err = supported_int4_group(g, "INT4 weight [7168, 2048]").unwrap_err().to_string();
+            let err = supported_int4_group(g, "INT4 weight [7168, 2048]")
+                .unwrap_err()
+                .to_string();
             assert!(
                 err.contains("INT4 weight [7168, 2048]")
                     && err.contains(&format!("scale group {g}"))
