@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """SASS instruction counts of compiled kernel variants, for kernel work without a GPU.
 
-    DDTREE_NVRTC_FILTER=w4a16_gemv__mode_dense DDTREE_SASS_DIR=/tmp/sass \\
+    DDTREE_NVRTC_FILTER=w4a16_gemv__group32_mode_dense DDTREE_SASS_DIR=/tmp/sass \\
         cargo test --release -p ddtree-kernels --test nvrtc
     scripts/sass_stats.py /tmp/sass/*.cubin [--ops 12]
 

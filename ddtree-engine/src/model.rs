@@ -282,6 +282,18 @@ pub(crate) fn linear_tensors<'a>(
     })
 }
 
+/// A backend's error on taking the weights of `name` (a linear, or a layer's experts), with that
+/// name in front (e.g. a scale group the backend's kernels do not take).
+fn in_tensor(name: &str, e: EngineError) -> EngineError {
+    match e {
+        EngineError::Backend { backend, reason } => EngineError::Backend {
+            backend,
+            reason: format!("{name}: {reason}"),
+        },
+        e => e,
+    }
+}
+
 /// Header-only pass: checks presence, dtype and shape of every tensor and sums their bytes.
 pub(crate) struct Validate<'a> {
     pub(crate) ckpt: &'a Checkpoint,
@@ -374,7 +386,7 @@ impl<B: Backend> LeafSource for Load<'_, B> {
     type E = B::Experts;
     fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<B::Weight> {
         let host = self.host_linear(name, out, inp)?;
-        self.backend.load_weight(host)
+        self.backend.load_weight(host).map_err(|e| in_tensor(name, e))
     }
     fn experts(&mut self, prefix: &str, count: usize, inter: usize, hidden: usize) -> Result<B::Experts> {
         let mut experts = Vec::with_capacity(count);
@@ -386,7 +398,7 @@ impl<B: Backend> LeafSource for Load<'_, B> {
                 down: self.host_linear(&down.0, down.1, down.2)?,
             });
         }
-        self.backend.load_experts(experts)
+        self.backend.load_experts(experts).map_err(|e| in_tensor(prefix, e))
     }
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector> {
         let t = float_tensor(self.ckpt, name, &[len])?;
@@ -951,5 +963,31 @@ pub fn check_tokens(tokens: &[u32], vocab_size: usize) -> Result<()> {
             vocab_size,
         }),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_error_on_loading_weights_names_them() {
+        let e = in_tensor(
+            "model.layers.1.mlp.down_proj",
+            EngineError::Backend {
+                backend: "cuda".into(),
+                reason: "INT4 weight [64, 96]: INT4 scale group 48 (quantization_config group_size) is not supported"
+                    .into(),
+            },
+        );
+        assert_eq!(
+            e.to_string(),
+            "backend `cuda`: model.layers.1.mlp.down_proj: INT4 weight [64, 96]: INT4 scale group 48 \
+             (quantization_config group_size) is not supported"
+        );
+        assert!(matches!(
+            in_tensor("x", EngineError::EmptyPrompt),
+            EngineError::EmptyPrompt
+        ));
     }
 }

@@ -816,11 +816,11 @@ mod tests {
             "{k:?}"
         );
         assert!(
-            k.contains(&"w4a16_gemv dense tokens=16 n=2048 k=7168".to_string()),
+            k.contains(&"w4a16_gemv dense tokens=16 n=2048 k=7168 group=32".to_string()),
             "{k:?}"
         );
         assert!(
-            k.contains(&"w4a16_gemv dense tokens=1 n=7168 k=2048".to_string()),
+            k.contains(&"w4a16_gemv dense tokens=1 n=7168 k=2048 group=32".to_string()),
             "{k:?}"
         );
         assert_eq!(k[0], "rms_norm rows=1 n=7168");
@@ -837,8 +837,8 @@ mod tests {
             .iter()
             .flat_map(|t| {
                 [
-                    format!("w4a16_gemv dense tokens={t} n=2048 k=7168"),
-                    format!("w4a16_gemv dense tokens={t} n=7168 k=2048"),
+                    format!("w4a16_gemv dense tokens={t} n=2048 k=7168 group=32"),
+                    format!("w4a16_gemv dense tokens={t} n=7168 k=2048 group=32"),
                 ]
             })
             .collect();
@@ -873,10 +873,11 @@ mod tests {
         // autotune's plan: the INT4 GEMV of the shared experts' and the dense MLP's 4 shapes up
         // to M = 8 here.
         let (h, i, sh) = (c.hidden_size, c.intermediate_size, c.moe.moe_intermediate_size);
+        let g = d.int4_group.expect("the tiny Kimi is INT4");
         for key in [
-            format!("w4a16_gemv dense tokens=1 n={sh} k={h}"),
-            format!("w4a16_gemv dense tokens=8 n={i} k={h}"),
-            format!("w4a16_gemv dense tokens=2 n={h} k={i}"),
+            format!("w4a16_gemv dense tokens=1 n={sh} k={h} group={g}"),
+            format!("w4a16_gemv dense tokens=8 n={i} k={h} group={g}"),
+            format!("w4a16_gemv dense tokens=2 n={h} k={i} group={g}"),
         ] {
             assert!(k.contains(&key), "{key}: {k:?}");
         }

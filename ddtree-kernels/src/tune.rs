@@ -313,73 +313,98 @@ mod tests {
             tokens,
             n: 2048,
             k: 7168,
+            group: 32,
         };
         let buckets: Vec<usize> = [0, 1, 3, 5, 8, 9, 16]
             .iter()
             .map(|&t| W4a16Gemv::bucket(&key(t)).tokens)
             .collect();
         assert_eq!(buckets, [1, 1, 4, 8, 8, 16, 16]);
-        assert_eq!(W4a16Gemv::bucket(&key(3)).to_string(), "dense tokens=4 n=2048 k=7168");
+        assert_eq!(
+            W4a16Gemv::bucket(&key(3)).to_string(),
+            "dense tokens=4 n=2048 k=7168 group=32"
+        );
         // Above 16 tokens the engine runs the tensor-core GEMM: no GEMV candidate.
         assert!(W4a16Gemv::candidates(&W4a16Gemv::bucket(&key(17))).is_empty());
     }
 
     #[test]
-    fn w4_gemv_candidates_are_the_dense_space_with_the_default_first() {
-        let dense = |t: u32| -> Vec<GemvW4Params> {
+    fn w4_gemv_candidates_are_the_dense_space_of_the_group_with_the_default_first() {
+        let dense = |t: u32, group: u32| -> Vec<GemvW4Params> {
             w4gemv::GEMV_SPACE
                 .iter()
-                .filter(|p| p.mode == GemvMode::Dense && w4gemv::max_tokens(p) >= t)
+                .filter(|p| p.mode == GemvMode::Dense && p.group == group && w4gemv::max_tokens(p) >= t)
                 .copied()
                 .collect()
         };
-        for tokens in [1, 2, 4, 8, 16] {
-            let c = W4a16Gemv::candidates(&W4GemvKey {
-                tokens,
-                n: 2048,
-                k: 7168,
-            });
-            assert_eq!(Some(c[0]), w4gemv::default_params(GemvMode::Dense, tokens as u32));
-            let mut sorted = c.clone();
-            sorted.sort_by_key(|p| dense(tokens as u32).iter().position(|q| q == p));
-            assert_eq!(
-                sorted,
-                dense(tokens as u32),
-                "every dense variant that takes {tokens} tokens, once"
-            );
+        for group in [32, 64, 128] {
+            for tokens in [1, 2, 4, 8, 16] {
+                let c = W4a16Gemv::candidates(&W4GemvKey {
+                    tokens,
+                    n: 2048,
+                    k: 7168,
+                    group,
+                });
+                assert_eq!(
+                    Some(c[0]),
+                    w4gemv::default_params(GemvMode::Dense, group as u32, tokens as u32)
+                );
+                let mut sorted = c.clone();
+                sorted.sort_by_key(|p| dense(tokens as u32, group as u32).iter().position(|q| q == p));
+                assert_eq!(
+                    sorted,
+                    dense(tokens as u32, group as u32),
+                    "every dense g{group} variant that takes {tokens} tokens, once"
+                );
+                assert!(c.iter().all(|p| p.group == group as u32));
+            }
         }
         assert!(W4a16Gemv::candidates(&W4GemvKey {
             tokens: 16,
             n: 2048,
-            k: 7168
+            k: 7168,
+            group: 32,
         })
         .iter()
         .all(|p| p.chunks >= 2));
-        assert!(W4a16Gemv::candidates(&W4GemvKey {
-            tokens: 1,
-            n: 64,
-            k: 100
-        })
-        .is_empty());
+        for (k, group) in [(100, 32), (7168, 48), (7168, 256), (7200, 64), (7232, 128)] {
+            assert!(
+                W4a16Gemv::candidates(&W4GemvKey {
+                    tokens: 1,
+                    n: 64,
+                    k,
+                    group,
+                })
+                .is_empty(),
+                "k = {k}, group {group}"
+            );
+        }
         let c = W4a16Gemv::check_key(&W4GemvKey {
             tokens: 16,
             n: 36864,
             k: 7168,
+            group: 64,
         });
         assert_eq!(
             c,
             W4GemvKey {
                 tokens: 16,
                 n: 136,
-                k: 7168
+                k: 7168,
+                group: 64,
             }
         );
-        let cost = W4a16Gemv::cost(&W4GemvKey {
-            tokens: 1,
-            n: 64,
-            k: 64,
-        });
-        assert_eq!((cost.bytes, cost.flops), ((2048 + 256 + 128 + 128) as f64, 8192.0));
+        let cost = |group| {
+            let c = W4a16Gemv::cost(&W4GemvKey {
+                tokens: 1,
+                n: 64,
+                k: 128,
+                group,
+            });
+            (c.bytes, c.flops)
+        };
+        assert_eq!(cost(32), ((4096 + 512 + 256 + 128) as f64, 16384.0));
+        assert_eq!(cost(128), ((4096 + 128 + 256 + 128) as f64, 16384.0));
     }
 
     #[test]

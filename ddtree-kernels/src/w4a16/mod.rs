@@ -8,7 +8,8 @@
 //!   16 to 256;
 //! - [`gemm_sk`]: the dense product on the warpgroup tensor cores fed by bulk copies of
 //!   operands laid out ahead (fragment blocks, activation tiles), balanced by stream-K;
-//! - [`gemv`]: the small-token path (dense GEMV, routed gate_up and down) on the same layout;
+//! - [`gemv`]: the small-token path (dense GEMV, routed gate_up and down) on the same layout,
+//!   with its parameters and candidates in [`gemv_space`];
 //! - [`moe`]: token-expert alignment, the grouped expert block and its reference;
 //! - [`check`]: GPU-versus-CPU checks of every candidate.
 
@@ -17,6 +18,7 @@ pub mod gemm;
 pub mod gemm_sk;
 pub mod gemm_wg;
 pub mod gemv;
+pub mod gemv_space;
 pub mod layout;
 pub mod moe;
 pub mod op;

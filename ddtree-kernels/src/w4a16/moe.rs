@@ -197,11 +197,14 @@ pub struct MoeKernels {
     align: CompiledKernel<MoeAlign>,
     grouped: GroupedKernels,
     sum: CompiledKernel<MoeSum>,
-    /// Small-token (gate_up, down) [`W4a16Gemv`] pairs, fewest tokens first (interleaved g32
-    /// experts only).
+    /// Small-token (gate_up, down) [`W4a16Gemv`] pairs, fewest tokens first (interleaved
+    /// experts at group 32, 64 or 128 only).
     gemv: Vec<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
-    /// The grouped [`W4a16Gemv`] (gate_up, down) pair (interleaved g32 experts only).
+    /// The grouped [`W4a16Gemv`] (gate_up, down) pair (interleaved experts at group 32, 64 or
+    /// 128 only).
     grouped_gemv: Option<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
+    /// The scale group of the pair (and of the GEMV pairs).
+    group: u32,
 }
 
 /// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path (the
@@ -295,7 +298,8 @@ impl MoeKernels {
                 reason: format!("incompatible variants: {pair:?}"),
             });
         }
-        let small = tu.layout == super::Layout::Interleaved && tu.group == 32;
+        let small = tu.layout == super::Layout::Interleaved && gemv::takes_group(tu.group as usize);
+        let group = tu.group;
         Ok(MoeKernels {
             align: gpu.compile::<MoeAlign>(&AlignParams { block: 1024 })?,
             grouped: match &pair {
@@ -309,8 +313,8 @@ impl MoeKernels {
                 chunks.dedup();
                 for t in chunks {
                     let (Some(u), Some(d)) = (
-                        gemv::default_params(GemvMode::GateUp, t),
-                        gemv::default_params(GemvMode::Down, t),
+                        gemv::default_params(GemvMode::GateUp, group, t),
+                        gemv::default_params(GemvMode::Down, group, t),
                     ) else {
                         continue;
                     };
@@ -321,17 +325,19 @@ impl MoeKernels {
                 Vec::new()
             },
             grouped_gemv: match (
-                gemv::default_params(GemvMode::GroupedGateUp, 1),
-                gemv::default_params(GemvMode::GroupedDown, 1),
+                gemv::default_params(GemvMode::GroupedGateUp, group, 1),
+                gemv::default_params(GemvMode::GroupedDown, group, 1),
             ) {
                 (Some(u), Some(d)) if small => Some((gpu.compile::<W4a16Gemv>(&u)?, gpu.compile::<W4a16Gemv>(&d)?)),
                 _ => None,
             },
+            group,
         })
     }
 
-    /// Replaces the small-token kernels with one (gate_up, down) pair (the bench times each
-    /// candidate this way); `None` turns the small-token path off.
+    /// Replaces the small-token kernels with one (gate_up, down) pair of the grouped pair's
+    /// scale group (the bench times each candidate this way); `None` turns the small-token path
+    /// off.
     pub fn with_gemv(
         mut self,
         gpu: &Gpu,
@@ -345,6 +351,12 @@ impl MoeKernels {
                     reason: format!("not a (gate_up, down) pair: {u:?} / {d:?}"),
                 });
             }
+            if u.group != self.group || d.group != self.group {
+                return Err(RuntimeError::Launch {
+                    kernel: "moe_w4a16_gemv".into(),
+                    reason: format!("not a pair of scale group {}: {u:?} / {d:?}", self.group),
+                });
+            }
             self.gemv
                 .push((gpu.compile::<W4a16Gemv>(u)?, gpu.compile::<W4a16Gemv>(d)?));
         }
@@ -352,7 +364,8 @@ impl MoeKernels {
     }
 
     /// Replaces the grouped GEMV pair (the bench times each candidate this way); `None` turns
-    /// the grouped GEMV path off. The pair must share its slots per block (`chunks`).
+    /// the grouped GEMV path off. The pair must share its slots per block (`chunks`) and the
+    /// grouped pair's scale group.
     pub fn with_grouped_gemv(
         mut self,
         gpu: &Gpu,
@@ -361,10 +374,18 @@ impl MoeKernels {
         self.grouped_gemv = match pair {
             None => None,
             Some((u, d)) => {
-                if u.mode != GemvMode::GroupedGateUp || d.mode != GemvMode::GroupedDown || u.chunks != d.chunks {
+                if u.mode != GemvMode::GroupedGateUp
+                    || d.mode != GemvMode::GroupedDown
+                    || u.chunks != d.chunks
+                    || u.group != self.group
+                    || d.group != self.group
+                {
                     return Err(RuntimeError::Launch {
                         kernel: "moe_w4a16_grouped_gemv".into(),
-                        reason: format!("not a grouped (gate_up, down) pair with the same chunks: {u:?} / {d:?}"),
+                        reason: format!(
+                            "not a grouped (gate_up, down) pair with the same chunks at scale group {}: {u:?} / {d:?}",
+                            self.group
+                        ),
                     });
                 }
                 Some((gpu.compile::<W4a16Gemv>(u)?, gpu.compile::<W4a16Gemv>(d)?))
@@ -586,7 +607,7 @@ impl MoeKernels {
         let Some((up, down)) = &self.grouped_gemv else {
             return Err(RuntimeError::Launch {
                 kernel: "moe_w4a16_grouped_gemv".into(),
-                reason: "no grouped GEMV pair (the experts are not interleaved g32)".into(),
+                reason: "no grouped GEMV pair (the experts are not interleaved at group 32, 64 or 128)".into(),
             });
         };
         gemv_shapes(ex, "moe_w4a16_grouped_gemv")?;

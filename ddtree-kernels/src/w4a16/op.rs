@@ -51,14 +51,14 @@ impl<S: DevicePtr<u32>, D: DevicePtrMut<u32>> RepackOp<'_, S, D> {
 }
 
 /// `out = x w^T` for a dense INT4 weight on the small-token [`W4a16Gemv`] (a `Dense` variant):
-/// `x` `[rows, k]` bf16, `w` interleaved `[n, k]` with its group-32 scale words, `out`
-/// `[rows, n]`.
+/// `x` `[rows, k]` bf16, `w` interleaved `[n, k]` with the scale words of the variant's group,
+/// `out` `[rows, n]`.
 pub struct DenseGemvOp<'a, X, W, S, O, U, F> {
     /// Activations, `[rows, k]`.
     pub x: &'a X,
     /// Interleaved INT4 words, `interleaved_words(n, k)`.
     pub w: &'a W,
-    /// Scale words (bf16 pairs), `[n, k / 32]` scales.
+    /// Scale words (bf16 pairs), `[n, k / group]` scales.
     pub scales: &'a S,
     /// Output, `[rows, n]`.
     pub out: &'a mut O,
@@ -66,7 +66,7 @@ pub struct DenseGemvOp<'a, X, W, S, O, U, F> {
     pub rows: usize,
     /// Outputs per row.
     pub n: usize,
-    /// Input width (a multiple of 32).
+    /// Input width (a multiple of 32 and of the variant's group).
     pub k: usize,
     /// Any non-empty `u32` buffer for the routing arguments a dense variant does not read.
     pub unused_u32: &'a U,
@@ -83,8 +83,8 @@ where
     U: DevicePtr<u32>,
     F: DevicePtr<f32>,
 {
-    /// Checks the mode, the row limit, `k % 32 == 0` and the sizes, and launches `kern` on
-    /// `stream`.
+    /// Checks the mode, the row limit, `k % 32 == 0`, `k % group == 0` and the sizes, and
+    /// launches `kern` on `stream`.
     pub fn launch(self, kern: &CompiledKernel<W4a16Gemv>, stream: &Arc<CudaStream>) -> Result<(), RuntimeError> {
         let name = W4a16Gemv::NAME;
         let p = *kern.params();
@@ -96,10 +96,16 @@ where
         require(name, rows >= 1 && rows <= most, || {
             format!("{rows} rows, the variant takes 1..={most}")
         })?;
-        require(name, k % 32 == 0, || format!("k = {k} is not a multiple of 32"))?;
+        let group = p.group as usize;
+        require(name, gemv::takes_group(group), || {
+            format!("scale group {group}: the GEMV takes 32, 64 or 128")
+        })?;
+        require(name, k % 32 == 0 && k % group == 0, || {
+            format!("k = {k} is not a multiple of 32 and of the group {group}")
+        })?;
         holds(name, "x", self.x, rows * k)?;
         holds(name, "w", self.w, interleaved_words(n, k))?;
-        holds(name, "scales", self.scales, (n * (k / 32)).div_ceil(2))?;
+        holds(name, "scales", self.scales, (n * (k / group)).div_ceil(2))?;
         holds(name, "out", &*self.out, rows * n)?;
         holds(name, "unused_u32", self.unused_u32, 1)?;
         holds(name, "unused_f32", self.unused_f32, 1)?;

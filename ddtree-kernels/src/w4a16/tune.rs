@@ -20,25 +20,32 @@ use crate::w4a16::layout::interleaved_words;
 use crate::w4a16::op::DenseGemvOp;
 
 /// A dense W4A16 linear at a few tokens ([`W4a16Gemv`] in [`GemvMode::Dense`]): `out[tokens, n]
-/// = x[tokens, k] . dequant(W)[n, k]^T`, INT4 group 32. Tokens are bucketed to powers of two (the
-/// GEMV takes at most `8 chunks` = 16; larger buckets have no candidates).
+/// = x[tokens, k] . dequant(W)[n, k]^T`, INT4 with a bf16 scale per `group` along K. Tokens are
+/// bucketed to powers of two (the GEMV takes at most `8 chunks` = 16; larger buckets have no
+/// candidates).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct W4GemvKey {
     /// Tokens (rows of x and out).
     pub tokens: usize,
     /// Output features (weight rows).
     pub n: usize,
-    /// Input features (the reduction length, a multiple of 32).
+    /// Input features (the reduction length, a multiple of 32 and of the group).
     pub k: usize,
+    /// Scale group size along K (32, 64 or 128; other groups have no candidates).
+    pub group: usize,
 }
 
 impl fmt::Display for W4GemvKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "dense tokens={} n={} k={}", self.tokens, self.n, self.k)
+        write!(
+            f,
+            "dense tokens={} n={} k={} group={}",
+            self.tokens, self.n, self.k, self.group
+        )
     }
 }
 
-/// The interleaved INT4 weight words and bf16 scale words of one `[n, k]` g32 weight.
+/// The interleaved INT4 weight words and bf16 scale words of one `[n, k]` weight.
 type W4Weights = (CudaSlice<u32>, CudaSlice<u32>);
 
 /// Dense W4A16 GEMV timing buffers: rotated activations and outputs, the weights (random words
@@ -64,18 +71,20 @@ impl Tunable for W4a16Gemv {
         }
     }
 
-    /// The dense variants that take `key.tokens` tokens, the mode's default for that many
-    /// ([`w4gemv::default_params`]) first; none where `k` is not a multiple of the group (32).
+    /// The dense variants of the key's group that take `key.tokens` tokens, the mode's default
+    /// for that many ([`w4gemv::default_params`]) first; none where the group is not 32, 64 or
+    /// 128 or `k` is not a multiple of 32 and of the group.
     fn candidates(key: &W4GemvKey) -> Vec<GemvW4Params> {
         let tokens = key.tokens as u32;
-        if key.k % 32 != 0 {
+        if !w4gemv::takes_group(key.group) || key.k % 32 != 0 || key.k % key.group != 0 {
             return Vec::new();
         }
+        let group = key.group as u32;
         let mut all: Vec<GemvW4Params> = Self::space()
             .into_iter()
-            .filter(|p| p.mode == GemvMode::Dense && w4gemv::max_tokens(p) >= tokens)
+            .filter(|p| p.mode == GemvMode::Dense && p.group == group && w4gemv::max_tokens(p) >= tokens)
             .collect();
-        if let Some(d) = w4gemv::default_params(GemvMode::Dense, tokens) {
+        if let Some(d) = w4gemv::default_params(GemvMode::Dense, group, tokens) {
             all.retain(|p| *p != d);
             all.insert(0, d);
         }
@@ -83,9 +92,9 @@ impl Tunable for W4a16Gemv {
     }
 
     fn cost(key: &W4GemvKey) -> Cost {
-        let W4GemvKey { tokens, n, k } = *key;
+        let W4GemvKey { tokens, n, k, group } = *key;
         Cost {
-            bytes: (n * k / 2 + 2 * (n * k / 32) + 2 * tokens * k + 2 * tokens * n) as f64,
+            bytes: (n * k / 2 + 2 * (n * k / group.max(1)) + 2 * tokens * k + 2 * tokens * n) as f64,
             flops: 2.0 * (tokens * n * k) as f64,
         }
     }
@@ -98,13 +107,13 @@ impl Tunable for W4a16Gemv {
         seed: u64,
     ) -> Result<W4GemvWorkload, RuntimeError> {
         let fills = Fills::get(gpu, pool)?;
-        let W4GemvKey { tokens, n, k } = *key;
+        let W4GemvKey { tokens, n, k, group } = *key;
         // Random words: any word is 8 valid INT4 codes, any scale word two bf16 (the speed does
         // not depend on the values).
-        let (words, scale_words) = (interleaved_words(n, k), (n * k / 32).div_ceil(2));
+        let (words, scale_words) = (interleaved_words(n, k), (n * k / group.max(1)).div_ceil(2));
         let bytes = 4 * (words + scale_words);
         let sets = rotation_copies(l2_bytes(gpu), bytes as f64);
-        let name = format!("w4a16_gemv.w n={n} k={k}");
+        let name = format!("w4a16_gemv.w n={n} k={k} group={group}");
         let w = pool.get_or_try_insert(&name, bytes * sets, || {
             (0..sets as u64)
                 .map(|c| {
@@ -124,7 +133,7 @@ impl Tunable for W4a16Gemv {
     }
 
     fn run(gpu: &Gpu, kern: &CompiledKernel<Self>, w: &mut W4GemvWorkload, i: usize) -> Result<(), RuntimeError> {
-        let W4GemvKey { tokens, n, k } = w.key;
+        let W4GemvKey { tokens, n, k, .. } = w.key;
         let (x, (wq, sc)) = (&w.x[i % w.x.len()], &w.w[i % w.w.len()]);
         let c = i % w.out.len();
         DenseGemvOp {

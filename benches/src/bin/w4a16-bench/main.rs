@@ -25,9 +25,12 @@
 //! candidate column: dense M = 1, 2, 4, 16 on 7168->36864, 7168->2048, 2048->7168, 1536->12288
 //! (with the default GEMM for reference) and the MoE EP8 slice at T = 1..16 (grouped GEMM vs
 //! every GEMV pair; not with `--no-moe`), µs and % of copy bandwidth, the best per row in bold.
+//! `--group 64` (or 128) times the dense table's GEMV candidates and GEMM of that scale group
+//! (the checks cover every group either way; the MoE table stays g32).
 //!
 //! Usage: `w4a16-bench [--seed N] [--skip-checks] [--reps N] [--moe-only] [--no-moe] [--ms 16,64,..]
-//! [--moe-tokens 1,8,..] [--route-experts N] [--gemv]`. Exits non-zero if any check fails.
+//! [--moe-tokens 1,8,..] [--route-experts N] [--gemv [--group 32|64|128]]`. Exits non-zero if any
+//! check fails.
 
 mod hopper;
 mod moe;
@@ -78,6 +81,10 @@ struct Args {
     /// Only the small-token GEMV candidates: their checks, then every candidate per row.
     #[arg(long)]
     gemv: bool,
+    /// With `--gemv`: the scale group of the dense table's GEMV candidates and GEMM (32, 64 or
+    /// 128).
+    #[arg(long, default_value_t = 32)]
+    group: u32,
     /// Token counts of the dense table.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 4, 8, 16, 32, 64, 128, 256])]
     ms: Vec<usize>,
@@ -365,7 +372,7 @@ fn bench_shape(
     };
     let gemv_kernels: Vec<(GemvW4Params, _)> = GEMV_SPACE
         .iter()
-        .filter(|p| p.mode == GemvMode::Dense)
+        .filter(|p| p.mode == GemvMode::Dense && p.group == 32)
         .map(|p| Ok((*p, gpu.compile::<W4a16Gemv>(p)?)))
         .collect::<Result<_, RuntimeError>>()?;
     for &m in ms {
@@ -550,17 +557,25 @@ fn cells(times: &[Option<f64>], bytes: f64, bw: f64) -> String {
         .join(" | ")
 }
 
-/// `--gemv`: every dense GEMV candidate (and the default GEMM) at M = 1, 2, 4, 16 on the decode
-/// shapes, then (with `moe`) every GEMV pair (and the best grouped pair) on the MoE slice at
-/// T = 1..16.
-fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> Result<(), RuntimeError> {
+/// `--gemv`: every dense GEMV candidate of scale group `group` (and the default GEMM at that
+/// group) at M = 1, 2, 4, 16 on the decode shapes, then (with `moe`) every g32 GEMV pair (and
+/// the best grouped pair) on the MoE slice at T = 1..16.
+fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, group: u32, rng: &mut StdRng) -> Result<(), RuntimeError> {
     let s = gpu.stream();
+    if !w4gemv::takes_group(group as usize) {
+        return Err(RuntimeError::Launch {
+            kernel: W4a16Gemv::NAME.into(),
+            reason: format!("--group {group}: the GEMV takes 32, 64 or 128"),
+        });
+    }
     let dense: Vec<(GemvW4Params, CompiledKernel<W4a16Gemv>)> = GEMV_SPACE
         .iter()
-        .filter(|p| p.mode == GemvMode::Dense)
+        .filter(|p| p.mode == GemvMode::Dense && p.group == group)
         .map(|p| Ok((*p, gpu.compile::<W4a16Gemv>(p)?)))
         .collect::<Result<_, RuntimeError>>()?;
-    println!("\nDense GEMV candidates, µs (% of copy bandwidth; bytes = packed weights + scales + x + out); GEMM = default_dense's pick and splits");
+    // (The weights hold g32 scale words, more than a coarser group reads: the speed does not
+    // depend on the values.)
+    println!("\nDense GEMV candidates at group {group}, µs (% of copy bandwidth; bytes = packed weights + scales + x + out); GEMM = default_dense's pick and splits");
     let heads: Vec<String> = dense.iter().map(|(p, _)| short_gemv(p)).collect();
     println!("| K->N | M | GEMM | {} |", heads.join(" | "));
     println!("|---|---:|{}", "---:|".repeat(heads.len() + 1));
@@ -575,6 +590,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> R
                 .map_err(RuntimeError::driver("allocating"))?;
             let mut scratch = Scratch::new(s, 8 * m * n)?;
             let (dp, splits) = default_dense(m as u32, n as u32, k as u32);
+            let dp = W4a16Params { group, ..dp };
             let gk = gpu.compile::<W4a16Gemm>(&dp)?;
             let red = if dp.splitk {
                 Some(gpu.compile::<W4a16Reduce>(&ReduceParams {
@@ -602,7 +618,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> R
                     Some(time_gemv(s, reps, gk, &wts, &acts, &scratch.part, &mut out, [m, n, k])?)
                 });
             }
-            let bytes = (q_bytes(n, k) + 2 * m * k + 2 * m * n) as f64;
+            let bytes = (n * k / 2 + n * k / group as usize * 2 + 2 * m * k + 2 * m * n) as f64;
             println!("| {k}->{n} | {m} | {} |", cells(&times, bytes, bw));
         }
     }
@@ -657,7 +673,7 @@ fn bench_gemv(gpu: &Gpu, bw: f64, reps: usize, moe: bool, rng: &mut StdRng) -> R
 fn profile_gemv(gpu: &Gpu, rng: &mut StdRng) -> Result<(), RuntimeError> {
     let s = gpu.stream();
     let (n, k) = (36864, 7168);
-    let p = w4gemv::default_params(GemvMode::Dense, 1).expect("a one-row dense GEMV");
+    let p = w4gemv::default_params(GemvMode::Dense, 32, 1).expect("a one-row dense GEMV");
     let gk = gpu.compile::<W4a16Gemv>(&p)?;
     let wts = dense_weights(gpu, n, k, rng)?;
     let acts = vec![random_bf16_dev(s, rng, k)?];
@@ -762,6 +778,7 @@ fn run(args: &Args) -> Result<bool, RuntimeError> {
             bw,
             args.reps,
             !args.no_moe,
+            args.group,
             &mut StdRng::seed_from_u64(seed ^ 0x5eed),
         )?;
         return Ok(all_passed);

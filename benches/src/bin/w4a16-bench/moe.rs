@@ -174,11 +174,12 @@ pub(super) fn grouped_kernels(gpu: &Gpu) -> Result<Vec<MoePair<W4a16Params>>, Ru
         .collect()
 }
 
-/// Every small-token (gate_up, down) pair, compiled (next to the default grouped pair).
+/// Every g32 small-token (gate_up, down) pair, compiled (next to the default grouped pair).
 pub(super) fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeError> {
     let (gu, gd) = pairs_default();
     check::gemv_moe_pairs()
         .into_iter()
+        .filter(|(u, _)| u.group == 32)
         .map(|(u, d)| {
             Ok((
                 MoeKernels::new(gpu, GroupedPair::Mma(gu, gd))?.with_gemv(gpu, Some((&u, &d)))?,
@@ -188,11 +189,12 @@ pub(super) fn gemv_moe_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, 
         .collect()
 }
 
-/// Every grouped GEMV (gate_up, down) pair, compiled (next to the default grouped pair).
+/// Every g32 grouped GEMV (gate_up, down) pair, compiled (next to the default grouped pair).
 pub(super) fn grouped_gemv_kernels(gpu: &Gpu) -> Result<Vec<MoePair<GemvW4Params>>, RuntimeError> {
     let (gu, gd) = pairs_default();
     check::grouped_gemv_pairs()
         .into_iter()
+        .filter(|(u, _)| u.group == 32)
         .map(|(u, d)| {
             Ok((
                 MoeKernels::new(gpu, GroupedPair::Mma(gu, gd))?.with_grouped_gemv(gpu, Some((&u, &d)))?,

@@ -11,11 +11,12 @@ use ddtree_kernels::w4a16::op::DenseGemvOp;
 /// [`W4a16Gemv`] (one launch, no split-K reduce) instead of the tensor-core GEMM: with few rows
 /// the product is a weight stream, which the GEMV reads at a higher share of the bandwidth on
 /// weights of up to 2^26 elements; on the larger dense MLP the GEMM's wider tiles win
-/// (`w4a16-bench`, docs/journal/w4a16-gemv.md). Needs scale group 32 and `k % 32 == 0`. The
-/// variant is the tuned one of the shape and token bucket ([`Lookup::int4_gemv`]), the mode's
+/// (`w4a16-bench`, docs/journal/w4a16-gemv.md). Needs scale group 32, 64 or 128 (the GEMV's
+/// variants of the checkpoint's group) and `k` a multiple of 32 and of the group. The variant is
+/// the tuned one of the shape, group and token bucket ([`Lookup::int4_gemv`]), the mode's
 /// default where nothing is tuned.
 pub(crate) fn dense_int4_gemv(rows: usize, n: usize, k: usize, group: usize) -> bool {
-    rows <= DENSE_INT4_GEMV_MAX_ROWS && n * k <= 1 << 26 && group == 32 && k % 32 == 0
+    rows <= DENSE_INT4_GEMV_MAX_ROWS && n * k <= 1 << 26 && w4gemv::takes_group(group) && k % 32 == 0 && k % group == 0
 }
 /// Most rows of an INT4 `linear` on the [`W4a16Gemv`] ([`dense_int4_gemv`]).
 pub(crate) const DENSE_INT4_GEMV_MAX_ROWS: usize = 16;

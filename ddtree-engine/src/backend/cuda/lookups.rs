@@ -60,7 +60,12 @@ impl Lookup {
     /// where it runs on the dense `w4a16_gemv` ([`dense_int4_gemv`]), none where it runs on a
     /// GEMM.
     pub fn int4_gemv(rows: usize, n: usize, k: usize, group: usize) -> Option<Lookup> {
-        dense_int4_gemv(rows, n, k, group).then_some(Lookup::Int4Gemv(W4GemvKey { tokens: rows, n, k }))
+        dense_int4_gemv(rows, n, k, group).then_some(Lookup::Int4Gemv(W4GemvKey {
+            tokens: rows,
+            n,
+            k,
+            group,
+        }))
     }
 
     /// The tree builder for `depth` drafted positions over `vocab` at `budget` nodes.

@@ -114,6 +114,10 @@ impl CudaBackend {
             );
         }
         let (up, down) = stack_experts(&experts, DENSE_EXPERT_GROUP)?;
+        weights::supported_int4_group(
+            up.group,
+            &format!("routed experts [{} x {}, {}]", up.experts, up.n, up.k),
+        )?;
         Ok(CudaExperts {
             count: experts.len(),
             inter: up.n / 2,
@@ -136,7 +140,8 @@ impl CudaBackend {
         seed: u64,
     ) -> Result<CudaExperts> {
         let _span = self.profile.span("random_experts");
-        let group = int4_group.unwrap_or(32);
+        let group = int4_group.unwrap_or(DENSE_EXPERT_GROUP);
+        weights::supported_int4_group(group, &format!("routed experts [{count} x {}, {hidden}]", 2 * inter))?;
         let (w13, s13) = self.random_int4(2 * inter, hidden, count, group, seed)?;
         let (w2, s2) = self.random_int4(hidden, inter, count, group, seed ^ 0x5555)?;
         Ok(CudaExperts {

@@ -7,6 +7,20 @@ use ddtree_kernels::w4a16::op::RepackOp;
 
 pub(super) const FILL: FillParams = FillParams { block: 256 };
 
+/// The scale group of INT4 weights (`what`) as the CUDA W4A16 kernels take it: 32, 64 or 128
+/// (the GEMMs' and the GEMV's compile-time group); any other group (the checkpoint's
+/// `quantization_config` `group_size`) is an error naming `what` and the group.
+pub(crate) fn supported_int4_group(group: usize, what: &str) -> Result<u32> {
+    if w4gemv::takes_group(group) {
+        Ok(group as u32)
+    } else {
+        Err(fail(format!(
+            "{what}: INT4 scale group {group} (quantization_config group_size) is not supported: \
+             the W4A16 kernels take groups of 32, 64 or 128"
+        )))
+    }
+}
+
 impl CudaBackend {
     /// Uploads checkpoint-layout INT4 words `[experts * n, k / 8]` and repacks them on the GPU
     /// into the interleaved layout.
@@ -123,6 +137,7 @@ impl CudaBackend {
                 packed,
                 scales,
             } => {
+                supported_int4_group(group_size, &format!("INT4 weight [{out}, {inp}]"))?;
                 let scales: Vec<bf16> = scales.iter().map(|&v| bf16::from_f32(v)).collect();
                 Ok(CudaWeight::Int4 {
                     out,
@@ -152,6 +167,7 @@ impl CudaBackend {
                 Ok(CudaWeight::Dense { out, inp, w })
             }
             Some(group) => {
+                supported_int4_group(group, &format!("INT4 weight [{out}, {inp}]"))?;
                 let (packed, scales) = self.random_int4(out, inp, 1, group, seed)?;
                 Ok(CudaWeight::Int4 {
                     out,
@@ -192,5 +208,52 @@ impl CudaBackend {
         let mut t = self.tensor_bf16(rows, cols)?;
         self.fill_bf16(t.bf16_mut("random_matrix")?, rows * cols, -1.0, 1.0, seed)?;
         Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ddtree_kernels::tune::W4GemvKey;
+    use ddtree_runtime::Tunable;
+
+    #[test]
+    fn int4_groups_other_than_32_64_128_are_an_error_naming_the_weight_and_group() {
+        for g in [32, 64, 128] {
+            assert_eq!(supported_int4_group(g, "w").unwrap(), g as u32);
+        }
+        for g in [16, 48, 256] {
+            let err = supported_int4_group(g, "INT4 weight [7168, 2048]")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("INT4 weight [7168, 2048]")
+                    && err.contains(&format!("scale group {g}"))
+                    && err.contains("group_size")
+                    && err.contains("32, 64 or 128"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_dense_int4_gemv_looks_up_the_checkpoint_group() {
+        for g in [32, 64, 128] {
+            match Lookup::int4_gemv(1, 2048, 7168, g) {
+                Some(Lookup::Int4Gemv(key)) => assert_eq!((key.tokens, key.n, key.k, key.group), (1, 2048, 7168, g)),
+                other => panic!("group {g}: {other:?}"),
+            }
+            assert!(!W4a16Gemv::candidates(&W4a16Gemv::bucket(&W4GemvKey {
+                tokens: 3,
+                n: 2048,
+                k: 7168,
+                group: g,
+            }))
+            .is_empty());
+        }
+        // Other groups, and K not a multiple of the group, take the GEMM.
+        assert!(Lookup::int4_gemv(1, 2048, 7168, 48).is_none());
+        assert!(Lookup::int4_gemv(1, 2048, 7232, 128).is_none());
+        assert!(Lookup::int4_gemv(17, 2048, 7168, 64).is_none());
     }
 }

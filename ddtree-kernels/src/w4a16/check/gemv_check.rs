@@ -45,11 +45,13 @@ pub(super) fn launch_gemv(
         Arg::from(experts as u32),
     ];
     let grid = gemv::grid(p, n as u32, ys as u32);
-    // SAFETY: buffers have the shapes the kernel docs give; k is a multiple of 32.
+    // SAFETY: buffers have the shapes the kernel docs give; k is a multiple of 32 and of the
+    // group.
     unsafe { t.launch::<W4a16Gemv>(p, grid, &mut args) }
 }
 
-/// Checks one dense [`GemvMode::Dense`] variant at `m x n x k` against the CPU reference.
+/// Checks one dense [`GemvMode::Dense`] variant at `m x n x k` (weights at its scale group)
+/// against the CPU reference.
 pub fn gemv_dense(
     t: &Target<'_>,
     p: &GemvW4Params,
@@ -58,7 +60,7 @@ pub fn gemv_dense(
     k: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let wq = PackedInt4::random(rng, n, k, 32, 1, 0.05);
+    let wq = PackedInt4::random(rng, n, k, p.group as usize, 1, 0.05);
     let (a, af) = random_bf16(rng, m * k, -1.0, 1.0);
     let (da, dsc) = (t.upload(&a)?, t.upload(&scale_words(&wq.scales))?);
     let dw = device_weights(t, &wq, Layout::Interleaved)?;
@@ -76,7 +78,7 @@ pub fn gemv_dense(
     launch_gemv(t, p, bufs, &mut out, m, n, k, 1, 1, 1)?;
     let want = matmul(&af, &wq.dequantize_bf16(), m, n, k);
     let got = to_f32(&t.download(&out)?);
-    let case = format!("m={m} n={n} k={k}");
+    let case = format!("m={m} n={n} k={k} group={}", p.group);
     Ok(pipeline(W4a16Gemv::NAME, &[W4a16Gemv::symbol(p)], case, &got, &want))
 }
 
@@ -84,7 +86,8 @@ pub fn gemv_dense(
 /// launched as [`super::MoeKernels::run`] does for few tokens: `act` (rows of local pairs)
 /// against [`moe::reference_stage`] of `x`, and `out` against the router-weighted sum over the
 /// local slots of [`moe::reference_stage`] of the kernel's own `act`. Routing picks among
-/// `experts + 2` experts, so some pairs belong to another rank and must be skipped.
+/// `experts + 2` experts, so some pairs belong to another rank and must be skipped. Weights at
+/// the pair's scale group.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_moe(
     t: &Target<'_>,
@@ -97,8 +100,10 @@ pub fn gemv_moe(
     topk: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let w13 = PackedInt4::random(rng, 2 * inter, hidden, 32, experts, 0.05);
-    let w2 = PackedInt4::random(rng, hidden, inter, 32, experts, 0.05);
+    assert_eq!(up.group, down.group, "a GEMV pair shares its scale group");
+    let group = up.group as usize;
+    let w13 = PackedInt4::random(rng, 2 * inter, hidden, group, experts, 0.05);
+    let w2 = PackedInt4::random(rng, hidden, inter, group, experts, 0.05);
     let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
     let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
     let (d13, d2) = (
@@ -175,7 +180,7 @@ pub fn gemv_moe(
         })
         .collect();
     let symbols = [W4a16Gemv::symbol(up), W4a16Gemv::symbol(down)];
-    let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk}");
+    let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk} group={group}");
     let stages = [
         ("act", rows(&act_got, inter), rows(&act_want, inter)),
         ("out", to_f32(&t.download(&out)?), out_want),
@@ -188,19 +193,20 @@ pub fn gemv_moe(
 }
 
 /// (gate_up, down) pairs of [`W4a16Gemv`] variants covering every MoE candidate: each gate_up
-/// one with the first down one of the same `chunks` and `xr`, and each down one likewise.
+/// one with the first down one of the same group, `chunks`, `xr` and `sr`, and each down one
+/// likewise.
 pub fn gemv_moe_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
     covering_pairs(GemvMode::GateUp, GemvMode::Down, |a, b| {
-        a.chunks == b.chunks && a.xr == b.xr && a.sr == b.sr
+        a.group == b.group && a.chunks == b.chunks && a.xr == b.xr && a.sr == b.sr
     })
 }
 
 /// Grouped (gate_up, down) pairs of [`W4a16Gemv`] variants covering every grouped candidate:
-/// each gate_up one with the first down one of the same `chunks` (slots per block), and each
-/// down one likewise.
+/// each gate_up one with the first down one of the same group and `chunks` (slots per block),
+/// and each down one likewise.
 pub fn grouped_gemv_pairs() -> Vec<(GemvW4Params, GemvW4Params)> {
     covering_pairs(GemvMode::GroupedGateUp, GemvMode::GroupedDown, |a, b| {
-        a.chunks == b.chunks
+        a.group == b.group && a.chunks == b.chunks
     })
 }
 
@@ -239,19 +245,24 @@ pub fn gemv_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<
 }
 
 /// Every dense [`W4a16Gemv`] candidate at ragged sizes with 1 and the most rows it takes (and,
-/// with [`Sizes::Full`], Kimi-sized ones).
+/// with [`Sizes::Full`], Kimi-sized ones). K ends in a partial k128 step where the group allows
+/// (g32: a k32 group, g64: a k64 group), so the tail's lanes get no scale.
 pub fn gemv_dense_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec<CheckResult>, CheckError> {
     let full = sizes == Sizes::Full;
     let mut out = Vec::new();
     for p in GEMV_SPACE.iter().filter(|p| p.mode == GemvMode::Dense) {
         let mt = gemv::max_tokens(p) as usize;
-        let mut cases = vec![(1, 40, 384), (mt, 19, 160), (mt - 3, 24, 1056)];
+        let mut cases = match p.group {
+            32 => vec![(1, 40, 384), (mt, 19, 160), (mt - 3, 24, 1056)],
+            64 => vec![(1, 40, 384), (mt, 19, 192), (mt - 3, 24, 1088)],
+            _ => vec![(1, 40, 384), (mt, 19, 256), (mt - 3, 24, 1152)],
+        };
         if full {
             cases.extend([
                 (1, 4096, 7168),
                 (mt, 7168, 2048),
                 (mt / 2 + 1, 2048, 7168),
-                (3, 4104, 1568),
+                (3, 4104, 1568usize.next_multiple_of(p.group as usize)),
             ]);
         }
         for (m, n, k) in cases {
@@ -263,7 +274,8 @@ pub fn gemv_dense_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Resul
 
 /// Every (gate_up, down) pair of [`gemv_moe_pairs`] on small MoE blocks; with [`Sizes::Full`]
 /// also on wider ones (48 experts, top-8), and with `kimi` on the Kimi K2.6 EP8 slice (slow on
-/// the CPU side: the reference dequantizes every expert).
+/// the CPU side: the reference dequantizes every expert). Pairs at g64 / g128 take hidden and
+/// intermediate sizes rounded up to their group.
 pub fn gemv_moe_suite(
     t: &Target<'_>,
     sizes: Sizes,
@@ -287,7 +299,9 @@ pub fn gemv_moe_suite(
         if kimi {
             cases.extend([(1, 48, 7168, 2048, 8), (tmax, 48, 7168, 2048, 8)]);
         }
+        let g = up.group as usize;
         for (tk, e, h, i, topk) in cases {
+            let (h, i) = ((h as usize).next_multiple_of(g), (i as usize).next_multiple_of(g));
             out.push(gemv_moe(t, &up, &down, tk, e, h, i, topk, rng)?);
         }
     }
@@ -300,12 +314,13 @@ pub fn gemv_moe_suite(
         if kimi {
             cases.extend([(16, 48, 7168, 2048, 8), (64, 48, 7168, 2048, 8)]);
         }
+        let g = up.group as usize;
         for (tokens, experts, hidden, inter, topk) in cases {
             let shape = MoeShape {
                 tokens,
                 experts,
-                hidden,
-                inter,
+                hidden: (hidden as usize).next_multiple_of(g),
+                inter: (inter as usize).next_multiple_of(g),
                 topk,
             };
             out.push(grouped_gemv_moe(t, &up, &down, shape, rng)?);

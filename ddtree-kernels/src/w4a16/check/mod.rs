@@ -288,6 +288,7 @@ pub fn moe_block<K: W4a16Kernel>(
     let (up, down) = pair;
     let products = MoeProducts {
         bm: rows_per_block(up),
+        group: up.tiling().group as usize,
         layouts: [up.tiling().layout, down.tiling().layout],
         symbols: [K::symbol(up), K::symbol(down)],
     };
@@ -350,8 +351,10 @@ pub fn grouped_gemv_moe(
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
     assert_eq!(up.chunks, down.chunks, "a grouped GEMV pair shares its slots per block");
+    assert_eq!(up.group, down.group, "a grouped GEMV pair shares its scale group");
     let products = MoeProducts {
         bm: 8 * up.chunks,
+        group: up.group as usize,
         layouts: [Layout::Interleaved; 2],
         symbols: [W4a16Gemv::symbol(up), W4a16Gemv::symbol(down)],
     };
@@ -416,10 +419,11 @@ pub struct MoeShape {
     pub topk: usize,
 }
 
-/// The grouped products a [`moe_check`] runs: `moe_align`'s slots per block, the weights'
-/// layouts (gate_up, down) and the variants' symbols.
+/// The grouped products a [`moe_check`] runs: `moe_align`'s slots per block, the weights' scale
+/// group and layouts (gate_up, down), and the variants' symbols.
 struct MoeProducts {
     bm: u32,
+    group: usize,
     layouts: [Layout; 2],
     symbols: [String; 2],
 }
@@ -461,8 +465,8 @@ fn moe_check(
         inter,
         topk,
     } = shape;
-    let w13 = PackedInt4::random(rng, 2 * inter, hidden, 32, experts, 0.05);
-    let w2 = PackedInt4::random(rng, hidden, inter, 32, experts, 0.05);
+    let w13 = PackedInt4::random(rng, 2 * inter, hidden, products.group, experts, 0.05);
+    let w2 = PackedInt4::random(rng, hidden, inter, products.group, experts, 0.05);
     let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
     let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
     let [l13, l2] = products.layouts;
