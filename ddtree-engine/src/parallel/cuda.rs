@@ -177,6 +177,19 @@ impl TensorComm<CudaBackend> for CudaTensorComm {
     fn stats(&self) -> CommStats {
         self.comm.lock().map(|c| c.0.stats()).unwrap_or_default()
     }
+
+    /// Staged through the device: copy in, NCCL broadcast on the compute stream, copy back
+    /// (one host sync, as reading the values back would be anyway).
+    fn broadcast_host_u32(&self, _b: &CudaBackend, buf: &mut [u32], root: usize) -> Result<()> {
+        let (op, s) = ("broadcast_host_u32", &self.stream);
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut d = s.clone_htod(buf).map_err(driver(op, self.rank))?;
+        self.lock(op)?.0.broadcast_u32(&mut d, root)?;
+        buf.copy_from_slice(&s.clone_dtoh(&d).map_err(driver(op, self.rank))?);
+        Ok(())
+    }
 }
 
 /// Runs `f` once per rank of `plan` on GPUs `0..world` of this node: per rank a thread that
@@ -310,6 +323,18 @@ impl TensorComm<CudaBackend> for HostStagedComm {
 
     fn stats(&self) -> CommStats {
         self.comm.stats()
+    }
+
+    fn broadcast_host_u32(&self, _b: &CudaBackend, buf: &mut [u32], root: usize) -> Result<()> {
+        self.comm.broadcast_u32(buf, root)
+    }
+
+    fn abort(&self) {
+        self.comm.abort();
+    }
+
+    fn recover(&self) -> Result<()> {
+        self.comm.reset()
     }
 }
 
