@@ -216,6 +216,40 @@ pub fn run_cuda_ranks<T: Send>(
     })
 }
 
+impl crate::parallel::group::RankGroup<CudaBackend> {
+    /// Long-lived ranks on GPUs `0..world` of this node (a server's): per rank a thread that
+    /// opens its GPU, makes its [`CudaBackend`] with `options`, joins the NCCL group on the
+    /// backend's compute stream and keeps the model `make` loads. NCCL cannot release a peer
+    /// stuck in a collective: after a rank fails alone the group is marked broken (see
+    /// [`crate::parallel::group`]).
+    pub fn cuda(
+        plan: Arc<ParallelPlan>,
+        options: CudaOptions,
+        make: impl Fn(CudaBackend, RankContext<CudaBackend>) -> Result<crate::Model<CudaBackend>> + Send + Sync + 'static,
+    ) -> Result<Self> {
+        let world = plan.spec.world;
+        let boot = NcclBootstrap::new(world)?;
+        let id = boot.token()?;
+        let id = Mutex::new(id);
+        Self::spawn(world, move |rank| {
+            let id = *id.lock().map_err(|_| EngineError::Comm {
+                op: "init".into(),
+                rank,
+                reason: "the NCCL id's lock is poisoned".into(),
+            })?;
+            let gpu = Gpu::open(rank)?;
+            let backend = CudaBackend::new(gpu, options)?;
+            let comm = NcclComm::init(backend.gpu().stream().clone(), rank, world, id)?;
+            let context = RankContext {
+                plan: plan.clone(),
+                rank,
+                comm: Box::new(CudaTensorComm::new(comm)),
+            };
+            make(backend, context)
+        })
+    }
+}
+
 /// [`Backend::moe_localize`] for the CUDA backend: expert choices outside `local` get weight 0
 /// and local expert 0 (the grouped MoE kernels take a fixed top-k per token), the others are
 /// renumbered from 0. Reads the routing back and writes it again (one host round trip per MoE
