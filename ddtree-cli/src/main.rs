@@ -763,6 +763,8 @@ fn spec_json(s: &SpecStats) -> serde_json::Value {
         "tokens_per_target_forward": s.tokens_per_target_forward(),
         "verified_nodes": s.verified_nodes,
         "round_host_reads": s.round_host_reads,
+        "tree_source": s.tree_source,
+        "tree_sync_ms": millis(s.tree_sync),
         "phase_ms": {
             "prefill": millis(s.prefill),
             "draft": millis(s.draft),

@@ -91,6 +91,10 @@ fn bench_on_cpu_ranks_and_one_virtual_rank() {
     let (ok, out, err, _) = ddtree(&[&tiny[..], &["--ranks", "2"]].concat());
     assert!(ok, "{err}");
     assert!(out.contains("2 CPU ranks (TP 2, EP 2)"), "{out}");
+    // Both tree sources' rounds are timed, both lossless.
+    assert!(out.contains("DDTree tree source on several ranks"), "{out}");
+    assert!(out.contains("| replicated |") && out.contains("| rank0 |"), "{out}");
+    assert!(!out.contains("| NO |"), "{out}");
     let (ok, out, err, _) = ddtree(&[&tiny[..], &["--gpus", "2", "--virtual-rank", "1"]].concat());
     assert!(ok, "{err}");
     assert!(out.contains("virtual rank 1 of 2"), "{out}");

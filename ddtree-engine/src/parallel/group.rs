@@ -311,7 +311,7 @@ pub fn agreed_sink<'a, B: Backend>(
     failed: &'a mut Option<EngineError>,
 ) -> impl FnMut(&[u32]) -> bool + 'a {
     move |tokens: &[u32]| {
-        let Some(ctx) = model.rank().filter(|c| c.comm.world() > 1) else {
+        let Some(ctx) = model.rank().filter(|c| c.comm.world() > 1 && !c.comm.alone()) else {
             return decide(tokens);
         };
         let mut flag = [u32::from(ctx.rank != 0 || decide(tokens))];

@@ -63,6 +63,11 @@ pub trait TensorComm<B: Backend> {
     /// DDTree tree of `--tree-source rank0`; a device implementation stages them through the
     /// device).
     fn broadcast_host_u32(&self, b: &B, buf: &mut [u32], root: usize) -> Result<()>;
+    /// Whether the rank runs alone (a virtual rank: collectives that move nothing), so that
+    /// decisions other ranks would broadcast to it are its own.
+    fn alone(&self) -> bool {
+        false
+    }
     /// Called on a rank whose job failed: peers waiting in a collective for it are released
     /// with an error instead of waiting (where the implementation can do that; NCCL cannot
     /// without destroying the communicator, so the default does nothing).

@@ -312,10 +312,10 @@ pub fn generate_speculative_with_sink<B: Backend>(
     // `--tree-source rank0` on several ranks: rank 0 builds, the others receive (host path).
     let tree_rank = model
         .rank()
-        .filter(|c| spec.tree_source == TreeSource::Rank0 && c.comm.world() > 1)
+        .filter(|c| spec.tree_source == TreeSource::Rank0 && c.comm.world() > 1 && !c.comm.alone())
         .map(|c| c.rank);
     stats.tree_source = match model.rank() {
-        Some(c) if c.comm.world() > 1 => spec.tree_source.name().to_string(),
+        Some(c) if c.comm.world() > 1 && !c.comm.alone() => spec.tree_source.name().to_string(),
         _ => "local".to_string(),
     };
     let device_rounds = tree_rank.is_none()
