@@ -96,7 +96,11 @@ pub(crate) fn serve(backend: AnyBackend, args: &ServeArgs) -> Result<(), EngineE
             })?;
             if spec.is_parallel() {
                 drop(b);
-                return serve_ranks(args, ParallelPlan::new(&config, spec)?, RankDevice::Cuda(cuda_options(&args.dev)));
+                return serve_ranks(
+                    args,
+                    ParallelPlan::new(&config, spec)?,
+                    RankDevice::Cuda(cuda_options(&args.dev)),
+                );
             }
             let cost = Some(&config)
                 .filter(|_| args.budget == Budget::Auto)
@@ -122,7 +126,14 @@ fn load_serve_rank<B: Backend>(
     rank: RankContext<B>,
 ) -> Result<Model<B>, EngineError> {
     match model {
-        None => Model::load_rank(backend, tiny::config()?, &tiny::checkpoint()?, options, rank, &mut |_, _| {}),
+        None => Model::load_rank(
+            backend,
+            tiny::config()?,
+            &tiny::checkpoint()?,
+            options,
+            rank,
+            &mut |_, _| {},
+        ),
         Some(dir) => {
             let config = ModelConfig::from_file(&dir.join("config.json"))?;
             Model::load_rank(backend, config, &Checkpoint::open(dir)?, options, rank, &mut |_, _| {})
@@ -132,7 +143,9 @@ fn load_serve_rank<B: Backend>(
 
 /// The drafter factory of `serve` on ranks (every rank makes its own), or `None` for plain
 /// decoding.
-fn rank_drafter<B: Backend + 'static>(args: &ServeArgs) -> Result<Option<ddtree_server::DrafterFactory<B>>, EngineError> {
+fn rank_drafter<B: Backend + 'static>(
+    args: &ServeArgs,
+) -> Result<Option<ddtree_server::DrafterFactory<B>>, EngineError> {
     let block_size = args.block_size;
     Ok(match (args.drafter.as_deref(), &args.model) {
         (Some("none"), _) | (None, Some(_)) => None,
@@ -141,7 +154,9 @@ fn rank_drafter<B: Backend + 'static>(args: &ServeArgs) -> Result<Option<ddtree_
         })),
         (Some(which), _) => {
             let which = parse_drafter(which).map_err(EngineError::Forward)?;
-            Some(std::sync::Arc::new(move |model: &Model<B>| drafter_for(model, &which, block_size, 0)))
+            Some(std::sync::Arc::new(move |model: &Model<B>| {
+                drafter_for(model, &which, block_size, 0)
+            }))
         }
     })
 }
@@ -168,14 +183,28 @@ fn serve_ranks(args: &ServeArgs, plan: ParallelPlan, device: RankDevice) -> Resu
     let dir = args.model.clone();
     let mut engine: Box<dyn ddtree_server::Engine> = match device {
         RankDevice::Cpu(backend) => {
-            let group = RankGroup::cpu(plan, move |rank| load_serve_rank(backend, dir.as_deref(), options, rank))?;
-            Box::new(ddtree_server::RankEngine::new(group, id, max_model_len, spec, rank_drafter(args)?)?)
+            let group = RankGroup::cpu(plan, move |rank| {
+                load_serve_rank(backend, dir.as_deref(), options, rank)
+            })?;
+            Box::new(ddtree_server::RankEngine::new(
+                group,
+                id,
+                max_model_len,
+                spec,
+                rank_drafter(args)?,
+            )?)
         }
         RankDevice::Cuda(cuda) => {
             let group = RankGroup::cuda(plan, cuda, move |backend, rank| {
                 load_serve_rank(backend, dir.as_deref(), options, rank)
             })?;
-            Box::new(ddtree_server::RankEngine::new(group, id, max_model_len, spec, rank_drafter(args)?)?)
+            Box::new(ddtree_server::RankEngine::new(
+                group,
+                id,
+                max_model_len,
+                spec,
+                rank_drafter(args)?,
+            )?)
         }
     };
     eprintln!(

@@ -186,7 +186,16 @@ fn serve_on_two_cpu_ranks_answers_like_generate_on_one() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let expected = v["tokens"].clone();
     for source in ["replicated", "rank0"] {
-        let server = serve(&["--device", "cpu", "--ranks", "2", "--budget", "8", "--tree-source", source]);
+        let server = serve(&[
+            "--device",
+            "cpu",
+            "--ranks",
+            "2",
+            "--budget",
+            "8",
+            "--tree-source",
+            source,
+        ]);
         let (status, body) = http(&server.1, "GET", "/health", "");
         assert_eq!((status, body.as_str()), (200, "ok"));
         let (status, body) = http(
@@ -208,8 +217,14 @@ fn serve_refuses_contradictory_rank_flags_by_name() {
         (&["--ranks", "2", "--gpus", "2"][..], "--ranks"),
         (&["--device", "cpu", "--ranks", "3"][..], "--gpus/--ranks"),
         (&["--device", "cpu", "--ranks", "2", "--tp", "4"][..], "--tp"),
-        (&["--device", "cpu", "--gpus", "2", "--virtual-rank", "0"][..], "--virtual-rank"),
-        (&["--device", "cpu", "--ranks", "2", "--tree-source", "all"][..], "--tree-source"),
+        (
+            &["--device", "cpu", "--gpus", "2", "--virtual-rank", "0"][..],
+            "--virtual-rank",
+        ),
+        (
+            &["--device", "cpu", "--ranks", "2", "--tree-source", "all"][..],
+            "--tree-source",
+        ),
     ] {
         let (ok, _, err, took) = ddtree(&[&["serve", "--port", "0"][..], args].concat());
         assert!(!ok && err.contains(says), "{args:?}: {err}");
