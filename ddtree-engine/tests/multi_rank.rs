@@ -1,6 +1,7 @@
 //! DDTree on two CPU ranks with either tree source (`replicated`: every rank builds the tree;
 //! `rank0`: rank 0 builds and broadcasts it) against one rank; a rank group's cancellation
-//! agreement ([`agreed_sink`]) and its recovery after one rank fails alone.
+//! agreement ([`agreed_sink`]), its recovery after one rank fails alone, and the broken state
+//! when a rank does not return after a peer failed.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -217,4 +218,33 @@ fn a_rank_failing_alone_mid_generation_fails_the_job_and_the_group_recovers() {
             .unwrap();
         assert_eq!(again, reference);
     }
+}
+
+#[test]
+fn a_rank_that_does_not_return_after_a_peer_failed_marks_the_group_broken() {
+    let dir = fixture("tiny-kimi");
+    let mut group = RankGroup::cpu(plan(2), move |rank| load_rank(&dir, rank)).unwrap();
+    group.straggler_timeout = Duration::from_millis(200);
+    let start = Instant::now();
+    let err = group
+        .run(|model| {
+            if model.rank().unwrap().rank == 0 {
+                return Err::<(), _>(EngineError::Forward("rank 0 failed".into()));
+            }
+            // Rank 1 is busy outside any collective (as a rank stuck in an NCCL call would be).
+            std::thread::sleep(Duration::from_secs(2));
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rank 0 failed"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+    let health = group.health().unwrap_err();
+    assert!(
+        health.contains("rank 0 failed") && health.contains("[1] did not return"),
+        "{health}"
+    );
+    // Later jobs fail at once instead of hanging.
+    let err = group.run(|_| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("unusable"), "{err}");
 }
