@@ -69,10 +69,13 @@ pub(crate) fn serve(backend: AnyBackend, args: &ServeArgs) -> Result<(), EngineE
         Some(dir) => ModelConfig::from_file(&dir.join("config.json"))?,
         None => tiny::config()?,
     };
+    // The memory estimate counts one request's latent cache at up to 8K tokens (as `ddtree
+    // plan` does): a longer context is allowed, its cache is the request's to fit.
     let context = args
         .max_model_len
         .unwrap_or(config.max_position_embeddings)
-        .min(config.max_position_embeddings);
+        .min(config.max_position_embeddings)
+        .min(8192);
     match backend {
         AnyBackend::Cpu(b) => {
             let spec = args.par.cpu_spec()?;
