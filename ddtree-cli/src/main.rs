@@ -591,6 +591,7 @@ fn run<B: Backend + 'static>(
             let spec = SpecOptions {
                 budget: args.budget,
                 calibrate: args.calibrate_auto,
+                tree_source: args.par.tree_source,
                 ..SpecOptions::auto(cost)
             };
             let out = generate_speculative(&loaded.model, drafter.as_mut(), &prompt, &options, &spec)?;
@@ -612,11 +613,21 @@ fn make_drafter<B: Backend + 'static>(
     which: &DrafterArg,
     args: &GenerateArgs,
 ) -> Result<Box<dyn Drafter<B>>, EngineError> {
-    let block = args.block_size.unwrap_or(TEST_DRAFTER_BLOCK_SIZE);
+    drafter_for(model, which, args.block_size, args.seed)
+}
+
+/// The drafter `which` names for `model` (`block_size`: the flag; `seed`: the noisy drafter's).
+fn drafter_for<B: Backend + 'static>(
+    model: &Model<B>,
+    which: &DrafterArg,
+    block_size: Option<usize>,
+    seed: u32,
+) -> Result<Box<dyn Drafter<B>>, EngineError> {
+    let block = block_size.unwrap_or(TEST_DRAFTER_BLOCK_SIZE);
     Ok(match which {
         DrafterArg::Oracle => Box::new(Oracle::new(block)?),
-        DrafterArg::Noisy(p) => Box::new(Noisy::new(block, *p, args.seed)?),
-        DrafterArg::Dir(dir) => Box::new(DFlashDrafter::load(model, dir, args.block_size)?),
+        DrafterArg::Noisy(p) => Box::new(Noisy::new(block, *p, seed)?),
+        DrafterArg::Dir(dir) => Box::new(DFlashDrafter::load(model, dir, block_size)?),
     })
 }
 
@@ -752,6 +763,8 @@ fn spec_json(s: &SpecStats) -> serde_json::Value {
         "tokens_per_target_forward": s.tokens_per_target_forward(),
         "verified_nodes": s.verified_nodes,
         "round_host_reads": s.round_host_reads,
+        "tree_source": s.tree_source,
+        "tree_sync_ms": millis(s.tree_sync),
         "phase_ms": {
             "prefill": millis(s.prefill),
             "draft": millis(s.draft),

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use ddtree_engine::bench::{BenchOptions, Preset};
 use ddtree_engine::parallel::memory::{host_available, MemoryEstimate};
 use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, Storage};
+use ddtree_engine::spec::TreeSource;
 use ddtree_engine::{EngineError, ModelConfig};
 
 /// `--gpus`: a rank count or `auto`.
@@ -53,6 +54,15 @@ pub struct ParallelArgs {
     /// floor; the tokens are not the model's).
     #[arg(long)]
     pub virtual_rank: Option<usize>,
+    /// DDTree on several ranks: `replicated` (every rank builds the tree from its own drafted
+    /// logits) or `rank0` (rank 0 builds it and broadcasts it to the others).
+    #[arg(long, value_parser = parse_tree_source, default_value = "replicated")]
+    pub tree_source: TreeSource,
+}
+
+/// Parses `--tree-source`.
+pub fn parse_tree_source(s: &str) -> Result<TreeSource, String> {
+    TreeSource::parse(s).map_err(|e| e.to_string())
 }
 
 impl ParallelArgs {

@@ -54,42 +54,184 @@ pub(crate) struct ServeArgs {
     pub(crate) skip_nan_check: bool,
     #[command(flatten)]
     pub(crate) dev: DeviceArgs,
+    #[command(flatten)]
+    pub(crate) par: parallel::ParallelArgs,
 }
 
 pub(crate) fn serve(backend: AnyBackend, args: &ServeArgs) -> Result<(), EngineError> {
+    if args.par.virtual_rank.is_some() {
+        return Err(EngineError::Parallel {
+            argument: "--virtual-rank".into(),
+            reason: "is for `bench` only: `serve` runs every rank (--ranks N on the CPU, --gpus N on GPUs)".into(),
+        });
+    }
+    let config = match &args.model {
+        Some(dir) => ModelConfig::from_file(&dir.join("config.json"))?,
+        None => tiny::config()?,
+    };
+    // The memory estimate counts one request's latent cache at up to 8K tokens (as `ddtree
+    // plan` does): a longer context is allowed, its cache is the request's to fit.
+    let context = args
+        .max_model_len
+        .unwrap_or(config.max_position_embeddings)
+        .min(config.max_position_embeddings)
+        .min(8192);
     match backend {
-        AnyBackend::Cpu(b) => serve_on(b, args, None),
-        AnyBackend::Cuda(b) => {
-            let cost = match &args.model {
-                Some(dir) => ModelConfig::from_file(&dir.join("config.json")).ok(),
-                None => tiny::config().ok(),
+        AnyBackend::Cpu(b) => {
+            let spec = args.par.cpu_spec()?;
+            let plan = ParallelPlan::new(&config, spec)?;
+            ddtree_engine::parallel::MemoryEstimate::new(&plan, Storage::Cpu, context + 512, 1024)
+                .check_host("load a smaller model, or serve on GPUs (see `ddtree plan`)")?;
+            if spec.is_parallel() {
+                return serve_ranks(args, plan, RankDevice::Cpu(b));
             }
-            .filter(|_| args.budget == Budget::Auto)
-            .and_then(|cfg| tuning::load_verify_cost(b.gpu().fingerprint(), &cfg));
+            serve_on(b, args, None)
+        }
+        AnyBackend::Cuda(b) => {
+            let spec = check_gpus(&b, &args.par, |spec| {
+                let plan = ParallelPlan::new(&config, spec)?;
+                Ok(ddtree_engine::parallel::MemoryEstimate::new(
+                    &plan,
+                    Storage::Gpu,
+                    context + 512,
+                    1024,
+                ))
+            })?;
+            if spec.is_parallel() {
+                drop(b);
+                return serve_ranks(
+                    args,
+                    ParallelPlan::new(&config, spec)?,
+                    RankDevice::Cuda(cuda_options(&args.dev)),
+                );
+            }
+            let cost = Some(&config)
+                .filter(|_| args.budget == Budget::Auto)
+                .and_then(|cfg| tuning::load_verify_cost(b.gpu().fingerprint(), cfg));
             serve_on(*b, args, cost)
         }
     }
 }
 
-/// Loads the model, drafter, tokenizer and chat template, then serves until SIGINT/SIGTERM.
-fn serve_on<B: Backend + 'static>(backend: B, args: &ServeArgs, cost: Option<CostModel>) -> Result<(), EngineError> {
+/// Where the ranks of `serve --ranks N` / `--gpus N` run.
+enum RankDevice {
+    /// Threads of the CPU backend, in-process collectives.
+    Cpu(CpuBackend),
+    /// GPUs `0..N` of this node, one thread each, NCCL.
+    Cuda(CudaOptions),
+}
+
+/// Rank `rank`'s shard of the served model.
+fn load_serve_rank<B: Backend>(
+    backend: B,
+    model: Option<&std::path::Path>,
+    options: LoadOptions,
+    rank: RankContext<B>,
+) -> Result<Model<B>, EngineError> {
+    match model {
+        None => Model::load_rank(
+            backend,
+            tiny::config()?,
+            &tiny::checkpoint()?,
+            options,
+            rank,
+            &mut |_, _| {},
+        ),
+        Some(dir) => {
+            let config = ModelConfig::from_file(&dir.join("config.json"))?;
+            Model::load_rank(backend, config, &Checkpoint::open(dir)?, options, rank, &mut |_, _| {})
+        }
+    }
+}
+
+/// The drafter factory of `serve` on ranks (every rank makes its own), or `None` for plain
+/// decoding.
+fn rank_drafter<B: Backend + 'static>(
+    args: &ServeArgs,
+) -> Result<Option<ddtree_server::DrafterFactory<B>>, EngineError> {
+    let block_size = args.block_size;
+    Ok(match (args.drafter.as_deref(), &args.model) {
+        (Some("none"), _) | (None, Some(_)) => None,
+        (None, None) => Some(std::sync::Arc::new(move |model: &Model<B>| {
+            Ok(Box::new(tiny::load_drafter(model, block_size)?) as Box<dyn Drafter<B>>)
+        })),
+        (Some(which), _) => {
+            let which = parse_drafter(which).map_err(EngineError::Forward)?;
+            Some(std::sync::Arc::new(move |model: &Model<B>| {
+                drafter_for(model, &which, block_size, 0)
+            }))
+        }
+    })
+}
+
+/// `serve --ranks N` (CPU) or `--gpus N` (CUDA): a rank group keeps every rank's shard and
+/// drafter; the server's engine thread drives it ([`ddtree_server::RankEngine`]).
+fn serve_ranks(args: &ServeArgs, plan: ParallelPlan, device: RankDevice) -> Result<(), EngineError> {
+    use ddtree_engine::parallel::group::RankGroup;
+    let (world, tp, ep) = (plan.spec.world, plan.spec.tp, plan.spec.ep);
+    let plan = std::sync::Arc::new(plan);
     let options = LoadOptions {
         check_finite: !args.skip_nan_check,
     };
-    let (id, model, tokenizer, template) = match &args.model {
+    let start = Instant::now();
+    let spec = SpecOptions {
+        budget: args.budget,
+        calibrate: args.calibrate_auto,
+        tree_source: args.par.tree_source,
+        ..SpecOptions::auto(None)
+    };
+    let (id, tokenizer, template) = load_text(args)?;
+    let id = args.served_model_name.clone().unwrap_or(id);
+    let max_model_len = args.max_model_len.unwrap_or(usize::MAX);
+    let dir = args.model.clone();
+    let mut engine: Box<dyn ddtree_server::Engine> = match device {
+        RankDevice::Cpu(backend) => {
+            let group = RankGroup::cpu(plan, move |rank| {
+                load_serve_rank(backend, dir.as_deref(), options, rank)
+            })?;
+            Box::new(ddtree_server::RankEngine::new(
+                group,
+                id,
+                max_model_len,
+                spec,
+                rank_drafter(args)?,
+            )?)
+        }
+        RankDevice::Cuda(cuda) => {
+            let group = RankGroup::cuda(plan, cuda, move |backend, rank| {
+                load_serve_rank(backend, dir.as_deref(), options, rank)
+            })?;
+            Box::new(ddtree_server::RankEngine::new(
+                group,
+                id,
+                max_model_len,
+                spec,
+                rank_drafter(args)?,
+            )?)
+        }
+    };
+    eprintln!(
+        "ddtree serve: {world} ranks (TP {tp}, EP {ep}, trees {}) loaded in {:.1} s",
+        args.par.tree_source.name(),
+        start.elapsed().as_secs_f64()
+    );
+    run_server(engine.as_mut(), args, tokenizer, template)
+}
+
+/// The served id, tokenizer and chat template of `--model` (or the built-in model).
+fn load_text(
+    args: &ServeArgs,
+) -> Result<(String, Option<Tokenizer>, Option<ddtree_server::ChatTemplate>), EngineError> {
+    Ok(match &args.model {
         None => {
-            let model = tiny::load(backend, options)?;
             let template = ddtree_server::ChatTemplate::from_tokenizer_config(
                 tiny::TOKENIZER_CONFIG,
                 &PathBuf::from(tiny::NAME).join("tokenizer_config.json"),
             )
             .map_err(EngineError::Forward)?;
-            ("tiny-code".to_string(), model, Some(tiny::tokenizer()?), template)
+            ("tiny-code".to_string(), Some(tiny::tokenizer()?), template)
         }
         Some(dir) => {
-            let config = ModelConfig::from_file(&dir.join("config.json"))?;
-            let ckpt = Checkpoint::open(dir)?;
-            let model = Model::load(backend, config, &ckpt, options, &mut |_, _| {})?;
             let path = dir.join("tokenizer_config.json");
             let template = match std::fs::read_to_string(&path) {
                 Ok(text) => {
@@ -100,35 +242,58 @@ fn serve_on<B: Backend + 'static>(backend: B, args: &ServeArgs, cost: Option<Cos
             let name = dir
                 .file_name()
                 .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-            (name, model, Tokenizer::from_dir(dir)?, template)
+            (name, Tokenizer::from_dir(dir)?, template)
+        }
+    })
+}
+
+/// Serves `engine` as the flags say until SIGINT/SIGTERM.
+fn run_server(
+    engine: &mut dyn ddtree_server::Engine,
+    args: &ServeArgs,
+    tokenizer: Option<Tokenizer>,
+    chat_template: Option<ddtree_server::ChatTemplate>,
+) -> Result<(), EngineError> {
+    let config = ddtree_server::ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        api_key: args.api_key.clone(),
+        max_queue: args.max_queue,
+        max_body_bytes: args.max_body_bytes,
+        shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+        ..Default::default()
+    };
+    let info = engine.info();
+    let text = ddtree_server::ModelText {
+        tokenizer,
+        chat_template,
+    };
+    ddtree_server::run(engine, text, config, |addr| {
+        eprintln!(
+            "ddtree serve: listening on http://{addr} (model {}, device {}, drafter {}, context {})",
+            info.id, info.device, info.drafter, info.context
+        );
+    })
+    .map_err(|e| EngineError::Forward(e.to_string()))
+}
+
+/// Loads the model, drafter, tokenizer and chat template, then serves until SIGINT/SIGTERM.
+fn serve_on<B: Backend + 'static>(backend: B, args: &ServeArgs, cost: Option<CostModel>) -> Result<(), EngineError> {
+    let options = LoadOptions {
+        check_finite: !args.skip_nan_check,
+    };
+    let model = match &args.model {
+        None => tiny::load(backend, options)?,
+        Some(dir) => {
+            let config = ModelConfig::from_file(&dir.join("config.json"))?;
+            let ckpt = Checkpoint::open(dir)?;
+            Model::load(backend, config, &ckpt, options, &mut |_, _| {})?
         }
     };
-    let gen_args = GenerateArgs {
-        model: args.model.clone(),
-        prompt: None,
-        prompt_ids: None,
-        max_tokens: 0,
-        ignore_eos: false,
-        skip_nan_check: args.skip_nan_check,
-        dev: args.dev.clone(),
-        json: false,
-        drafter: None,
-        budget: args.budget,
-        calibrate_auto: args.calibrate_auto,
-        block_size: args.block_size,
-        no_spec: false,
-        temperature: 0.0,
-        top_p: 1.0,
-        seed: 0,
-        par: Default::default(),
-    };
-    let drafter: Option<Box<dyn Drafter<B>>> = match (args.drafter.as_deref(), &args.model) {
-        (Some("none"), _) | (None, Some(_)) => None,
-        (None, None) => Some(Box::new(tiny::load_drafter(&model, args.block_size)?)),
-        (Some(which), _) => {
-            let which = parse_drafter(which).map_err(EngineError::Forward)?;
-            Some(make_drafter(&model, &which, &gen_args)?)
-        }
+    let (id, tokenizer, template) = load_text(args)?;
+    let drafter: Option<Box<dyn Drafter<B>>> = match rank_drafter::<B>(args)? {
+        Some(make) => Some(make(&model)?),
+        None => None,
     };
     let max_model_len = args.max_model_len.unwrap_or(usize::MAX);
     let mut engine = ddtree_server::ModelEngine {
@@ -142,25 +307,5 @@ fn serve_on<B: Backend + 'static>(backend: B, args: &ServeArgs, cost: Option<Cos
         id: args.served_model_name.clone().unwrap_or(id),
         max_model_len,
     };
-    let config = ddtree_server::ServerConfig {
-        host: args.host.clone(),
-        port: args.port,
-        api_key: args.api_key.clone(),
-        max_queue: args.max_queue,
-        max_body_bytes: args.max_body_bytes,
-        shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
-        ..Default::default()
-    };
-    let info = ddtree_server::Engine::info(&engine);
-    let text = ddtree_server::ModelText {
-        tokenizer,
-        chat_template: template,
-    };
-    ddtree_server::run(&mut engine, text, config, |addr| {
-        eprintln!(
-            "ddtree serve: listening on http://{addr} (model {}, device {}, drafter {}, context {})",
-            info.id, info.device, info.drafter, info.context
-        );
-    })
-    .map_err(|e| EngineError::Forward(e.to_string()))
+    run_server(&mut engine, args, tokenizer, template)
 }

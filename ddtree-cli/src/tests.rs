@@ -135,6 +135,57 @@ fn cli_parses_serve() {
 }
 
 #[test]
+fn cli_parses_serve_on_ranks_and_gpus_and_refuses_contradictions() {
+    let serve = |extra: &[&str]| {
+        let Command::Serve(args) = Cli::try_parse_from([&["ddtree", "serve"], extra].concat())?.command else {
+            panic!("serve")
+        };
+        Ok::<_, clap::Error>(args)
+    };
+    let args = serve(&[]).unwrap();
+    assert_eq!((args.par.ranks, args.par.gpus), (None, None));
+    assert_eq!(args.par.tree_source, ddtree_engine::spec::TreeSource::Replicated);
+    let args = serve(&["--device", "cpu", "--ranks", "2", "--tp", "1", "--tree-source", "rank0"]).unwrap();
+    assert_eq!((args.par.ranks, args.par.tp, args.par.ep), (Some(2), Some(1), None));
+    assert_eq!(args.par.tree_source, ddtree_engine::spec::TreeSource::Rank0);
+    assert_eq!(args.par.cpu_spec().unwrap().world, 2);
+    let args = serve(&["--gpus", "4", "--ep", "1"]).unwrap();
+    assert_eq!((args.par.gpus, args.par.ep), (Some(parallel::GpuCount::N(4)), Some(1)));
+    assert_eq!(
+        serve(&["--gpus", "auto"]).unwrap().par.gpus,
+        Some(parallel::GpuCount::Auto)
+    );
+    // Contradictions name the flag.
+    let e = serve(&["--ranks", "2", "--gpus", "2"]).err().unwrap().to_string();
+    assert!(e.contains("--ranks") && e.contains("--gpus"), "{e}");
+    let e = serve(&["--tree-source", "everywhere"]).err().unwrap().to_string();
+    assert!(e.contains("--tree-source") && e.contains("rank0"), "{e}");
+    assert!(serve(&["--gpus", "0"]).is_err());
+    let e = serve(&["--ranks", "2", "--tp", "4"])
+        .unwrap()
+        .par
+        .cpu_spec()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--tp"), "{e}");
+    let e = serve(&["--ranks", "3"])
+        .unwrap()
+        .par
+        .cpu_spec()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--gpus/--ranks"), "{e}");
+    // Generate and bench take the tree source too.
+    let Command::Generate(g) = Cli::try_parse_from(["ddtree", "generate", "--ranks", "2", "--tree-source", "rank0"])
+        .unwrap()
+        .command
+    else {
+        panic!("generate")
+    };
+    assert_eq!(g.par.tree_source, ddtree_engine::spec::TreeSource::Rank0);
+}
+
+#[test]
 fn eval_rejects_a_model_without_drafter_and_prompts() {
     assert!(Cli::try_parse_from(["ddtree", "eval", "--model", "x"]).is_err());
     let cli = Cli::try_parse_from(["ddtree", "eval", "--budgets", "2,4", "--limit", "1", "--json"]).unwrap();

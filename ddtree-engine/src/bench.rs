@@ -23,7 +23,7 @@ use crate::model::{ForwardInput, LogitRows, Model};
 use crate::parallel::{ParallelPlan, Storage};
 use crate::spec::budget::CostModel;
 use crate::spec::drafter::{DraftRequest, Drafter};
-use crate::spec::{generate_speculative, Budget, SpecOptions, SpecStats, AUTO_MAX_BUDGET};
+use crate::spec::{generate_speculative, Budget, SpecOptions, SpecStats, TreeSource, AUTO_MAX_BUDGET};
 
 /// Untimed decode steps before the timed ones (kernel loads, allocator pools).
 const WARMUP_STEPS: usize = 2;
@@ -312,6 +312,32 @@ pub struct BenchReport {
     pub plain_tokens_per_s: f64,
     /// DDTree runs.
     pub spec: Vec<SpecRow>,
+    /// On several ranks: the DDTree rounds with each tree source (every rank builds, or rank 0
+    /// builds and broadcasts), first drafter profile, fixed budgets. Empty on one rank.
+    pub tree_sources: Vec<TreeSourceRow>,
+}
+
+/// One multi-rank DDTree run with a given tree source ([`SpecOptions::tree_source`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct TreeSourceRow {
+    /// `replicated` or `rank0`.
+    pub tree_source: String,
+    /// Drafter profile.
+    pub accept: DraftProfile,
+    /// Tree budget.
+    pub budget: usize,
+    /// Rounds.
+    pub rounds: usize,
+    /// Wall time per round (draft, build, verify, accept) on rank 0.
+    pub round_ms: f64,
+    /// Build per round (the broadcast included for `rank0`).
+    pub build_ms: f64,
+    /// The tree broadcast per round (0 for `replicated`).
+    pub sync_ms: f64,
+    /// Tokens per second.
+    pub tokens_per_s: f64,
+    /// Same tokens as plain decoding.
+    pub identical: bool,
 }
 
 /// Bytes one plain decode step reads at `context` cached rows: every dense weight, the
@@ -625,7 +651,45 @@ pub fn run<B: Backend>(
             spec.push(row);
         }
     }
+    // Several ranks: the same rounds with each tree source, timed on this rank.
+    let mut tree_sources = Vec::new();
+    if model.rank().is_some_and(|c| c.comm.world() > 1 && !c.comm.alone()) {
+        let accept = opts.accept.first().copied().unwrap_or(DraftProfile::Noisy(1.0));
+        for &budget in &opts.budgets {
+            for source in [TreeSource::Replicated, TreeSource::Rank0] {
+                let options = SpecOptions {
+                    tree_source: source,
+                    ..SpecOptions::fixed(budget)
+                };
+                let mut warm = Scripted::new(opts.block_size, accept, continuation.clone(), cfg.vocab_size, opts.seed);
+                generate_speculative(model, &mut warm, &prompt, &gen, &options)?;
+                let mut drafter =
+                    Scripted::new(opts.block_size, accept, continuation.clone(), cfg.vocab_size, opts.seed);
+                let out = generate_speculative(model, &mut drafter, &prompt, &gen, &options)?;
+                let st = &out.stats;
+                let rounds = st.rounds.max(1) as f64;
+                let decode = st.draft + st.build + st.verify + st.accept;
+                let row = TreeSourceRow {
+                    tree_source: source.name().into(),
+                    accept,
+                    budget,
+                    rounds: st.rounds,
+                    round_ms: ms(decode) / rounds,
+                    build_ms: ms(st.build) / rounds,
+                    sync_ms: ms(st.tree_sync) / rounds,
+                    tokens_per_s: rate(st.tokens.saturating_sub(1), decode),
+                    identical: out.generation.tokens == plain.tokens,
+                };
+                progress(&format!(
+                    "ddtree trees {} accept {accept} budget {budget}: {:.3} ms/round (build {:.3}, broadcast {:.3})",
+                    row.tree_source, row.round_ms, row.build_ms, row.sync_ms
+                ));
+                tree_sources.push(row);
+            }
+        }
+    }
     Ok(BenchReport {
+        tree_sources,
         preset: preset.name().into(),
         backend: b.name().into(),
         parameters: model.parameter_count(),
@@ -741,6 +805,25 @@ pub fn render(r: &BenchReport) -> String {
             s.speedup,
             if s.identical { "yes" } else { "NO" }
         );
+    }
+    if !r.tree_sources.is_empty() {
+        out += "\nDDTree tree source on several ranks (rank 0's times per round)\n";
+        out += "| trees | accept P | budget | rounds | ms/round | build | broadcast | tok/s | = greedy |\n";
+        out += "|---|---:|---:|---:|---:|---:|---:|---:|:-:|\n";
+        for t in &r.tree_sources {
+            out += &format!(
+                "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {} |\n",
+                t.tree_source,
+                t.accept,
+                t.budget,
+                t.rounds,
+                t.round_ms,
+                t.build_ms,
+                t.sync_ms,
+                t.tokens_per_s,
+                if t.identical { "yes" } else { "NO" }
+            );
+        }
     }
     out
 }

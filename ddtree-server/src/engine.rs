@@ -6,9 +6,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ddtree_engine::spec::SpecGeneration;
 use ddtree_engine::{
-    generate_plain_with_sink, generate_speculative_with_sink, Backend, Drafter, EngineError, GenerateOptions, Model,
-    SpecOptions, StopReason, TokenSink,
+    generate_plain_with_sink, generate_speculative_with_sink, Backend, Drafter, EngineError, GenerateOptions,
+    Generation, Model, SpecOptions, StopReason, TokenSink,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -48,6 +49,34 @@ pub struct Finished {
     pub target_forwards: usize,
 }
 
+impl Finished {
+    /// The result of a DDTree generation.
+    pub fn speculative(out: SpecGeneration) -> Self {
+        let s = &out.stats;
+        Finished {
+            rounds: s.rounds,
+            mean_accepted_length: s.mean_accept_len(),
+            tokens_per_target_forward: s.tokens_per_target_forward(),
+            target_forwards: s.target_forwards,
+            tokens: out.generation.tokens,
+            stop_reason: out.generation.stop_reason,
+        }
+    }
+
+    /// The result of plain decoding.
+    pub fn plain(out: Generation) -> Self {
+        let n = out.tokens.len();
+        Finished {
+            rounds: 0,
+            mean_accepted_length: 1.0,
+            tokens_per_target_forward: if n == 0 { 0.0 } else { 1.0 },
+            target_forwards: n,
+            tokens: out.tokens,
+            stop_reason: out.stop_reason,
+        }
+    }
+}
+
 /// A model the server can run: implemented for [`ModelEngine`]; tests may script their own.
 pub trait Engine {
     /// The model's facts.
@@ -59,6 +88,11 @@ pub trait Engine {
         options: &GenerateOptions,
         sink: &mut TokenSink<'_>,
     ) -> Result<Finished, EngineError>;
+    /// `Ok` while the engine can serve; otherwise why not (e.g. a rank group left unusable by
+    /// a failure). The server then answers `/health` and new requests with 503.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A loaded target with an optional DDTree drafter.
@@ -98,28 +132,14 @@ impl<B: Backend> Engine for ModelEngine<B> {
             Some(drafter) => {
                 let out =
                     generate_speculative_with_sink(&self.model, drafter.as_mut(), prompt, options, &self.spec, sink)?;
-                let s = &out.stats;
-                Ok(Finished {
-                    rounds: s.rounds,
-                    mean_accepted_length: s.mean_accept_len(),
-                    tokens_per_target_forward: s.tokens_per_target_forward(),
-                    target_forwards: s.target_forwards,
-                    tokens: out.generation.tokens,
-                    stop_reason: out.generation.stop_reason,
-                })
+                Ok(Finished::speculative(out))
             }
-            None => {
-                let out = generate_plain_with_sink(&self.model, prompt, options, sink)?;
-                let n = out.tokens.len();
-                Ok(Finished {
-                    rounds: 0,
-                    mean_accepted_length: 1.0,
-                    tokens_per_target_forward: if n == 0 { 0.0 } else { 1.0 },
-                    target_forwards: n,
-                    tokens: out.tokens,
-                    stop_reason: out.stop_reason,
-                })
-            }
+            None => Ok(Finished::plain(generate_plain_with_sink(
+                &self.model,
+                prompt,
+                options,
+                sink,
+            )?)),
         }
     }
 }
@@ -131,6 +151,8 @@ pub enum Event {
     Tokens(Vec<u32>),
     /// The generation ended.
     Done(Result<Finished, String>),
+    /// The engine cannot serve (503): the request was not run.
+    Unavailable(String),
 }
 
 /// A request waiting for the engine.
@@ -153,10 +175,31 @@ pub struct Control {
     pub stopped: AtomicBool,
     /// The shutdown deadline passed: cancel the running request and refuse the queued ones.
     pub abort: AtomicBool,
+    /// Set when the engine reports it cannot serve ([`Engine::health`]): why.
+    pub unusable: std::sync::Mutex<Option<String>>,
+}
+
+impl Control {
+    /// Why the engine cannot serve, if it cannot.
+    pub fn broken(&self) -> Option<String> {
+        self.unusable.lock().ok().and_then(|b| b.clone())
+    }
+
+    fn check(&self, engine: &dyn Engine) {
+        if let Err(reason) = engine.health() {
+            if let Ok(mut b) = self.unusable.lock() {
+                if b.is_none() {
+                    tracing::error!("the engine cannot serve: {reason}; refusing requests (503)");
+                    *b = Some(reason);
+                }
+            }
+        }
+    }
 }
 
 /// Runs queued jobs until the HTTP side has stopped and the queue is empty.
 pub fn engine_loop(engine: &mut dyn Engine, jobs: Receiver<Job>, metrics: &Metrics, control: &Control) {
+    control.check(engine);
     loop {
         let job = match jobs.recv_timeout(Duration::from_millis(50)) {
             Ok(job) => job,
@@ -166,6 +209,10 @@ pub fn engine_loop(engine: &mut dyn Engine, jobs: Receiver<Job>, metrics: &Metri
         metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
         if control.abort.load(Ordering::Relaxed) {
             let _ = job.events.send(Event::Done(Err("the server is shutting down".into())));
+            continue;
+        }
+        if let Some(reason) = control.broken() {
+            let _ = job.events.send(Event::Unavailable(reason));
             continue;
         }
         if job.events.is_closed() {
@@ -185,6 +232,7 @@ pub fn engine_loop(engine: &mut dyn Engine, jobs: Receiver<Job>, metrics: &Metri
             engine.generate(&job.prompt, &job.options, &mut sink)
         }));
         metrics.running.fetch_sub(1, Ordering::Relaxed);
+        control.check(engine);
         let result = match result.unwrap_or_else(|_| Err(EngineError::Forward("the engine panicked".into()))) {
             Ok(done) => {
                 metrics

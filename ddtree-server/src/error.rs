@@ -55,6 +55,9 @@ pub enum ApiError {
     /// The server is shutting down (503).
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The engine cannot serve: a rank group was left unusable by a failure (503).
+    #[error("the engine is unavailable: {0}")]
+    Unavailable(String),
     /// The engine or template failed on a request that was valid (500).
     #[error("internal error: {0}")]
     Internal(String),
@@ -88,7 +91,7 @@ impl ApiError {
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
-            Self::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ShuttingDown | Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -98,7 +101,7 @@ impl ApiError {
         match self {
             Self::Unauthorized(_) => "authentication_error",
             Self::QueueFull(_) => "rate_limit_error",
-            Self::ShuttingDown | Self::Internal(_) => "server_error",
+            Self::ShuttingDown | Self::Unavailable(_) | Self::Internal(_) => "server_error",
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
             _ => "invalid_request_error",
         }

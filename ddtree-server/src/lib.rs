@@ -6,6 +6,7 @@
 //! - [`routes`]: `/v1/completions`, `/v1/chat/completions` (plain JSON or Server-Sent Events),
 //!   `/v1/models`, `/health`, `/metrics`;
 //! - [`engine`]: the [`Engine`] trait, [`ModelEngine`] and the engine thread's FCFS loop;
+//! - [`ranks`]: [`RankEngine`], the engine on a model split over several ranks (CPU or GPUs);
 //! - [`request`]: request bodies read field by field; [`error`]: the OpenAI error schema;
 //! - [`chat`]: chat templates (minijinja); [`text`]: incremental detokenisation and stop
 //!   strings; [`metrics`]: the Prometheus text of `/metrics`.
@@ -20,6 +21,7 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod metrics;
+pub mod ranks;
 pub mod request;
 pub mod routes;
 pub mod text;
@@ -36,6 +38,7 @@ use tokio::sync::Notify;
 pub use chat::ChatTemplate;
 pub use engine::{Engine, Finished, ModelEngine, ModelInfo};
 pub use error::ApiError;
+pub use ranks::{DrafterFactory, RankEngine};
 
 /// How the server listens and what it accepts.
 #[derive(Debug, Clone)]

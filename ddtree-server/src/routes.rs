@@ -101,8 +101,16 @@ async fn not_found(uri: Uri) -> ApiError {
     ApiError::NotFound(uri.path().to_string())
 }
 
-async fn health() -> &'static str {
-    "ok"
+/// `ok`, or a 503 with the reason when the engine cannot serve (a broken rank group).
+async fn health(State(state): State<Shared>) -> Response {
+    match state.control.broken() {
+        None => "ok".into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unavailable", "reason": reason})),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {
@@ -274,6 +282,9 @@ async fn start(
     if state.draining.load(Ordering::Relaxed) {
         return Err(ApiError::ShuttingDown);
     }
+    if let Some(reason) = state.control.broken() {
+        return Err(ApiError::Unavailable(reason));
+    }
     let (events, receiver) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let prompt_tokens = prompt.len();
@@ -384,6 +395,7 @@ impl Running {
                 Err(ApiError::ShuttingDown)
             }
             Some(Event::Done(Err(e))) => Err(ApiError::Internal(e)),
+            Some(Event::Unavailable(reason)) => Err(ApiError::Unavailable(reason)),
             None => Err(ApiError::Internal("the engine dropped the request".into())),
         }
     }

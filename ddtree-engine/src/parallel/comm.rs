@@ -192,6 +192,28 @@ impl InProcessComm {
         self.finished = true;
     }
 
+    /// Stops this rank's part in the current run: peers waiting in (or later entering) a
+    /// collective fail with "rank N has stopped" instead of waiting for it. The group stays
+    /// unusable until [`InProcessComm::reset`].
+    pub fn abort(&self) {
+        if let Ok(mut s) = self.shared.state.lock() {
+            s.closed.get_or_insert(self.rank);
+            self.shared.ready.notify_all();
+        }
+    }
+
+    /// Makes the group usable again after an [`InProcessComm::abort`]: call it once every rank
+    /// has left its collectives (e.g. once every rank's job has returned). Drops any half-done
+    /// exchange.
+    pub fn reset(&self) -> Result<()> {
+        let mut s = self.lock("reset")?;
+        s.closed = None;
+        s.arrived = 0;
+        s.parts = vec![Payload::None; self.shared.world];
+        s.generation += 1;
+        Ok(())
+    }
+
     fn lock(&self, op: &str) -> Result<MutexGuard<'_, State>> {
         self.shared
             .state

@@ -70,6 +70,18 @@ impl TensorComm<CpuBackend> for CpuTensorComm {
     fn stats(&self) -> CommStats {
         self.comm.stats()
     }
+
+    fn broadcast_host_u32(&self, _b: &CpuBackend, buf: &mut [u32], root: usize) -> Result<()> {
+        self.comm.broadcast_u32(buf, root)
+    }
+
+    fn abort(&self) {
+        self.comm.abort();
+    }
+
+    fn recover(&self) -> Result<()> {
+        self.comm.reset()
+    }
 }
 
 /// Vocabulary-parallel logits on the host to the whole `[rows, vocab_size]` logits: every rank

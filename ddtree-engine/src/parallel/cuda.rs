@@ -177,6 +177,19 @@ impl TensorComm<CudaBackend> for CudaTensorComm {
     fn stats(&self) -> CommStats {
         self.comm.lock().map(|c| c.0.stats()).unwrap_or_default()
     }
+
+    /// Staged through the device: copy in, NCCL broadcast on the compute stream, copy back
+    /// (one host sync, as reading the values back would be anyway).
+    fn broadcast_host_u32(&self, _b: &CudaBackend, buf: &mut [u32], root: usize) -> Result<()> {
+        let (op, s) = ("broadcast_host_u32", &self.stream);
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let mut d = s.clone_htod(buf).map_err(driver(op, self.rank))?;
+        self.lock(op)?.0.broadcast_u32(&mut d, root)?;
+        buf.copy_from_slice(&s.clone_dtoh(&d).map_err(driver(op, self.rank))?);
+        Ok(())
+    }
 }
 
 /// Runs `f` once per rank of `plan` on GPUs `0..world` of this node: per rank a thread that
@@ -201,6 +214,40 @@ pub fn run_cuda_ranks<T: Send>(
         };
         f(backend, context)
     })
+}
+
+impl crate::parallel::group::RankGroup<CudaBackend> {
+    /// Long-lived ranks on GPUs `0..world` of this node (a server's): per rank a thread that
+    /// opens its GPU, makes its [`CudaBackend`] with `options`, joins the NCCL group on the
+    /// backend's compute stream and keeps the model `make` loads. NCCL cannot release a peer
+    /// stuck in a collective: after a rank fails alone the group is marked broken (see
+    /// [`crate::parallel::group`]).
+    pub fn cuda(
+        plan: Arc<ParallelPlan>,
+        options: CudaOptions,
+        make: impl Fn(CudaBackend, RankContext<CudaBackend>) -> Result<crate::Model<CudaBackend>> + Send + Sync + 'static,
+    ) -> Result<Self> {
+        let world = plan.spec.world;
+        let boot = NcclBootstrap::new(world)?;
+        let id = boot.token()?;
+        let id = Mutex::new(id);
+        Self::spawn(world, move |rank| {
+            let id = *id.lock().map_err(|_| EngineError::Comm {
+                op: "init".into(),
+                rank,
+                reason: "the NCCL id's lock is poisoned".into(),
+            })?;
+            let gpu = Gpu::open(rank)?;
+            let backend = CudaBackend::new(gpu, options)?;
+            let comm = NcclComm::init(backend.gpu().stream().clone(), rank, world, id)?;
+            let context = RankContext {
+                plan: plan.clone(),
+                rank,
+                comm: Box::new(CudaTensorComm::new(comm)),
+            };
+            make(backend, context)
+        })
+    }
 }
 
 /// Copy-based collectives for ranks that share one GPU (a test of the sharded CUDA forward
@@ -287,6 +334,18 @@ impl TensorComm<CudaBackend> for HostStagedComm {
 
     fn stats(&self) -> CommStats {
         self.comm.stats()
+    }
+
+    fn broadcast_host_u32(&self, _b: &CudaBackend, buf: &mut [u32], root: usize) -> Result<()> {
+        self.comm.broadcast_u32(buf, root)
+    }
+
+    fn abort(&self) {
+        self.comm.abort();
+    }
+
+    fn recover(&self) -> Result<()> {
+        self.comm.reset()
     }
 }
 

@@ -59,6 +59,29 @@ pub trait TensorComm<B: Backend> {
     fn embedding(&self, b: &B, table: &B::Tensor, ids: &[u32], vocab: Range<usize>) -> Result<B::Tensor>;
     /// Collectives so far and the time in them.
     fn stats(&self) -> CommStats;
+    /// Copies `root`'s host values `buf` to every rank's `buf` (control decisions and the
+    /// DDTree tree of `--tree-source rank0`; a device implementation stages them through the
+    /// device).
+    fn broadcast_host_u32(&self, b: &B, buf: &mut [u32], root: usize) -> Result<()>;
+    /// Whether the rank runs alone (a virtual rank: collectives that move nothing), so that
+    /// decisions other ranks would broadcast to it are its own.
+    fn alone(&self) -> bool {
+        false
+    }
+    /// Called on a rank whose job failed: peers waiting in a collective for it are released
+    /// with an error instead of waiting (where the implementation can do that; NCCL cannot
+    /// without destroying the communicator, so the default does nothing).
+    fn abort(&self) {}
+    /// Makes the group usable again after a failed run, called on one rank once every rank's
+    /// job has returned. `Err` when the group cannot be recovered (the default: an NCCL
+    /// communicator that may have been left mid-collective).
+    fn recover(&self) -> Result<()> {
+        Err(crate::error::EngineError::Comm {
+            op: "recover".into(),
+            rank: self.rank(),
+            reason: "this group's collectives cannot be recovered after a failed run; restart the process".into(),
+        })
+    }
 }
 
 /// A rank's part in a multi-rank model: the plan, which rank, and its collectives.

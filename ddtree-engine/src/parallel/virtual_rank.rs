@@ -63,4 +63,17 @@ impl<B: Backend> TensorComm<B> for VirtualComm {
     fn stats(&self) -> CommStats {
         CommStats::default()
     }
+
+    /// Alone, the rank is its own root: `buf` stays as it is.
+    fn broadcast_host_u32(&self, _b: &B, _buf: &mut [u32], _root: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn recover(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn alone(&self) -> bool {
+        true
+    }
 }

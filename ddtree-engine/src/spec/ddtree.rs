@@ -22,7 +22,7 @@
 
 use std::time::Instant;
 
-use ddtree_kernels::tree::accept_reference;
+use ddtree_kernels::tree::{accept_reference, DraftTree};
 
 use crate::backend::{Backend, BudgetChoice, Matrix, TreeRound};
 use crate::error::{EngineError, Result};
@@ -57,6 +57,43 @@ pub enum Budget {
     Auto,
 }
 
+/// Where each rank of a multi-rank model gets the round's draft tree (one rank: ignored).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TreeSource {
+    /// Every rank builds the tree from its own drafted logits (the drafter runs on every rank:
+    /// its forward uses the target's vocabulary-parallel embedding and LM head, whose
+    /// collectives need every rank); the collectives give every rank the same bits, so the
+    /// trees are equal. No extra collective.
+    #[default]
+    Replicated,
+    /// Rank 0 builds the tree (and picks `auto`'s budget) and broadcasts it (tokens, parents,
+    /// depths, sibling links, path log-probs, ancestor mask) through the rank's collectives;
+    /// the other ranks still run the drafter's forward (its collectives) but skip the build.
+    /// The rounds take the host path (one `u32` broadcast of the tree per round).
+    Rank0,
+}
+
+impl TreeSource {
+    /// `replicated` or `rank0`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TreeSource::Replicated => "replicated",
+            TreeSource::Rank0 => "rank0",
+        }
+    }
+
+    /// Parses [`TreeSource::name`].
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "replicated" => Ok(TreeSource::Replicated),
+            "rank0" => Ok(TreeSource::Rank0),
+            _ => Err(EngineError::Forward(format!(
+                "unknown tree source {s:?}: expected `replicated` or `rank0`"
+            ))),
+        }
+    }
+}
+
 /// Speculative-decoding settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SpecOptions {
@@ -74,6 +111,8 @@ pub struct SpecOptions {
     /// at block size 16 it beat every fixed budget on the oracle drafter but lost 8% on a
     /// calibrated one (BENCHMARKS.md).
     pub calibrate: bool,
+    /// On several ranks: whether every rank builds the tree or rank 0 builds and broadcasts it.
+    pub tree_source: TreeSource,
 }
 
 impl Default for SpecOptions {
@@ -100,8 +139,63 @@ impl SpecOptions {
             cost,
             max_auto_budget: AUTO_MAX_BUDGET,
             calibrate: false,
+            tree_source: TreeSource::Replicated,
         }
     }
+}
+
+/// Words of the tree broadcast for trees of up to `budget + 1` nodes: `[n, words]`, then per
+/// node token, parent, depth, first child, next sibling and path log-prob bits, then the mask.
+fn tree_message_len(budget: usize) -> usize {
+    let n = budget + 1;
+    2 + 6 * n + n * n.div_ceil(32)
+}
+
+/// Rank 0's side of [`TreeSource::Rank0`]: broadcasts `tree` to the other ranks.
+fn send_tree<B: Backend>(model: &Model<B>, tree: &DraftTree, budget: usize) -> Result<()> {
+    let ctx = model.rank().expect("a multi-rank model");
+    let mut msg = Vec::with_capacity(tree_message_len(budget));
+    msg.extend([tree.len() as u32, tree.words as u32]);
+    msg.extend(&tree.token);
+    msg.extend(tree.parent.iter().map(|&p| p as u32));
+    msg.extend(&tree.depth);
+    msg.extend(tree.first_child.iter().map(|&p| p as u32));
+    msg.extend(tree.next_sibling.iter().map(|&p| p as u32));
+    msg.extend(tree.path_logprob.iter().map(|p| p.to_bits()));
+    msg.extend(&tree.mask);
+    if msg.len() > tree_message_len(budget) {
+        return Err(EngineError::Forward(format!(
+            "a tree of {} nodes is larger than the budget {budget}",
+            tree.len()
+        )));
+    }
+    msg.resize(tree_message_len(budget), 0);
+    ctx.comm.broadcast_host_u32(model.backend(), &mut msg, 0)
+}
+
+/// The other ranks' side of [`TreeSource::Rank0`]: rank 0's tree.
+fn receive_tree<B: Backend>(model: &Model<B>, budget: usize) -> Result<DraftTree> {
+    let ctx = model.rank().expect("a multi-rank model");
+    let mut msg = vec![0u32; tree_message_len(budget)];
+    ctx.comm.broadcast_host_u32(model.backend(), &mut msg, 0)?;
+    let (n, words) = (msg[0] as usize, msg[1] as usize);
+    if n == 0 || n > budget + 1 || words != n.div_ceil(32) {
+        return Err(EngineError::Forward(format!(
+            "received a malformed tree ({n} nodes, {words} mask words)"
+        )));
+    }
+    let field = |k: usize| &msg[2 + k * n..2 + (k + 1) * n];
+    let signed = |k: usize| field(k).iter().map(|&v| v as i32).collect::<Vec<i32>>();
+    Ok(DraftTree {
+        token: field(0).to_vec(),
+        parent: signed(1),
+        depth: field(2).to_vec(),
+        first_child: signed(3),
+        next_sibling: signed(4),
+        path_logprob: field(5).iter().map(|&b| f32::from_bits(b)).collect(),
+        mask: msg[2 + 6 * n..2 + 6 * n + n * words].to_vec(),
+        words,
+    })
 }
 
 /// A speculative generation and its statistics.
@@ -217,8 +311,18 @@ pub fn generate_speculative_with_sink<B: Backend>(
     // log-probs too). Calibrated `auto` learns from the whole tree on the host. A model split
     // over ranks reduces its argmax across them on the host, so its verify leaves no argmax
     // rows on the device for the accept kernel: its rounds run on the host path.
-    let device_rounds = layers.is_empty()
+    // `--tree-source rank0` on several ranks: rank 0 builds, the others receive (host path).
+    let tree_rank = model
+        .rank()
+        .filter(|c| spec.tree_source == TreeSource::Rank0 && c.comm.world() > 1 && !c.comm.alone())
+        .map(|c| c.rank);
+    stats.tree_source = match model.rank() {
+        Some(c) if c.comm.world() > 1 && !c.comm.alone() => spec.tree_source.name().to_string(),
+        _ => "local".to_string(),
+    };
+    let device_rounds = tree_rank.is_none()
         && model.rank().is_none()
+        && layers.is_empty()
         && options.sampling.is_greedy()
         && !options.record_logits
         && !(auto_cost.is_some() && spec.calibrate);
@@ -278,19 +382,35 @@ pub fn generate_speculative_with_sink<B: Backend>(
             stats.accept += round.accept;
             (round.nodes, round.accepted, None)
         } else {
-            let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
-            if let Some(cost) = auto_cost {
-                // Best-first order: the first B nodes are the top-B tree, the one the builder
-                // gives at budget B; with `calibrate` each is scored by its calibrated path
-                // probability.
-                let chosen = if spec.calibrate {
-                    choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build, last_choice)
-                } else {
-                    choose_budget(&tree.path_logprob[1..], cost, build, last_choice)
-                };
-                tree.truncate(chosen + 1);
-                last_choice = Some(chosen);
-            }
+            let tree = if tree_rank.is_some_and(|r| r != 0) {
+                let t = Instant::now();
+                let tree = receive_tree(model, budget)?;
+                stats.tree_sync += t.elapsed();
+                if auto_cost.is_some() {
+                    last_choice = Some(tree.len() - 1);
+                }
+                tree
+            } else {
+                let mut tree = b.draft_tree(&drafted, depth, build, bonus)?;
+                if let Some(cost) = auto_cost {
+                    // Best-first order: the first B nodes are the top-B tree, the one the builder
+                    // gives at budget B; with `calibrate` each is scored by its calibrated path
+                    // probability.
+                    let chosen = if spec.calibrate {
+                        choose_budget(&calibration.path_logprobs(&tree)[1..], cost, build, last_choice)
+                    } else {
+                        choose_budget(&tree.path_logprob[1..], cost, build, last_choice)
+                    };
+                    tree.truncate(chosen + 1);
+                    last_choice = Some(chosen);
+                }
+                if tree_rank == Some(0) {
+                    let t = Instant::now();
+                    send_tree(model, &tree, budget)?;
+                    stats.tree_sync += t.elapsed();
+                }
+                tree
+            };
             stats.build += t.elapsed();
 
             let t = Instant::now();

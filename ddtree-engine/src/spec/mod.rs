@@ -19,8 +19,8 @@ pub mod test_drafters;
 
 pub use budget::{choose_budget, CostModel, VerifyPoint};
 pub use ddtree::{
-    generate_speculative, generate_speculative_with_sink, Budget, SpecGeneration, SpecOptions, AUTO_BUILD_GROWTH,
-    AUTO_MAX_BUDGET, AUTO_MIN_BUILD,
+    generate_speculative, generate_speculative_with_sink, Budget, SpecGeneration, SpecOptions, TreeSource,
+    AUTO_BUILD_GROWTH, AUTO_MAX_BUDGET, AUTO_MIN_BUILD,
 };
 pub use dflash::DFlashDrafter;
 pub use drafter::{DraftRequest, Drafter};

@@ -51,6 +51,12 @@ pub struct SpecStats {
     /// round's wall time: the accept kernels, the read of the result, and drafter work still
     /// running when the build was enqueued).
     pub accept: Duration,
+    /// On several ranks, where the trees came from: `replicated` (every rank builds) or
+    /// `rank0` (rank 0 builds and broadcasts); `local` on one rank.
+    pub tree_source: String,
+    /// With `rank0` trees: time in the tree broadcast (rank 0: sending; the others: waiting
+    /// for rank 0's build and receiving). Counted in [`SpecStats::build`] too.
+    pub tree_sync: Duration,
 }
 
 impl SpecStats {
