@@ -329,7 +329,10 @@ mod tests {
         // split-K on any GPU).
         let k80 = keys(&plan(&d.clone().on_gpu(8, false), 256));
         assert!(!k80.iter().any(|k| k.starts_with("w4a16_gemm_wg")));
-        assert!(k80.contains(&"gemv_gate_up_silu rows=2 n=2048 k=7168".to_string()), "{k80:?}");
+        assert!(
+            k80.contains(&"gemv_gate_up_silu rows=2 n=2048 k=7168".to_string()),
+            "{k80:?}"
+        );
         assert!(!k
             .iter()
             .any(|k| k.starts_with("gemm_bf16") || k.starts_with("silu_mul")));
@@ -427,5 +430,4 @@ mod tests {
             "{k256:?}"
         );
     }
-
 }

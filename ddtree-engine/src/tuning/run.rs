@@ -7,8 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ddtree_runtime::{
-    Gpu, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache, TuneOptions, Tuned, TunedKernels,
-    Tuner,
+    Gpu, KernelSource, Roofline, RuntimeError, TrialStatus, Tunable, TuneCache, TuneOptions, Tuned, TunedKernels, Tuner,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 

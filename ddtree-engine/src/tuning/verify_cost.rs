@@ -370,5 +370,4 @@ mod tests {
             "the curve reaches the largest auto tree (its root's token is extrapolated)"
         );
     }
-
 }

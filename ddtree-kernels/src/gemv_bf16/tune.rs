@@ -186,7 +186,10 @@ impl Tunable for GemvRmsNormBf16 {
 }
 
 /// The gate/up workload's launch.
-fn gate_up_op<'a>(w: &'a mut GemvWorkload, i: usize) -> GateUpSiluOp<'a, CudaSlice<bf16>, CudaSlice<bf16>, CudaSlice<bf16>> {
+fn gate_up_op<'a>(
+    w: &'a mut GemvWorkload,
+    i: usize,
+) -> GateUpSiluOp<'a, CudaSlice<bf16>, CudaSlice<bf16>, CudaSlice<bf16>> {
     let GemvKey { rows, n, k } = w.key;
     let c = i % w.out.len();
     GateUpSiluOp {
@@ -320,10 +323,21 @@ mod tests {
     fn default_candidates_are_the_engines_choices() {
         for sms in [132, 8] {
             for rows in 1..=gemv::MAX_ROWS {
-                for (n, k) in [(12288, 1536), (2048, 7168), (18432, 7168), (64, 32), (96, 64), (576, 7168)] {
+                for (n, k) in [
+                    (12288, 1536),
+                    (2048, 7168),
+                    (18432, 7168),
+                    (64, 32),
+                    (96, 64),
+                    (576, 7168),
+                ] {
                     let key = GemvKey { rows, n, k };
                     if let Some(p) = gemv::choose_rms_norm(rows, n, k, sms) {
-                        assert_eq!(GemvRmsNormBf16::candidates(&GemvRmsNormBf16::bucket(&key))[0], p, "{key}");
+                        assert_eq!(
+                            GemvRmsNormBf16::candidates(&GemvRmsNormBf16::bucket(&key))[0],
+                            p,
+                            "{key}"
+                        );
                     }
                     match gemv::choose_gate_up(rows, n, k, sms) {
                         Some(gemv::GemvChoice::Warp(p)) => {
@@ -339,10 +353,19 @@ mod tests {
                 }
             }
         }
-        let key = GemvKey { rows: 3, n: 2048, k: 7168 };
+        let key = GemvKey {
+            rows: 3,
+            n: 2048,
+            k: 7168,
+        };
         assert!(GemvGateUpSilu::candidates(&GemvGateUpSilu::bucket(&key))
             .iter()
             .all(|p| p.m >= 4));
-        assert!(GemvRmsNormBf16::candidates(&GemvKey { rows: 1, n: 64, k: 4096 }).is_empty());
+        assert!(GemvRmsNormBf16::candidates(&GemvKey {
+            rows: 1,
+            n: 64,
+            k: 4096
+        })
+        .is_empty());
     }
 }

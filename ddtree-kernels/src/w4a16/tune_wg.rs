@@ -221,7 +221,9 @@ mod tests {
                     gemm_wg::default_dense(m, n, k),
                     "{key}"
                 );
-                assert!(c.iter().all(|p| p.group == 32 && !p.moe && p.epilogue == Epilogue::Plain));
+                assert!(c
+                    .iter()
+                    .all(|p| p.group == 32 && !p.moe && p.epilogue == Epilogue::Plain));
                 let mut uniq = c.clone();
                 uniq.dedup();
                 assert_eq!(uniq.len(), c.len());

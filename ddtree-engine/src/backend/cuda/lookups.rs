@@ -206,7 +206,12 @@ impl CudaBackend {
         let Some(key) = KeyOf::<K>::key_of(&lookup) else {
             return Err(fail(format!("{lookup} is not a lookup of `{}`", K::NAME)));
         };
-        let memo = self.tuned_params.lock().expect("tuned params lock").get(&lookup).cloned();
+        let memo = self
+            .tuned_params
+            .lock()
+            .expect("tuned params lock")
+            .get(&lookup)
+            .cloned();
         let params = match memo.and_then(|p| p.downcast::<K::Params>().ok()) {
             Some(p) => (*p).clone(),
             None => {
