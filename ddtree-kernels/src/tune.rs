@@ -210,6 +210,7 @@ impl RowsKey {
 }
 
 // Each family's `Tunable` impl lives in its folder; keys and workloads are re-exported here.
+pub use crate::attention::tune::*;
 pub use crate::elementwise::tune::*;
 pub use crate::embedding::tune::*;
 pub use crate::gemm_bf16::tune::*;

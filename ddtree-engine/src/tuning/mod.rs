@@ -212,6 +212,25 @@ impl ModelDims {
         }
         keys
     }
+
+    /// The absorbed-MLA query's keys at M = 1, 2, 4, ... up to `max_m` where `mla_query` runs
+    /// it ([`Lookup::mla_absorb_query`]: a few tokens, a variant for the head dims).
+    fn mla_query_lookups(&self, max_m: usize) -> Vec<Lookup> {
+        token_counts(max_m)
+            .into_iter()
+            .filter_map(|m| {
+                Lookup::mla_absorb_query(
+                    m,
+                    self.heads,
+                    self.kv_lora_rank,
+                    self.qk_nope,
+                    self.qk_rope,
+                    self.v_head,
+                    self.rope_interleave,
+                )
+            })
+            .collect()
+    }
 }
 
 /// M = 1, 2, 4, ... up to `max_m` (at least 1).
@@ -226,7 +245,8 @@ fn token_counts(max_m: usize) -> Vec<usize> {
 /// at the hidden and latent widths, `embedding`, the argmax (`row_topk`, k = 1, from
 /// [`ddtree_kernels::topk::SPLIT_MAX_ROWS`] rows on), the dense `w4a16_gemv` of a quantized
 /// checkpoint's INT4 linears (and, from 48 rows on a GPU with `wgmma`, their `wgmma` GEMM), the
-/// fused decode GEMVs (RMSNorm + `q_b`, gate/up SiLU-and-mul) and the tree builder.
+/// fused decode GEMVs (RMSNorm + `q_b`, gate/up SiLU-and-mul), the absorbed-MLA query of a few
+/// tokens and the tree builder.
 /// Deduplicated by bucket, in a stable order.
 pub fn lookups(d: &ModelDims, max_m: usize) -> Vec<Lookup> {
     let mut all = Vec::new();
@@ -236,6 +256,7 @@ pub fn lookups(d: &ModelDims, max_m: usize) -> Vec<Lookup> {
         all.extend(Lookup::argmax(m, d.vocab));
     }
     all.extend(d.fused_gemv_lookups(max_m));
+    all.extend(d.mla_query_lookups(max_m));
     all.extend(d.int4_gemv_lookups(max_m));
     all.extend(d.int4_gemm_wg_lookups(max_m));
     all.extend(tree_build_lookups(d.vocab));
@@ -310,9 +331,13 @@ mod tests {
         // INT4 GEMM; the tree builder at 2 depths x 11 budget buckets; the fused GEMVs (q_b
         // with its norm at one row; the split-K gate/up of the shared expert and the per-column
         // one of the dense MLP at 1, 2, 4 rows); the `wgmma` INT4 GEMM of the 4 shapes at M =
-        // 64, 128, 256. No `gemm_bf16` (cuBLAS serves the dense products) and no kernel the
+        // 64, 128, 256; the absorbed-MLA query at 1, 2, 4 rows. No `gemm_bf16` (cuBLAS serves the dense products) and no kernel the
         // backend runs at a fixed variant.
-        assert_eq!(k.len(), 9 * 4 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3);
+        assert_eq!(k.len(), 9 * 4 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3);
+        for m in [1, 2, 4] {
+            let key = format!("mla_absorb_query rows={m} heads=64 lora=512 nope=128 rope=64 v=128 interleave=true");
+            assert!(k.contains(&key), "{key}: {k:?}");
+        }
         for key in [
             "gemv_rms_norm_bf16 rows=1 n=12288 k=1536",
             "gemv_split_gate_up_silu rows=4 n=2048 k=7168",

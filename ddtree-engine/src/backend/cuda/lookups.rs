@@ -9,10 +9,10 @@ use std::fmt;
 use ddtree_kernels::gemv::{self, GemvChoice, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitGateUpSilu};
 use ddtree_kernels::topk;
 use ddtree_kernels::tree::TreeBuild;
-use ddtree_kernels::tune::{EmbeddingKey, GemvKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey};
+use ddtree_kernels::tune::{EmbeddingKey, GemvKey, MlaQueryKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey};
 use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg};
 use ddtree_kernels::w4a16::gemv::W4a16Gemv;
-use ddtree_kernels::{Embedding, RmsNorm, RowTopk};
+use ddtree_kernels::{Embedding, MlaAbsorbQuery, RmsNorm, RowTopk};
 use ddtree_runtime::Tunable;
 
 use std::sync::atomic::Ordering;
@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use ddtree_runtime::CompiledKernel;
 
+use super::attention::MLA_ABSORB_QUERY_MAX_ROWS;
 use super::linear::dense_int4_gemv;
 use super::{fail, CudaBackend};
 use crate::error::Result;
@@ -49,6 +50,8 @@ pub enum Lookup {
     /// The dense `wgmma` W4A16 GEMM of an INT4 linear of [`gemm_wg::WG_MIN_ROWS`] rows or more
     /// (Hopper).
     Int4GemmWg(W4GemmKey),
+    /// The absorbed-MLA query kernel (`mla_query` of a few tokens).
+    MlaAbsorbQuery(MlaQueryKey),
 }
 
 impl Lookup {
@@ -107,6 +110,33 @@ impl Lookup {
         wg.then_some(Lookup::Int4GemmWg(W4GemmKey { m: rows, n, k, group }))
     }
 
+    /// `mla_query` of `rows` tokens of `heads` heads (`nope` + `rope` query dims, `v` value
+    /// dims, latent `lora`, rope pairs `interleave`d or not): a lookup where the one-launch
+    /// absorbed kernel runs (up to `MLA_ABSORB_QUERY_MAX_ROWS` tokens, a variant for the head
+    /// dims), none where cuBLAS's batched GEMM and the rope kernel run.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_absorb_query(
+        rows: usize,
+        heads: usize,
+        lora: usize,
+        nope: usize,
+        rope: usize,
+        v: usize,
+        interleave: bool,
+    ) -> Option<Lookup> {
+        let key = MlaQueryKey {
+            rows,
+            heads,
+            lora,
+            nope,
+            rope,
+            v,
+            interleave,
+        };
+        let absorb = rows <= MLA_ABSORB_QUERY_MAX_ROWS && !MlaAbsorbQuery::candidates(&key).is_empty();
+        absorb.then_some(Lookup::MlaAbsorbQuery(key))
+    }
+
     /// Its tuning job.
     pub fn job(&self) -> Box<dyn Job> {
         match self {
@@ -119,6 +149,7 @@ impl Lookup {
             Lookup::GateUpGemv(k) => job::<GemvGateUpSilu>(*k),
             Lookup::GateUpSplitGemv(k) => job::<GemvSplitGateUpSilu>(*k),
             Lookup::Int4GemmWg(k) => job::<W4a16GemmWg>(*k),
+            Lookup::MlaAbsorbQuery(k) => job::<MlaAbsorbQuery>(*k),
         }
     }
 
@@ -137,6 +168,7 @@ impl Lookup {
             Lookup::GateUpGemv(k) => of::<GemvGateUpSilu>(k),
             Lookup::GateUpSplitGemv(k) => of::<GemvSplitGateUpSilu>(k),
             Lookup::Int4GemmWg(k) => of::<W4a16GemmWg>(k),
+            Lookup::MlaAbsorbQuery(k) => of::<MlaAbsorbQuery>(k),
         }
     }
 }
@@ -177,6 +209,7 @@ key_of!(
     GemvGateUpSilu => GateUpGemv,
     GemvSplitGateUpSilu => GateUpSplitGemv,
     W4a16GemmWg => Int4GemmWg,
+    MlaAbsorbQuery => MlaAbsorbQuery,
 );
 
 impl CudaBackend {
