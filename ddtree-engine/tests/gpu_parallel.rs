@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ddtree_engine::parallel::cuda::run_virtual_cuda_ranks;
 use ddtree_engine::parallel::{ParallelPlan, ParallelSpec};
 use ddtree_engine::{
-    generate_plain, Checkpoint, CudaBackend, CudaOptions, GenerateOptions, LoadOptions, Model, ModelConfig,
+    generate_plain, Checkpoint, CudaBackend, CudaOptions, GenerateOptions, Generation, LoadOptions, Model, ModelConfig,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -70,16 +70,38 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
         })
         .unwrap();
         for (rank, (logged, greedy)) in outs.iter().enumerate() {
-            assert_eq!(logged.tokens, want.tokens, "{world} virtual ranks, rank {rank}");
+            let what = format!("{world} virtual ranks, rank {rank}");
             assert_eq!(
-                greedy, &want.tokens,
-                "{world} virtual ranks, rank {rank}: reduced argmax"
+                greedy, &logged.tokens,
+                "{what}: the reduced argmax against the gathered logits"
             );
-            for (step, (got, w)) in logged.logits.iter().zip(&want.logits).enumerate() {
-                let scale = w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-                let err = got.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale;
-                assert!(err < BF16_TOLERANCE, "{world} ranks, rank {rank}, step {step}: {err:e}");
-            }
+            compare(&what, logged, &want);
+        }
+    }
+}
+
+/// Same tokens as the unsharded run, logits within [`BF16_TOLERANCE`] while the tokens agree.
+/// Sharding changes where bf16 rounding happens (each rank's partial sums are rounded before
+/// the all-reduce), so the two runs may part at a near tie: that is accepted where the sharded
+/// token's unsharded logit is within the tolerance of the unsharded maximum, and the steps
+/// after it (different prefixes) are not compared.
+fn compare(what: &str, got: &Generation, want: &Generation) {
+    assert_eq!(got.tokens.len(), want.tokens.len(), "{what}: token count");
+    for (step, (g, w)) in got.logits.iter().zip(&want.logits).enumerate() {
+        let scale = w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale;
+        eprintln!("{what}, step {step}: max logit error {err:.2e} (relative)");
+        assert!(err < BF16_TOLERANCE, "{what}, step {step}: logits differ by {err:e}");
+        let (tg, tw) = (got.tokens[step], want.tokens[step]);
+        if tg != tw {
+            let gap = (w[tw as usize] - w[tg as usize]) / scale;
+            assert!(
+                gap < BF16_TOLERANCE,
+                "{what}, step {step}: token {tg} where the unsharded run gives {tw}, \
+                 {gap:e} below it (not a near tie)"
+            );
+            eprintln!("{what}: parts from the unsharded run at step {step}, a near tie ({gap:.2e})");
+            return;
         }
     }
 }

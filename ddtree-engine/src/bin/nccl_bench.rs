@@ -73,6 +73,10 @@ fn run(args: &Args) -> Result<Vec<(usize, f64, f64)>, EngineError> {
     let world = args.gpus;
     let per_rank = run_threads(boot.local_ranks().collect(), |rank| {
         let gpu = Gpu::open(rank)?;
+        // cudarc's per-buffer events would make the capture below wait on work recorded before
+        // it (an event outside the capture), which CUDA refuses; the engine runs with them off.
+        // SAFETY: every buffer here is made and used on this one stream.
+        unsafe { gpu.context().disable_event_tracking() };
         let stream = gpu.stream().clone();
         let comm = NcclComm::init(stream.clone(), rank, world, id)?;
         let mut rows = Vec::new();

@@ -214,8 +214,11 @@ pub fn generate_speculative_with_sink<B: Backend>(
 
     // Greedy verification without drafter features or kept logits may run as one device round
     // (the CUDA backend: the tree stays on the GPU, one read per round; `auto` reads the path
-    // log-probs too). Calibrated `auto` learns from the whole tree on the host.
+    // log-probs too). Calibrated `auto` learns from the whole tree on the host. A model split
+    // over ranks reduces its argmax across them on the host, so its verify leaves no argmax
+    // rows on the device for the accept kernel: its rounds run on the host path.
     let device_rounds = layers.is_empty()
+        && model.rank().is_none()
         && options.sampling.is_greedy()
         && !options.record_logits
         && !(auto_cost.is_some() && spec.calibrate);

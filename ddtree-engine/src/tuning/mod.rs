@@ -136,9 +136,10 @@ impl ModelDims {
         ModelDims { sms, wgmma, ..self }
     }
 
-    /// The widths the RMS norms run at: hidden, the KV latent and the query latent.
+    /// The widths the RMS norms run at: hidden and the query latent.
     fn norms(&self) -> Vec<usize> {
-        let mut norms = vec![self.hidden, self.kv_lora_rank];
+        // The latent KV's norm (`kv_lora_rank`) runs fused in `mla_append_kv`, not on `rms_norm`.
+        let mut norms = vec![self.hidden];
         norms.extend(self.q_lora_rank);
         norms
     }
@@ -325,7 +326,7 @@ mod tests {
         let k = keys(&plan(&d, 256));
         assert_unique(&k);
         assert_eq!(k, keys(&plan(&d, 256)));
-        // 9 token counts; per M: 3 norms and the embedding, the argmax from M = 32 on (the
+        // 9 token counts; per M: 2 norms (hidden, q_lora_rank) and the embedding, the argmax from M = 32 on (the
         // split top-1 below is untuned); up to M = 16 the INT4 GEMV of the shared expert's
         // gate/up (7168->2048) and down (2048->7168): the dense MLP (18432 x 7168) runs the
         // INT4 GEMM; the tree builder at 2 depths x 11 budget buckets; the fused GEMVs (q_b
@@ -333,7 +334,7 @@ mod tests {
         // one of the dense MLP at 1, 2, 4 rows); the `wgmma` INT4 GEMM of the 4 shapes at M =
         // 64, 128, 256; the absorbed-MLA query at 1, 2, 4 rows. No `gemm_bf16` (cuBLAS serves the dense products) and no kernel the
         // backend runs at a fixed variant.
-        assert_eq!(k.len(), 9 * 4 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3);
+        assert_eq!(k.len(), 9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3);
         for m in [1, 2, 4] {
             let key = format!("mla_absorb_query rows={m} heads=64 lora=512 nope=128 rope=64 v=128 interleave=true");
             assert!(k.contains(&key), "{key}: {k:?}");
@@ -383,7 +384,7 @@ mod tests {
         assert_eq!(plan(&d, 300).len(), plan(&d, 256).len());
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
-        assert_eq!(s.len(), 10 * 4 + 5);
+        assert_eq!(s.len(), 10 * 3 + 5);
         assert!(s
             .iter()
             .all(|k| ["rms_norm", "embedding", "row_topk"].iter().any(|p| k.starts_with(p))));
@@ -421,7 +422,7 @@ mod tests {
         let s = keys(&startup_plan(&d));
         assert_unique(&s);
         assert_eq!(s, keys(&startup_plan(&d)));
-        // hidden, kv latent and q latent norms and the embedding per M, M = 1 .. 512; the argmax
+        // hidden and q latent norms and the embedding per M, M = 1 .. 512; the argmax
         // from M = 32 on.
         assert_eq!(s.len(), 10 * (d.norms().len() + 1) + 5);
         assert_eq!(s[0], format!("rms_norm rows=1 n={}", c.hidden_size));
