@@ -456,4 +456,77 @@ mod tests {
             "{k256:?}"
         );
     }
+
+    /// The tune-cache lookups the CUDA backend's dispatch makes in a target forward of `rows`
+    /// rows of `d` (every op family that takes a tuned variant, at the shapes the forward runs
+    /// it; the INT4 linears as if every `int4_shapes` linear were INT4, the fused GEMVs as if
+    /// they were dense, as the plan assumes), through the same [`Lookup`] constructors.
+    fn forward_lookups(d: &ModelDims, rows: usize) -> Vec<Lookup> {
+        let mut v: Vec<Lookup> = d.norms().into_iter().map(|n| Lookup::rms_norm(rows, n)).collect();
+        v.push(Lookup::embedding(rows, d.vocab, d.hidden));
+        v.extend(Lookup::argmax(rows, d.vocab));
+        if let Some(q_lora) = d.q_lora_rank {
+            v.extend(Lookup::rms_norm_linear(
+                rows,
+                d.heads * (d.qk_nope + d.qk_rope),
+                q_lora,
+                d.sms,
+            ));
+        }
+        let shared = d.moe_intermediate * d.shared_experts;
+        for n in [shared, d.intermediate].into_iter().filter(|&n| n > 0) {
+            v.extend(Lookup::gate_up_silu(rows, n, d.hidden, d.sms));
+        }
+        v.extend(Lookup::mla_absorb_query(
+            rows,
+            d.heads,
+            d.kv_lora_rank,
+            d.qk_nope,
+            d.qk_rope,
+            d.v_head,
+            d.rope_interleave,
+        ));
+        if let Some(group) = d.int4_group {
+            for (n, k) in d.int4_shapes() {
+                v.extend(Lookup::int4_gemv(rows, n, k, group));
+                v.extend(Lookup::int4_gemm_wg(rows, n, k, group, d.wgmma));
+            }
+        }
+        v
+    }
+
+    /// The dispatch decisions of forwards of every row count 1..=[`STARTUP_MAX_M`] (plain
+    /// decode steps, prefills and tree verifies alike) land in the plan's buckets, and every
+    /// plan key but the tree builder's is the bucket of some forward's lookup: the plan holds
+    /// what the backend looks up and nothing else, on an H100/H200, a small GPU without
+    /// `wgmma`, for the tiny model and Kimi K2.6.
+    #[test]
+    fn forward_dispatch_decisions_are_the_plan() {
+        let tiny = ModelDims::from_config("tiny".into(), &crate::tiny::kimi::config().unwrap());
+        for d in [
+            ModelDims::kimi_k26(),
+            ModelDims::kimi_k26().on_gpu(8, false),
+            tiny.clone(),
+            tiny.on_gpu(8, false),
+        ] {
+            let plan: std::collections::HashSet<_> = lookups(&d, STARTUP_MAX_M).iter().map(Lookup::bucket).collect();
+            let mut made = std::collections::HashSet::new();
+            for rows in 1..=STARTUP_MAX_M {
+                for l in forward_lookups(&d, rows) {
+                    assert!(
+                        plan.contains(&l.bucket()),
+                        "{}: {l} at {rows} rows is not in the plan",
+                        d.name
+                    );
+                    made.insert(l.bucket());
+                }
+            }
+            let mut unused: Vec<_> = plan
+                .iter()
+                .filter(|b| b.0 != "tree_build" && !made.contains(*b))
+                .collect();
+            unused.sort();
+            assert!(unused.is_empty(), "{}: never looked up: {unused:?}", d.name);
+        }
+    }
 }
