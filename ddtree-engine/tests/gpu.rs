@@ -137,7 +137,7 @@ fn size_tag((kernel, key): &(&'static str, String)) -> String {
     let sizes: Vec<&str> = key
         .split(' ')
         .filter(|f| {
-            ["rows=", "tokens=", "depth=", "budget="]
+            ["rows=", "tokens=", "depth=", "budget=", "m="]
                 .iter()
                 .any(|p| f.starts_with(p))
         })
@@ -165,7 +165,11 @@ fn backend_lookups_are_the_plan() {
         generate_speculative(&model, &mut drafter, &prompt, &opts, &spec).unwrap();
     }
     let made: std::collections::HashSet<_> = model.backend().lookups_made().iter().map(|l| l.bucket()).collect();
-    let dims = ddtree_engine::tuning::ModelDims::from_config("tiny-kimi".into(), model.config());
+    let fp = model.backend().gpu().fingerprint();
+    let dims = ddtree_engine::tuning::ModelDims::from_config("tiny-kimi".into(), model.config()).on_gpu(
+        fp.sm_count as usize,
+        ddtree_kernels::wgmma_supported(fp.compute_capability),
+    );
     let plan: std::collections::HashSet<_> =
         ddtree_engine::tuning::lookups(&dims, ddtree_engine::tuning::STARTUP_MAX_M)
             .iter()

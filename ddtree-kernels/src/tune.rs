@@ -210,13 +210,16 @@ impl RowsKey {
 }
 
 // Each family's `Tunable` impl lives in its folder; keys and workloads are re-exported here.
+pub use crate::attention::tune::*;
 pub use crate::elementwise::tune::*;
 pub use crate::embedding::tune::*;
 pub use crate::gemm_bf16::tune::*;
+pub use crate::gemv_bf16::tune::*;
 pub use crate::norm::tune::*;
 pub use crate::topk::tune::*;
 pub use crate::tree::tune::*;
 pub use crate::w4a16::tune::*;
+pub use crate::w4a16::tune_wg::*;
 
 #[cfg(test)]
 mod tests {

@@ -323,6 +323,14 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
     // are timed from CUDA graphs (`Tunable::runs_per_sample`).
     // SAFETY: every buffer of the tuner lives on the GPU's one stream.
     unsafe { gpu.context().disable_event_tracking() };
+    // The plan of this GPU: the fused GEMVs' kernels follow its SM count, the INT4 GEMM keys
+    // its `wgmma` (the listed plan assumes an H100/H200).
+    let fp = gpu.fingerprint();
+    let d = d.on_gpu(
+        fp.sm_count as usize,
+        ddtree_kernels::wgmma_supported(fp.compute_capability),
+    );
+    let jobs = selected(plan(&d, args.max_m), args.kernels.as_deref());
     let cache = TuneCache::open(gpu.fingerprint());
     let cache_path = cache.path().to_path_buf();
     let mut tuner = Tuner::new(

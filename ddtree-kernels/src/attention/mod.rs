@@ -14,6 +14,7 @@ pub mod gqa;
 pub mod mla;
 pub mod mla_absorb;
 pub mod op;
+pub mod tune;
 
 pub use gqa::{GqaAttention, GqaParams};
 pub use mla::{MlaAppendParams, MlaAttention, MlaAttnParams, MlaKvAppend};

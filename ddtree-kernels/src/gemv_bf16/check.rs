@@ -285,6 +285,32 @@ fn gate_up_output<K: Kernel>(
     )])
 }
 
+/// Checks [`GemvGateUpSilu`] variant `p` at `rows` rows of an `[n, k]` gate and up (the
+/// autotuner's check).
+pub fn gemv_gate_up(
+    t: &Target<'_>,
+    p: &GemvParams,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    gate_up_output::<GemvGateUpSilu>(t, p, gemv::grid(p, n as u32), rows, n, kd, rng)
+}
+
+/// Checks [`GemvSplitGateUpSilu`] variant `p` at `rows` rows of an `[n, k]` gate and up (the
+/// autotuner's check).
+pub fn gemv_split_gate_up(
+    t: &Target<'_>,
+    p: &GemvSplitParams,
+    rows: usize,
+    n: usize,
+    kd: usize,
+    rng: &mut StdRng,
+) -> Result<Vec<CheckResult>, CheckError> {
+    gate_up_output::<GemvSplitGateUpSilu>(t, p, gemv::split_grid(p, n as u32), rows, n, kd, rng)
+}
+
 /// Every candidate of [`GemvGateUpSilu`] at the sizes of `sizes`, swept as [`gemv_suite`] sweeps
 /// (every row count `1..=m` on small ragged cases); the full sizes add the dense MLP of Kimi K2.6
 /// (18432 x 7168) and the shared expert's shape (2048 x 7168).

@@ -32,6 +32,7 @@ use crate::silu_mul::silu;
 /// This family's checks (re-exported by [`crate::check`]).
 pub mod check;
 pub mod op;
+pub mod tune;
 
 /// Compile-time parameters of [`GemvBf16`], [`GemvBf16F32`] and [`GemvGateUpSilu`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, KernelParams)]

@@ -203,28 +203,51 @@ pub const WG_MIN_ROWS: u32 = 48;
 /// that many rows cost more than the idle SMs). Only for GPUs with `wgmma`
 /// ([`crate::wgmma_supported`]).
 pub fn default_dense(m: u32, n: u32, k: u32) -> Option<(W4a16WgParams, u32)> {
+    default_dense_tile(m).map(|p| dense_launch(&p, m, n, k))
+}
+
+/// [`default_dense`]'s tile at `m` rows, `splitk` meaning "split where [`dense_splits`] does":
+/// the same for every `m` of one power-of-two bucket. `None` below [`WG_MIN_ROWS`].
+pub fn default_dense_tile(m: u32) -> Option<W4a16WgParams> {
     if m < WG_MIN_ROWS {
         return None;
     }
-    let (p, few) = if m <= 128 {
-        (wg(1, 1, 64, 3, true), 132)
+    Some(if m <= 128 {
+        wg(1, 1, 64, 3, true)
     } else {
-        (wg(2, 1, 256, 3, true), 48)
-    };
-    let (mx, ny, _) = grid(&p, m, n, 1);
+        wg(2, 1, 256, 3, true)
+    })
+}
+
+/// The K splits of a dense variant at `m x n x k` ([`default_dense`]'s rule, for any tile): 1
+/// without `splitk`; with it, to about two blocks per SM (at most 4 ways, at least two k128
+/// chunks a split) where the grid has fewer than 132 blocks (`m <= 128`) or 48 (above), else 1.
+pub fn dense_splits(p: &W4a16WgParams, m: u32, n: u32, k: u32) -> u32 {
+    if !p.splitk {
+        return 1;
+    }
+    let few = if m <= 128 { 132 } else { 48 };
+    let (mx, ny, _) = grid(p, m, n, 1);
     let blocks = mx * ny;
-    let splits = if blocks >= few {
+    if blocks >= few {
         1
     } else {
         (2 * 132u32).div_ceil(blocks).min((k.div_ceil(128) / 2).max(1)).min(4)
-    };
-    Some((
+    }
+}
+
+/// The variant and split count a dense product of `m x n x k` launches for tile `p`: `p`'s
+/// `splitk` says whether it may split K ([`dense_splits`]); the launched variant keeps `splitk`
+/// only where it does split.
+pub fn dense_launch(p: &W4a16WgParams, m: u32, n: u32, k: u32) -> (W4a16WgParams, u32) {
+    let splits = dense_splits(p, m, n, k);
+    (
         W4a16WgParams {
             splitk: splits > 1,
-            ..p
+            ..*p
         },
         splits,
-    ))
+    )
 }
 
 /// Every candidate: [`WG_DENSE_SPACE`], then [`WG_FUSED_SPACE`].

@@ -23,6 +23,7 @@ pub mod layout;
 pub mod moe;
 pub mod op;
 pub mod tune;
+pub mod tune_wg;
 
 pub use gemm::{Epilogue, Layout, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
 pub use gemm_sk::{ActTilesParams, W4a16ActTiles, W4a16GemmSk, W4a16SkParams};

@@ -259,18 +259,9 @@ impl CudaBackend {
         }
         let t = q.rows;
         let mut q_abs = self.tensor_bf16(t, d.heads * lw)?;
-        let absorb = (t <= MLA_ABSORB_QUERY_MAX_ROWS && d.kv_lora % 8 == 0)
-            .then(|| {
-                <MlaAbsorbQuery as ddtree_codegen::Kernel>::space()
-                    .into_iter()
-                    .find(|p| {
-                        (p.nope as usize, p.rope as usize, p.interleave) == (d.nope, d.rope, rope.interleaved())
-                            && d.kv_lora % p.cols as usize == 0
-                    })
-            })
-            .flatten();
-        if let Some(p) = absorb {
-            let kern = self.variant::<MlaAbsorbQuery>(&p)?;
+        let absorb = Lookup::mla_absorb_query(t, d.heads, d.kv_lora, d.nope, d.rope, d.v, rope.interleaved());
+        if let Some(lookup) = absorb {
+            let kern = self.tuned::<MlaAbsorbQuery>(lookup)?;
             let max = positions.iter().copied().max().unwrap_or(0);
             let tables = self.rope_tables(rope, max)?;
             let pos = self.staged(Staged::Positions, positions)?;

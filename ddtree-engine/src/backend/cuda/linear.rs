@@ -79,11 +79,11 @@ impl CudaBackend {
         let sms = self.gpu().fingerprint().sm_count as usize;
         let fused = match w {
             CudaWeight::Dense { w, .. } if x.cols == k && weight.len == k => {
-                gemv::choose_rms_norm(x.rows, n, k, sms).map(|p| (p, w))
+                Lookup::rms_norm_linear(x.rows, n, k, sms).map(|l| (l, w))
             }
             _ => None,
         };
-        let Some((p, wd)) = fused else {
+        let Some((lookup, wd)) = fused else {
             return self.linear(&self.rms_norm(x, weight, eps)?, w);
         };
         let _span = self.profile.span("rms_norm_linear");
@@ -98,7 +98,7 @@ impl CudaBackend {
             n,
             k,
         }
-        .launch(&*self.variant::<GemvRmsNormBf16>(&p)?, self.stream())?;
+        .launch(&*self.tuned::<GemvRmsNormBf16>(lookup)?, self.stream())?;
         Ok(out)
     }
 
@@ -152,8 +152,12 @@ impl CudaBackend {
                 };
                 let dst = out.bf16_mut("linear")?;
                 let group = *group as u32;
-                match gemm_wg::default_dense(x.rows as u32, n as u32, k as u32).filter(|_| self.wgmma) {
-                    Some((p, splits)) => {
+                match Lookup::int4_gemm_wg(x.rows, n, k, group as usize, self.wgmma) {
+                    Some(lookup) => {
+                        // The tuned tile (index 0: `gemm_wg::default_dense`'s), split as
+                        // `gemm_wg::dense_launch` says at these rows.
+                        let tile = self.tuned_params::<W4a16GemmWg>(lookup)?;
+                        let (p, splits) = gemm_wg::dense_launch(&tile, x.rows as u32, n as u32, k as u32);
                         let kern = self.variant::<W4a16GemmWg>(&W4a16WgParams { group, ..p })?;
                         self.int4_gemm(&kern, splits, &args, dst)?
                     }
@@ -204,7 +208,7 @@ impl CudaBackend {
         // Two dense weights of one shape that `x` fits, and a GEMV shape (few rows, k % 8 == 0).
         let sms = self.gpu().fingerprint().sm_count as usize;
         let fits = (n, k) == (un, uk) && x.cols == *k;
-        let Some(choice) = gemv::choose_gate_up(x.rows, *n, *k, sms).filter(|_| fits) else {
+        let Some(lookup) = Lookup::gate_up_silu(x.rows, *n, *k, sms).filter(|_| fits) else {
             return unfused_gate_up_silu(self, x, gate, up);
         };
         let _span = self.profile.span("gate_up_silu");
@@ -218,9 +222,9 @@ impl CudaBackend {
             n: *n,
             k: *k,
         };
-        match choice {
-            GemvChoice::Warp(p) => op.launch_warp(&*self.variant::<GemvGateUpSilu>(&p)?, self.stream())?,
-            GemvChoice::Split(p) => op.launch_split(&*self.variant::<GemvSplitGateUpSilu>(&p)?, self.stream())?,
+        match lookup {
+            Lookup::GateUpGemv(_) => op.launch_warp(&*self.tuned::<GemvGateUpSilu>(lookup)?, self.stream())?,
+            _ => op.launch_split(&*self.tuned::<GemvSplitGateUpSilu>(lookup)?, self.stream())?,
         }
         Ok(out)
     }

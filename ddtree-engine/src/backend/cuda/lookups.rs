@@ -6,11 +6,13 @@
 
 use std::fmt;
 
+use ddtree_kernels::gemv::{self, GemvChoice, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitGateUpSilu};
 use ddtree_kernels::topk;
 use ddtree_kernels::tree::TreeBuild;
-use ddtree_kernels::tune::{EmbeddingKey, RowsKey, TopkKey, TreeBuildKey, W4GemvKey};
+use ddtree_kernels::tune::{EmbeddingKey, GemvKey, MlaQueryKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey};
+use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg};
 use ddtree_kernels::w4a16::gemv::W4a16Gemv;
-use ddtree_kernels::{Embedding, RmsNorm, RowTopk};
+use ddtree_kernels::{Embedding, MlaAbsorbQuery, RmsNorm, RowTopk};
 use ddtree_runtime::Tunable;
 
 use std::sync::atomic::Ordering;
@@ -18,6 +20,7 @@ use std::sync::Arc;
 
 use ddtree_runtime::CompiledKernel;
 
+use super::attention::MLA_ABSORB_QUERY_MAX_ROWS;
 use super::linear::dense_int4_gemv;
 use super::{fail, CudaBackend};
 use crate::error::Result;
@@ -37,6 +40,18 @@ pub enum Lookup {
     Int4Gemv(W4GemvKey),
     /// The GPU tree builder.
     TreeBuild(TreeBuildKey),
+    /// The RMSNorm fused into the GEMV that consumes it (`rms_norm_linear`: the MLA query's
+    /// `q_b(q_norm(x))`), where [`gemv::choose_rms_norm`] takes the fused kernel.
+    RmsNormGemv(GemvKey),
+    /// The per-column fused gate/up SiLU-and-mul GEMV (`gate_up_silu`).
+    GateUpGemv(GemvKey),
+    /// The split-K fused gate/up SiLU-and-mul GEMV (`gate_up_silu`).
+    GateUpSplitGemv(GemvKey),
+    /// The dense `wgmma` W4A16 GEMM of an INT4 linear of [`gemm_wg::WG_MIN_ROWS`] rows or more
+    /// (Hopper).
+    Int4GemmWg(W4GemmKey),
+    /// The absorbed-MLA query kernel (`mla_query` of a few tokens).
+    MlaAbsorbQuery(MlaQueryKey),
 }
 
 impl Lookup {
@@ -73,6 +88,60 @@ impl Lookup {
         Lookup::TreeBuild(TreeBuildKey { depth, vocab, budget })
     }
 
+    /// `rms_norm_linear` of `rows` rows into a dense `[n, k]` weight on a GPU of `sms` SMs: a
+    /// lookup where the fused RMSNorm + GEMV runs ([`gemv::choose_rms_norm`]: one row, a wide
+    /// output, `k <= NORM_MAX_K`), none where the norm and the product run apart.
+    pub fn rms_norm_linear(rows: usize, n: usize, k: usize, sms: usize) -> Option<Lookup> {
+        gemv::choose_rms_norm(rows, n, k, sms).map(|_| Lookup::RmsNormGemv(GemvKey { rows, n, k }))
+    }
+
+    /// `gate_up_silu` of `rows` rows over dense `[n, k]` gate and up weights on a GPU of `sms`
+    /// SMs: the per-column or split-K fused GEMV ([`gemv::choose_gate_up`]), none where two
+    /// products and a SiLU-and-mul run instead.
+    pub fn gate_up_silu(rows: usize, n: usize, k: usize, sms: usize) -> Option<Lookup> {
+        let key = GemvKey { rows, n, k };
+        gemv::choose_gate_up(rows, n, k, sms).map(|c| match c {
+            GemvChoice::Warp(_) => Lookup::GateUpGemv(key),
+            GemvChoice::Split(_) => Lookup::GateUpSplitGemv(key),
+        })
+    }
+
+    /// An INT4 linear of `rows` rows over an `[n, k]` weight of scale group `group`: a lookup
+    /// where it runs on the `wgmma` GEMM (a GPU with `wgmma`, at least [`gemm_wg::WG_MIN_ROWS`]
+    /// rows, past [`dense_int4_gemv`]'s), none where it runs the GEMV or the mma.sync GEMM.
+    pub fn int4_gemm_wg(rows: usize, n: usize, k: usize, group: usize, wgmma: bool) -> Option<Lookup> {
+        // From WG_MIN_ROWS rows on, past the GEMV's few rows.
+        let wg = wgmma && gemm_wg::default_dense_tile(rows as u32).is_some();
+        wg.then_some(Lookup::Int4GemmWg(W4GemmKey { m: rows, n, k, group }))
+    }
+
+    /// `mla_query` of `rows` tokens of `heads` heads (`nope` + `rope` query dims, `v` value
+    /// dims, latent `lora`, rope pairs `interleave`d or not): a lookup where the one-launch
+    /// absorbed kernel runs (up to `MLA_ABSORB_QUERY_MAX_ROWS` tokens, a variant for the head
+    /// dims), none where cuBLAS's batched GEMM and the rope kernel run.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_absorb_query(
+        rows: usize,
+        heads: usize,
+        lora: usize,
+        nope: usize,
+        rope: usize,
+        v: usize,
+        interleave: bool,
+    ) -> Option<Lookup> {
+        let key = MlaQueryKey {
+            rows,
+            heads,
+            lora,
+            nope,
+            rope,
+            v,
+            interleave,
+        };
+        let absorb = rows <= MLA_ABSORB_QUERY_MAX_ROWS && !MlaAbsorbQuery::candidates(&key).is_empty();
+        absorb.then_some(Lookup::MlaAbsorbQuery(key))
+    }
+
     /// Its tuning job.
     pub fn job(&self) -> Box<dyn Job> {
         match self {
@@ -81,6 +150,11 @@ impl Lookup {
             Lookup::Argmax(k) => job::<RowTopk>(*k),
             Lookup::Int4Gemv(k) => job::<W4a16Gemv>(*k),
             Lookup::TreeBuild(k) => job::<TreeBuild>(*k),
+            Lookup::RmsNormGemv(k) => job::<GemvRmsNormBf16>(*k),
+            Lookup::GateUpGemv(k) => job::<GemvGateUpSilu>(*k),
+            Lookup::GateUpSplitGemv(k) => job::<GemvSplitGateUpSilu>(*k),
+            Lookup::Int4GemmWg(k) => job::<W4a16GemmWg>(*k),
+            Lookup::MlaAbsorbQuery(k) => job::<MlaAbsorbQuery>(*k),
         }
     }
 
@@ -95,6 +169,11 @@ impl Lookup {
             Lookup::Argmax(k) => of::<RowTopk>(k),
             Lookup::Int4Gemv(k) => of::<W4a16Gemv>(k),
             Lookup::TreeBuild(k) => of::<TreeBuild>(k),
+            Lookup::RmsNormGemv(k) => of::<GemvRmsNormBf16>(k),
+            Lookup::GateUpGemv(k) => of::<GemvGateUpSilu>(k),
+            Lookup::GateUpSplitGemv(k) => of::<GemvSplitGateUpSilu>(k),
+            Lookup::Int4GemmWg(k) => of::<W4a16GemmWg>(k),
+            Lookup::MlaAbsorbQuery(k) => of::<MlaAbsorbQuery>(k),
         }
     }
 }
@@ -125,7 +204,18 @@ macro_rules! key_of {
     )*};
 }
 
-key_of!(RmsNorm => RmsNorm, Embedding => Embedding, RowTopk => Argmax, W4a16Gemv => Int4Gemv, TreeBuild => TreeBuild);
+key_of!(
+    RmsNorm => RmsNorm,
+    Embedding => Embedding,
+    RowTopk => Argmax,
+    W4a16Gemv => Int4Gemv,
+    TreeBuild => TreeBuild,
+    GemvRmsNormBf16 => RmsNormGemv,
+    GemvGateUpSilu => GateUpGemv,
+    GemvSplitGateUpSilu => GateUpSplitGemv,
+    W4a16GemmWg => Int4GemmWg,
+    MlaAbsorbQuery => MlaAbsorbQuery,
+);
 
 impl CudaBackend {
     /// The tuned variant of `K` for `lookup` (the default where nothing valid is tuned); the
@@ -142,6 +232,39 @@ impl CudaBackend {
             self.lookups.lock().expect("lookup log lock").insert(lookup);
         }
         Ok(kernel)
+    }
+
+    /// The tuned parameters of `K` for `lookup` without compiling them (for a kernel whose
+    /// launched variant derives from the tuned one, as the `wgmma` GEMM's split-K flag does),
+    /// memoized per lookup; recorded as [`CudaBackend::tuned`] records.
+    pub(super) fn tuned_params<K: Tunable>(&self, lookup: Lookup) -> Result<K::Params>
+    where
+        Lookup: KeyOf<K>,
+    {
+        let Some(key) = KeyOf::<K>::key_of(&lookup) else {
+            return Err(fail(format!("{lookup} is not a lookup of `{}`", K::NAME)));
+        };
+        let memo = self
+            .tuned_params
+            .lock()
+            .expect("tuned params lock")
+            .get(&lookup)
+            .cloned();
+        let params = match memo.and_then(|p| p.downcast::<K::Params>().ok()) {
+            Some(p) => (*p).clone(),
+            None => {
+                let p = self.kernels.choose::<K>(key).params;
+                self.tuned_params
+                    .lock()
+                    .expect("tuned params lock")
+                    .insert(lookup.clone(), Arc::new(p.clone()));
+                p
+            }
+        };
+        if self.record_lookups.load(Ordering::Relaxed) {
+            self.lookups.lock().expect("lookup log lock").insert(lookup);
+        }
+        Ok(params)
     }
 
     /// Starts (or stops) recording the tune-cache lookups the backend makes.

@@ -161,6 +161,8 @@ pub struct CudaBackend {
     /// Whether tune-cache lookups are recorded ([`CudaBackend::record_lookups`]), and those made.
     record_lookups: std::sync::atomic::AtomicBool,
     lookups: Mutex<std::collections::HashSet<Lookup>>,
+    /// The tuned parameters per lookup ([`CudaBackend::tuned_params`]).
+    tuned_params: Mutex<std::collections::HashMap<Lookup, Arc<dyn std::any::Any + Send + Sync>>>,
     /// The GPU has `wgmma`: dense INT4 products of [`gemm_wg::WG_MIN_ROWS`] rows or more run
     /// on [`W4a16GemmWg`].
     wgmma: bool,
@@ -272,6 +274,7 @@ impl CudaBackend {
             attention,
             record_lookups: Default::default(),
             lookups: Default::default(),
+            tuned_params: Default::default(),
             wgmma: ddtree_kernels::wgmma_supported(gpu_cc),
         })
     }
