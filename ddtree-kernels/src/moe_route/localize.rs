@@ -1,7 +1,9 @@
 //! The routing of one expert-parallel rank: its experts renumbered from 0, the others dropped
-//! (weight 0, local expert 0), in place on the device. The grouped MoE kernels take a fixed
-//! top-k per token, so a dropped choice stays in its slot with a zero weight instead of being
-//! removed (the CPU backend removes it; the weighted sums are the same).
+//! in place on the device. The W4A16 MoE kernels take a fixed top-k per token and skip the
+//! expert ids past the rank's experts, so a dropped choice stays in its slot as id
+//! `hi - lo` (the rank's expert count) with weight 0 (the CPU backend removes it; the sums are
+//! the same). It must not become a local id: the small-token GEMV pair walks each token's
+//! distinct experts, and a dropped choice on a kept expert's id would shadow it.
 
 use ddtree_macros::{kernel, KernelParams};
 
@@ -13,7 +15,8 @@ pub struct MoeLocalizeParams {
 }
 
 /// For each of the `n` choices: an expert id in `[lo, hi)` becomes `id - lo`; any other id
-/// becomes 0 with weight 0. Any grid (the kernel strides over the choices).
+/// becomes `hi - lo` (past the rank's experts) with weight 0. Any grid (the kernel strides
+/// over the choices).
 #[kernel(block = p.block, space = [MoeLocalizeParams { block: 256 }])]
 pub fn moe_localize(#[comptime] p: &MoeLocalizeParams, ids: &mut [u32], weights: &mut [f32], n: u32, lo: u32, hi: u32) {
     let stride = grid_dim_x() * p.block;
@@ -23,7 +26,7 @@ pub fn moe_localize(#[comptime] p: &MoeLocalizeParams, ids: &mut [u32], weights:
         if id >= lo && id < hi {
             ids[i] = id - lo;
         } else {
-            ids[i] = 0u32;
+            ids[i] = hi - lo;
             weights[i] = 0.0f32;
         }
     }
@@ -38,6 +41,12 @@ pub fn grid(p: &MoeLocalizeParams, n: usize) -> u32 {
 pub fn reference(ids: &[u32], weights: &[f32], lo: u32, hi: u32) -> (Vec<u32>, Vec<f32>) {
     ids.iter()
         .zip(weights)
-        .map(|(&id, &w)| if (lo..hi).contains(&id) { (id - lo, w) } else { (0, 0.0) })
+        .map(|(&id, &w)| {
+            if (lo..hi).contains(&id) {
+                (id - lo, w)
+            } else {
+                (hi - lo, 0.0)
+            }
+        })
         .unzip()
 }

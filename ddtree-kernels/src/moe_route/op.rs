@@ -87,7 +87,8 @@ impl<L: DevicePtr<f32>, B: DevicePtr<f32>, I: DevicePtrMut<u32>, W: DevicePtrMut
 }
 
 /// One expert-parallel rank's view of a routing, in place ([`MoeLocalize`]): choices of experts
-/// in `local` renumbered from 0, the others set to expert 0 with weight 0.
+/// in `local` renumbered from 0, the others set to `local.len()` (an id the MoE kernels skip)
+/// with weight 0.
 pub struct MoeLocalizeOp<'a, I, W> {
     /// Chosen experts, `[choices]`.
     pub ids: &'a mut I,

@@ -190,8 +190,8 @@ impl CudaBackend {
     }
 
     /// [`Backend::moe_localize`] on the GPU: a copy of the routing with the experts outside
-    /// `local` dropped (weight 0, local expert 0: the grouped kernels take a fixed top-k per
-    /// token) and the others renumbered from 0. Device-only (no host round trip), so a
+    /// `local` dropped (id `local.len()`, which the MoE kernels skip, and weight 0: they take a
+    /// fixed top-k per token) and the others renumbered from 0. Device-only (no host round trip), so a
     /// rank's step can be recorded in a graph.
     pub(super) fn moe_localize(&self, routing: &CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
         let _span = self.profile.span("moe_localize");
