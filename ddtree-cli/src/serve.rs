@@ -139,7 +139,16 @@ fn load_serve_rank<B: Backend>(
         ),
         Some(dir) => {
             let config = ModelConfig::from_file(&dir.join("config.json"))?;
-            Model::load_rank(backend, config, &Checkpoint::open(dir)?, options, rank, &mut |_, _| {})
+            let ckpt = Checkpoint::open(dir)?;
+            // One bar for all ranks: rank 0 draws it (its shard's bytes of the checkpoint).
+            let total = if rank.rank == 0 { ckpt.total_bytes() } else { 0 };
+            let bar = progress_bar(total, "loading weights {bar:40} {bytes}/{total_bytes} ({eta})");
+            let model = Model::load_rank(backend, config, &ckpt, options, rank, &mut |done, total| {
+                bar.set_length(total);
+                bar.set_position(done);
+            });
+            bar.finish_and_clear();
+            model
         }
     }
 }
@@ -287,7 +296,16 @@ fn serve_on<B: Backend + 'static>(backend: B, args: &ServeArgs, cost: Option<Cos
         Some(dir) => {
             let config = ModelConfig::from_file(&dir.join("config.json"))?;
             let ckpt = Checkpoint::open(dir)?;
-            Model::load(backend, config, &ckpt, options, &mut |_, _| {})?
+            let bar = progress_bar(
+                ckpt.total_bytes(),
+                "loading weights {bar:40} {bytes}/{total_bytes} ({eta})",
+            );
+            let model = Model::load(backend, config, &ckpt, options, &mut |done, total| {
+                bar.set_length(total);
+                bar.set_position(done);
+            });
+            bar.finish_and_clear();
+            model?
         }
     };
     let (id, tokenizer, template) = load_text(args)?;
