@@ -203,115 +203,73 @@ fn gate_up_op<'a>(
     }
 }
 
-impl Tunable for GemvGateUpSilu {
-    type Key = GemvKey;
-    type Workload = GemvWorkload;
+/// The two gate/up SiLU kernels' [`Tunable`]s: the same key, workload, candidates (the variants
+/// that take the rows, [`gemv::choose_gate_up`]'s, the first compiled for exactly the bucket's
+/// rows, first) and check; they differ in their parameters, launch and check function.
+macro_rules! gate_up_tunable {
+    ($kernel:ty, $params:ty, $launch:ident, $check:path) => {
+        impl Tunable for $kernel {
+            type Key = GemvKey;
+            type Workload = GemvWorkload;
 
-    fn bucket(key: &GemvKey) -> GemvKey {
-        key.bucketed()
-    }
+            fn bucket(key: &GemvKey) -> GemvKey {
+                key.bucketed()
+            }
 
-    /// The per-column variants that take the rows, [`gemv::choose_gate_up`]'s (the first
-    /// compiled for exactly the bucket's rows) first.
-    fn candidates(key: &GemvKey) -> Vec<gemv::GemvParams> {
-        if !key.valid() {
-            return Vec::new();
+            fn candidates(key: &GemvKey) -> Vec<$params> {
+                if !key.valid() {
+                    return Vec::new();
+                }
+                let m = key.m();
+                let all: Vec<_> = Self::space().into_iter().filter(|p| p.m >= m).collect();
+                let default = all.iter().find(|p| p.m == m).copied();
+                default_first(all, default)
+            }
+
+            fn cost(key: &GemvKey) -> Cost {
+                gemv_cost(key, 2)
+            }
+
+            fn workload(
+                gpu: &Gpu,
+                pool: &mut DevicePool,
+                key: &GemvKey,
+                copies: usize,
+                seed: u64,
+            ) -> Result<GemvWorkload, RuntimeError> {
+                gemv_workload(gpu, pool, key, 2, copies, seed)
+            }
+
+            fn run(gpu: &Gpu, kern: &CompiledKernel<Self>, w: &mut GemvWorkload, i: usize) -> Result<(), RuntimeError> {
+                gate_up_op(w, i).$launch(kern, gpu.stream())
+            }
+
+            fn check_key(key: &GemvKey) -> GemvKey {
+                key.checked()
+            }
+
+            fn check(gpu: &Gpu, p: &$params, key: &GemvKey, seed: u64) -> Result<Verdict, RuntimeError> {
+                let r = $check(
+                    &check::Target::Gpu(gpu),
+                    p,
+                    key.rows,
+                    key.n,
+                    key.k,
+                    &mut StdRng::seed_from_u64(seed),
+                )?;
+                Ok(verdict(r.into_iter().next().expect("one case")))
+            }
         }
-        let m = key.m();
-        let all: Vec<_> = Self::space().into_iter().filter(|p| p.m >= m).collect();
-        let default = all.iter().find(|p| p.m == m).copied();
-        default_first(all, default)
-    }
-
-    fn cost(key: &GemvKey) -> Cost {
-        gemv_cost(key, 2)
-    }
-
-    fn workload(
-        gpu: &Gpu,
-        pool: &mut DevicePool,
-        key: &GemvKey,
-        copies: usize,
-        seed: u64,
-    ) -> Result<GemvWorkload, RuntimeError> {
-        gemv_workload(gpu, pool, key, 2, copies, seed)
-    }
-
-    fn run(gpu: &Gpu, kern: &CompiledKernel<Self>, w: &mut GemvWorkload, i: usize) -> Result<(), RuntimeError> {
-        gate_up_op(w, i).launch_warp(kern, gpu.stream())
-    }
-
-    fn check_key(key: &GemvKey) -> GemvKey {
-        key.checked()
-    }
-
-    fn check(gpu: &Gpu, p: &gemv::GemvParams, key: &GemvKey, seed: u64) -> Result<Verdict, RuntimeError> {
-        let r = check::gemv_gate_up(
-            &check::Target::Gpu(gpu),
-            p,
-            key.rows,
-            key.n,
-            key.k,
-            &mut StdRng::seed_from_u64(seed),
-        )?;
-        Ok(verdict(r.into_iter().next().expect("one case")))
-    }
+    };
 }
 
-impl Tunable for GemvSplitGateUpSilu {
-    type Key = GemvKey;
-    type Workload = GemvWorkload;
-
-    fn bucket(key: &GemvKey) -> GemvKey {
-        key.bucketed()
-    }
-
-    /// The split-K variants that take the rows, [`gemv::choose_gate_up`]'s (the first compiled
-    /// for exactly the bucket's rows) first.
-    fn candidates(key: &GemvKey) -> Vec<gemv::GemvSplitParams> {
-        if !key.valid() {
-            return Vec::new();
-        }
-        let m = key.m();
-        let all: Vec<_> = Self::space().into_iter().filter(|p| p.m >= m).collect();
-        let default = all.iter().find(|p| p.m == m).copied();
-        default_first(all, default)
-    }
-
-    fn cost(key: &GemvKey) -> Cost {
-        gemv_cost(key, 2)
-    }
-
-    fn workload(
-        gpu: &Gpu,
-        pool: &mut DevicePool,
-        key: &GemvKey,
-        copies: usize,
-        seed: u64,
-    ) -> Result<GemvWorkload, RuntimeError> {
-        gemv_workload(gpu, pool, key, 2, copies, seed)
-    }
-
-    fn run(gpu: &Gpu, kern: &CompiledKernel<Self>, w: &mut GemvWorkload, i: usize) -> Result<(), RuntimeError> {
-        gate_up_op(w, i).launch_split(kern, gpu.stream())
-    }
-
-    fn check_key(key: &GemvKey) -> GemvKey {
-        key.checked()
-    }
-
-    fn check(gpu: &Gpu, p: &gemv::GemvSplitParams, key: &GemvKey, seed: u64) -> Result<Verdict, RuntimeError> {
-        let r = check::gemv_split_gate_up(
-            &check::Target::Gpu(gpu),
-            p,
-            key.rows,
-            key.n,
-            key.k,
-            &mut StdRng::seed_from_u64(seed),
-        )?;
-        Ok(verdict(r.into_iter().next().expect("one case")))
-    }
-}
+gate_up_tunable!(GemvGateUpSilu, gemv::GemvParams, launch_warp, check::gemv_gate_up);
+gate_up_tunable!(
+    GemvSplitGateUpSilu,
+    gemv::GemvSplitParams,
+    launch_split,
+    check::gemv_split_gate_up
+);
 
 #[cfg(test)]
 mod tests {
