@@ -46,7 +46,43 @@ impl fmt::Display for W4GemvKey {
 }
 
 /// The interleaved INT4 weight words and bf16 scale words of one `[n, k]` weight.
-type W4Weights = (CudaSlice<u32>, CudaSlice<u32>);
+/// Packed INT4 weights and their scale words, one rotated copy.
+pub(super) type W4Weights = (CudaSlice<u32>, CudaSlice<u32>);
+
+/// Bytes and FLOPs of a W4A16 product of `rows` bf16 rows with an INT4 `[n, k]` weight of scale
+/// group `group` (packed weights, bf16 scales, activations in, bf16 out).
+pub(super) fn int4_cost(rows: usize, n: usize, k: usize, group: usize) -> Cost {
+    Cost {
+        bytes: (n * k / 2 + 2 * (n * k / group.max(1)) + 2 * rows * k + 2 * rows * n) as f64,
+        flops: 2.0 * (rows * n * k) as f64,
+    }
+}
+
+/// Random INT4 weights and scale words for an `[n, k]` weight of group `group`, as many copies
+/// as rotate past the L2, shared through `pool` by every W4A16 tuning job of that shape (any
+/// word is 8 valid INT4 codes and any scale word two bf16: the speed does not depend on them).
+pub(super) fn int4_weights(
+    gpu: &Gpu,
+    pool: &mut DevicePool,
+    n: usize,
+    k: usize,
+    group: usize,
+    seed: u64,
+) -> Result<Arc<Vec<W4Weights>>, RuntimeError> {
+    let fills = Fills::get(gpu, pool)?;
+    let (words, scale_words) = (interleaved_words(n, k), (n * k / group.max(1)).div_ceil(2));
+    let bytes = 4 * (words + scale_words);
+    let sets = rotation_copies(l2_bytes(gpu), bytes as f64);
+    let name = format!("w4a16.w n={n} k={k} group={group}");
+    pool.get_or_try_insert(&name, bytes * sets, || {
+        (0..sets as u64)
+            .map(|c| {
+                let s = seed.wrapping_sub(1).wrapping_add(2 * c);
+                Ok((fills.u32(gpu, words, s)?, fills.u32(gpu, scale_words, s + 1)?))
+            })
+            .collect::<Result<Vec<_>, RuntimeError>>()
+    })
+}
 
 /// Dense W4A16 GEMV timing buffers: rotated activations and outputs, the weights (random words
 /// in as many copies as rotate past the L2) shared by every token bucket, and the unused
@@ -93,10 +129,7 @@ impl Tunable for W4a16Gemv {
 
     fn cost(key: &W4GemvKey) -> Cost {
         let W4GemvKey { tokens, n, k, group } = *key;
-        Cost {
-            bytes: (n * k / 2 + 2 * (n * k / group.max(1)) + 2 * tokens * k + 2 * tokens * n) as f64,
-            flops: 2.0 * (tokens * n * k) as f64,
-        }
+        int4_cost(tokens, n, k, group)
     }
 
     fn workload(
@@ -108,20 +141,7 @@ impl Tunable for W4a16Gemv {
     ) -> Result<W4GemvWorkload, RuntimeError> {
         let fills = Fills::get(gpu, pool)?;
         let W4GemvKey { tokens, n, k, group } = *key;
-        // Random words: any word is 8 valid INT4 codes, any scale word two bf16 (the speed does
-        // not depend on the values).
-        let (words, scale_words) = (interleaved_words(n, k), (n * k / group.max(1)).div_ceil(2));
-        let bytes = 4 * (words + scale_words);
-        let sets = rotation_copies(l2_bytes(gpu), bytes as f64);
-        let name = format!("w4a16_gemv.w n={n} k={k} group={group}");
-        let w = pool.get_or_try_insert(&name, bytes * sets, || {
-            (0..sets as u64)
-                .map(|c| {
-                    let s = seed.wrapping_sub(1).wrapping_add(2 * c);
-                    Ok((fills.u32(gpu, words, s)?, fills.u32(gpu, scale_words, s + 1)?))
-                })
-                .collect::<Result<Vec<_>, RuntimeError>>()
-        })?;
+        let w = int4_weights(gpu, pool, n, k, group, seed)?;
         Ok(W4GemvWorkload {
             key: *key,
             x: fills.bf16_sets(gpu, copies, tokens * k, seed, (-1.0, 1.0))?,

@@ -9,9 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use ddtree_runtime::cudarc::driver::CudaSlice;
-use ddtree_runtime::{
-    bucket_pow2, l2_bytes, rotation_copies, CompiledKernel, Cost, DevicePool, Gpu, RuntimeError, Tunable, Verdict,
-};
+use ddtree_runtime::{bucket_pow2, CompiledKernel, Cost, DevicePool, Gpu, RuntimeError, Tunable, Verdict};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -21,7 +19,7 @@ use crate::check;
 use crate::tune::*;
 use crate::w4a16::gemm::{self, Epilogue, GemmArgs, Layout, ReduceParams, Scratch, W4a16Reduce};
 use crate::w4a16::gemm_wg::{self, W4a16GemmWg, W4a16WgParams, WG_DENSE_SPACE};
-use crate::w4a16::layout::interleaved_words;
+use crate::w4a16::tune::{int4_cost, int4_weights, W4Weights};
 
 /// A dense INT4 linear on the `wgmma` GEMM: `out[m, n] = a[m, k] . dequant(W)[n, k]^T`, scale
 /// group `group`, interleaved weights. `m` is bucketed to powers of two.
@@ -59,16 +57,13 @@ fn dense_tiles(group: u32) -> Vec<W4a16WgParams> {
     out
 }
 
-/// The interleaved INT4 weight words and scale words of one `[n, k]` weight.
-type WgWeights = (CudaSlice<u32>, CudaSlice<u32>);
-
 /// Dense `wgmma` GEMM timing buffers: rotated activations and outputs, the weights (random
 /// words, in as many copies as rotate past the L2) shared by every M bucket, the split-K
 /// scratch and the reduce kernel.
 pub struct W4GemmWorkload {
     key: W4GemmKey,
     a: Vec<CudaSlice<bf16>>,
-    w: Arc<Vec<WgWeights>>,
+    w: Arc<Vec<W4Weights>>,
     out: Vec<CudaSlice<bf16>>,
     scratch: Scratch,
     reduce: Arc<CompiledKernel<W4a16Reduce>>,
@@ -110,10 +105,7 @@ impl Tunable for W4a16GemmWg {
 
     fn cost(key: &W4GemmKey) -> Cost {
         let W4GemmKey { m, n, k, group } = *key;
-        Cost {
-            bytes: (n * k / 2 + 2 * (n * k / group.max(1)) + 2 * m * k + 2 * m * n) as f64,
-            flops: 2.0 * (m * n * k) as f64,
-        }
+        int4_cost(m, n, k, group)
     }
 
     fn workload(
@@ -125,19 +117,7 @@ impl Tunable for W4a16GemmWg {
     ) -> Result<W4GemmWorkload, RuntimeError> {
         let fills = Fills::get(gpu, pool)?;
         let W4GemmKey { m, n, k, group } = *key;
-        // Random words: any word is 8 valid INT4 codes (the speed does not depend on values).
-        let (words, scale_words) = (interleaved_words(n, k), (n * k / group).div_ceil(2));
-        let bytes = 4 * (words + scale_words);
-        let sets = rotation_copies(l2_bytes(gpu), bytes as f64);
-        let name = format!("w4a16_gemm_wg.w n={n} k={k} group={group}");
-        let w = pool.get_or_try_insert(&name, bytes * sets, || {
-            (0..sets as u64)
-                .map(|c| {
-                    let s = seed.wrapping_sub(1).wrapping_add(2 * c);
-                    Ok((fills.u32(gpu, words, s)?, fills.u32(gpu, scale_words, s + 1)?))
-                })
-                .collect::<Result<Vec<_>, RuntimeError>>()
-        })?;
+        let w = int4_weights(gpu, pool, n, k, group, seed)?;
         let rp = ReduceParams {
             block: 256,
             epilogue: Epilogue::Plain,
