@@ -6,21 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{metric, reference, sse_data, start, CONTEXT};
+use common::{metric, post, reference, sse_data, start, stub_info, CONTEXT};
 use ddtree_server::ServerConfig;
 use serde_json::{json, Value};
-
-async fn post(client: &reqwest::Client, url: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
-    let r = client
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap())
-}
 
 /// Posts `body` and checks the error's status, `param` and a piece of its message.
 async fn bad(client: &reqwest::Client, url: &str, body: Value, status: u16, param: Option<&str>, says: &str) {
@@ -537,14 +525,7 @@ struct Failing(usize);
 
 impl ddtree_server::Engine for Failing {
     fn info(&self) -> ddtree_server::ModelInfo {
-        ddtree_server::ModelInfo {
-            id: "failing".into(),
-            vocab_size: 10,
-            context: 16,
-            eos_ids: vec![],
-            device: "none".into(),
-            drafter: "none".into(),
-        }
+        stub_info("failing")
     }
 
     fn generate(

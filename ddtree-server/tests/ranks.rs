@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{metric, reference, sse_data};
+use common::{live_caches, metric, post, reference, sse_data, stub_info};
 use ddtree_engine::parallel::group::RankGroup;
 use ddtree_engine::parallel::{ParallelPlan, ParallelSpec};
 use ddtree_engine::spec::{DraftRequest, Oracle, TreeSource};
@@ -91,24 +91,6 @@ fn start_ranks(world: usize, tree_source: TreeSource) -> String {
         run(&mut engine, text, config, |addr| tx.send(addr).unwrap()).unwrap();
     });
     format!("http://{}", rx.recv().expect("the server starts"))
-}
-
-async fn post(c: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
-    let r = c.post(url).json(&body).send().await.unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap())
-}
-
-async fn live_caches(c: &reqwest::Client, base: &str) -> f64 {
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metric(&m, "ddtree_live_kv_caches")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -221,14 +203,7 @@ struct Breaks(bool);
 
 impl ddtree_server::Engine for Breaks {
     fn info(&self) -> ddtree_server::ModelInfo {
-        ddtree_server::ModelInfo {
-            id: "breaks".into(),
-            vocab_size: 10,
-            context: 16,
-            eos_ids: vec![],
-            device: "none".into(),
-            drafter: "none".into(),
-        }
+        stub_info("breaks")
     }
 
     fn generate(

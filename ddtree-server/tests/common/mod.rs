@@ -70,3 +70,42 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// POSTs a JSON `body` (a `serde_json::Value`, or raw text to send malformed JSON) to `url`;
+/// returns the status and the JSON answer.
+pub async fn post(client: &reqwest::Client, url: &str, body: impl ToString) -> (u16, serde_json::Value) {
+    let r = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+/// KV caches alive in the server's engine (its `/metrics` gauge).
+pub async fn live_caches(client: &reqwest::Client, base: &str) -> f64 {
+    let m = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metric(&m, "ddtree_live_kv_caches")
+}
+
+/// The info of a stub engine named `id` (10-token vocabulary, context 16, no device, no drafter).
+pub fn stub_info(id: &str) -> ddtree_server::ModelInfo {
+    ddtree_server::ModelInfo {
+        id: id.into(),
+        vocab_size: 10,
+        context: 16,
+        eos_ids: vec![],
+        device: "none".into(),
+        drafter: "none".into(),
+    }
+}
