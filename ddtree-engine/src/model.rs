@@ -916,7 +916,7 @@ impl<B: Backend> Model<B> {
                 let logits = b.linear_f32(h, &m.router)?;
                 let mut routing = b.moe_route(&logits, &m.bias, &self.config.moe)?;
                 if let Some(r) = self.rank.as_ref().filter(|_| ep > 1) {
-                    routing = b.moe_localize(&routing, r.shard().experts.clone())?;
+                    routing = b.moe_localize(routing, r.shard().experts.clone())?;
                 }
                 let mut routed = b.moe_experts(h, &routing, &m.experts)?;
                 b.join_branch()?;

@@ -688,7 +688,7 @@ impl Backend for CpuBackend {
         Ok(self.rounded(out))
     }
 
-    fn moe_localize(&self, routing: &CpuRouting, local: std::ops::Range<usize>) -> Result<CpuRouting> {
+    fn moe_localize(&self, routing: CpuRouting, local: std::ops::Range<usize>) -> Result<CpuRouting> {
         Ok(CpuRouting(
             routing
                 .0

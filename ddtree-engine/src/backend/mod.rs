@@ -534,8 +534,9 @@ pub trait Backend {
     fn moe_experts(&self, x: &Self::Tensor, routing: &Self::Routing, experts: &Self::Experts) -> Result<Self::Tensor>;
     /// Expert parallelism: `routing` (global expert ids) restricted to the experts `local`
     /// this rank holds, renumbered from 0, for [`Backend::moe_experts`] over the rank's experts
-    /// (tokens with no local expert get zero rows). By default unsupported.
-    fn moe_localize(&self, _routing: &Self::Routing, local: std::ops::Range<usize>) -> Result<Self::Routing> {
+    /// (tokens with no local expert get zero rows); it takes the routing, so a backend may
+    /// rewrite it in place. By default unsupported.
+    fn moe_localize(&self, _routing: Self::Routing, local: std::ops::Range<usize>) -> Result<Self::Routing> {
         Err(crate::error::EngineError::Backend {
             backend: self.name().into(),
             reason: format!(

@@ -672,7 +672,7 @@ impl Backend for CudaBackend {
         CudaBackend::moe_experts(self, x, routing, ex)
     }
 
-    fn moe_localize(&self, routing: &CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
+    fn moe_localize(&self, routing: CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
         CudaBackend::moe_localize(self, routing, local)
     }
 

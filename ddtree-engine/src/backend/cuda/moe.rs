@@ -189,33 +189,21 @@ impl CudaBackend {
         })
     }
 
-    /// [`Backend::moe_localize`] on the GPU: a copy of the routing with the experts outside
-    /// `local` dropped (id `local.len()`, which the MoE kernels skip, and weight 0: they take a
-    /// fixed top-k per token) and the others renumbered from 0. Device-only (no host round trip), so a
-    /// rank's step can be recorded in a graph.
-    pub(super) fn moe_localize(&self, routing: &CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
+    /// [`Backend::moe_localize`] on the GPU, in place: the experts outside `local` dropped (id
+    /// `local.len()`, which the MoE kernels skip, and weight 0: they take a fixed top-k per
+    /// token) and the others renumbered from 0. Device-only (no host round trip, no
+    /// allocation), so a rank's step can be recorded in a graph.
+    pub(super) fn moe_localize(&self, mut routing: CudaRouting, local: std::ops::Range<usize>) -> Result<CudaRouting> {
         let _span = self.profile.span("moe_localize");
-        let n = routing.tokens * routing.topk;
-        let mut ids = self.alloc::<u32>(n)?;
-        let mut weights = self.alloc::<f32>(n)?;
-        let s = self.stream();
-        s.memcpy_dtod(&routing.ids, &mut ids).map_err(drv("moe_localize"))?;
-        s.memcpy_dtod(&routing.weights, &mut weights)
-            .map_err(drv("moe_localize"))?;
         let k = self.first_variant::<MoeLocalize>(|_: &MoeLocalizeParams| true)?;
         MoeLocalizeOp {
-            ids: &mut ids,
-            weights: &mut weights,
-            choices: n,
+            ids: &mut routing.ids,
+            weights: &mut routing.weights,
+            choices: routing.tokens * routing.topk,
             local,
         }
-        .launch(&k, s)?;
-        Ok(CudaRouting {
-            tokens: routing.tokens,
-            topk: routing.topk,
-            ids,
-            weights,
-        })
+        .launch(&k, self.stream())?;
+        Ok(routing)
     }
 
     /// [`Backend::moe_experts`] on the GPU.
