@@ -1,8 +1,9 @@
 //! [`TensorComm`] for the CUDA backend over NCCL, and the ranks of one node (one thread and
-//! CUDA context per GPU). Compiled everywhere; not yet run on GPUs (see docs/multi-gpu.md, "What
-//! is left"): the collectives are NCCL's on the backend's compute stream; the vocabulary argmax
-//! reads each rank's local `(max, index)` back once per step and all-gathers it through NCCL,
-//! and the embedding zeroes the rows of ids outside the rank's slice before the all-reduce.
+//! CUDA context per GPU). NCCL has run with one rank on one GPU; several GPUs not yet (see
+//! docs/multi-gpu.md, "What is left"): the collectives are NCCL's on the backend's compute
+//! stream; the vocabulary argmax all-gathers each rank's per-row `(max, column)` from the device
+//! and reads the gathered pairs once, and the embedding zeroes the rows of ids outside the
+//! rank's slice before the all-reduce.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -132,33 +133,32 @@ impl TensorComm<CudaBackend> for CudaTensorComm {
         })
     }
 
+    /// Each rank's `(max, column)` per row stays on the device and is all-gathered through NCCL
+    /// with the ranks' slice starts; one read of the gathered pairs, reduced on the host.
     fn argmax_vocab(&self, b: &CudaBackend, local: &CudaTensor, vocab: Range<usize>) -> Result<Vec<u32>> {
         let op = "argmax_vocab";
         let (rows, world, s) = (local.rows, self.world, &self.stream);
-        let logits = Self::f32(local, op)?;
-        let idx = b.argmax_rows(local)?;
-        let mut values = Vec::with_capacity(rows);
-        for (r, &i) in idx.iter().enumerate() {
-            let at = r * local.cols + i as usize;
-            values.push(s.clone_dtoh(&logits.slice(at..at + 1)).map_err(driver(op, self.rank))?[0]);
-        }
-        let ids: Vec<u32> = idx.iter().map(|&i| vocab.start as u32 + i).collect();
-        let send_v = s.clone_htod(&values).map_err(driver(op, self.rank))?;
-        let send_i = s.clone_htod(&ids).map_err(driver(op, self.rank))?;
+        Self::f32(local, op)?;
+        let (values, indices) = b.argmax_on_device(local)?;
+        let start = s.clone_htod(&[vocab.start as u32]).map_err(driver(op, self.rank))?;
         let mut all_v = s.alloc_zeros::<f32>(rows * world).map_err(driver(op, self.rank))?;
         let mut all_i = s.alloc_zeros::<u32>(rows * world).map_err(driver(op, self.rank))?;
+        let mut starts = s.alloc_zeros::<u32>(world).map_err(driver(op, self.rank))?;
         {
             let comm = self.lock(op)?;
-            comm.0.all_gather_f32(&send_v, &mut all_v)?;
-            comm.0.all_gather_u32(&send_i, &mut all_i)?;
+            comm.0.all_gather_f32(&values, &mut all_v)?;
+            comm.0.all_gather_u32(&indices, &mut all_i)?;
+            comm.0.all_gather_u32(&start, &mut starts)?;
         }
         let all_v = s.clone_dtoh(&all_v).map_err(driver(op, self.rank))?;
         let all_i = s.clone_dtoh(&all_i).map_err(driver(op, self.rank))?;
+        let starts = s.clone_dtoh(&starts).map_err(driver(op, self.rank))?;
+        let pair = |k: usize, r: usize| (all_v[k * rows + r], starts[k] + all_i[k * rows + r]);
         Ok((0..rows)
             .map(|r| {
-                let mut best = (all_v[r], all_i[r]);
+                let mut best = pair(0, r);
                 for k in 1..world {
-                    let c = (all_v[k * rows + r], all_i[k * rows + r]);
+                    let c = pair(k, r);
                     if c.0 > best.0 || (c.0 == best.0 && c.1 < best.1) || best.0.is_nan() {
                         best = c;
                     }
@@ -315,14 +315,15 @@ impl TensorComm<CudaBackend> for HostStagedComm {
 
     fn argmax_vocab(&self, b: &CudaBackend, local: &CudaTensor, vocab: Range<usize>) -> Result<Vec<u32>> {
         let (op, rank, s) = ("argmax_vocab", self.comm.rank(), &self.stream);
-        let logits = CudaTensorComm::f32(local, op)?;
-        let idx = b.argmax_rows(local)?;
-        let mut pairs = Vec::with_capacity(idx.len());
-        for (r, &i) in idx.iter().enumerate() {
-            let at = r * local.cols + i as usize;
-            let v = s.clone_dtoh(&logits.slice(at..at + 1)).map_err(driver(op, rank))?[0];
-            pairs.push((v, vocab.start as u32 + i));
-        }
+        CudaTensorComm::f32(local, op)?;
+        let (values, indices) = b.argmax_on_device(local)?;
+        let values = s.clone_dtoh(&values).map_err(driver(op, rank))?;
+        let indices = s.clone_dtoh(&indices).map_err(driver(op, rank))?;
+        let pairs: Vec<(f32, u32)> = values
+            .into_iter()
+            .zip(indices)
+            .map(|(v, i)| (v, vocab.start as u32 + i))
+            .collect();
         argmax_reduce(&self.comm, &pairs)
     }
 

@@ -192,11 +192,18 @@ impl CudaBackend {
 
     /// [`Backend::argmax_rows`] on the GPU.
     pub(super) fn argmax_rows(&self, logits: &CudaTensor) -> Result<Vec<u32>> {
+        let (_, indices) = self.argmax_on_device(logits)?;
+        self.read_back(&indices)
+    }
+
+    /// Each logits row's maximum and its column, left on the device (for the vocabulary-parallel
+    /// argmax of ranks, which combines them across ranks).
+    pub(crate) fn argmax_on_device(&self, logits: &CudaTensor) -> Result<(CudaSlice<f32>, CudaSlice<u32>)> {
         let _span = self.profile.span("argmax_rows");
         let mut values = self.alloc::<f32>(logits.rows)?;
         let mut indices = self.alloc::<u32>(logits.rows)?;
         self.argmax_into(&mut self.state(), logits, &mut values, &mut indices)?;
-        self.read_back(&indices)
+        Ok((values, indices))
     }
 
     /// [`Backend::gate_up_silu`] on the GPU.
