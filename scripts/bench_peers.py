@@ -8,6 +8,13 @@
 - Tree-masked absorbed MLA (576-wide latent keys, 512-wide values, one KV head): a PyTorch
   implementation (two bf16 matmuls, an additive tree mask, f32 softmax) and
   `scaled_dot_product_attention`, at contexts 1K..32K, tree sizes 1..64, 8 and 64 heads.
+- Routed-expert MoE, Kimi K2.6's EP8 slice (48 local experts, hidden 7168, expert width 2048,
+  top-8 of the 48, gate/up fused, SiLU-and-mul, route-weighted sum), at T = 1..64 tokens:
+  PyTorch's grouped bf16 GEMM (`torch._grouped_mm`, tokens sorted by expert) and tinygemm int4
+  run expert by expert; both captured in a CUDA graph, so launch overhead does not count.
+  FlashInfer's MLA decode is not here: its wheel (flashinfer-python 0.7.4) is 101 MB, past the
+  GPU machine's 64 MiB carry limit, and it JIT-compiles with nvcc and needs native packages
+  (apache-tvm-ffi, nvidia-cutlass-dsl) that machine does not have.
 
 Weights and caches are random (timing only). Each figure is the median over `--reps` samples,
 each the mean of a batch of calls timed with CUDA events; GEMM weights alternate between two
@@ -17,7 +24,7 @@ Pinned environment: the GPU machine's torch (2.11, CUDA 13) and Triton; gemlite 
 installed from its sdist with `pip install --no-deps` (`scripts/requirements-peers.txt`). A peer
 that fails (missing package, unsupported shape) prints its error in its cell instead of a time.
 
-    python3 scripts/bench_peers.py [--reps 7] [--only gemm|attention]
+    python3 scripts/bench_peers.py [--reps 7] [--only gemm|attention|moe]
 """
 
 import argparse
@@ -33,6 +40,8 @@ ATTN_CONTEXTS = [1024, 4096, 32768]
 ATTN_NODES = [1, 8, 16, 64]
 ATTN_HEADS = [8, 64]
 LATENT, ROPE = 512, 64
+MOE_EXPERTS, MOE_TOPK, MOE_HIDDEN, MOE_WIDTH = 48, 8, 7168, 2048
+MOE_TOKENS = [1, 8, 16, 32, 64]
 
 
 def timed(fn, reps, batch):
@@ -53,8 +62,12 @@ def timed(fn, reps, batch):
 
 
 def cell(f):
+    return cell_text(lambda: f"{f():.1f}")
+
+
+def cell_text(f):
     try:
-        return f"{f():.1f}"
+        return f()
     except Exception as e:  # a peer that cannot run this shape says why, the table goes on
         return f"n/a ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
 
@@ -181,10 +194,88 @@ def attention_tables(reps):
     print()
 
 
+def graphed(fn):
+    """`fn` captured in a CUDA graph; the returned callable replays it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def moe_tables(reps):
+    dev = "cuda"
+    e, k, h, w = MOE_EXPERTS, MOE_TOPK, MOE_HIDDEN, MOE_WIDTH
+    bw = copy_bandwidth()
+    print(f"### Routed MoE, EP8 slice ({e} experts, {h} -> 2x{w} -> {h}, top-{k}): µs (% of copy for the touched experts' bytes)\n")
+    print(f"copy bandwidth (read + write): {bw:.0f} GB/s\n")
+    print("| T | touched experts | grouped bf16 (`torch._grouped_mm`) | tinygemm int4 g32, per expert |")
+    print("|---:|---:|---:|---:|")
+    gate_up = torch.randn(e, 2 * w, h, device=dev, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(e, h, w, device=dev, dtype=torch.bfloat16) * 0.02
+    pack = lambda n, kk: torch.ops.aten._convert_weight_to_int4pack(
+        torch.randint(0, 256, (n, kk // 2), dtype=torch.uint8, device=dev), 8
+    )
+    gu4 = [pack(2 * w, h) for _ in range(e)]
+    gu4_sz = [torch.rand(h // GROUP, 2 * w, 2, device=dev, dtype=torch.bfloat16) for _ in range(e)]
+    d4 = [pack(h, w) for _ in range(e)]
+    d4_sz = [torch.rand(w // GROUP, h, 2, device=dev, dtype=torch.bfloat16) for _ in range(e)]
+    int4_expert = (2 * w * h + h * w) / 2 + (2 * w * h // GROUP + h * w // GROUP) * 2 * 2
+    bf16_expert = (2 * w * h + h * w) * 2
+    for t in MOE_TOKENS:
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])  # [t, k]
+        wts = torch.rand(t, k, device=dev, dtype=torch.float32)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        tok = order // k  # token of each sorted slot
+        counts = torch.bincount(flat, minlength=e)
+        touched = int((counts > 0).sum())
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x[tok].contiguous()
+        ws = wts.flatten()[order].unsqueeze(1)
+        out = torch.zeros(t, h, device=dev, dtype=torch.float32)
+
+        def grouped():
+            g = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
+            a = torch.nn.functional.silu(g[:, :w]) * g[:, w:]
+            y = torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)
+            out.zero_()
+            out.index_add_(0, tok, y.float() * ws)
+
+        per = [(ex, (order[(flat[order] == ex)] // k)) for ex in range(e) if counts[ex] > 0]
+        per_w = {ex: wts.flatten()[order[(flat[order] == ex)]].unsqueeze(1) for ex, _ in per}
+
+        def tiny():
+            out.zero_()
+            for ex, rows in per:
+                xe = x[rows]
+                g = torch.ops.aten._weight_int4pack_mm(xe, gu4[ex], GROUP, gu4_sz[ex])
+                a = torch.nn.functional.silu(g[:, :w]) * g[:, w:]
+                y = torch.ops.aten._weight_int4pack_mm(a, d4[ex], GROUP, d4_sz[ex])
+                out.index_add_(0, rows, y.float() * per_w[ex])
+
+        def run(fn, bytes_per_expert):
+            us = timed(graphed(fn), reps, 20)
+            return f"{us:.1f} ({100 * touched * bytes_per_expert / us / 1e3 / bw:.0f}%)"
+
+        g_cell = cell_text(lambda: run(grouped, bf16_expert))
+        t_cell = cell_text(lambda: run(tiny, int4_expert))
+        print(f"| {t} | {touched} | {g_cell} | {t_cell} |")
+    print()
+    del gate_up, down, gu4, d4
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--only", choices=["gemm", "attention"])
+    ap.add_argument("--only", choices=["gemm", "attention", "moe"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device for torch", file=sys.stderr)
@@ -195,6 +286,8 @@ def main():
         gemm_tables(args.reps)
     if args.only in (None, "attention"):
         attention_tables(args.reps)
+    if args.only in (None, "moe"):
+        moe_tables(args.reps)
     return 0
 
 
