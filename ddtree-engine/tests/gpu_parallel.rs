@@ -6,16 +6,34 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use ddtree_engine::backend::Matrix;
 use ddtree_engine::parallel::cuda::run_virtual_cuda_ranks;
-use ddtree_engine::parallel::{ParallelPlan, ParallelSpec};
+use ddtree_engine::parallel::ranks::run_cpu_ranks;
+use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, RankContext};
 use ddtree_engine::{
-    generate_plain, Checkpoint, CudaBackend, CudaOptions, GenerateOptions, Generation, LoadOptions, Model, ModelConfig,
+    generate_plain, Backend, Checkpoint, CpuBackend, CudaBackend, CudaOptions, ForwardInput, GenerateOptions,
+    Generation, LoadOptions, LogitRows, Model, ModelConfig,
 };
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
+}
+
+/// The ranks' backend options: the defaults, changed by `DDTREE_TEST_CUDA`.
+fn rank_options() -> CudaOptions {
+    let mut o = CudaOptions::default();
+    for flag in std::env::var("DDTREE_TEST_CUDA").unwrap_or_default().split(',') {
+        match flag.trim() {
+            "" => {}
+            "one-stream" => o.one_stream = true,
+            "no-pdl" => o.no_pdl = true,
+            "no-graphs" => o.no_graphs = true,
+            other => panic!("DDTREE_TEST_CUDA: unknown option {other:?} (one-stream, no-pdl, no-graphs)"),
+        }
+    }
+    o
 }
 
 /// Relative to the row's largest logit (at least 1): bf16 activations.
@@ -46,9 +64,15 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
     drop(model);
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    for world in [2, 4] {
-        let plan = Arc::new(ParallelPlan::new(&config, ParallelSpec::new(world, None, None).unwrap()).unwrap());
-        let outs = run_virtual_cuda_ranks(plan, CudaOptions::default(), |backend, rank| {
+    // Each parallel dimension alone (vocabulary only, heads and MLP columns, experts), then
+    // all of them: a failure names the dimension that breaks.
+    let specs = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2), (4, 4, 4)];
+    let mut failures = Vec::new();
+    for (world, tp, ep) in specs {
+        let what = format!("{world} virtual ranks (tp {tp}, ep {ep})");
+        let spec = ParallelSpec::new(world, Some(tp), Some(ep)).unwrap();
+        let plan = Arc::new(ParallelPlan::new(&config, spec).unwrap());
+        let outs = run_virtual_cuda_ranks(plan, rank_options(), |backend, rank| {
             let model = Model::load_rank(
                 backend,
                 config.clone(),
@@ -67,17 +91,25 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
                 },
             )?;
             Ok((logged, greedy.tokens))
-        })
-        .unwrap();
+        });
+        let outs = match outs {
+            Ok(outs) => outs,
+            Err(e) => {
+                failures.push(format!("{what}: {e}"));
+                continue;
+            }
+        };
         for (rank, (logged, greedy)) in outs.iter().enumerate() {
-            let what = format!("{world} virtual ranks, rank {rank}");
-            assert_eq!(
-                greedy, &logged.tokens,
-                "{what}: the reduced argmax against the gathered logits"
-            );
-            compare(&what, logged, &want);
+            let what = format!("{what}, rank {rank}");
+            if greedy != &logged.tokens {
+                failures.push(format!("{what}: the reduced argmax disagrees with the gathered logits"));
+            }
+            if let Err(e) = compare(&what, logged, &want) {
+                failures.push(e);
+            }
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Same tokens as the unsharded run, logits within [`BF16_TOLERANCE`] while the tokens agree.
@@ -85,23 +117,128 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
 /// the all-reduce), so the two runs may part at a near tie: that is accepted where the sharded
 /// token's unsharded logit is within the tolerance of the unsharded maximum, and the steps
 /// after it (different prefixes) are not compared.
-fn compare(what: &str, got: &Generation, want: &Generation) {
-    assert_eq!(got.tokens.len(), want.tokens.len(), "{what}: token count");
+fn compare(what: &str, got: &Generation, want: &Generation) -> Result<(), String> {
+    if got.tokens.len() != want.tokens.len() {
+        return Err(format!(
+            "{what}: {} tokens, want {}",
+            got.tokens.len(),
+            want.tokens.len()
+        ));
+    }
     for (step, (g, w)) in got.logits.iter().zip(&want.logits).enumerate() {
         let scale = w.iter().fold(1.0f32, |m, v| m.max(v.abs()));
         let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale;
         eprintln!("{what}, step {step}: max logit error {err:.2e} (relative)");
-        assert!(err < BF16_TOLERANCE, "{what}, step {step}: logits differ by {err:e}");
+        if err >= BF16_TOLERANCE {
+            return Err(format!("{what}, step {step}: logits differ by {err:e}"));
+        }
         let (tg, tw) = (got.tokens[step], want.tokens[step]);
         if tg != tw {
             let gap = (w[tw as usize] - w[tg as usize]) / scale;
-            assert!(
-                gap < BF16_TOLERANCE,
-                "{what}, step {step}: token {tg} where the unsharded run gives {tw}, \
-                 {gap:e} below it (not a near tie)"
-            );
+            if gap >= BF16_TOLERANCE {
+                return Err(format!(
+                    "{what}, step {step}: token {tg} where the unsharded run gives {tw}, \
+                     {gap:e} below it (not a near tie)"
+                ));
+            }
             eprintln!("{what}: parts from the unsharded run at step {step}, a near tie ({gap:.2e})");
-            return;
+            return Ok(());
         }
     }
+    Ok(())
+}
+
+/// The sharded layers on the GPU against the same shards on CPU ranks: the hidden state after
+/// every layer of a prefill, per rank, so a wrong sharded op is named by its layer (layer 0 is
+/// tiny-kimi's dense MLP, the others MoE) and parallel dimension.
+#[test]
+fn sharded_layers_on_cuda_match_the_cpu_ranks() {
+    if let Err(e) = CudaBackend::open(CudaOptions::default()) {
+        assert!(
+            std::env::var("DDTREE_REQUIRE_GPU").is_err(),
+            "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
+        );
+        eprintln!("SKIP: no GPU ({e})");
+        return;
+    }
+    let dir = fixture("tiny-kimi");
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let tokens = [441u32, 13, 423, 2, 453];
+    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+    let layers: Vec<usize> = (0..config.num_hidden_layers).collect();
+    fn run<B: Backend>(
+        model: &Model<B>,
+        tokens: &[u32],
+        positions: &[u32],
+        layers: &[usize],
+    ) -> ddtree_engine::Result<(Matrix, Matrix)> {
+        let mut cache = model.new_cache(64)?;
+        let input = ForwardInput {
+            tokens,
+            positions,
+            mask: None,
+            logits: LogitRows::All,
+        };
+        let out = model.forward_with_features(&mut cache, input, layers)?;
+        let b = model.backend();
+        Ok((
+            b.to_host(out.features.as_ref().expect("asked for features"))?,
+            b.to_host(&out.logits)?,
+        ))
+    }
+    fn load<B: Backend>(
+        b: B,
+        config: &ModelConfig,
+        ckpt: &Checkpoint,
+        rank: RankContext<B>,
+    ) -> ddtree_engine::Result<Model<B>> {
+        Model::load_rank(b, config.clone(), ckpt, LoadOptions::default(), rank, &mut |_, _| {})
+    }
+    let mut failures = Vec::new();
+    for (world, tp, ep) in [(2, 2, 1), (2, 1, 2), (4, 4, 4)] {
+        let what = format!("{world} ranks (tp {tp}, ep {ep})");
+        let plan = Arc::new(ParallelPlan::new(&config, ParallelSpec::new(world, Some(tp), Some(ep)).unwrap()).unwrap());
+        let cpu = run_cpu_ranks(plan.clone(), |rank| {
+            run(
+                &load(CpuBackend::default(), &config, &ckpt, rank)?,
+                &tokens,
+                &positions,
+                &layers,
+            )
+        })
+        .unwrap();
+        let gpu = run_virtual_cuda_ranks(plan, rank_options(), |b, rank| {
+            run(&load(b, &config, &ckpt, rank)?, &tokens, &positions, &layers)
+        })
+        .unwrap();
+        let hidden = config.hidden_size;
+        for (rank, ((cf, cl), (gf, gl))) in cpu.iter().zip(&gpu).enumerate() {
+            let mut line = format!("{what}, rank {rank}: relative error per layer");
+            for &l in &layers {
+                let col =
+                    |m: &Matrix, r: usize| m.data[r * m.cols + l * hidden..r * m.cols + (l + 1) * hidden].to_vec();
+                let mut err = 0.0f32;
+                for r in 0..cf.rows {
+                    let (c, g) = (col(cf, r), col(gf, r));
+                    let scale = c.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                    err = err.max(c.iter().zip(&g).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / scale);
+                }
+                line += &format!(" {l}: {err:.2e}");
+                if err >= BF16_TOLERANCE {
+                    failures.push(format!("{what}, rank {rank}: layer {l} differs by {err:e}"));
+                }
+            }
+            let scale = cl.data.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            let lerr = cl
+                .data
+                .iter()
+                .zip(&gl.data)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max)
+                / scale;
+            eprintln!("{line}; logits {lerr:.2e}");
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
