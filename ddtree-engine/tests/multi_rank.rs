@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ddtree_engine::backend::live_kv_caches;
-use ddtree_engine::parallel::group::{agreed_sink, RankGroup};
-use ddtree_engine::parallel::ranks::run_cpu_ranks;
 use ddtree_engine::backend::Matrix;
 use ddtree_engine::parallel::cpu::CpuTensorComm;
+use ddtree_engine::parallel::group::{agreed_sink, RankGroup};
+use ddtree_engine::parallel::ranks::run_cpu_ranks;
 use ddtree_engine::parallel::{
     AbortHandle, CommStats, InProcessComm, ParallelPlan, ParallelSpec, RankContext, TensorComm,
 };
@@ -377,7 +377,10 @@ fn a_group_whose_ranks_cannot_release_peers_aborts_every_rank_and_reinits_on_all
         .unwrap_err()
         .to_string();
     assert!(err.contains("rank 1 failed alone"), "{err}");
-    assert!(start.elapsed() < Duration::from_secs(10), "the abort handles released rank 0");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "the abort handles released rank 0"
+    );
     assert_eq!(aborts.load(Ordering::SeqCst), 2, "every rank's handle aborted");
     assert_eq!(*recovering.0.lock().unwrap(), 2, "every rank re-joined");
     assert!(group.health().is_ok(), "{:?}", group.health());

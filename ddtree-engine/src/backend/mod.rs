@@ -328,7 +328,12 @@ pub trait Backend {
     /// The vocabulary-parallel lookup of a rank holding rows `vocab` (`table` is that slice):
     /// row `id - vocab.start` for ids in `vocab`, a zero row for the others. By default through
     /// the host (the CUDA backend runs one kernel over the staged ids instead).
-    fn embedding_slice(&self, table: &Self::Tensor, ids: &[u32], vocab: std::ops::Range<usize>) -> Result<Self::Tensor> {
+    fn embedding_slice(
+        &self,
+        table: &Self::Tensor,
+        ids: &[u32],
+        vocab: std::ops::Range<usize>,
+    ) -> Result<Self::Tensor> {
         let inside = |id: u32| vocab.contains(&(id as usize));
         let local: Vec<u32> = ids
             .iter()

@@ -105,11 +105,7 @@ impl CudaTensorComm {
         if b.is_recording() {
             return f(&comm);
         }
-        let mark = || {
-            self.stream
-                .record_event(None)
-                .map_err(driver(op, self.rank))
-        };
+        let mark = || self.stream.record_event(None).map_err(driver(op, self.rank));
         let start = mark()?;
         f(&comm)?;
         let end = mark()?;
@@ -301,12 +297,11 @@ impl TensorComm<CudaBackend> for CudaTensorComm {
         let op = "recover";
         // A stuck enqueue must not keep the old communicator alive (or the lock held).
         self.abort();
-        b.synchronize()
-            .map_err(|e| EngineError::Comm {
-                op: op.into(),
-                rank: self.rank,
-                reason: format!("the GPU did not drain after the abort: {e}"),
-            })?;
+        b.synchronize().map_err(|e| EngineError::Comm {
+            op: op.into(),
+            rank: self.rank,
+            reason: format!("the GPU did not drain after the abort: {e}"),
+        })?;
         let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         let id = self.renewal.id(epoch)?;
         let fresh = NcclComm::init(self.stream.clone(), self.rank, self.world, id)?;
@@ -375,7 +370,9 @@ impl crate::parallel::group::RankGroup<CudaBackend> {
 
 /// Copy-based collectives for ranks that share one GPU (a test of the sharded CUDA forward
 /// without several GPUs, not a collective for real multi-GPU runs: those use NCCL): buffers are
-/// read back, combined through an in-process group on the host, and written again.
+/// read back, combined through an in-process group on the host, and written again. Its steps
+/// stay eager (the default [`TensorComm::greedy_forward`]): host copies in the middle of a step
+/// cannot be captured in a CUDA graph, and its argmax is reduced on the host.
 pub struct HostStagedComm {
     comm: InProcessComm,
     stream: Arc<CudaStream>,

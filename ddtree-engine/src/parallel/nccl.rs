@@ -211,8 +211,11 @@ impl NcclComm {
         let mut comm = std::mem::MaybeUninit::uninit();
         // SAFETY: `comm` is written by a successful init; `id` is the group's unique id.
         let comm = unsafe {
-            let unique = nccl::sys::ncclUniqueId { internal: *id.internal() };
-            nccl::result::comm_init_rank(comm.as_mut_ptr(), nranks, unique, r).map_err(|e| nccl_error("init", rank, e))?;
+            let unique = nccl::sys::ncclUniqueId {
+                internal: *id.internal(),
+            };
+            nccl::result::comm_init_rank(comm.as_mut_ptr(), nranks, unique, r)
+                .map_err(|e| nccl_error("init", rank, e))?;
             comm.assume_init()
         };
         Ok(Self {
@@ -243,9 +246,16 @@ impl NcclComm {
     fn with(
         &self,
         op: &str,
-        f: impl FnOnce(nccl::sys::ncclComm_t, nccl::sys::cudaStream_t) -> std::result::Result<nccl::result::NcclStatus, nccl::result::NcclError>,
+        f: impl FnOnce(
+            nccl::sys::ncclComm_t,
+            nccl::sys::cudaStream_t,
+        ) -> std::result::Result<nccl::result::NcclStatus, nccl::result::NcclError>,
     ) -> Result<()> {
-        let guard = self.raw.0.lock().map_err(|_| comm_error(op, self.rank, "the communicator's lock is poisoned"))?;
+        let guard = self
+            .raw
+            .0
+            .lock()
+            .map_err(|_| comm_error(op, self.rank, "the communicator's lock is poisoned"))?;
         let Some(comm) = *guard else {
             return Err(comm_error(op, self.rank, "the communicator was aborted"));
         };
@@ -263,20 +273,39 @@ impl NcclComm {
         let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
         // SAFETY: in place over `n` elements of one device buffer, on the communicator's stream.
         self.with(op, |c, s| unsafe {
-            nccl::result::all_reduce(ptr as _, ptr as _, n, T::as_nccl_type(), nccl::sys::ncclRedOp_t::ncclSum, c, s)
+            nccl::result::all_reduce(
+                ptr as _,
+                ptr as _,
+                n,
+                T::as_nccl_type(),
+                nccl::sys::ncclRedOp_t::ncclSum,
+                c,
+                s,
+            )
         })
     }
 
     /// Every rank's `send` concatenated in rank order into `recv` (`world * send.len()`).
-    pub fn all_gather<T: NcclType, S: DevicePtr<T>, R: DevicePtrMut<T>>(&self, op: &str, send: &S, recv: &mut R) -> Result<()> {
+    pub fn all_gather<T: NcclType, S: DevicePtr<T>, R: DevicePtrMut<T>>(
+        &self,
+        op: &str,
+        send: &S,
+        recv: &mut R,
+    ) -> Result<()> {
         let n = send.len();
         if recv.len() < n * self.world {
-            return Err(comm_error(op, self.rank, &format!("a gather of {n} values into {}", recv.len())));
+            return Err(comm_error(
+                op,
+                self.rank,
+                &format!("a gather of {n} values into {}", recv.len()),
+            ));
         }
         let (src, _s1) = send.device_ptr(&self.stream);
         let (dst, _s2) = recv.device_ptr_mut(&self.stream);
         // SAFETY: sizes checked above; both buffers on the communicator's device.
-        self.with(op, |c, s| unsafe { nccl::result::all_gather(src as _, dst as _, n, T::as_nccl_type(), c, s) })
+        self.with(op, |c, s| unsafe {
+            nccl::result::all_gather(src as _, dst as _, n, T::as_nccl_type(), c, s)
+        })
     }
 
     /// `root`'s `buf` to every rank's.
@@ -285,7 +314,9 @@ impl NcclComm {
         let root = i32::try_from(root).map_err(|_| comm_error(op, self.rank, "root too large"))?;
         let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
         // SAFETY: in place over `n` elements of one device buffer.
-        self.with(op, |c, s| unsafe { nccl::result::broadcast(ptr as _, ptr as _, n, T::as_nccl_type(), root, c, s) })
+        self.with(op, |c, s| unsafe {
+            nccl::result::broadcast(ptr as _, ptr as _, n, T::as_nccl_type(), root, c, s)
+        })
     }
 }
 
@@ -336,7 +367,9 @@ impl Comm for NcclComm {
             .alloc_zeros::<f32>(1)
             .map_err(|e| nccl_error_driver("barrier", rank, e))?;
         self.all_reduce_sum_f32(&mut one)?;
-        self.stream.synchronize().map_err(|e| nccl_error_driver("barrier", rank, e))
+        self.stream
+            .synchronize()
+            .map_err(|e| nccl_error_driver("barrier", rank, e))
     }
 
     fn stats(&self) -> CommStats {

@@ -82,7 +82,11 @@ pub fn rank_argmax(
     // SAFETY: values and indices hold world * rows entries, out rows; the kernel strides.
     unsafe { t.launch::<RankArgmax>(p, vocab::rank_argmax_grid(p, rows), &mut args)? };
     // Indices compared as f64-exact f32 would lose u32::MAX: compare their halves.
-    let split = |v: &[u32]| -> Vec<f32> { v.iter().flat_map(|&i| [(i >> 16) as f32, (i & 0xffff) as f32]).collect() };
+    let split = |v: &[u32]| -> Vec<f32> {
+        v.iter()
+            .flat_map(|&i| [(i >> 16) as f32, (i & 0xffff) as f32])
+            .collect()
+    };
     let got = split(&t.download(&out)?);
     let want = split(&vocab::rank_argmax_reference(&values, &indices, rows, world, slice));
     let case = format!("rows={rows} world={world} slice={slice}");
@@ -94,7 +98,12 @@ pub fn vocab_suite(t: &Target<'_>, sizes: Sizes, rng: &mut StdRng) -> Result<Vec
     let mut out = Vec::new();
     for p in EmbeddingSlice::space() {
         // A middle rank, the last (short) rank, an empty slice, a ragged width.
-        let mut cases = vec![(9, 300, 100..200, 64), (5, 300, 296..300, 72), (4, 50, 50..50, 64), (6, 40, 0..20, 100)];
+        let mut cases = vec![
+            (9, 300, 100..200, 64),
+            (5, 300, 296..300, 72),
+            (4, 50, 50..50, 64),
+            (6, 40, 0..20, 100),
+        ];
         if sizes == Sizes::Full {
             cases.push((33, 163840, 61440..81920, 7168));
         }

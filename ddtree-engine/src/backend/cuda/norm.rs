@@ -33,7 +33,12 @@ impl CudaBackend {
     /// [`Backend::embedding_slice`] on the GPU: one [`EmbeddingSlice`] launch over the step's
     /// staged token ids (the global ids: no restaging, and a device round's tree tokens are
     /// read where its kernel wrote them), so a rank's step can be recorded in a CUDA graph.
-    pub(super) fn embedding_slice(&self, table: &CudaTensor, ids: &[u32], vocab: std::ops::Range<usize>) -> Result<CudaTensor> {
+    pub(super) fn embedding_slice(
+        &self,
+        table: &CudaTensor,
+        ids: &[u32],
+        vocab: std::ops::Range<usize>,
+    ) -> Result<CudaTensor> {
         self.profile.forward_rows(ids.len());
         let _span = self.profile.span("embedding");
         let hidden = table.cols;
