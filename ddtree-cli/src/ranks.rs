@@ -210,6 +210,11 @@ pub(crate) fn print_rank_bench(
         millis(comm.time),
         start.elapsed().as_secs_f64()
     );
+    if kind == "GPU" {
+        // NCCL collectives are timed with CUDA events around eager enqueues; a step replayed
+        // from a CUDA graph runs its collectives inside the graph, uncounted.
+        println!("  (eager collectives only, CUDA-event time; steps replayed from CUDA graphs are not split: --no-cuda-graphs for the full count)");
+    }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report).expect("the report serializes");
         std::fs::write(path, text).map_err(|e| EngineError::io(path, e))?;

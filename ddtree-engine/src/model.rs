@@ -704,9 +704,11 @@ impl<B: Backend> Model<B> {
         let prefix_len = self.begin_forward(cache, &input)?;
         let result = match &self.rank {
             // Vocabulary-parallel: each rank's argmax over its slice, reduced across ranks.
-            Some(r) => self
-                .forward_inner(cache, input, prefix_len, &[], false)
-                .and_then(|out| r.comm.argmax_vocab(&self.backend, &out.logits, r.shard().vocab.clone())),
+            Some(r) => r
+                .comm
+                .greedy_forward(&self.backend, cache, r.shard().vocab.clone(), &mut |c| {
+                    Ok(self.forward_inner(c, input, prefix_len, &[], false)?.logits)
+                }),
             None => self.backend.greedy_forward(cache, &mut |c| {
                 Ok(self.forward_inner(c, input, prefix_len, &[], true)?.logits)
             }),

@@ -1,7 +1,9 @@
 //! The sharded CUDA forward on one GPU: N virtual ranks (threads, each with its own
 //! `CudaBackend` on GPU 0) joined by copy-based collectives, against the unsharded forward on
-//! the same GPU: same greedy tokens, logits within bf16 tolerance. SKIP without a GPU
-//! (`DDTREE_REQUIRE_GPU` makes that a failure).
+//! the same GPU: same greedy tokens, logits within bf16 tolerance; and one rank's share run
+//! alone (`--virtual-rank`) replaying its steps from CUDA graphs. SKIP without a GPU
+//! (`DDTREE_REQUIRE_GPU` makes that a failure). `DDTREE_TEST_CUDA=one-stream,no-pdl,no-graphs`
+//! (any of them) runs the ranks with those backend options, to tell a race from a wrong op.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,6 +11,7 @@ use std::sync::Arc;
 use ddtree_engine::backend::Matrix;
 use ddtree_engine::parallel::cuda::run_virtual_cuda_ranks;
 use ddtree_engine::parallel::ranks::run_cpu_ranks;
+use ddtree_engine::parallel::virtual_rank::VirtualComm;
 use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, RankContext};
 use ddtree_engine::{
     generate_plain, Backend, Checkpoint, CpuBackend, CudaBackend, CudaOptions, ForwardInput, GenerateOptions,
@@ -110,6 +113,43 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn a_virtual_rank_alone_replays_its_steps_from_cuda_graphs() {
+    let backend = match CudaBackend::open(CudaOptions::default()) {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(
+                std::env::var("DDTREE_REQUIRE_GPU").is_err(),
+                "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
+            );
+            eprintln!("SKIP: no GPU ({e})");
+            return;
+        }
+    };
+    let dir = fixture("tiny-kimi");
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let plan = Arc::new(ParallelPlan::new(&config, ParallelSpec::new(2, None, None).unwrap()).unwrap());
+    let rank = RankContext {
+        plan,
+        rank: 1,
+        comm: Box::new(VirtualComm { rank: 1, world: 2 }),
+    };
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let model = Model::load_rank(backend, config, &ckpt, LoadOptions::default(), rank, &mut |_, _| {}).unwrap();
+    let options = GenerateOptions {
+        max_new_tokens: 12,
+        ..Default::default()
+    };
+    let a = generate_plain(&model, &[441, 13, 423], &options).unwrap().tokens;
+    let b = generate_plain(&model, &[441, 13, 423], &options).unwrap().tokens;
+    assert_eq!(a, b, "replayed steps give the eager steps' tokens");
+    let (replays, recordings) = model.backend().graph_counts().unwrap();
+    assert!(
+        recordings >= 1 && replays >= 1,
+        "{replays} replays, {recordings} recordings"
+    );
 }
 
 /// Same tokens as the unsharded run, logits within [`BF16_TOLERANCE`] while the tokens agree.

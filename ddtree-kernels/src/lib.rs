@@ -22,6 +22,7 @@ pub mod registry;
 pub mod topk;
 pub mod tree;
 pub mod tune;
+pub mod vocab;
 pub mod w4a16;
 
 // The flat module paths callers used before the kernels moved into family folders.
@@ -48,6 +49,7 @@ pub use rms_norm::{RmsNorm, RmsNormParams};
 pub use rope::{RopeInterleaved, RopeParams};
 pub use silu_mul::{SiluMul, SiluMulParams, SiluMulSplit};
 pub use topk::{RowTopk, RowTopkSplit, TopkParams, TopkRunner, TopkSplitParams};
+pub use vocab::{EmbeddingSlice, EmbeddingSliceParams, RankArgmax, RankArgmaxParams};
 
 use ddtree_codegen::{CodegenError, Kernel};
 

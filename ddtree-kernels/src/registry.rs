@@ -26,6 +26,7 @@ macro_rules! for_each_suite {
                 silu_mul_split: [$crate::SiluMulSplit] => $crate::check::silu_mul_split_suite;
                 rope: [$crate::RopeInterleaved] => $crate::check::rope_suite;
                 embedding: [$crate::Embedding] => $crate::check::embedding_suite;
+                vocab: [$crate::EmbeddingSlice, $crate::RankArgmax] => $crate::check::vocab_suite;
                 add_assign: [$crate::AddAssign] => $crate::check::add_suite;
                 copy_rows: [$crate::CopyRows] => $crate::check::copy_rows_suite;
                 topk: [$crate::RowTopk] => $crate::check::topk_suite;

@@ -325,6 +325,32 @@ pub trait Backend {
 
     /// Looks up embedding rows for `ids`.
     fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// The vocabulary-parallel lookup of a rank holding rows `vocab` (`table` is that slice):
+    /// row `id - vocab.start` for ids in `vocab`, a zero row for the others. By default through
+    /// the host (the CUDA backend runs one kernel over the staged ids instead).
+    fn embedding_slice(
+        &self,
+        table: &Self::Tensor,
+        ids: &[u32],
+        vocab: std::ops::Range<usize>,
+    ) -> Result<Self::Tensor> {
+        let inside = |id: u32| vocab.contains(&(id as usize));
+        let local: Vec<u32> = ids
+            .iter()
+            .map(|&id| if inside(id) { id - vocab.start as u32 } else { 0 })
+            .collect();
+        let rows = self.embedding(table, &local)?;
+        if ids.iter().all(|&id| inside(id)) {
+            return Ok(rows);
+        }
+        let mut host = self.to_host(&rows)?;
+        for (t, &id) in ids.iter().enumerate() {
+            if !inside(id) {
+                host.row_mut(t).fill(0.0);
+            }
+        }
+        self.load_matrix(host)
+    }
     /// The DDTree draft tree of the first `depth` rows of `drafted` (f32 logits `[rows, vocab]`):
     /// the best `budget` prefixes under `root`, as [`ddtree_kernels::tree::build_reference`]
     /// builds them (the CUDA backend builds on the GPU and copies the tree back: the host-tree

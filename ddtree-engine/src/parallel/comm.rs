@@ -101,6 +101,9 @@ pub trait Bootstrap {
     fn world(&self) -> usize;
     /// The token every rank joins with: made by rank 0 and distributed.
     fn token(&self) -> Result<Self::Token>;
+    /// A new token for the same ranks, to re-form the group after an abort (an aborted NCCL
+    /// communicator's id cannot be joined again).
+    fn renew(&self) -> Result<Self::Token>;
 }
 
 /// The one-process bootstrap: every rank is a thread of this process.
@@ -119,6 +122,9 @@ impl Bootstrap for InProcessBootstrap {
         self.world
     }
     fn token(&self) -> Result<()> {
+        Ok(())
+    }
+    fn renew(&self) -> Result<()> {
         Ok(())
     }
 }

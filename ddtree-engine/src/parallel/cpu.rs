@@ -79,7 +79,7 @@ impl TensorComm<CpuBackend> for CpuTensorComm {
         self.comm.abort();
     }
 
-    fn recover(&self) -> Result<()> {
+    fn recover(&self, _b: &CpuBackend) -> Result<()> {
         self.comm.reset()
     }
 }

@@ -5,11 +5,15 @@
 //! their results.
 //!
 //! Failures: a rank whose job fails (an error or a panic) calls [`crate::parallel::TensorComm::abort`], which
-//! releases peers waiting for it in a collective (in-process groups; NCCL cannot); once every
-//! rank has returned the group calls [`crate::parallel::TensorComm::recover`] and serves the next job. When that
-//! fails, or a rank has not returned [`RankGroup::straggler_timeout`] after a peer failed (stuck
-//! in a collective), the group is broken: [`RankGroup::health`] says why and every later job
-//! fails at once instead of hanging.
+//! releases peers waiting for it in a collective (in-process groups). Where the failed rank
+//! alone cannot release them (NCCL: a peer's kernels wait for data that never comes), the group
+//! aborts every rank's communicator through the handles the ranks gave it at start
+//! ([`crate::parallel::TensorComm::abort_handle`]: `ncclCommAbort`). Once every rank has
+//! returned, every rank calls [`crate::parallel::TensorComm::recover`] at once (NCCL: a new
+//! communicator from a fresh unique id) and the group serves the next job. When that fails, or
+//! a rank has not returned [`RankGroup::straggler_timeout`] after a peer failed (stuck in a
+//! collective the abort did not end), the group is broken: [`RankGroup::health`] says why and
+//! every later job fails at once instead of hanging.
 //!
 //! Stopping a generation on every rank at the same round: [`agreed_sink`] asks rank 0's sink
 //! and broadcasts its decision.
@@ -41,7 +45,7 @@ use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::parallel::comm::InProcessComm;
 use crate::parallel::cpu::CpuTensorComm;
-use crate::parallel::{ParallelPlan, RankContext};
+use crate::parallel::{AbortHandle, ParallelPlan, RankContext};
 
 /// What a rank keeps between jobs on its own thread (e.g. its drafter): `None` until a job
 /// stores something.
@@ -58,7 +62,7 @@ enum Message<B: Backend> {
     /// Run a job, send its result.
     Job(Job<B>, Reply),
     /// Recover the group's collectives after a failed run ([`crate::parallel::TensorComm::recover`]).
-    Recover(Sender<Result<()>>),
+    Recover(Sender<(usize, Result<()>)>),
 }
 
 /// How long [`Pending::wait`] waits for the other ranks once one has failed, by default.
@@ -68,6 +72,8 @@ pub const STRAGGLER_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct RankGroup<B: Backend + 'static> {
     senders: Vec<Sender<Message<B>>>,
     handles: Vec<JoinHandle<()>>,
+    /// Each rank's abort handle, where its collectives have one.
+    aborts: Vec<Option<AbortHandle>>,
     broken: Mutex<Option<String>>,
     /// How long to wait for the other ranks after one failed before declaring the group
     /// broken (default [`STRAGGLER_TIMEOUT`]).
@@ -80,7 +86,7 @@ impl<B: Backend + 'static> RankGroup<B> {
     /// error when any rank fails to start.
     pub fn spawn(world: usize, init: impl Fn(usize) -> Result<Model<B>> + Send + Sync + 'static) -> Result<Self> {
         let init = Arc::new(init);
-        let (ready_tx, ready_rx) = channel::<(usize, Result<()>)>();
+        let (ready_tx, ready_rx) = channel::<(usize, Result<Option<AbortHandle>>)>();
         let mut senders = Vec::with_capacity(world);
         let mut handles = Vec::with_capacity(world);
         for rank in 0..world {
@@ -99,15 +105,17 @@ impl<B: Backend + 'static> RankGroup<B> {
         }
         drop(ready_tx);
         let mut results: Vec<Result<()>> = (0..world).map(|_| Ok(())).collect();
+        let mut aborts: Vec<Option<AbortHandle>> = vec![None; world];
         for _ in 0..world {
             match ready_rx.recv() {
-                Ok((rank, r)) => results[rank] = r,
+                Ok((rank, r)) => results[rank] = r.map(|h| aborts[rank] = h),
                 Err(_) => break,
             }
         }
         let group = Self {
             senders,
             handles,
+            aborts,
             broken: Mutex::new(None),
             straggler_timeout: STRAGGLER_TIMEOUT,
         };
@@ -191,16 +199,43 @@ impl<B: Backend + 'static> RankGroup<B> {
         Ok(self.run(job)?.swap_remove(0))
     }
 
-    /// After a failed run (every rank has returned): recovers the collectives on rank 0's
-    /// thread, or marks the group broken.
+    /// After a failed run (every rank has returned): recovers the collectives on every rank's
+    /// thread at once (an NCCL re-init waits for every rank), or marks the group broken.
     fn recover(&self) {
         let (tx, rx) = channel();
-        let result = match self.senders[0].send(Message::Recover(tx)) {
-            Ok(()) => rx.recv().unwrap_or_else(|_| Err(gone(0))),
-            Err(_) => Err(gone(0)),
-        };
-        if let Err(e) = result {
-            self.set_broken(format!("after a failed request: {e}"));
+        let mut errors = Vec::new();
+        let mut asked = 0;
+        for (rank, s) in self.senders.iter().enumerate() {
+            match s.send(Message::Recover(tx.clone())) {
+                Ok(()) => asked += 1,
+                Err(_) => errors.push(gone(rank)),
+            }
+        }
+        drop(tx);
+        for _ in 0..asked {
+            match rx.recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((_, Err(e))) => errors.push(e),
+                Err(_) => {
+                    errors.push(gone(0));
+                    break;
+                }
+            }
+        }
+        if !errors.is_empty() {
+            self.set_broken(format!("after a failed request: {}", pick_error(errors.iter())));
+        }
+    }
+
+    /// Aborts every rank's collectives that have an abort handle (peers stuck in a collective
+    /// with a failed rank are released); ranks whose abort could not run are logged.
+    fn abort_all(&self) {
+        for (rank, h) in self.aborts.iter().enumerate() {
+            if let Some(h) = h {
+                if !h() {
+                    tracing::warn!("rank {rank}: its collectives could not be aborted");
+                }
+            }
         }
     }
 }
@@ -233,6 +268,10 @@ impl<B: Backend + 'static, T: Send + 'static> Pending<'_, B, T> {
                     returned += 1;
                     if r.is_err() && failed_at.is_none() {
                         failed_at = Some(Instant::now());
+                        if returned < world {
+                            // Peers may wait in a collective for the failed rank.
+                            group.abort_all();
+                        }
                     }
                     results[rank] = r.map(|b| *b.downcast::<T>().expect("the job's own result type"));
                 }
@@ -341,12 +380,12 @@ fn is_gone(e: &EngineError) -> bool {
 fn rank_main<B: Backend>(
     rank: usize,
     init: &(dyn Fn(usize) -> Result<Model<B>> + Send + Sync),
-    ready: Sender<(usize, Result<()>)>,
+    ready: Sender<(usize, Result<Option<AbortHandle>>)>,
     messages: Receiver<Message<B>>,
 ) {
     let model = match init(rank) {
         Ok(m) => {
-            let _ = ready.send((rank, Ok(())));
+            let _ = ready.send((rank, Ok(m.rank().and_then(|c| c.comm.abort_handle()))));
             m
         }
         Err(e) => {
@@ -378,10 +417,10 @@ fn rank_main<B: Backend>(
             }
             Message::Recover(reply) => {
                 let r = match model.rank() {
-                    Some(ctx) => ctx.comm.recover(),
+                    Some(ctx) => ctx.comm.recover(model.backend()),
                     None => Ok(()),
                 };
-                let _ = reply.send(r);
+                let _ = reply.send((rank, r));
             }
         }
     }

@@ -54,6 +54,27 @@ pub trait TensorComm<B: Backend> {
     /// The greedy token of every row of vocabulary-parallel logits, reduced across ranks
     /// without gathering the logits (lowest index among equal maxima).
     fn argmax_vocab(&self, b: &B, local: &B::Tensor, vocab: Range<usize>) -> Result<Vec<u32>>;
+    /// The greedy tokens of one step of this rank (the step staged by the backend's
+    /// `begin_forward`): `forward` returns the rank's vocabulary-slice logits. By default
+    /// `forward` then [`TensorComm::argmax_vocab`]; the NCCL comm runs the step through the
+    /// CUDA backend's graphs with the collectives inside, and a virtual rank through the
+    /// backend's [`Backend::greedy_forward`].
+    fn greedy_forward(
+        &self,
+        b: &B,
+        cache: &mut B::KvCache,
+        vocab: Range<usize>,
+        forward: &mut dyn FnMut(&mut B::KvCache) -> Result<B::Tensor>,
+    ) -> Result<Vec<u32>> {
+        let logits = forward(cache)?;
+        self.argmax_vocab(b, &logits, vocab)
+    }
+    /// Whether [`TensorComm::greedy_forward`] leaves the reduced greedy tokens where the
+    /// backend's [`Backend::greedy_forward`] does (on the device, for a device-resident DDTree
+    /// round's accept); `false` by default.
+    fn device_argmax(&self) -> bool {
+        false
+    }
     /// Vocabulary-parallel embedding: rows of `table` (this rank's slice `vocab`) for the ids in
     /// it, zero rows for the others, summed over the ranks.
     fn embedding(&self, b: &B, table: &B::Tensor, ids: &[u32], vocab: Range<usize>) -> Result<B::Tensor>;
@@ -69,13 +90,19 @@ pub trait TensorComm<B: Backend> {
         false
     }
     /// Called on a rank whose job failed: peers waiting in a collective for it are released
-    /// with an error instead of waiting (where the implementation can do that; NCCL cannot
-    /// without destroying the communicator, so the default does nothing).
+    /// with an error instead of waiting, where the implementation can do that from the failed
+    /// rank (in process). By default nothing.
     fn abort(&self) {}
-    /// Makes the group usable again after a failed run, called on one rank once every rank's
-    /// job has returned. `Err` when the group cannot be recovered (the default: an NCCL
-    /// communicator that may have been left mid-collective).
-    fn recover(&self) -> Result<()> {
+    /// A handle that aborts this rank's collectives from another thread (the rank group's),
+    /// for implementations whose peers cannot be released by the failed rank alone (NCCL:
+    /// `ncclCommAbort` on every rank). `None` by default.
+    fn abort_handle(&self) -> Option<AbortHandle> {
+        None
+    }
+    /// Makes the group usable again after a failed run, called on every rank at once (an NCCL
+    /// group re-forms: every rank joins a new communicator) once every rank's job has
+    /// returned. `Err` when the group cannot be recovered (the default).
+    fn recover(&self, _b: &B) -> Result<()> {
         Err(crate::error::EngineError::Comm {
             op: "recover".into(),
             rank: self.rank(),
@@ -83,6 +110,10 @@ pub trait TensorComm<B: Backend> {
         })
     }
 }
+
+/// Aborts one rank's collectives from any thread; `false` when it could not (a thread stuck
+/// inside the communicator).
+pub type AbortHandle = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// A rank's part in a multi-rank model: the plan, which rank, and its collectives.
 pub struct RankContext<B: Backend> {

@@ -12,8 +12,8 @@ use crate::parallel::comm::CommStats;
 use crate::parallel::TensorComm;
 
 /// Collectives of a rank running alone: reductions keep the local values, the logits are the
-/// rank's slice (token `i` = its row `i`), the embedding looks up ids outside the rank's slice
-/// as the slice's first row.
+/// rank's slice (token `i` = its row `i`), the embedding gives zero rows for ids outside the
+/// rank's slice. Its steps are the backend's plain greedy steps (CUDA graphs included).
 #[derive(Debug, Clone, Copy)]
 pub struct VirtualComm {
     /// The rank it stands for.
@@ -46,18 +46,23 @@ impl<B: Backend> TensorComm<B> for VirtualComm {
         b.argmax_rows(local)
     }
 
+    fn greedy_forward(
+        &self,
+        b: &B,
+        cache: &mut B::KvCache,
+        _vocab: Range<usize>,
+        forward: &mut dyn FnMut(&mut B::KvCache) -> Result<B::Tensor>,
+    ) -> Result<Vec<u32>> {
+        // Alone, the reduced argmax is the local one: the backend's own step (and recording).
+        b.greedy_forward(cache, forward)
+    }
+
+    fn device_argmax(&self) -> bool {
+        true
+    }
+
     fn embedding(&self, b: &B, table: &B::Tensor, ids: &[u32], vocab: Range<usize>) -> Result<B::Tensor> {
-        let local: Vec<u32> = ids
-            .iter()
-            .map(|&id| {
-                if vocab.contains(&(id as usize)) {
-                    id - vocab.start as u32
-                } else {
-                    0
-                }
-            })
-            .collect();
-        b.embedding(table, &local)
+        b.embedding_slice(table, ids, vocab)
     }
 
     fn stats(&self) -> CommStats {
@@ -69,7 +74,7 @@ impl<B: Backend> TensorComm<B> for VirtualComm {
         Ok(())
     }
 
-    fn recover(&self) -> Result<()> {
+    fn recover(&self, _b: &B) -> Result<()> {
         Ok(())
     }
 

@@ -309,9 +309,11 @@ pub fn generate_speculative_with_sink<B: Backend>(
     // Greedy verification without drafter features or kept logits may run as one device round
     // (the CUDA backend: the tree stays on the GPU, one read per round; `auto` reads the path
     // log-probs too). Calibrated `auto` learns from the whole tree on the host. A model split
-    // over ranks reduces its argmax across them on the host, so its verify leaves no argmax
-    // rows on the device for the accept kernel: its rounds run on the host path.
-    // `--tree-source rank0` on several ranks: rank 0 builds, the others receive (host path).
+    // over ranks runs device rounds where its comm reduces the argmax on the device (NCCL, a
+    // virtual rank) and every rank builds the same tree (`--tree-source replicated`: equal
+    // drafted logits, deterministic builder); host-staged virtual ranks on one GPU reduce on
+    // the host and take the host path. `--tree-source rank0` on several ranks: rank 0 builds,
+    // the others receive (host path).
     let tree_rank = model
         .rank()
         .filter(|c| spec.tree_source == TreeSource::Rank0 && c.comm.world() > 1 && !c.comm.alone())
@@ -321,7 +323,7 @@ pub fn generate_speculative_with_sink<B: Backend>(
         _ => "local".to_string(),
     };
     let device_rounds = tree_rank.is_none()
-        && model.rank().is_none()
+        && model.rank().is_none_or(|c| c.comm.device_argmax())
         && layers.is_empty()
         && options.sampling.is_greedy()
         && !options.record_logits

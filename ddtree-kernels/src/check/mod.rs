@@ -489,6 +489,7 @@ pub use crate::gemv_bf16::check::*;
 pub use crate::moe_route::check::*;
 pub use crate::norm::check::*;
 pub use crate::topk::check::*;
+pub use crate::vocab::check::*;
 
 /// A kernel's checks: every candidate at the sizes given.
 pub type Suite = fn(&Target<'_>, Sizes, &mut StdRng) -> Result<Vec<CheckResult>, CheckError>;

@@ -18,7 +18,9 @@
 //! twice (an op that cannot be replayed, such as the half-split rope at a host-side offset) is
 //! left to eager forwards.
 
-use ddtree_runtime::cudarc::driver::{sys, CudaGraph, CudaSlice, DevicePtr};
+use ddtree_kernels::vocab::op::RankArgmaxOp;
+use ddtree_kernels::RankArgmax;
+use ddtree_runtime::cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView, DevicePtr};
 
 use super::{drv, fail, CudaBackend, CudaKvCache, CudaTensor, Staged};
 use crate::backend::StepInputs;
@@ -63,6 +65,25 @@ struct GraphKey {
     bucket: usize,
     /// The cache buffer's device address and capacity.
     cache: (u64, usize),
+    /// Rank and world of a rank's step (its collectives are in the recording); `(0, 1)` alone.
+    rank: (usize, usize),
+}
+
+/// How a rank of a vocabulary-parallel model reduces its greedy tokens across the ranks on the
+/// device, inside the step (and its recording): its argmax rows, `(max, local column)`, are
+/// all-gathered and [`RankArgmax`] writes the global tokens to the persistent outputs.
+pub(crate) struct RankReduce<'a> {
+    /// This rank.
+    pub(crate) rank: usize,
+    /// Ranks.
+    pub(crate) world: usize,
+    /// The width of a rank's vocabulary slice (rank `k`'s starts at `k * slice`).
+    pub(crate) slice: usize,
+    /// All-gathers `rows` values and indices into `[world, rows]` buffers, enqueued on the
+    /// backend's main stream (NCCL: capturable).
+    #[allow(clippy::type_complexity)]
+    pub(crate) gather:
+        &'a dyn Fn(&CudaView<'_, f32>, &CudaView<'_, u32>, &mut CudaSlice<f32>, &mut CudaSlice<u32>) -> Result<()>,
 }
 
 /// One recorded greedy forward.
@@ -198,10 +219,11 @@ impl CudaBackend {
 
     /// [`Backend::greedy_forward`]: eager on a shape's first [`EAGER_RUNS`] forwards, recorded on
     /// the next, replayed after that.
-    pub(super) fn greedy_graph(
+    pub(crate) fn greedy_graph(
         &self,
         cache: &mut CudaKvCache,
         forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
+        reduce: Option<&RankReduce<'_>>,
     ) -> Result<Vec<u32>> {
         let (key, step, on_device) = {
             let st = self.state();
@@ -215,12 +237,13 @@ impl CudaBackend {
                         tree: step.tree,
                         bucket: length_bucket(step.prefix + step.rows),
                         cache: (ptr, cache.capacity),
+                        rank: reduce.map_or((0, 1), |r| (r.rank, r.world)),
                     };
                     (key, step, on_device)
                 }
                 _ => {
                     drop(st);
-                    return self.eager(cache, forward, on_device);
+                    return self.eager(cache, forward, on_device, reduce);
                 }
             }
         };
@@ -235,7 +258,7 @@ impl CudaBackend {
             let g = &mut st.graphs;
             if g.failures.iter().any(|(k, n)| *k == key && *n >= MAX_FAILURES) {
                 drop(st);
-                return self.eager(cache, forward, on_device);
+                return self.eager(cache, forward, on_device, reduce);
             }
             if let Some(i) = g.recorded.iter().position(|r| r.key == key) {
                 if g.recorded[i].generation == g.generation {
@@ -254,7 +277,7 @@ impl CudaBackend {
             if *runs < EAGER_RUNS {
                 *runs += 1;
                 drop(st);
-                return self.eager(cache, forward, on_device);
+                return self.eager(cache, forward, on_device, reduce);
             }
             let need = step.rows;
             if g.argmax.as_ref().is_none_or(|(_, i)| i.len() < need) {
@@ -272,7 +295,7 @@ impl CudaBackend {
             .main
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
         let result = match begun {
-            Ok(()) => forward(cache).and_then(|logits| self.argmax_kept(&logits)),
+            Ok(()) => forward(cache).and_then(|logits| self.argmax_kept(&logits, reduce)),
             Err(e) => Err(fail(format!("starting a CUDA graph capture: {e}"))),
         };
         // A branch's outputs are freed on the side stream after its join, when the main stream
@@ -318,7 +341,7 @@ impl CudaBackend {
         };
         g.failed(key, &why);
         drop(st);
-        self.eager(cache, forward, on_device)
+        self.eager(cache, forward, on_device, reduce)
     }
 
     /// Runs `forward` and reads its argmax rows back, or with `on_device` leaves them in the
@@ -328,11 +351,17 @@ impl CudaBackend {
         cache: &mut CudaKvCache,
         forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
         on_device: bool,
+        reduce: Option<&RankReduce<'_>>,
     ) -> Result<Vec<u32>> {
         let logits = forward(cache)?;
-        if on_device {
-            self.argmax_kept(&logits)?;
-            return Ok(Vec::new());
+        if on_device || reduce.is_some() {
+            let rows = self.argmax_kept(&logits, reduce)?;
+            if on_device {
+                return Ok(Vec::new());
+            }
+            let st = self.state();
+            let (_, indices) = st.graphs.argmax.as_ref().expect("written by argmax_kept");
+            return self.read_back(&indices.slice(..rows));
         }
         self.argmax_rows(&logits)
     }
@@ -368,8 +397,9 @@ impl CudaBackend {
     }
 
     /// The argmax of every row of `logits` into the persistent outputs (grown when too small:
-    /// recordings allocate them before they start); returns the row count.
-    fn argmax_kept(&self, logits: &CudaTensor) -> Result<usize> {
+    /// recordings allocate them before they start), reduced across the ranks with `reduce`;
+    /// returns the row count.
+    fn argmax_kept(&self, logits: &CudaTensor, reduce: Option<&RankReduce<'_>>) -> Result<usize> {
         let mut st = self.state();
         let st = &mut *st;
         let g = &mut st.graphs;
@@ -379,10 +409,66 @@ impl CudaBackend {
             g.argmax = Some((self.alloc(n)?, self.alloc(n)?));
         }
         let (mut values, mut indices) = g.argmax.take().expect("allocated above");
-        let done = self.argmax_into(st, logits, &mut values, &mut indices);
+        let mut done = self.argmax_into(st, logits, &mut values, &mut indices);
+        if let (Ok(()), Some(r)) = (&done, reduce) {
+            done = self.rank_argmax(r, logits.rows, &values, &mut indices);
+        }
         st.graphs.argmax = Some((values, indices));
         done?;
         Ok(logits.rows)
+    }
+
+    /// Every rank's `(max, local column)` of `rows` rows all-gathered, and the global greedy
+    /// token of each row written over `indices` (no host sync: capturable with NCCL).
+    fn rank_argmax(
+        &self,
+        r: &RankReduce<'_>,
+        rows: usize,
+        values: &CudaSlice<f32>,
+        indices: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        let mut all_v = self.alloc::<f32>(r.world * rows)?;
+        let mut all_i = self.alloc::<u32>(r.world * rows)?;
+        (r.gather)(&values.slice(..rows), &indices.slice(..rows), &mut all_v, &mut all_i)?;
+        let k = self.first_variant::<RankArgmax>(|_| true)?;
+        RankArgmaxOp {
+            values: &all_v,
+            indices: &all_i,
+            out: &mut indices.slice_mut(..rows),
+            rows,
+            world: r.world,
+            slice: r.slice,
+        }
+        .launch(&k, &self.main)?;
+        Ok(())
+    }
+
+    /// [`CudaBackend::rank_argmax`] outside a step: `values` / `indices` from
+    /// [`CudaBackend::argmax_on_device`].
+    pub(crate) fn rank_argmax_into(
+        &self,
+        r: &RankReduce<'_>,
+        rows: usize,
+        values: &CudaSlice<f32>,
+        indices: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        self.rank_argmax(r, rows, values, indices)
+    }
+
+    /// Reads the first `rows` values of `indices` (counted in the host reads).
+    pub(crate) fn read_rows(&self, indices: &CudaSlice<u32>, rows: usize) -> Result<Vec<u32>> {
+        self.read_back(&indices.slice(..rows))
+    }
+
+    /// Whether a greedy forward is being recorded (nothing runs: no events to time).
+    pub(crate) fn is_recording(&self) -> bool {
+        self.recording.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Drops every recording (when next used): the communicator their collectives were
+    /// recorded with has been replaced.
+    pub(crate) fn forget_graphs(&self) {
+        self.state().graphs.replaced("the communicator");
     }
 
     /// Forwards replayed from and recorded into CUDA graphs so far.

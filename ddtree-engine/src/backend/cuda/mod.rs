@@ -49,6 +49,7 @@ use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 
 pub use attention::{AttentionKernel, WG_DECODE_MIN_KEYS};
+pub(crate) use graph::RankReduce;
 pub(crate) use linear::DENSE_INT4_GEMV_MAX_ROWS;
 pub use lookups::Lookup;
 pub(crate) use moe::DENSE_EXPERT_GROUP;
@@ -465,7 +466,7 @@ impl Backend for CudaBackend {
         cache: &mut CudaKvCache,
         forward: &mut dyn FnMut(&mut CudaKvCache) -> Result<CudaTensor>,
     ) -> Result<Vec<u32>> {
-        self.greedy_graph(cache, forward)
+        self.greedy_graph(cache, forward, None)
     }
 
     fn device_tree_round(
@@ -546,6 +547,10 @@ impl Backend for CudaBackend {
 
     fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
         CudaBackend::embedding(self, table, ids)
+    }
+
+    fn embedding_slice(&self, table: &CudaTensor, ids: &[u32], vocab: std::ops::Range<usize>) -> Result<CudaTensor> {
+        CudaBackend::embedding_slice(self, table, ids, vocab)
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaVector, eps: f32) -> Result<CudaTensor> {

@@ -6,6 +6,8 @@ use super::*;
 use ddtree_kernels::elementwise::op::{AddAssignOp, SiluMulSplitOp};
 use ddtree_kernels::embedding::op::EmbeddingOp;
 use ddtree_kernels::norm::op::{AddRmsNormOp, CastBf16F32Op, RmsNormOp};
+use ddtree_kernels::vocab::op::EmbeddingSliceOp;
+use ddtree_kernels::EmbeddingSlice;
 
 impl CudaBackend {
     /// [`Backend::embedding`] on the GPU.
@@ -23,6 +25,39 @@ impl CudaBackend {
             rows: ids.len(),
             hidden,
             vocab: table.rows,
+        }
+        .launch(&k, self.stream())?;
+        Ok(out)
+    }
+
+    /// [`Backend::embedding_slice`] on the GPU: one [`EmbeddingSlice`] launch over the step's
+    /// staged token ids (the global ids: no restaging, and a device round's tree tokens are
+    /// read where its kernel wrote them), so a rank's step can be recorded in a CUDA graph.
+    pub(super) fn embedding_slice(
+        &self,
+        table: &CudaTensor,
+        ids: &[u32],
+        vocab: std::ops::Range<usize>,
+    ) -> Result<CudaTensor> {
+        self.profile.forward_rows(ids.len());
+        let _span = self.profile.span("embedding");
+        let hidden = table.cols;
+        if table.rows != vocab.len() {
+            return Err(fail(format!(
+                "embedding_slice: a table of {} rows for the slice {vocab:?}",
+                table.rows
+            )));
+        }
+        let k = self.first_variant::<EmbeddingSlice>(|p| !p.vec || hidden % 8 == 0)?;
+        let d_ids = self.staged(Staged::Tokens, ids)?;
+        let mut out = self.tensor_bf16(ids.len(), hidden)?;
+        EmbeddingSliceOp {
+            ids: &*d_ids,
+            table: table.bf16("embedding")?,
+            out: out.bf16_mut("embedding")?,
+            rows: ids.len(),
+            hidden,
+            vocab,
         }
         .launch(&k, self.stream())?;
         Ok(out)
