@@ -219,6 +219,7 @@ pub use crate::norm::tune::*;
 pub use crate::topk::tune::*;
 pub use crate::tree::tune::*;
 pub use crate::w4a16::tune::*;
+pub use crate::w4a16::tune_moe::*;
 pub use crate::w4a16::tune_wg::*;
 
 #[cfg(test)]
