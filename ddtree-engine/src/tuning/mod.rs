@@ -29,7 +29,7 @@
 
 use ddtree_kernels::{gemv, tree};
 
-use crate::backend::cuda::{Lookup, DENSE_INT4_GEMV_MAX_ROWS};
+use crate::backend::cuda::{Lookup, DENSE_EXPERT_GROUP, DENSE_INT4_GEMV_MAX_ROWS};
 use crate::config::ModelConfig;
 
 mod run;
@@ -55,6 +55,11 @@ pub struct ModelDims {
     pub shared_experts: usize,
     /// `n_routed_experts`.
     pub routed_experts: usize,
+    /// `num_experts_per_tok` (top-k).
+    pub experts_per_tok: usize,
+    /// Expert-parallel ranks the routed experts are spread over: the MoE keys are for one
+    /// rank's `routed_experts / expert_ranks` local experts.
+    pub expert_ranks: usize,
     /// `num_attention_heads`.
     pub heads: usize,
     /// `q_lora_rank` (`None`: a plain `q_proj`).
@@ -95,6 +100,9 @@ impl ModelDims {
             moe_intermediate: 2048,
             shared_experts: 1,
             routed_experts: 384,
+            experts_per_tok: 8,
+            // Kimi K2.6 runs expert-parallel on 8 GPUs (48 experts each, the kimi-k2.6-ep8 slice).
+            expert_ranks: 8,
             heads: 64,
             q_lora_rank: Some(1536),
             kv_lora_rank: 512,
@@ -118,6 +126,8 @@ impl ModelDims {
             moe_intermediate: c.moe.moe_intermediate_size,
             shared_experts: c.moe.n_shared_experts,
             routed_experts: c.moe.n_routed_experts,
+            experts_per_tok: c.moe.num_experts_per_tok,
+            expert_ranks: 1,
             heads: c.num_attention_heads,
             q_lora_rank: c.q_lora_rank,
             kv_lora_rank: c.kv_lora_rank,
@@ -134,6 +144,39 @@ impl ModelDims {
     /// These dimensions on a GPU of `sms` SMs, with `wgmma` or not.
     pub fn on_gpu(self, sms: usize, wgmma: bool) -> ModelDims {
         ModelDims { sms, wgmma, ..self }
+    }
+
+    /// These dimensions with the routed experts spread over `ranks` expert-parallel ranks.
+    pub fn with_expert_ranks(self, ranks: usize) -> ModelDims {
+        ModelDims {
+            expert_ranks: ranks.max(1),
+            ..self
+        }
+    }
+
+    /// The routed-expert block's keys, M = 1, 2, 4, ... up to `max_m` ([`Lookup::moe_experts`]:
+    /// every MoE layer of a forward of M tokens), over one rank's local experts at the
+    /// checkpoint's scale group (the backend quantizes dense experts at
+    /// [`DENSE_EXPERT_GROUP`]). None without routed experts.
+    fn moe_lookups(&self, max_m: usize) -> Vec<Lookup> {
+        let experts = self.routed_experts / self.expert_ranks.max(1);
+        if experts == 0 || self.experts_per_tok == 0 {
+            return Vec::new();
+        }
+        let group = self.int4_group.unwrap_or(DENSE_EXPERT_GROUP);
+        token_counts(max_m)
+            .into_iter()
+            .map(|m| {
+                Lookup::moe_experts(
+                    m,
+                    self.experts_per_tok,
+                    experts,
+                    self.hidden,
+                    self.moe_intermediate,
+                    group,
+                )
+            })
+            .collect()
     }
 
     /// The widths the RMS norms run at: hidden and the query latent.
@@ -260,6 +303,7 @@ pub fn lookups(d: &ModelDims, max_m: usize) -> Vec<Lookup> {
     all.extend(d.mla_query_lookups(max_m));
     all.extend(d.int4_gemv_lookups(max_m));
     all.extend(d.int4_gemm_wg_lookups(max_m));
+    all.extend(d.moe_lookups(max_m));
     all.extend(tree_build_lookups(d.vocab));
     let mut seen = std::collections::HashSet::new();
     all.retain(|l| seen.insert(l.bucket()));
@@ -334,7 +378,12 @@ mod tests {
         // one of the dense MLP at 1, 2, 4 rows); the `wgmma` INT4 GEMM of the 4 shapes at M =
         // 64, 128, 256; the absorbed-MLA query at 1, 2, 4 rows. No `gemm_bf16` (cuBLAS serves the dense products) and no kernel the
         // backend runs at a fixed variant.
-        assert_eq!(k.len(), 9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3);
+        // The MoE block over one EP8 rank's 48 experts at every M.
+        assert_eq!(k.len(), 9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3 + 9);
+        for m in [1, 16, 256] {
+            let key = format!("moe_w4a16 tokens={m} topk=8 experts=48 hidden=7168 inter=2048 group=32");
+            assert!(k.contains(&key), "{key}: {k:?}");
+        }
         for m in [1, 2, 4] {
             let key = format!("mla_absorb_query rows={m} heads=64 lora=512 nope=128 rope=64 v=128 interleave=true");
             assert!(k.contains(&key), "{key}: {k:?}");
@@ -487,6 +536,17 @@ mod tests {
             d.v_head,
             d.rope_interleave,
         ));
+        // `moe_experts`: every token of the forward, over the rank's local experts.
+        if d.routed_experts > 0 {
+            v.push(Lookup::moe_experts(
+                rows,
+                d.experts_per_tok,
+                d.routed_experts / d.expert_ranks,
+                d.hidden,
+                d.moe_intermediate,
+                d.int4_group.unwrap_or(DENSE_EXPERT_GROUP),
+            ));
+        }
         if let Some(group) = d.int4_group {
             for (n, k) in d.int4_shapes() {
                 v.extend(Lookup::int4_gemv(rows, n, k, group));

@@ -9,9 +9,12 @@ use std::fmt;
 use ddtree_kernels::gemv::{self, GemvChoice, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitGateUpSilu};
 use ddtree_kernels::topk;
 use ddtree_kernels::tree::TreeBuild;
-use ddtree_kernels::tune::{EmbeddingKey, GemvKey, MlaQueryKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey};
+use ddtree_kernels::tune::{
+    EmbeddingKey, GemvKey, MlaQueryKey, MoeKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey,
+};
 use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg};
 use ddtree_kernels::w4a16::gemv::W4a16Gemv;
+use ddtree_kernels::w4a16::MoeBlock;
 use ddtree_kernels::{Embedding, MlaAbsorbQuery, RmsNorm, RowTopk};
 use ddtree_runtime::Tunable;
 
@@ -52,6 +55,8 @@ pub enum Lookup {
     Int4GemmWg(W4GemmKey),
     /// The absorbed-MLA query kernel (`mla_query` of a few tokens).
     MlaAbsorbQuery(MlaQueryKey),
+    /// The routed-expert block (`moe_experts`): its path and (gate_up, down) pair.
+    MoeExperts(MoeKey),
 }
 
 impl Lookup {
@@ -142,6 +147,20 @@ impl Lookup {
         absorb.then_some(Lookup::MlaAbsorbQuery(key))
     }
 
+    /// The routed-expert block of `tokens` tokens of `topk` slots over `experts` local INT4
+    /// experts (gate_up `[2 inter, hidden]`, down `[hidden, inter]`, scale group `group`): every
+    /// MoE layer's `moe_experts` looks it up.
+    pub fn moe_experts(tokens: usize, topk: usize, experts: usize, hidden: usize, inter: usize, group: usize) -> Lookup {
+        Lookup::MoeExperts(MoeKey {
+            tokens,
+            topk,
+            experts,
+            hidden,
+            inter,
+            group,
+        })
+    }
+
     /// Its tuning job.
     pub fn job(&self) -> Box<dyn Job> {
         match self {
@@ -155,6 +174,7 @@ impl Lookup {
             Lookup::GateUpSplitGemv(k) => job::<GemvSplitGateUpSilu>(*k),
             Lookup::Int4GemmWg(k) => job::<W4a16GemmWg>(*k),
             Lookup::MlaAbsorbQuery(k) => job::<MlaAbsorbQuery>(*k),
+            Lookup::MoeExperts(k) => job::<MoeBlock>(*k),
         }
     }
 
@@ -174,6 +194,7 @@ impl Lookup {
             Lookup::GateUpSplitGemv(k) => of::<GemvSplitGateUpSilu>(k),
             Lookup::Int4GemmWg(k) => of::<W4a16GemmWg>(k),
             Lookup::MlaAbsorbQuery(k) => of::<MlaAbsorbQuery>(k),
+            Lookup::MoeExperts(k) => of::<MoeBlock>(k),
         }
     }
 }
@@ -215,6 +236,7 @@ key_of!(
     GemvSplitGateUpSilu => GateUpSplitGemv,
     W4a16GemmWg => Int4GemmWg,
     MlaAbsorbQuery => MlaAbsorbQuery,
+    MoeBlock => MoeExperts,
 );
 
 impl CudaBackend {
