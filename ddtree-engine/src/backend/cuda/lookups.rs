@@ -8,7 +8,8 @@ use std::fmt;
 
 use ddtree_kernels::gemv::{self, GemvChoice, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitGateUpSilu};
 use ddtree_kernels::topk;
-use ddtree_kernels::tree::TreeBuild;
+use ddtree_kernels::tree::tune_verify::{VerifyKernels, VerifyKey};
+use ddtree_kernels::tree::{MlaVerify, TreeBuild, LATENT, ROPE};
 use ddtree_kernels::tune::{
     EmbeddingKey, GemvKey, MlaQueryKey, MoeKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey,
 };
@@ -23,9 +24,10 @@ use std::sync::Arc;
 
 use ddtree_runtime::CompiledKernel;
 
-use super::attention::MLA_ABSORB_QUERY_MAX_ROWS;
+use super::attention::{MLA_ABSORB_QUERY_MAX_ROWS, VERIFY_PARTIALS};
 use super::linear::dense_int4_gemv;
 use super::{fail, CudaBackend};
+use crate::backend::MlaDims;
 use crate::error::Result;
 use crate::tuning::{job, Job};
 
@@ -57,6 +59,9 @@ pub enum Lookup {
     MlaAbsorbQuery(MlaQueryKey),
     /// The routed-expert block (`moe_experts`): its path and (gate_up, down) pair.
     MoeExperts(MoeKey),
+    /// The tree-masked MLA verify attention (`mla_attention`, `mla_attention_output`): its
+    /// split-pass variant and split rule.
+    MlaVerify(VerifyKey),
 }
 
 impl Lookup {
@@ -161,6 +166,24 @@ impl Lookup {
         })
     }
 
+    /// The verify attention of `tokens` query tokens over a length bucket of `keys` cache rows
+    /// (`CudaBackend::attend`) with MLA dims `d`, its merge `fused` into the absorbed output
+    /// projection or not, among `kernels` (the `--attention` choice): a lookup where the
+    /// split-KV kernels run (Kimi's 576-wide latent rows, rows that fit the partials), none
+    /// where the generic kernel does.
+    pub fn mla_verify(tokens: usize, keys: usize, d: MlaDims, fused: bool, kernels: VerifyKernels) -> Option<Lookup> {
+        let split = d.kv_lora == LATENT && d.rope == ROPE && tokens * d.heads <= VERIFY_PARTIALS;
+        split.then_some(Lookup::MlaVerify(VerifyKey {
+            tokens,
+            heads: d.heads,
+            keys,
+            nope: d.nope,
+            v: d.v,
+            fused,
+            kernels,
+        }))
+    }
+
     /// Its tuning job.
     pub fn job(&self) -> Box<dyn Job> {
         match self {
@@ -175,6 +198,7 @@ impl Lookup {
             Lookup::Int4GemmWg(k) => job::<W4a16GemmWg>(*k),
             Lookup::MlaAbsorbQuery(k) => job::<MlaAbsorbQuery>(*k),
             Lookup::MoeExperts(k) => job::<MoeBlock>(*k),
+            Lookup::MlaVerify(k) => job::<MlaVerify>(*k),
         }
     }
 
@@ -195,6 +219,7 @@ impl Lookup {
             Lookup::Int4GemmWg(k) => of::<W4a16GemmWg>(k),
             Lookup::MlaAbsorbQuery(k) => of::<MlaAbsorbQuery>(k),
             Lookup::MoeExperts(k) => of::<MoeBlock>(k),
+            Lookup::MlaVerify(k) => of::<MlaVerify>(k),
         }
     }
 }
@@ -237,6 +262,7 @@ key_of!(
     W4a16GemmWg => Int4GemmWg,
     MlaAbsorbQuery => MlaAbsorbQuery,
     MoeBlock => MoeExperts,
+    MlaVerify => MlaVerify,
 );
 
 impl CudaBackend {

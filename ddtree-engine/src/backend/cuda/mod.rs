@@ -49,6 +49,8 @@ use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 
 pub use attention::{AttentionKernel, WG_DECODE_MIN_KEYS};
+pub(crate) use attention::MLA_COMBINE_OUTPUT_MAX_ROWS;
+pub(crate) use graph::length_bucket;
 pub(crate) use linear::DENSE_INT4_GEMV_MAX_ROWS;
 pub use lookups::Lookup;
 pub(crate) use moe::DENSE_EXPERT_GROUP;
@@ -126,7 +128,7 @@ struct State {
     /// The W4A16 split-K partials, one per stream ([`CudaBackend::lane`]): the main stream's
     /// and a branch's linears may run at the same time.
     w4a16: [Scratch; 2],
-    /// Verify attention per variant ([`verify_variant`]).
+    /// Verify attention per variant ([`Lookup::mla_verify`]).
     verify: Vec<tree::gpu::GpuVerify>,
     /// The MoE block's kernels per variant ([`Lookup::moe_experts`]).
     moe: Vec<(MoeVariant, Arc<MoeKernels>)>,
