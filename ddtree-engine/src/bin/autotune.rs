@@ -57,6 +57,10 @@ struct Args {
     /// rank's share); default 8 for kimi-k2.6, else 1.
     #[arg(long)]
     expert_ranks: Option<usize>,
+    /// Longest context the verify attention's keys cover (their length buckets go up to it);
+    /// default the model's `max_position_embeddings`.
+    #[arg(long)]
+    max_context: Option<usize>,
     /// Compile every candidate variant one by one with NVRTC into an empty cache and again from
     /// it, printing the time of each (no GPU needed; arch from the GPU, else sm_90a).
     #[arg(long)]
@@ -305,6 +309,9 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
     let mut d = dims(args)?;
     if let Some(r) = args.expert_ranks {
         d = d.with_expert_ranks(r);
+    }
+    if let Some(c) = args.max_context {
+        d.max_context = c;
     }
     let jobs = selected(plan(&d, args.max_m), args.kernels.as_deref());
     if jobs.is_empty() {
