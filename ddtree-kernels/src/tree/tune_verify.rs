@@ -319,14 +319,17 @@ impl Tunable for MlaVerify {
         choices(key)
     }
 
-    /// The cache read once per block row of 64 query rows, the queries and the output; the
-    /// scores and `P V` over every key.
+    /// The distinct bytes (cache, queries, output, the fused path's `kv_b`: the floor, and
+    /// what decides whether rotated copies pass the L2, as a layer's cache does between
+    /// layers); the scores and `P V` over every key.
     fn cost(key: &VerifyKey) -> Cost {
         let rows = key.rows();
-        let cache = (key.keys * ROW * 2) as f64;
-        let out = if key.fused { key.v * 2 } else { LATENT * 2 };
+        let (out, kv_b) = match key.fused {
+            true => (key.v, key.heads * (key.nope + key.v) * LATENT),
+            false => (LATENT, 0),
+        };
         Cost {
-            bytes: cache * rows.div_ceil(64) as f64 + (rows * (ROW * 2 + out)) as f64,
+            bytes: 2.0 * (key.keys * ROW + rows * (ROW + out) + kv_b) as f64,
             flops: 2.0 * (rows * key.keys * (ROW + LATENT)) as f64,
         }
     }
