@@ -438,7 +438,10 @@ mod tests {
         // backend runs at a fixed variant.
         // The MoE block over one EP8 rank's 48 experts at every M; the verify attention at every
         // M over the 11 length buckets 256 .. 256K.
-        assert_eq!(k.len(), 9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3 + 9 + 9 * 11);
+        assert_eq!(
+            k.len(),
+            9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3 + 9 + 9 * 11
+        );
         for key in [
             "mla_verify tokens=1 heads=64 keys=256 nope=128 v=128 fused=true kernels=auto",
             "mla_verify tokens=2 heads=64 keys=262144 nope=128 v=128 fused=true kernels=auto",

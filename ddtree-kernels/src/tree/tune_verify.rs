@@ -497,7 +497,10 @@ mod tests {
         uniq.dedup();
         assert_eq!(uniq.len(), symbols.len());
         for kernel in ["wide", "wg", "narrow"] {
-            assert!(c.iter().any(|v| v.fields()[0].1 == ParamValue::Variant(kernel)), "{kernel}");
+            assert!(
+                c.iter().any(|v| v.fields()[0].1 == ParamValue::Variant(kernel)),
+                "{kernel}"
+            );
         }
         let wg = MlaVerify::candidates(&key(33, 64, 4096, VerifyKernels::Wgmma));
         assert!(wg.iter().all(|v| matches!(v.variant, VerifyVariant::Wg(_))));

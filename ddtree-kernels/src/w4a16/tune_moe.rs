@@ -23,8 +23,8 @@ use crate::check;
 #[allow(unused_imports)]
 use crate::tune::*;
 use crate::w4a16::check::{
-    gemv_moe, gemv_moe_pairs, grouped_gemv_moe, grouped_gemv_pairs, moe_block, moe_pairs, random_routing,
-    wg_moe_pairs, MoeShape,
+    gemv_moe, gemv_moe_pairs, grouped_gemv_moe, grouped_gemv_pairs, moe_block, moe_pairs, random_routing, wg_moe_pairs,
+    MoeShape,
 };
 use crate::w4a16::gemv::{self as w4gemv, W4a16Gemv};
 use crate::w4a16::layout::interleaved_words;
@@ -128,9 +128,7 @@ fn variants(key: &MoeKey) -> Vec<MoeVariant> {
         all.extend(
             gemv_moe_pairs()
                 .into_iter()
-                .filter(|(u, d)| {
-                    u.group == group && w4gemv::max_tokens(u) >= tokens && w4gemv::max_tokens(d) >= tokens
-                })
+                .filter(|(u, d)| u.group == group && w4gemv::max_tokens(u) >= tokens && w4gemv::max_tokens(d) >= tokens)
                 .map(|(u, d)| MoeVariant::Gemv(u, d)),
         );
     }
@@ -260,7 +258,9 @@ impl Tunable for MoeBlock {
         let mut kernels = Vec::new();
         for v in variants(key) {
             // A variant that does not compile here (wgmma off Hopper) fails in the tuner too.
-            let Ok(k) = MoeKernels::for_variant(gpu, &v) else { continue };
+            let Ok(k) = MoeKernels::for_variant(gpu, &v) else {
+                continue;
+            };
             let bufs = k.buffers(gpu.stream(), tokens, topk, &experts_of(&w, key))?;
             kernels.push((v, k, bufs));
         }

@@ -155,7 +155,14 @@ impl Lookup {
     /// The routed-expert block of `tokens` tokens of `topk` slots over `experts` local INT4
     /// experts (gate_up `[2 inter, hidden]`, down `[hidden, inter]`, scale group `group`): every
     /// MoE layer's `moe_experts` looks it up.
-    pub fn moe_experts(tokens: usize, topk: usize, experts: usize, hidden: usize, inter: usize, group: usize) -> Lookup {
+    pub fn moe_experts(
+        tokens: usize,
+        topk: usize,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+        group: usize,
+    ) -> Lookup {
         Lookup::MoeExperts(MoeKey {
             tokens,
             topk,

@@ -48,8 +48,8 @@ use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr
 use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 
-pub use attention::{AttentionKernel, WG_DECODE_MIN_KEYS};
 pub(crate) use attention::MLA_COMBINE_OUTPUT_MAX_ROWS;
+pub use attention::{AttentionKernel, WG_DECODE_MIN_KEYS};
 pub(crate) use graph::length_bucket;
 pub(crate) use linear::DENSE_INT4_GEMV_MAX_ROWS;
 pub use lookups::Lookup;
@@ -124,7 +124,10 @@ struct State {
     /// The largest cache capacity asked for: rope tables cover it from the start.
     max_capacity: usize,
     /// MoE buffers per (tokens, top-k, variant, expert intermediate size).
-    moe_bufs: Vec<((usize, usize, MoeVariant, usize), ddtree_kernels::w4a16::moe::MoeBuffers)>,
+    moe_bufs: Vec<(
+        (usize, usize, MoeVariant, usize),
+        ddtree_kernels::w4a16::moe::MoeBuffers,
+    )>,
     /// The W4A16 split-K partials, one per stream ([`CudaBackend::lane`]): the main stream's
     /// and a branch's linears may run at the same time.
     w4a16: [Scratch; 2],
