@@ -131,13 +131,13 @@ fn ddtree_equals_plain_greedy_on_the_gpu() {
     );
 }
 
-/// The kernel, and the size fields (rows, tokens, depth, budget) of a lookup's bucketed key: the
+/// The kernel, and the size fields (rows, tokens, depth, budget, keys) of a lookup's bucketed key: the
 /// run below exercises a plan key when it looked up the same kernel at the same sizes.
 fn size_tag((kernel, key): &(&'static str, String)) -> String {
     let sizes: Vec<&str> = key
         .split(' ')
         .filter(|f| {
-            ["rows=", "tokens=", "depth=", "budget=", "m="]
+            ["rows=", "tokens=", "depth=", "budget=", "m=", "keys="]
                 .iter()
                 .any(|p| f.starts_with(p))
         })

@@ -218,7 +218,9 @@ pub use crate::gemv_bf16::tune::*;
 pub use crate::norm::tune::*;
 pub use crate::topk::tune::*;
 pub use crate::tree::tune::*;
+pub use crate::tree::tune_verify::{VerifyKernels, VerifyKey, VerifyWorkload};
 pub use crate::w4a16::tune::*;
+pub use crate::w4a16::tune_moe::*;
 pub use crate::w4a16::tune_wg::*;
 
 #[cfg(test)]

@@ -53,6 +53,14 @@ struct Args {
     /// Print the problem keys and exit (no GPU needed).
     #[arg(long)]
     list: bool,
+    /// Expert-parallel ranks the routed experts are spread over (the MoE keys are for one
+    /// rank's share); default 8 for kimi-k2.6, else 1.
+    #[arg(long)]
+    expert_ranks: Option<usize>,
+    /// Longest context the verify attention's keys cover (their length buckets go up to it);
+    /// default the model's `max_position_embeddings`.
+    #[arg(long)]
+    max_context: Option<usize>,
     /// Compile every candidate variant one by one with NVRTC into an empty cache and again from
     /// it, printing the time of each (no GPU needed; arch from the GPU, else sm_90a).
     #[arg(long)]
@@ -298,7 +306,13 @@ fn run(args: &Args, process_start: Instant) -> Result<bool, String> {
         init_logging(&bar);
         return verify_cost(args, bar);
     }
-    let d = dims(args)?;
+    let mut d = dims(args)?;
+    if let Some(r) = args.expert_ranks {
+        d = d.with_expert_ranks(r);
+    }
+    if let Some(c) = args.max_context {
+        d.max_context = c;
+    }
     let jobs = selected(plan(&d, args.max_m), args.kernels.as_deref());
     if jobs.is_empty() {
         return Err(format!("no kernel matches `{}`", args.kernels.as_deref().unwrap_or("")));

@@ -27,9 +27,13 @@
 //! The tuner saves the tune cache after every new entry, so an interrupted run keeps what it
 //! measured.
 
+use ddtree_kernels::tree::tune_verify::VerifyKernels;
 use ddtree_kernels::{gemv, tree};
 
-use crate::backend::cuda::{Lookup, DENSE_INT4_GEMV_MAX_ROWS};
+use crate::backend::cuda::{
+    length_bucket, Lookup, DENSE_EXPERT_GROUP, DENSE_INT4_GEMV_MAX_ROWS, MLA_COMBINE_OUTPUT_MAX_ROWS,
+};
+use crate::backend::MlaDims;
 use crate::config::ModelConfig;
 
 mod run;
@@ -55,6 +59,11 @@ pub struct ModelDims {
     pub shared_experts: usize,
     /// `n_routed_experts`.
     pub routed_experts: usize,
+    /// `num_experts_per_tok` (top-k).
+    pub experts_per_tok: usize,
+    /// Expert-parallel ranks the routed experts are spread over: the MoE keys are for one
+    /// rank's `routed_experts / expert_ranks` local experts.
+    pub expert_ranks: usize,
     /// `num_attention_heads`.
     pub heads: usize,
     /// `q_lora_rank` (`None`: a plain `q_proj`).
@@ -69,6 +78,8 @@ pub struct ModelDims {
     pub rope_interleave: bool,
     /// `v_head_dim`.
     pub v_head: usize,
+    /// `max_position_embeddings`: the verify attention's keys go up to its length bucket.
+    pub max_context: usize,
     /// The INT4 scale group of a quantized checkpoint (`quantization_config`), `None` for a
     /// dense one.
     pub int4_group: Option<usize>,
@@ -95,6 +106,9 @@ impl ModelDims {
             moe_intermediate: 2048,
             shared_experts: 1,
             routed_experts: 384,
+            experts_per_tok: 8,
+            // Kimi K2.6 runs expert-parallel on 8 GPUs (48 experts each, the kimi-k2.6-ep8 slice).
+            expert_ranks: 8,
             heads: 64,
             q_lora_rank: Some(1536),
             kv_lora_rank: 512,
@@ -102,6 +116,7 @@ impl ModelDims {
             qk_rope: 64,
             rope_interleave: true,
             v_head: 128,
+            max_context: 262144,
             int4_group: Some(32),
             sms: PLAN_SMS,
             wgmma: true,
@@ -118,6 +133,8 @@ impl ModelDims {
             moe_intermediate: c.moe.moe_intermediate_size,
             shared_experts: c.moe.n_shared_experts,
             routed_experts: c.moe.n_routed_experts,
+            experts_per_tok: c.moe.num_experts_per_tok,
+            expert_ranks: 1,
             heads: c.num_attention_heads,
             q_lora_rank: c.q_lora_rank,
             kv_lora_rank: c.kv_lora_rank,
@@ -125,6 +142,7 @@ impl ModelDims {
             qk_rope: c.qk_rope_head_dim,
             rope_interleave: c.rope.interleave,
             v_head: c.v_head_dim,
+            max_context: c.max_position_embeddings,
             int4_group: c.quantization.as_ref().map(|q| q.group_size),
             sms: PLAN_SMS,
             wgmma: true,
@@ -134,6 +152,87 @@ impl ModelDims {
     /// These dimensions on a GPU of `sms` SMs, with `wgmma` or not.
     pub fn on_gpu(self, sms: usize, wgmma: bool) -> ModelDims {
         ModelDims { sms, wgmma, ..self }
+    }
+
+    /// These dimensions with the routed experts spread over `ranks` expert-parallel ranks.
+    pub fn with_expert_ranks(self, ranks: usize) -> ModelDims {
+        ModelDims {
+            expert_ranks: ranks.max(1),
+            ..self
+        }
+    }
+
+    /// The routed-expert block's keys, M = 1, 2, 4, ... up to `max_m` ([`Lookup::moe_experts`]:
+    /// every MoE layer of a forward of M tokens), over one rank's local experts at the
+    /// checkpoint's scale group (the backend quantizes dense experts at
+    /// [`DENSE_EXPERT_GROUP`]). None without routed experts.
+    fn moe_lookups(&self, max_m: usize) -> Vec<Lookup> {
+        let experts = self.routed_experts / self.expert_ranks.max(1);
+        if experts == 0 || self.experts_per_tok == 0 {
+            return Vec::new();
+        }
+        let group = self.int4_group.unwrap_or(DENSE_EXPERT_GROUP);
+        token_counts(max_m)
+            .into_iter()
+            .map(|m| {
+                Lookup::moe_experts(
+                    m,
+                    self.experts_per_tok,
+                    experts,
+                    self.hidden,
+                    self.moe_intermediate,
+                    group,
+                )
+            })
+            .collect()
+    }
+
+    /// The MLA dimensions of the attention layers.
+    fn mla(&self) -> MlaDims {
+        MlaDims {
+            heads: self.heads,
+            nope: self.qk_nope,
+            rope: self.qk_rope,
+            v: self.v_head,
+            kv_lora: self.kv_lora_rank,
+        }
+    }
+
+    /// The kernels the verify attention's keys allow: `--attention auto`, the default, which
+    /// resolves to `mma` without `wgmma`.
+    fn verify_kernels(&self) -> VerifyKernels {
+        if self.wgmma {
+            VerifyKernels::Auto
+        } else {
+            VerifyKernels::Mma
+        }
+    }
+
+    /// The length buckets of the cache ([`length_bucket`]: 256, 512, ...) up to the model's
+    /// context.
+    fn length_buckets(&self) -> Vec<usize> {
+        let top = length_bucket(self.max_context.max(1));
+        std::iter::successors(Some(length_bucket(1)), |k| Some(k * 2))
+            .take_while(|&k| k <= top)
+            .collect()
+    }
+
+    /// The verify attention's keys ([`Lookup::mla_verify`]) of a forward of every token count up
+    /// to `max_m` (rounded down to a power of two; decode steps, tree verifies and prefills
+    /// alike) over every length bucket that holds it, the merge fused into the output
+    /// projection up to [`MLA_COMBINE_OUTPUT_MAX_ROWS`] tokens (the model's
+    /// `mla_attention_output` over its dense `kv_b`). None for latent rows other than Kimi's.
+    fn verify_lookups(&self, max_m: usize) -> Vec<Lookup> {
+        let top = *token_counts(max_m).last().expect("at least 1");
+        let buckets = self.length_buckets();
+        let mut keys = Vec::new();
+        for m in 1..=top {
+            for &len in buckets.iter().filter(|&&k| k >= length_bucket(m)) {
+                let fused = m <= MLA_COMBINE_OUTPUT_MAX_ROWS;
+                keys.extend(Lookup::mla_verify(m, len, self.mla(), fused, self.verify_kernels()));
+            }
+        }
+        keys
     }
 
     /// The widths the RMS norms run at: hidden and the query latent.
@@ -247,7 +346,8 @@ fn token_counts(max_m: usize) -> Vec<usize> {
 /// [`ddtree_kernels::topk::SPLIT_MAX_ROWS`] rows on), the dense `w4a16_gemv` of a quantized
 /// checkpoint's INT4 linears (and, from 48 rows on a GPU with `wgmma`, their `wgmma` GEMM), the
 /// fused decode GEMVs (RMSNorm + `q_b`, gate/up SiLU-and-mul), the absorbed-MLA query of a few
-/// tokens and the tree builder.
+/// tokens, the MoE block, the verify attention over every length bucket of the context and the
+/// tree builder.
 /// Deduplicated by bucket, in a stable order.
 pub fn lookups(d: &ModelDims, max_m: usize) -> Vec<Lookup> {
     let mut all = Vec::new();
@@ -260,6 +360,8 @@ pub fn lookups(d: &ModelDims, max_m: usize) -> Vec<Lookup> {
     all.extend(d.mla_query_lookups(max_m));
     all.extend(d.int4_gemv_lookups(max_m));
     all.extend(d.int4_gemm_wg_lookups(max_m));
+    all.extend(d.moe_lookups(max_m));
+    all.extend(d.verify_lookups(max_m));
     all.extend(tree_build_lookups(d.vocab));
     let mut seen = std::collections::HashSet::new();
     all.retain(|l| seen.insert(l.bucket()));
@@ -334,7 +436,24 @@ mod tests {
         // one of the dense MLP at 1, 2, 4 rows); the `wgmma` INT4 GEMM of the 4 shapes at M =
         // 64, 128, 256; the absorbed-MLA query at 1, 2, 4 rows. No `gemm_bf16` (cuBLAS serves the dense products) and no kernel the
         // backend runs at a fixed variant.
-        assert_eq!(k.len(), 9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3);
+        // The MoE block over one EP8 rank's 48 experts at every M; the verify attention at every
+        // M over the 11 length buckets 256 .. 256K.
+        assert_eq!(
+            k.len(),
+            9 * 3 + 4 + 5 * 2 + 2 * 11 + (1 + 3 + 3) + 4 * 3 + 3 + 9 + 9 * 11
+        );
+        for key in [
+            "mla_verify tokens=1 heads=64 keys=256 nope=128 v=128 fused=true kernels=auto",
+            "mla_verify tokens=2 heads=64 keys=262144 nope=128 v=128 fused=true kernels=auto",
+            "mla_verify tokens=4 heads=64 keys=4096 nope=128 v=128 fused=false kernels=auto",
+            "mla_verify tokens=256 heads=64 keys=256 nope=128 v=128 fused=false kernels=auto",
+        ] {
+            assert!(k.contains(&key.to_string()), "{key}: {k:?}");
+        }
+        for m in [1, 16, 256] {
+            let key = format!("moe_w4a16 tokens={m} topk=8 experts=48 hidden=7168 inter=2048 group=32");
+            assert!(k.contains(&key), "{key}: {k:?}");
+        }
         for m in [1, 2, 4] {
             let key = format!("mla_absorb_query rows={m} heads=64 lora=512 nope=128 rope=64 v=128 interleave=true");
             assert!(k.contains(&key), "{key}: {k:?}");
@@ -355,6 +474,8 @@ mod tests {
         // split-K on any GPU).
         let k80 = keys(&plan(&d.clone().on_gpu(8, false), 256));
         assert!(!k80.iter().any(|k| k.starts_with("w4a16_gemm_wg")));
+        // Without `wgmma`, `--attention auto` resolves to `mma`.
+        assert_eq!(k80.iter().filter(|k| k.ends_with("kernels=mma")).count(), 9 * 11);
         assert!(
             k80.contains(&"gemv_gate_up_silu rows=2 n=2048 k=7168".to_string()),
             "{k80:?}"
@@ -451,6 +572,8 @@ mod tests {
         assert!(!k
             .iter()
             .any(|k| k.starts_with("gemv_rms_norm_bf16") || k.starts_with("w4a16_gemm_wg")));
+        // Its 32-wide latent rows take the generic attention kernel, which is not tuned.
+        assert!(!k.iter().any(|k| k.starts_with("mla_verify")), "{k:?}");
         let k256 = keys(&plan(&d, 256));
         assert!(
             k256.contains(&format!("w4a16_gemm_wg dense m=64 n={i} k={h} group=32")),
@@ -487,6 +610,17 @@ mod tests {
             d.v_head,
             d.rope_interleave,
         ));
+        // `moe_experts`: every token of the forward, over the rank's local experts.
+        if d.routed_experts > 0 {
+            v.push(Lookup::moe_experts(
+                rows,
+                d.experts_per_tok,
+                d.routed_experts / d.expert_ranks,
+                d.hidden,
+                d.moe_intermediate,
+                d.int4_group.unwrap_or(DENSE_EXPERT_GROUP),
+            ));
+        }
         if let Some(group) = d.int4_group {
             for (n, k) in d.int4_shapes() {
                 v.extend(Lookup::int4_gemv(rows, n, k, group));
@@ -496,11 +630,26 @@ mod tests {
         v
     }
 
+    /// The verify attention's lookup of a forward of `rows` rows after `prefix` cache rows, as
+    /// `CudaBackend::attend` makes it under `--attention auto` (resolved to `mma` without
+    /// `wgmma`): the model's `mla_attention_output` fuses the merge up to
+    /// [`MLA_COMBINE_OUTPUT_MAX_ROWS`] tokens.
+    fn verify_lookup(d: &ModelDims, rows: usize, prefix: usize) -> Option<Lookup> {
+        let kernels = if d.wgmma {
+            VerifyKernels::Auto
+        } else {
+            VerifyKernels::Mma
+        };
+        let fused = rows <= MLA_COMBINE_OUTPUT_MAX_ROWS;
+        Lookup::mla_verify(rows, length_bucket(prefix + rows), d.mla(), fused, kernels)
+    }
+
     /// The dispatch decisions of forwards of every row count 1..=[`STARTUP_MAX_M`] (plain
-    /// decode steps, prefills and tree verifies alike) land in the plan's buckets, and every
-    /// plan key but the tree builder's is the bucket of some forward's lookup: the plan holds
-    /// what the backend looks up and nothing else, on an H100/H200, a small GPU without
-    /// `wgmma`, for the tiny model and Kimi K2.6.
+    /// decode steps, prefills and tree verifies alike; the verify attention after prefixes
+    /// that end at, in and past each length bucket up to the context) land in the plan's
+    /// buckets, and every plan key but the tree builder's is the bucket of some forward's
+    /// lookup: the plan holds what the backend looks up and nothing else, on an H100/H200, a
+    /// small GPU without `wgmma`, for the tiny model and Kimi K2.6.
     #[test]
     fn forward_dispatch_decisions_are_the_plan() {
         let tiny = ModelDims::from_config("tiny".into(), &crate::tiny::kimi::config().unwrap());
@@ -512,8 +661,18 @@ mod tests {
         ] {
             let plan: std::collections::HashSet<_> = lookups(&d, STARTUP_MAX_M).iter().map(Lookup::bucket).collect();
             let mut made = std::collections::HashSet::new();
+            let prefixes: Vec<usize> = d
+                .length_buckets()
+                .into_iter()
+                .flat_map(|k| [k / 2 + 1, k - 1, k])
+                .chain([0, 1, 37])
+                .collect();
             for rows in 1..=STARTUP_MAX_M {
-                for l in forward_lookups(&d, rows) {
+                let verify = prefixes
+                    .iter()
+                    .filter(|&&p| p + rows <= d.max_context)
+                    .filter_map(|&p| verify_lookup(&d, rows, p));
+                for l in forward_lookups(&d, rows).into_iter().chain(verify) {
                     assert!(
                         plan.contains(&l.bucket()),
                         "{}: {l} at {rows} rows is not in the plan",

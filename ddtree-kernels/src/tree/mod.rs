@@ -27,3 +27,6 @@ pub mod check;
 pub mod gpu;
 pub mod op;
 pub mod tune;
+pub mod tune_verify;
+
+pub use tune_verify::MlaVerify;

@@ -11,6 +11,7 @@
 //! - [`gemv`]: the small-token path (dense GEMV, routed gate_up and down) on the same layout,
 //!   with its parameters and candidates in [`gemv_space`];
 //! - [`moe`]: token-expert alignment, the grouped expert block and its reference;
+//!   [`tune_moe`]: the block's `Tunable` (a path and its (gate_up, down) pair per token bucket);
 //! - [`check`]: GPU-versus-CPU checks of every candidate.
 
 pub mod check;
@@ -23,6 +24,7 @@ pub mod layout;
 pub mod moe;
 pub mod op;
 pub mod tune;
+pub mod tune_moe;
 pub mod tune_wg;
 
 pub use gemm::{Epilogue, Layout, ReduceParams, W4a16Gemm, W4a16Params, W4a16Reduce};
@@ -30,4 +32,5 @@ pub use gemm_sk::{ActTilesParams, W4a16ActTiles, W4a16GemmSk, W4a16SkParams};
 pub use gemm_wg::{W4a16GemmWg, W4a16WgParams};
 pub use gemv::{GemvMode, GemvW4Params, W4a16Gemv};
 pub use layout::{PackedInt4, RepackParams, W4a16Repack, W4a16RepackFragment};
-pub use moe::{AlignParams, MoeAlign, MoeInput, MoeKernels, MoeSum, SumParams};
+pub use moe::{AlignParams, MoeAlign, MoeInput, MoeKernels, MoeSum, MoeVariant, SumParams};
+pub use tune_moe::MoeBlock;

@@ -182,6 +182,72 @@ pub enum GroupedPair {
     Wg(W4a16WgParams, W4a16WgParams),
 }
 
+/// One way to run the block for a token count: the path and its (gate_up, down) pair. The
+/// candidate of the MoE block's `Tunable` ([`super::tune_moe`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MoeVariant {
+    /// The small-token path ([`MoeKernels::run_gemv`]): [`GemvMode::GateUp`] and
+    /// [`GemvMode::Down`].
+    Gemv(GemvW4Params, GemvW4Params),
+    /// The grouped GEMV path ([`MoeKernels::run_grouped_gemv`]).
+    GroupedGemv(GemvW4Params, GemvW4Params),
+    /// The grouped GEMM path ([`MoeKernels::run_grouped`]).
+    Grouped(GroupedPair),
+}
+
+impl MoeVariant {
+    /// The pair's scale group.
+    pub fn group(&self) -> u32 {
+        match self {
+            MoeVariant::Gemv(u, _) | MoeVariant::GroupedGemv(u, _) => u.group,
+            MoeVariant::Grouped(GroupedPair::Mma(u, _)) => u.group,
+            MoeVariant::Grouped(GroupedPair::Wg(u, _)) => u.group,
+        }
+    }
+}
+
+/// The hand-chosen grouped GEMM pair for `pairs` token-expert pairs at scale group `group`
+/// (interleaved): half m tiles for up to 32 pairs (decode and small trees), one m tile above
+/// (the H200 bench's best).
+pub fn default_grouped(pairs: u32, group: u32) -> Option<GroupedPair> {
+    let m8 = pairs <= 32;
+    let pick = |epi: Epilogue| {
+        gemm::FUSED_SPACE
+            .iter()
+            .find(|p| p.moe && p.epilogue == epi && p.m8 == m8 && p.mt == 1 && p.layout == super::Layout::Interleaved)
+            .map(|p| W4a16Params { group, ..*p })
+    };
+    Some(GroupedPair::Mma(pick(Epilogue::SiluMul)?, pick(Epilogue::RouteScale)?))
+}
+
+/// The hand-chosen variant for `tokens` tokens of `topk` slots on interleaved experts at scale
+/// group `group`: what [`MoeKernels::new`] with [`default_grouped`] runs (the small-token pair up
+/// to [`GEMV_MAX_TOKENS`], the grouped GEMV pair up to [`GROUPED_GEMV_MAX_TOKENS`], else the
+/// grouped GEMM pair).
+pub fn default_variant(tokens: u32, topk: u32, group: u32) -> Option<MoeVariant> {
+    let small = gemv::takes_group(group as usize);
+    if small && tokens <= GEMV_MAX_TOKENS && tokens * topk <= gemv::MAX_PAIRS {
+        let t = GEMV_MAX_TOKENS;
+        if let (Some(u), Some(d)) = (
+            gemv::default_params(GemvMode::GateUp, group, t),
+            gemv::default_params(GemvMode::Down, group, t),
+        ) {
+            if gemv::max_tokens(&u) >= tokens && gemv::max_tokens(&d) >= tokens {
+                return Some(MoeVariant::Gemv(u, d));
+            }
+        }
+    }
+    if small && tokens <= GROUPED_GEMV_MAX_TOKENS {
+        if let (Some(u), Some(d)) = (
+            gemv::default_params(GemvMode::GroupedGateUp, group, 1),
+            gemv::default_params(GemvMode::GroupedDown, group, 1),
+        ) {
+            return Some(MoeVariant::GroupedGemv(u, d));
+        }
+    }
+    default_grouped(tokens * topk, group).map(MoeVariant::Grouped)
+}
+
 /// The compiled grouped pair.
 #[derive(Debug)]
 enum GroupedKernels {
@@ -195,7 +261,8 @@ enum GroupedKernels {
 #[derive(Debug)]
 pub struct MoeKernels {
     align: CompiledKernel<MoeAlign>,
-    grouped: GroupedKernels,
+    /// The grouped GEMM pair (absent from a [`MoeKernels::for_variant`] of another path).
+    grouped: Option<GroupedKernels>,
     sum: CompiledKernel<MoeSum>,
     /// Small-token (gate_up, down) [`W4a16Gemv`] pairs, fewest tokens first (interleaved
     /// experts at group 32, 64 or 128 only).
@@ -205,6 +272,9 @@ pub struct MoeKernels {
     grouped_gemv: Option<(CompiledKernel<W4a16Gemv>, CompiledKernel<W4a16Gemv>)>,
     /// The scale group of the pair (and of the GEMV pairs).
     group: u32,
+    /// The one path [`MoeKernels::run`] takes, for a [`MoeKernels::for_variant`]; `None`: by
+    /// token count.
+    fixed: Option<MoeVariant>,
 }
 
 /// Most tokens for which [`MoeKernels::run`] takes the small-token [`W4a16Gemv`] path (the
@@ -281,31 +351,12 @@ pub struct DeviceExperts<'a> {
 impl MoeKernels {
     /// Compiles the kernels. The pair's variants must share rows per block, group and layout.
     pub fn new(gpu: &Gpu, pair: GroupedPair) -> Result<MoeKernels, RuntimeError> {
-        let (tu, td) = match &pair {
-            GroupedPair::Mma(u, d) => (u.tiling(), d.tiling()),
-            GroupedPair::Wg(u, d) => (u.tiling(), d.tiling()),
-        };
-        let ok = tu.moe
-            && td.moe
-            && tu.epilogue == Epilogue::SiluMul
-            && td.epilogue == Epilogue::RouteScale
-            && tu.rows == td.rows
-            && tu.group == td.group
-            && tu.layout == td.layout;
-        if !ok {
-            return Err(RuntimeError::Launch {
-                kernel: "moe_w4a16".into(),
-                reason: format!("incompatible variants: {pair:?}"),
-            });
-        }
+        let (tu, grouped) = grouped_kernels(gpu, &pair)?;
         let small = tu.layout == super::Layout::Interleaved && gemv::takes_group(tu.group as usize);
         let group = tu.group;
         Ok(MoeKernels {
             align: gpu.compile::<MoeAlign>(&AlignParams { block: 1024 })?,
-            grouped: match &pair {
-                GroupedPair::Mma(u, d) => GroupedKernels::Mma(gpu.compile(u)?, gpu.compile(d)?),
-                GroupedPair::Wg(u, d) => GroupedKernels::Wg(gpu.compile(u)?, gpu.compile(d)?),
-            },
+            grouped: Some(grouped),
             sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
             gemv: if small {
                 let mut v = Vec::new();
@@ -332,7 +383,35 @@ impl MoeKernels {
                 _ => None,
             },
             group,
+            fixed: None,
         })
+    }
+
+    /// Compiles the kernels of `v` alone: [`MoeKernels::run`] then takes `v`'s path at any
+    /// token count (the engine runs its tuned variant this way).
+    pub fn for_variant(gpu: &Gpu, v: &MoeVariant) -> Result<MoeKernels, RuntimeError> {
+        let k = MoeKernels {
+            align: gpu.compile::<MoeAlign>(&AlignParams { block: 1024 })?,
+            grouped: None,
+            sum: gpu.compile::<MoeSum>(&SumParams { block: 256 })?,
+            gemv: Vec::new(),
+            grouped_gemv: None,
+            group: v.group(),
+            fixed: Some(*v),
+        };
+        match v {
+            MoeVariant::Gemv(u, d) => k.with_gemv(gpu, Some((u, d))),
+            MoeVariant::GroupedGemv(u, d) => k.with_grouped_gemv(gpu, Some((u, d))),
+            MoeVariant::Grouped(pair) => Ok(MoeKernels {
+                grouped: Some(grouped_kernels(gpu, pair)?.1),
+                ..k
+            }),
+        }
+    }
+
+    /// The variant a [`MoeKernels::for_variant`] runs.
+    pub fn variant(&self) -> Option<&MoeVariant> {
+        self.fixed.as_ref()
     }
 
     /// Replaces the small-token kernels with one (gate_up, down) pair of the grouped pair's
@@ -406,12 +485,20 @@ impl MoeKernels {
 
     /// Whether [`MoeKernels::run`] takes the small-token path for `tokens` tokens.
     pub fn uses_gemv(&self, tokens: u32, topk: u32) -> bool {
-        tokens <= GEMV_MAX_TOKENS && self.gemv_for(tokens, topk).is_some()
+        match self.fixed {
+            // (run_gemv says so where the pair does not take the tokens.)
+            Some(MoeVariant::Gemv(..)) => true,
+            Some(_) => false,
+            None => tokens <= GEMV_MAX_TOKENS && self.gemv_for(tokens, topk).is_some(),
+        }
     }
 
     /// Whether [`MoeKernels::run`] takes the grouped GEMV path for `tokens` tokens.
     pub fn uses_grouped_gemv(&self, tokens: u32, topk: u32) -> bool {
-        !self.uses_gemv(tokens, topk) && tokens <= GROUPED_GEMV_MAX_TOKENS && self.grouped_gemv.is_some()
+        match self.fixed {
+            Some(v) => matches!(v, MoeVariant::GroupedGemv(..)),
+            None => !self.uses_gemv(tokens, topk) && tokens <= GROUPED_GEMV_MAX_TOKENS && self.grouped_gemv.is_some(),
+        }
     }
 
     /// Slots per `moe_align` block of the grouped GEMV pair.
@@ -419,11 +506,11 @@ impl MoeKernels {
         self.grouped_gemv.as_ref().map(|(u, _)| 8 * u.params().chunks)
     }
 
-    /// Slots per block (the per-expert block size).
-    pub fn block_m(&self) -> u32 {
-        match &self.grouped {
-            GroupedKernels::Mma(u, _) => gemm::rows_per_block(u.params()),
-            GroupedKernels::Wg(u, _) => gemm::rows_per_block(u.params()),
+    /// Slots per block of the grouped GEMM pair (the per-expert block size), where it has one.
+    pub fn block_m(&self) -> Option<u32> {
+        match self.grouped.as_ref()? {
+            GroupedKernels::Mma(u, _) => Some(gemm::rows_per_block(u.params())),
+            GroupedKernels::Wg(u, _) => Some(gemm::rows_per_block(u.params())),
         }
     }
 
@@ -438,7 +525,7 @@ impl MoeKernels {
         let pairs = tokens * topk;
         // moe_align's blocks for the grouped GEMM and the grouped GEMV pair.
         let (mut blocks, mut slots) = (0, 0);
-        for bm in [Some(self.block_m()), self.grouped_gemv_slots()].into_iter().flatten() {
+        for bm in [self.block_m(), self.grouped_gemv_slots()].into_iter().flatten() {
             let mb = max_blocks(pairs, ex.experts as usize, bm as usize);
             blocks = blocks.max(mb);
             slots = slots.max(mb * bm as usize);
@@ -548,7 +635,13 @@ impl MoeKernels {
         let pairs = tokens * topk;
         // SAFETY: forwarded to the caller; the buffers were sized by `buffers`.
         unsafe {
-            let mb = self.align(s, ex, input, bufs, self.block_m())?;
+            let Some(bm) = self.block_m() else {
+                return Err(RuntimeError::Launch {
+                    kernel: "moe_w4a16".into(),
+                    reason: format!("no grouped GEMM pair in {:?}", self.fixed),
+                });
+            };
+            let mb = self.align(s, ex, input, bufs, bm)?;
             let routing = |a_div, route_w| Routing {
                 sorted: &bufs.sorted,
                 block_expert: &bufs.block_expert,
@@ -577,7 +670,7 @@ impl MoeKernels {
                 n: ex.hidden,
                 k: ex.inter,
             };
-            match &self.grouped {
+            match self.grouped.as_ref().expect("block_m found the pair") {
                 GroupedKernels::Mma(u, d) => {
                     grouped_pair(s, u, d, &up, down, &mut bufs.scratch, &mut bufs.act, &mut bufs.y)?
                 }
@@ -692,6 +785,32 @@ impl MoeKernels {
             )
         }
     }
+}
+
+/// Checks and compiles a grouped pair (see [`MoeKernels::new`]); returns the gate_up tiling.
+fn grouped_kernels(gpu: &Gpu, pair: &GroupedPair) -> Result<(gemm::Tiling, GroupedKernels), RuntimeError> {
+    let (tu, td) = match pair {
+        GroupedPair::Mma(u, d) => (u.tiling(), d.tiling()),
+        GroupedPair::Wg(u, d) => (u.tiling(), d.tiling()),
+    };
+    let ok = tu.moe
+        && td.moe
+        && tu.epilogue == Epilogue::SiluMul
+        && td.epilogue == Epilogue::RouteScale
+        && tu.rows == td.rows
+        && tu.group == td.group
+        && tu.layout == td.layout;
+    if !ok {
+        return Err(RuntimeError::Launch {
+            kernel: "moe_w4a16".into(),
+            reason: format!("incompatible variants: {pair:?}"),
+        });
+    }
+    let k = match pair {
+        GroupedPair::Mma(u, d) => GroupedKernels::Mma(gpu.compile(u)?, gpu.compile(d)?),
+        GroupedPair::Wg(u, d) => GroupedKernels::Wg(gpu.compile(u)?, gpu.compile(d)?),
+    };
+    Ok((tu, k))
 }
 
 /// A (gate_up, down) [`W4a16Gemv`] pair: gate_up from `input`'s x into `act`, then down from

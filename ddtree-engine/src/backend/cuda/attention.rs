@@ -7,8 +7,11 @@ use ddtree_kernels::attention::op::{
     GqaAttentionOp, MlaAbsorbOutputOp, MlaAbsorbQueryOp, MlaAttentionOp, MlaKvAppendOp,
 };
 use ddtree_kernels::elementwise::op::RopeOp;
+use ddtree_kernels::tree::tune_verify::{self, MlaVerify, VerifyKernels};
 
-/// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's).
+/// The tensor-core kernel of the MLA verify attention (the decode step's and the tree's). Its
+/// tune keys (`mla_verify`) carry the choice: a tuned GPU runs the best variant and split count
+/// among the kernels it allows, an untuned one the hand-chosen variant below.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttentionKernel {
     /// `mla_verify_narrow` for steps of at most 8 query rows (a decode step of 8 heads),
@@ -16,18 +19,24 @@ pub enum AttentionKernel {
     /// for shorter ones: the faster one of each case on the H200.
     #[default]
     Auto,
-    /// `mla_verify_wg`: warpgroup MMA (`wgmma`, sm_90), 64 query rows per block.
+    /// `mla_verify_wg` only: warpgroup MMA (`wgmma`, sm_90), 64 query rows per block.
     Wgmma,
-    /// `mla_verify_wide`: warp-level `mma.sync`, 32 or 64 query rows per block.
+    /// `mla_verify_wide` only: warp-level `mma.sync`, 32 or 64 query rows per block.
     Mma,
 }
 
-/// Under [`AttentionKernel::Auto`], decode steps (one node) whose length bucket holds more keys
-/// than this use `mla_verify_wg`, shorter ones `mla_verify_wide`: the one-node `wgmma` kernel
-/// reads one 64-key tile per block up to 8K keys, where its 64 KB of partials per block weigh
-/// as much as its cache bytes and the 32-row `mma` blocks win; past 16K keys it is ahead
-/// (`ddtree bench` on the Kimi K2.6 EP8 slice, docs/journal/verify-attention.md).
-pub const WG_DECODE_MIN_KEYS: usize = 16384;
+pub use ddtree_kernels::tree::tune_verify::WG_DECODE_MIN_KEYS;
+
+impl AttentionKernel {
+    /// The verify attention's kernels this choice allows (its tune keys carry it).
+    pub(super) fn verify_kernels(self) -> VerifyKernels {
+        match self {
+            AttentionKernel::Auto => VerifyKernels::Auto,
+            AttentionKernel::Wgmma => VerifyKernels::Wgmma,
+            AttentionKernel::Mma => VerifyKernels::Mma,
+        }
+    }
+}
 
 /// Most tokens for which `mla_query` uses the one-launch absorbed-MLA kernel
 /// (`mla_absorb_query`: every weight byte read once, the tokens looped in the kernel, the rope
@@ -57,42 +66,14 @@ pub(super) fn resolve_attention(kind: AttentionKernel, cc: (i32, i32)) -> Result
     }
 }
 
-/// The verify attention variant for `rows` (node, head) query rows and a length bucket of
-/// `keys` keys, by `kind` ([`AttentionKernel`]): `mla_verify_wg`'s default (a 2-deep ring of
-/// 64-key tiles, one scoring warpgroup), or the full-width `mma` split pass (`mla_verify_wide`,
-/// the same ring) with 32 rows per block up to one node of 64 heads (the decode step), else 64.
-/// `wg` is the faster one for trees (`tree-bench`); under `Auto`, steps of at most 8 rows
-/// take `mla_verify_narrow` (keys as the `mma` M, bulk copies), which fills the MMA with keys
-/// where a step has too few query rows to fill it with rows (docs/journal/verify-attention.md).
-pub(super) fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
-    if kind == AttentionKernel::Auto && rows <= tree::VerifyVariant::Narrow.rows_per_block() as usize {
-        return tree::VerifyVariant::Narrow;
-    }
-    let wg = match kind {
-        AttentionKernel::Auto => rows > 64 || keys > WG_DECODE_MIN_KEYS,
-        AttentionKernel::Wgmma => true,
-        AttentionKernel::Mma => false,
-    };
-    if wg {
-        tree::VerifyVariant::Wg(<tree::MlaVerifyWg as ddtree_codegen::Kernel>::default_params())
-    } else {
-        tree::VerifyVariant::Wide(tree::WideParams {
-            rg: if rows <= 64 { 2 } else { 4 },
-            bn: 64,
-            stages: 2,
-            qk: 16,
-        })
-    }
-}
-
 /// Most tokens for which `mla_attention_output` merges the split partials inside the absorbed
 /// output projection (`mla_combine_output`: one launch, the latent rows never in global memory)
 /// instead of `mla_verify_combine` and then `mla_output`: the decode step (and a two-token
 /// verify), where `mla_output` itself takes the absorbed kernel.
-pub(super) const MLA_COMBINE_OUTPUT_MAX_ROWS: usize = MLA_ABSORB_OUTPUT_MAX_ROWS;
+pub(crate) const MLA_COMBINE_OUTPUT_MAX_ROWS: usize = MLA_ABSORB_OUTPUT_MAX_ROWS;
 
 /// Split count of the verify attention's partial buffers: rows x splits.
-pub(super) const VERIFY_PARTIALS: usize = 1 << 16;
+pub(crate) const VERIFY_PARTIALS: usize = tune_verify::MAX_ROWS_SPLITS;
 
 impl CudaBackend {
     /// Rope tables covering `positions` positions for `rope` (grown on demand).
@@ -502,19 +483,24 @@ impl CudaBackend {
         let kv = cache.layer(layer);
         // The split-KV tensor-core kernel for Kimi's 576-wide rows (any node count: rows are
         // independent and the mask is read per row); the generic kernel for other widths.
-        if d.kv_lora == LATENT && d.rope == ROPE {
+        // The variant and split count are chosen for the length bucket (the kernel reads the
+        // length itself), so one recorded graph serves every length of its bucket.
+        let bucket = graph::length_bucket(span.prefix_len + n);
+        let kernels = self.attention.verify_kernels();
+        let lookup = Lookup::mla_verify(n, bucket, d, kv_b.is_some(), kernels);
+        if let Some(lookup) = lookup {
+            // The tuned variant and split rule, else the hand-chosen ones (`default_variant`, `verify_splits`).
+            let choice = self.tuned_params::<MlaVerify>(lookup)?;
+            let sms = self.gpu().fingerprint().sm_count as usize;
+            let splits = choice.split_count(sms, n * d.heads, bucket, VERIFY_PARTIALS);
             let mut st = self.state();
             let st = &mut *st;
-            // The split count (and the kernel) are chosen for the length bucket (the kernel reads
-            // the length itself), so one recorded graph serves every length of its bucket.
-            let bucket = graph::length_bucket(span.prefix_len + n);
-            let p = verify_variant(self.attention, n * d.heads, bucket);
-            let at = match st.verify.iter().position(|v| *v.variant() == p) {
+            let at = match st.verify.iter().position(|v| *v.variant() == choice.variant) {
                 Some(i) => i,
                 None => {
                     st.graphs.replaced("the verify attention partials");
                     st.verify
-                        .push(tree::gpu::GpuVerify::new(self.gpu(), &p, VERIFY_PARTIALS)?);
+                        .push(tree::gpu::GpuVerify::new(self.gpu(), &choice.variant, VERIFY_PARTIALS)?);
                     st.verify.len() - 1
                 }
             };
@@ -526,26 +512,9 @@ impl CudaBackend {
                 words,
                 scale,
             };
-            if n * d.heads <= VERIFY_PARTIALS {
-                let splits = verify.auto_splits(self.gpu().fingerprint().sm_count as usize, &sh);
-                if let Some(w) = kv_b {
-                    let mut o = self.tensor_bf16(n, d.heads * d.v)?;
-                    verify.run_output(
-                        self.stream(),
-                        &sh,
-                        splits,
-                        q,
-                        &kv,
-                        &mask,
-                        &*lens,
-                        w,
-                        (d.nope, d.v),
-                        o.bf16_mut("mla_attention")?,
-                    )?;
-                    return Ok(o);
-                }
-                let mut lse = self.alloc::<f32>(n * d.heads)?;
-                verify.run(
+            if let Some(w) = kv_b {
+                let mut o = self.tensor_bf16(n, d.heads * d.v)?;
+                verify.run_output(
                     self.stream(),
                     &sh,
                     splits,
@@ -553,11 +522,25 @@ impl CudaBackend {
                     &kv,
                     &mask,
                     &*lens,
-                    out.bf16_mut("mla_attention")?,
-                    &mut lse,
+                    w,
+                    (d.nope, d.v),
+                    o.bf16_mut("mla_attention")?,
                 )?;
-                return Ok(out);
+                return Ok(o);
             }
+            let mut lse = self.alloc::<f32>(n * d.heads)?;
+            verify.run(
+                self.stream(),
+                &sh,
+                splits,
+                q,
+                &kv,
+                &mask,
+                &*lens,
+                out.bf16_mut("mla_attention")?,
+                &mut lse,
+            )?;
+            return Ok(out);
         }
         if kv_b.is_some() {
             return Err(fail(
@@ -587,6 +570,11 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The hand-chosen variant under `kind` (index 0 of the verify attention's candidates).
+    fn verify_variant(kind: AttentionKernel, rows: usize, keys: usize) -> tree::VerifyVariant {
+        tune_verify::default_variant(kind.verify_kernels(), rows, keys)
+    }
 
     #[test]
     fn attention_kernel_follows_the_gpu() {

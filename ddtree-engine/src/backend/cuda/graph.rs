@@ -29,7 +29,7 @@ use crate::mask::AncestorMask;
 
 /// Cache lengths (prefix plus new rows) that share a recording: up to the next power of two,
 /// at least 256.
-pub(super) fn length_bucket(len: usize) -> usize {
+pub(crate) fn length_bucket(len: usize) -> usize {
     len.next_power_of_two().max(256)
 }
 

@@ -8,10 +8,14 @@ use std::fmt;
 
 use ddtree_kernels::gemv::{self, GemvChoice, GemvGateUpSilu, GemvRmsNormBf16, GemvSplitGateUpSilu};
 use ddtree_kernels::topk;
-use ddtree_kernels::tree::TreeBuild;
-use ddtree_kernels::tune::{EmbeddingKey, GemvKey, MlaQueryKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey};
+use ddtree_kernels::tree::tune_verify::{VerifyKernels, VerifyKey};
+use ddtree_kernels::tree::{MlaVerify, TreeBuild, LATENT, ROPE};
+use ddtree_kernels::tune::{
+    EmbeddingKey, GemvKey, MlaQueryKey, MoeKey, RowsKey, TopkKey, TreeBuildKey, W4GemmKey, W4GemvKey,
+};
 use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg};
 use ddtree_kernels::w4a16::gemv::W4a16Gemv;
+use ddtree_kernels::w4a16::MoeBlock;
 use ddtree_kernels::{Embedding, MlaAbsorbQuery, RmsNorm, RowTopk};
 use ddtree_runtime::Tunable;
 
@@ -20,9 +24,10 @@ use std::sync::Arc;
 
 use ddtree_runtime::CompiledKernel;
 
-use super::attention::MLA_ABSORB_QUERY_MAX_ROWS;
+use super::attention::{MLA_ABSORB_QUERY_MAX_ROWS, VERIFY_PARTIALS};
 use super::linear::dense_int4_gemv;
 use super::{fail, CudaBackend};
+use crate::backend::MlaDims;
 use crate::error::Result;
 use crate::tuning::{job, Job};
 
@@ -52,6 +57,11 @@ pub enum Lookup {
     Int4GemmWg(W4GemmKey),
     /// The absorbed-MLA query kernel (`mla_query` of a few tokens).
     MlaAbsorbQuery(MlaQueryKey),
+    /// The routed-expert block (`moe_experts`): its path and (gate_up, down) pair.
+    MoeExperts(MoeKey),
+    /// The tree-masked MLA verify attention (`mla_attention`, `mla_attention_output`): its
+    /// split-pass variant and split rule.
+    MlaVerify(VerifyKey),
 }
 
 impl Lookup {
@@ -142,6 +152,45 @@ impl Lookup {
         absorb.then_some(Lookup::MlaAbsorbQuery(key))
     }
 
+    /// The routed-expert block of `tokens` tokens of `topk` slots over `experts` local INT4
+    /// experts (gate_up `[2 inter, hidden]`, down `[hidden, inter]`, scale group `group`): every
+    /// MoE layer's `moe_experts` looks it up.
+    pub fn moe_experts(
+        tokens: usize,
+        topk: usize,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+        group: usize,
+    ) -> Lookup {
+        Lookup::MoeExperts(MoeKey {
+            tokens,
+            topk,
+            experts,
+            hidden,
+            inter,
+            group,
+        })
+    }
+
+    /// The verify attention of `tokens` query tokens over a length bucket of `keys` cache rows
+    /// (`CudaBackend::attend`) with MLA dims `d`, its merge `fused` into the absorbed output
+    /// projection or not, among `kernels` (the `--attention` choice): a lookup where the
+    /// split-KV kernels run (Kimi's 576-wide latent rows, rows that fit the partials), none
+    /// where the generic kernel does.
+    pub fn mla_verify(tokens: usize, keys: usize, d: MlaDims, fused: bool, kernels: VerifyKernels) -> Option<Lookup> {
+        let split = d.kv_lora == LATENT && d.rope == ROPE && tokens * d.heads <= VERIFY_PARTIALS;
+        split.then_some(Lookup::MlaVerify(VerifyKey {
+            tokens,
+            heads: d.heads,
+            keys,
+            nope: d.nope,
+            v: d.v,
+            fused,
+            kernels,
+        }))
+    }
+
     /// Its tuning job.
     pub fn job(&self) -> Box<dyn Job> {
         match self {
@@ -155,6 +204,8 @@ impl Lookup {
             Lookup::GateUpSplitGemv(k) => job::<GemvSplitGateUpSilu>(*k),
             Lookup::Int4GemmWg(k) => job::<W4a16GemmWg>(*k),
             Lookup::MlaAbsorbQuery(k) => job::<MlaAbsorbQuery>(*k),
+            Lookup::MoeExperts(k) => job::<MoeBlock>(*k),
+            Lookup::MlaVerify(k) => job::<MlaVerify>(*k),
         }
     }
 
@@ -174,6 +225,8 @@ impl Lookup {
             Lookup::GateUpSplitGemv(k) => of::<GemvSplitGateUpSilu>(k),
             Lookup::Int4GemmWg(k) => of::<W4a16GemmWg>(k),
             Lookup::MlaAbsorbQuery(k) => of::<MlaAbsorbQuery>(k),
+            Lookup::MoeExperts(k) => of::<MoeBlock>(k),
+            Lookup::MlaVerify(k) => of::<MlaVerify>(k),
         }
     }
 }
@@ -215,6 +268,8 @@ key_of!(
     GemvSplitGateUpSilu => GateUpSplitGemv,
     W4a16GemmWg => Int4GemmWg,
     MlaAbsorbQuery => MlaAbsorbQuery,
+    MoeBlock => MoeExperts,
+    MlaVerify => MlaVerify,
 );
 
 impl CudaBackend {

@@ -31,12 +31,12 @@ use ddtree_kernels::gemv::{
 };
 use ddtree_kernels::residual::{self, AddRmsNorm, CastBf16F32, CastF32Bf16, CastParams, CopyRowsF32};
 use ddtree_kernels::tree::{DraftTree, LATENT, ROPE};
-use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel, FUSED_SPACE};
+use ddtree_kernels::w4a16::gemm::{self, default_dense, GemmArgs, GemmTiling, Scratch, W4a16Kernel};
 use ddtree_kernels::w4a16::gemm_wg::{self, W4a16GemmWg, W4a16WgParams};
 use ddtree_kernels::w4a16::gemv::{self as w4gemv, GemvMode, W4a16Gemv};
 use ddtree_kernels::w4a16::layout::{interleaved_words, quantize, scale_words, PackedInt4};
-use ddtree_kernels::w4a16::moe::{DeviceExperts, GroupedPair, MoeInput, MoeKernels};
-use ddtree_kernels::w4a16::{Epilogue, Layout, RepackParams, W4a16Params, W4a16Repack};
+use ddtree_kernels::w4a16::moe::{DeviceExperts, MoeInput, MoeKernels, MoeVariant};
+use ddtree_kernels::w4a16::{Epilogue, RepackParams, W4a16Params, W4a16Repack};
 use ddtree_kernels::{topk, tree};
 use ddtree_kernels::{
     AddAssign, AddParams, CopyParams, CopyRows, Embedding, FillParams, FillRandomBf16, FillRandomF32, FillRandomU32,
@@ -48,7 +48,9 @@ use ddtree_runtime::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr
 use ddtree_runtime::{Blas, CompiledKernel, Gpu, RuntimeError, TunedKernels};
 use half::bf16;
 
+pub(crate) use attention::MLA_COMBINE_OUTPUT_MAX_ROWS;
 pub use attention::{AttentionKernel, WG_DECODE_MIN_KEYS};
+pub(crate) use graph::length_bucket;
 pub(crate) use graph::RankReduce;
 pub(crate) use linear::DENSE_INT4_GEMV_MAX_ROWS;
 pub use lookups::Lookup;
@@ -122,13 +124,18 @@ struct State {
     graphs: graph::Graphs,
     /// The largest cache capacity asked for: rope tables cover it from the start.
     max_capacity: usize,
-    moe_bufs: Vec<((usize, usize, bool, usize), ddtree_kernels::w4a16::moe::MoeBuffers)>,
+    /// MoE buffers per (tokens, top-k, variant, expert intermediate size).
+    moe_bufs: Vec<(
+        (usize, usize, MoeVariant, usize),
+        ddtree_kernels::w4a16::moe::MoeBuffers,
+    )>,
     /// The W4A16 split-K partials, one per stream ([`CudaBackend::lane`]): the main stream's
     /// and a branch's linears may run at the same time.
     w4a16: [Scratch; 2],
-    /// Verify attention per variant ([`verify_variant`]).
+    /// Verify attention per variant ([`Lookup::mla_verify`]).
     verify: Vec<tree::gpu::GpuVerify>,
-    moe: Vec<((bool, usize), Arc<MoeKernels>)>,
+    /// The MoE block's kernels per variant ([`Lookup::moe_experts`]).
+    moe: Vec<(MoeVariant, Arc<MoeKernels>)>,
     builders: Vec<((usize, usize, usize), tree::gpu::GpuBuilder)>,
     /// The device rounds' accept and compaction, and their root token buffer.
     accept: Option<(tree::gpu::GpuAccept, CudaSlice<u32>)>,

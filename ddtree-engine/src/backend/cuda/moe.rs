@@ -4,6 +4,7 @@
 #[allow(unused_imports)]
 use super::*;
 use ddtree_kernels::moe_route::op::{MoeLocalizeOp, MoeRouteOp};
+use ddtree_kernels::w4a16::MoeBlock;
 use ddtree_kernels::{MoeLocalize, MoeLocalizeParams};
 
 /// Scale group of dense routed experts, which [`CudaBackend::load_experts`] quantizes to INT4 for
@@ -80,28 +81,17 @@ pub(super) fn stack_experts(experts: &[Ffn<HostLinear>], group_default: usize) -
 }
 
 impl CudaBackend {
-    /// The MoE kernel pair for `pairs` token-expert pairs at scale group `group`: half m tiles
-    /// for up to 32 pairs (decode and small trees), one m tile above (the H200 bench's best).
-    pub(super) fn moe_kernels(&self, pairs: usize, group: usize) -> Result<Arc<MoeKernels>> {
-        let m8 = pairs <= 32;
-        if let Some((_, k)) = self.state().moe.iter().find(|(key, _)| *key == (m8, group)) {
+    /// The MoE block's kernels for `tokens` tokens of `topk` slots over `ex`: the tuned
+    /// variant of [`Lookup::moe_experts`] (path and (gate_up, down) pair), else the hand-chosen
+    /// one ([`ddtree_kernels::w4a16::moe::default_variant`]).
+    pub(super) fn moe_kernels(&self, tokens: usize, topk: usize, ex: &CudaExperts) -> Result<Arc<MoeKernels>> {
+        let lookup = Lookup::moe_experts(tokens, topk, ex.count, ex.hidden, ex.inter, ex.group);
+        let v = self.tuned_params::<MoeBlock>(lookup)?;
+        if let Some((_, k)) = self.state().moe.iter().find(|(key, _)| *key == v) {
             return Ok(k.clone());
         }
-        let pick = |epi: Epilogue| -> Result<W4a16Params> {
-            FUSED_SPACE
-                .iter()
-                .find(|p| p.moe && p.epilogue == epi && p.m8 == m8 && p.mt == 1 && p.layout == Layout::Interleaved)
-                .map(|p| W4a16Params {
-                    group: group as u32,
-                    ..*p
-                })
-                .ok_or_else(|| fail("no grouped W4A16 variant".into()))
-        };
-        let k = Arc::new(MoeKernels::new(
-            self.gpu(),
-            GroupedPair::Mma(pick(Epilogue::SiluMul)?, pick(Epilogue::RouteScale)?),
-        )?);
-        self.state().moe.push(((m8, group), k.clone()));
+        let k = Arc::new(MoeKernels::for_variant(self.gpu(), &v)?);
+        self.state().moe.push((v, k.clone()));
         Ok(k)
     }
 
@@ -212,7 +202,7 @@ impl CudaBackend {
         if routing.tokens != x.rows || x.cols != ex.hidden {
             return Err(fail("moe_experts: routing, input and experts disagree in shape".into()));
         }
-        let kern = self.moe_kernels(routing.tokens * routing.topk, ex.group)?;
+        let kern = self.moe_kernels(routing.tokens, routing.topk, ex)?;
         let dev = DeviceExperts {
             w13: &ex.w13,
             s13: &ex.s13,
@@ -222,7 +212,8 @@ impl CudaBackend {
             hidden: ex.hidden as u32,
             inter: ex.inter as u32,
         };
-        let key = (routing.tokens, routing.topk, kern.block_m() == 8, ex.inter);
+        let variant = *kern.variant().expect("made by for_variant");
+        let key = (routing.tokens, routing.topk, variant, ex.inter);
         let mut st = self.state();
         let at = match st.moe_bufs.iter().position(|(k, _)| *k == key) {
             Some(i) => i,
