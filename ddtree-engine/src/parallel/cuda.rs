@@ -105,7 +105,9 @@ impl CudaTensorComm {
         if b.is_recording() {
             return f(&comm);
         }
-        let mark = || self.stream.record_event(None).map_err(driver(op, self.rank));
+        // cudarc's default event flags disable timing; these events are timed.
+        let flags = ddtree_runtime::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let mark = || self.stream.record_event(Some(flags)).map_err(driver(op, self.rank));
         let start = mark()?;
         f(&comm)?;
         let end = mark()?;
