@@ -14,8 +14,8 @@ use ddtree_engine::parallel::ranks::run_cpu_ranks;
 use ddtree_engine::parallel::virtual_rank::VirtualComm;
 use ddtree_engine::parallel::{ParallelPlan, ParallelSpec, RankContext};
 use ddtree_engine::{
-    generate_plain, Backend, Checkpoint, CpuBackend, CudaBackend, CudaOptions, ForwardInput, GenerateOptions,
-    Generation, LoadOptions, LogitRows, Model, ModelConfig,
+    generate_plain, ActivationPrecision, Backend, Checkpoint, CpuBackend, CudaBackend, CudaOptions, ForwardInput,
+    GenerateOptions, Generation, LoadOptions, LogitRows, Model, ModelConfig,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -42,6 +42,48 @@ fn rank_options() -> CudaOptions {
 /// Relative to the row's largest logit (at least 1): bf16 activations.
 const BF16_TOLERANCE: f32 = 3e-2;
 
+/// The first of a few prompts whose greedy run on the bf16-mirror CPU backend stays within
+/// [`BF16_TOLERANCE`] of the f32 CPU run (same tokens, close logits at every step). The tiny
+/// random model has near ties in its expert routing: where bf16 rounding alone flips an
+/// expert choice (0.4 relative error after the first MoE layer for `[441, 13, 423, 2, 453]`),
+/// a sharded run, which rounds its partial sums at other points, may flip it or not, and the
+/// comparison would say nothing about the sharding.
+fn stable_prompt(dir: &std::path::Path, options: &GenerateOptions) -> Vec<u32> {
+    let f32_cpu = Model::load_dir(CpuBackend::default(), dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
+    let bf16_cpu = Model::load_dir(
+        CpuBackend::new(ActivationPrecision::Bf16),
+        dir,
+        LoadOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let candidates: [&[u32]; 6] = [
+        &[441, 13, 423, 2, 453],
+        &[5, 17, 3, 200, 31],
+        &[100, 200, 300, 400, 500],
+        &[42, 7, 42, 7, 42],
+        &[12, 250, 77, 3, 160],
+        &[9, 8, 7, 6, 5],
+    ];
+    let record = GenerateOptions {
+        record_logits: true,
+        ..options.clone()
+    };
+    for prompt in candidates {
+        let want = generate_plain(&f32_cpu, prompt, &record).unwrap();
+        let got = generate_plain(&bf16_cpu, prompt, &record).unwrap();
+        match compare("bf16-mirror CPU vs f32 CPU", &got, &want) {
+            Ok(()) if got.tokens == want.tokens => {
+                eprintln!("prompt {prompt:?}: no precision-sensitive routing");
+                return prompt.to_vec();
+            }
+            Ok(()) => eprintln!("prompt {prompt:?}: parts at a near tie under bf16, skipped"),
+            Err(e) => eprintln!("prompt {prompt:?}: {e}, skipped"),
+        }
+    }
+    panic!("every candidate prompt is precision-sensitive on tiny-kimi");
+}
+
 #[test]
 fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
     let single = match CudaBackend::open(CudaOptions::default()) {
@@ -56,12 +98,12 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
         }
     };
     let dir = fixture("tiny-kimi");
-    let prompt = [441u32, 13, 423, 2, 453];
     let options = GenerateOptions {
         max_new_tokens: 8,
         record_logits: true,
         ..Default::default()
     };
+    let prompt = stable_prompt(&dir, &options);
     let model = Model::load_dir(single, &dir, LoadOptions::default(), &mut |_, _| {}).unwrap();
     let want = generate_plain(&model, &prompt, &options).unwrap();
     drop(model);
@@ -204,7 +246,13 @@ fn sharded_layers_on_cuda_match_the_cpu_ranks() {
     let dir = fixture("tiny-kimi");
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let tokens = [441u32, 13, 423, 2, 453];
+    let tokens = stable_prompt(
+        &dir,
+        &GenerateOptions {
+            max_new_tokens: 8,
+            ..Default::default()
+        },
+    );
     let positions: Vec<u32> = (0..tokens.len() as u32).collect();
     let layers: Vec<usize> = (0..config.num_hidden_layers).collect();
     fn run<B: Backend>(
