@@ -125,6 +125,18 @@ impl PackedInt4 {
         self.dequantize().iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
     }
 
+    /// Row `row` (of the `experts * n` rows) of [`PackedInt4::dequantize_bf16`] into `out`
+    /// (`k` values), without dequantizing the other rows.
+    pub fn dequantize_row_bf16(&self, row: usize, out: &mut [f32]) {
+        let (kw, gpr) = (self.k / 8, self.k / self.group);
+        let words = &self.packed[row * kw..(row + 1) * kw];
+        let scales = &self.scales[row * gpr..(row + 1) * gpr];
+        for (c, o) in out[..self.k].iter_mut().enumerate() {
+            let q = ((words[c / 8] >> (4 * (c % 8))) & 0xf) as i32 - 8;
+            *o = bf16::from_f32(q as f32 * scales[c / self.group].to_f32()).to_f32();
+        }
+    }
+
     /// Bytes the kernels read for weights and scales of one expert.
     pub fn bytes_per_expert(&self) -> usize {
         self.n * self.k / 2 + self.n * self.k / self.group * 2
@@ -360,6 +372,20 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        #[test]
+        fn dequantized_rows_match_the_whole_matrix(seed in 0u64..1000, group_i in 0usize..3) {
+            use rand::SeedableRng;
+            let group = [32, 64, 128][group_i];
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let p = PackedInt4::random(&mut rng, 5, 256, group, 2, 1.0);
+            let all = p.dequantize_bf16();
+            let mut row = vec![0f32; p.k];
+            for r in 0..p.experts * p.n {
+                p.dequantize_row_bf16(r, &mut row);
+                prop_assert_eq!(&row[..], &all[r * p.k..(r + 1) * p.k]);
+            }
+        }
+
         #[test]
         fn pack_unpack_round_trip(q in prop::collection::vec(-8i8..=7, 8..256)) {
             let k = q.len() / 8 * 8;

@@ -83,11 +83,8 @@ pub fn gemv_dense(
 }
 
 /// Checks the small-token MoE path with one (gate_up, down) pair of [`W4a16Gemv`] variants,
-/// launched as [`super::MoeKernels::run`] does for few tokens: `act` (rows of local pairs)
-/// against [`moe::reference_stage`] of `x`, and `out` against the router-weighted sum over the
-/// local slots of [`moe::reference_stage`] of the kernel's own `act`. Routing picks among
-/// `experts + 2` experts, so some pairs belong to another rank and must be skipped. Weights at
-/// the pair's scale group.
+/// launched as [`super::MoeKernels::run`] does for few tokens, on fresh random data
+/// ([`MoeData::random`] at the pair's group): see [`gemv_moe_on`].
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_moe(
     t: &Target<'_>,
@@ -100,21 +97,56 @@ pub fn gemv_moe(
     topk: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
+    let shape = MoeShape {
+        tokens,
+        experts,
+        hidden,
+        inter,
+        topk,
+    };
+    let data = MoeData::random(shape, up.group as usize, rng);
+    gemv_moe_on(t, up, down, &data)
+}
+
+/// [`gemv_moe`] on given data (uploaded afresh, outputs poisoned): `act` (rows of local pairs)
+/// against [`moe::reference_stage`] of `x` ([`MoeData::act_want`]), and `out` against the
+/// router-weighted sum over the local slots of [`moe::reference_stage`] of the kernel's own
+/// `act`. Routing picks among `experts + 2` experts, so some pairs belong to another rank and
+/// must be skipped. Weights at the pair's scale group.
+pub fn gemv_moe_on(
+    t: &Target<'_>,
+    up: &GemvW4Params,
+    down: &GemvW4Params,
+    data: &MoeData,
+) -> Result<CheckResult, CheckError> {
     assert_eq!(up.group, down.group, "a GEMV pair shares its scale group");
     let group = up.group as usize;
-    let w13 = PackedInt4::random(rng, 2 * inter, hidden, group, experts, 0.05);
-    let w2 = PackedInt4::random(rng, hidden, inter, group, experts, 0.05);
-    let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
-    let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
+    assert_eq!(data.group(), group, "the data's scale group is the pair's");
+    let MoeShape {
+        tokens,
+        experts,
+        hidden,
+        inter,
+        topk,
+    } = data.shape;
+    let MoeData {
+        w13,
+        w2,
+        x,
+        ids,
+        wts,
+        act_want,
+        ..
+    } = data;
     let (d13, d2) = (
-        device_weights(t, &w13, Layout::Interleaved)?,
-        device_weights(t, &w2, Layout::Interleaved)?,
+        device_weights(t, w13, Layout::Interleaved)?,
+        device_weights(t, w2, Layout::Interleaved)?,
     );
     let (s13, s2) = (
         t.upload(&scale_words(&w13.scales))?,
         t.upload(&scale_words(&w2.scales))?,
     );
-    let (dx, dids, dw) = (t.upload(&x)?, t.upload(&ids)?, t.upload(&wts)?);
+    let (dx, dids, dw) = (t.upload(x)?, t.upload(ids)?, t.upload(wts)?);
     let pairs = tokens * topk;
     let mut act = poisoned_bf16(t, pairs * inter)?;
     let mut out = poisoned_bf16(t, tokens * hidden)?;
@@ -159,7 +191,6 @@ pub fn gemv_moe(
             .collect()
     };
     let act_got = to_f32(&t.download(&act)?);
-    let act_want = moe::reference_stage(&xf, &ids, topk, &w13, None);
     // Non-local rows of act are never written: zero them so the down reference reads no NaN.
     let act_in: Vec<f32> = act_got
         .chunks(inter)
@@ -172,7 +203,7 @@ pub fn gemv_moe(
             }
         })
         .collect();
-    let y = moe::reference_stage(&act_in, &ids, topk, &w2, Some(&wts));
+    let y = moe::reference_stage(&act_in, ids, topk, w2, Some(wts));
     let out_want: Vec<f32> = (0..tokens * hidden)
         .map(|e| {
             let (tk, c) = (e / hidden, e % hidden);
@@ -182,7 +213,7 @@ pub fn gemv_moe(
     let symbols = [W4a16Gemv::symbol(up), W4a16Gemv::symbol(down)];
     let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk} group={group}");
     let stages = [
-        ("act", rows(&act_got, inter), rows(&act_want, inter)),
+        ("act", rows(&act_got, inter), rows(act_want, inter)),
         ("out", to_f32(&t.download(&out)?), out_want),
     ];
     let mut results = stages

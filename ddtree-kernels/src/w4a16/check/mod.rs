@@ -273,7 +273,7 @@ pub fn random_routing(rng: &mut impl Rng, tokens: usize, topk: usize, route_expe
 
 /// Checks the MoE block with one grouped (gate_up, down) GEMM pair: `moe_align`, the grouped
 /// gate_up and down GEMMs and `moe_sum`, launched as [`super::MoeKernels::run`] does (see
-/// [`moe_check`]).
+/// [`moe_check`]), on fresh random data ([`MoeData::random`] at the pair's group).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_block<K: W4a16Kernel>(
     t: &Target<'_>,
@@ -285,13 +285,6 @@ pub fn moe_block<K: W4a16Kernel>(
     topk: usize,
     rng: &mut StdRng,
 ) -> Result<CheckResult, CheckError> {
-    let (up, down) = pair;
-    let products = MoeProducts {
-        bm: rows_per_block(up),
-        group: up.tiling().group as usize,
-        layouts: [up.tiling().layout, down.tiling().layout],
-        symbols: [K::symbol(up), K::symbol(down)],
-    };
     let shape = MoeShape {
         tokens,
         experts,
@@ -299,7 +292,27 @@ pub fn moe_block<K: W4a16Kernel>(
         inter,
         topk,
     };
-    moe_check(t, &products, shape, rng, |io, act, y| {
+    let data = MoeData::random(shape, pair.0.tiling().group as usize, rng);
+    moe_block_on::<K>(t, pair, &data)
+}
+
+/// [`moe_block`] on given data (at the pair's scale group).
+pub fn moe_block_on<K: W4a16Kernel>(
+    t: &Target<'_>,
+    pair: &(K::Params, K::Params),
+    data: &MoeData,
+) -> Result<CheckResult, CheckError> {
+    let (up, down) = pair;
+    let products = MoeProducts {
+        bm: rows_per_block(up),
+        group: up.tiling().group as usize,
+        layouts: [up.tiling().layout, down.tiling().layout],
+        symbols: [K::symbol(up), K::symbol(down)],
+    };
+    let MoeShape {
+        hidden, inter, topk, ..
+    } = data.shape;
+    moe_check(t, &products, data, |io, act, y| {
         let mut part = t.upload(&[0f32])?;
         let (h, i) = (hidden as u32, inter as u32);
         let mut args = [
@@ -341,14 +354,25 @@ pub fn moe_block<K: W4a16Kernel>(
 
 /// Checks the MoE block with one grouped (gate_up, down) pair of [`W4a16Gemv`] variants (the
 /// same `chunks`): `moe_align` at `8 chunks` slots per block, the two GEMVs and `moe_sum`, as
-/// [`super::MoeKernels::run_grouped_gemv`] launches them (see [`moe_check`]).
-#[allow(clippy::too_many_arguments)]
+/// [`super::MoeKernels::run_grouped_gemv`] launches them (see [`moe_check`]), on fresh random
+/// data ([`MoeData::random`] at the pair's group).
 pub fn grouped_gemv_moe(
     t: &Target<'_>,
     up: &GemvW4Params,
     down: &GemvW4Params,
     shape: MoeShape,
     rng: &mut StdRng,
+) -> Result<CheckResult, CheckError> {
+    let data = MoeData::random(shape, up.group as usize, rng);
+    grouped_gemv_moe_on(t, up, down, &data)
+}
+
+/// [`grouped_gemv_moe`] on given data (at the pair's scale group).
+pub fn grouped_gemv_moe_on(
+    t: &Target<'_>,
+    up: &GemvW4Params,
+    down: &GemvW4Params,
+    data: &MoeData,
 ) -> Result<CheckResult, CheckError> {
     assert_eq!(up.chunks, down.chunks, "a grouped GEMV pair shares its slots per block");
     assert_eq!(up.group, down.group, "a grouped GEMV pair shares its scale group");
@@ -364,8 +388,8 @@ pub fn grouped_gemv_moe(
         inter,
         topk,
         ..
-    } = shape;
-    moe_check(t, &products, shape, rng, |io, act, y| {
+    } = data.shape;
+    moe_check(t, &products, data, |io, act, y| {
         let bufs = |x, w, s| GemvBufs {
             x,
             w,
@@ -419,6 +443,86 @@ pub struct MoeShape {
     pub topk: usize,
 }
 
+/// The host side of one MoE block check: random INT4 experts (gate_up `[2I, H]`, down
+/// `[H, I]`, at one scale group), bf16 activations `x` `[T, H]`, a routing over `experts + 2`
+/// experts (some pairs belong to another rank), and the gate_up stage's reference from `x`
+/// (which does not depend on the kernels). Candidates checked at one shape and seed can share
+/// it: each check uploads it afresh, poisons its outputs and computes the later stages'
+/// references from the kernels' own outputs.
+pub struct MoeData {
+    /// The shape.
+    pub shape: MoeShape,
+    /// The gate_up experts.
+    pub w13: PackedInt4,
+    /// The down experts.
+    pub w2: PackedInt4,
+    /// The activations `[T, H]`.
+    pub x: Vec<bf16>,
+    /// The routing's experts `[T, topk]`.
+    pub ids: Vec<u32>,
+    /// The routing's weights `[T, topk]`.
+    pub wts: Vec<f32>,
+    /// [`moe::reference_stage`] of `x` through `w13` `[pairs, I]`.
+    pub act_want: Vec<f32>,
+}
+
+impl MoeData {
+    /// Random data for `shape` at scale group `group` (drawn from `rng` in the order the checks
+    /// always drew it: gate_up, down, `x`, routing).
+    pub fn random(shape: MoeShape, group: usize, rng: &mut StdRng) -> MoeData {
+        let MoeShape {
+            tokens,
+            experts,
+            hidden,
+            inter,
+            topk,
+        } = shape;
+        let w13 = PackedInt4::random(rng, 2 * inter, hidden, group, experts, 0.05);
+        let w2 = PackedInt4::random(rng, hidden, inter, group, experts, 0.05);
+        let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
+        let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
+        let act_want = moe::reference_stage(&xf, &ids, topk, &w13, None);
+        MoeData {
+            shape,
+            w13,
+            w2,
+            x,
+            ids,
+            wts,
+            act_want,
+        }
+    }
+
+    /// The scale group.
+    pub fn group(&self) -> usize {
+        self.w13.group
+    }
+
+    /// Pairs whose expert is local.
+    pub fn local_pairs(&self) -> usize {
+        self.ids.iter().filter(|&&e| (e as usize) < self.shape.experts).count()
+    }
+}
+
+/// Multiply-adds of the CPU reference of one MoE check at `shape` (each weight dequantized
+/// counted as one), whatever the path: `shared`, what [`MoeData::random`] does once (the gate_up
+/// stage of every pair), and `per_check`, what each candidate's check adds (the down stage from
+/// its own `act`, and the sum of its own `y`). Upper bounds: every pair counted local.
+pub fn moe_check_macs(shape: MoeShape) -> (u64, u64) {
+    let MoeShape {
+        tokens,
+        experts,
+        hidden,
+        inter,
+        topk,
+    } = shape;
+    let pairs = tokens * topk;
+    let touched = experts.min(pairs);
+    let shared = moe::reference_stage_macs(pairs, touched, 2 * inter, hidden);
+    let per_check = moe::reference_stage_macs(pairs, touched, hidden, inter) + (pairs * hidden) as u64;
+    (shared, per_check)
+}
+
 /// The grouped products a [`moe_check`] runs: `moe_align`'s slots per block, the weights' scale
 /// group and layouts (gate_up, down), and the variants' symbols.
 struct MoeProducts {
@@ -446,16 +550,15 @@ struct MoeIo<'a> {
 }
 
 /// Runs `moe_align`, the products (`launch`: gate_up into `act`, then down into `y`) and
-/// `moe_sum` on fresh random data, and checks them stage by stage: `act` against
-/// [`moe::reference_stage`] of `x`, `y` against the reference of the kernels' own `act`, `out`
-/// against the sum of the kernels' own `y` (see the module docs), over the pairs whose expert
-/// is local. Routing picks among `experts + 2` experts, so some pairs belong to another rank
-/// and must be skipped.
+/// `moe_sum` on `data` (uploaded afresh, outputs poisoned), and checks them stage by stage:
+/// `act` against [`moe::reference_stage`] of `x` ([`MoeData::act_want`]), `y` against the
+/// reference of the kernels' own `act`, `out` against the sum of the kernels' own `y` (see the
+/// module docs), over the pairs whose expert is local. Routing picks among `experts + 2`
+/// experts, so some pairs belong to another rank and must be skipped.
 fn moe_check(
     t: &Target<'_>,
     products: &MoeProducts,
-    shape: MoeShape,
-    rng: &mut StdRng,
+    data: &MoeData,
     launch: impl FnOnce(&MoeIo<'_>, &mut DevBuf<bf16>, &mut DevBuf<bf16>) -> Result<(), CheckError>,
 ) -> Result<CheckResult, CheckError> {
     let MoeShape {
@@ -464,18 +567,24 @@ fn moe_check(
         hidden,
         inter,
         topk,
-    } = shape;
-    let w13 = PackedInt4::random(rng, 2 * inter, hidden, products.group, experts, 0.05);
-    let w2 = PackedInt4::random(rng, hidden, inter, products.group, experts, 0.05);
-    let (x, xf) = random_bf16(rng, tokens * hidden, -1.0, 1.0);
-    let (ids, wts) = random_routing(rng, tokens, topk, experts + 2);
+    } = data.shape;
+    assert_eq!(data.group(), products.group, "the data's scale group is the pair's");
+    let MoeData {
+        w13,
+        w2,
+        x,
+        ids,
+        wts,
+        act_want,
+        ..
+    } = data;
     let [l13, l2] = products.layouts;
-    let (d13, d2) = (device_weights(t, &w13, l13)?, device_weights(t, &w2, l2)?);
+    let (d13, d2) = (device_weights(t, w13, l13)?, device_weights(t, w2, l2)?);
     let (s13, s2) = (
         t.upload(&scale_words(&w13.scales))?,
         t.upload(&scale_words(&w2.scales))?,
     );
-    let (dx, dids, dw) = (t.upload(&x)?, t.upload(&ids)?, t.upload(&wts)?);
+    let (dx, dids, dw) = (t.upload(x)?, t.upload(ids)?, t.upload(wts)?);
     let none = Unused::new(t)?;
     let (pairs, bm) = ((tokens * topk) as u32, products.bm);
     let mb = moe::max_blocks(pairs as usize, experts, bm as usize) as u32;
@@ -535,8 +644,7 @@ fn moe_check(
     };
     let act_got = to_f32(&t.download(&act)?);
     let y_got = to_f32(&t.download(&y)?);
-    let act_want = moe::reference_stage(&xf, &ids, topk, &w13, None);
-    let y_want = moe::reference_stage(&act_got, &ids, topk, &w2, Some(&wts));
+    let y_want = moe::reference_stage(&act_got, ids, topk, w2, Some(wts));
     let out_want: Vec<f32> = (0..tokens * hidden)
         .map(|e| {
             let (tk, c) = (e / hidden, e % hidden);
@@ -556,7 +664,7 @@ fn moe_check(
     ];
     let case = format!("tokens={tokens} experts={experts} hidden={hidden} inter={inter} topk={topk}");
     let stages = [
-        ("act", rows(&act_got, inter), rows(&act_want, inter)),
+        ("act", rows(&act_got, inter), rows(act_want, inter)),
         ("y", rows(&y_got, hidden), rows(&y_want, hidden)),
         ("out", to_f32(&t.download(&out)?), out_want),
     ];
