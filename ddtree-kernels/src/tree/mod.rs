@@ -14,6 +14,8 @@ pub use reference::{
 
 pub mod accept;
 pub mod build;
+mod build_params;
+mod build_warp;
 pub mod verify_attn;
 
 pub use accept::{CompactRows, SampleParams, TreeAccept, TreeSample, TreeStage};
