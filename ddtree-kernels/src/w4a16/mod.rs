@@ -22,6 +22,7 @@ pub mod gemv;
 pub mod gemv_space;
 pub mod layout;
 pub mod moe;
+mod moe_reference;
 pub mod op;
 pub mod tune;
 pub mod tune_moe;
