@@ -889,8 +889,8 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::w4a16::layout::PackedInt4;
     use crate::w4a16::layout::matmul;
+    use crate::w4a16::layout::PackedInt4;
 
     /// [`reference_stage`] against the whole-matrix formulation (every expert dequantized, one
     /// sequential f32 sum per output), on both stages with pairs of other ranks (NaN inputs
