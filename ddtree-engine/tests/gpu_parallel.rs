@@ -39,6 +39,21 @@ fn rank_options() -> CudaOptions {
     o
 }
 
+/// The CUDA backend, or `None` after saying SKIP (a failure under `DDTREE_REQUIRE_GPU`).
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::open(CudaOptions::default()) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            assert!(
+                std::env::var("DDTREE_REQUIRE_GPU").is_err(),
+                "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
+            );
+            eprintln!("SKIP: no GPU ({e})");
+            None
+        }
+    }
+}
+
 /// Relative to the row's largest logit (at least 1): bf16 activations.
 const BF16_TOLERANCE: f32 = 3e-2;
 
@@ -86,17 +101,7 @@ fn stable_prompt(dir: &std::path::Path, options: &GenerateOptions) -> Vec<u32> {
 
 #[test]
 fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
-    let single = match CudaBackend::open(CudaOptions::default()) {
-        Ok(b) => b,
-        Err(e) => {
-            assert!(
-                std::env::var("DDTREE_REQUIRE_GPU").is_err(),
-                "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
-            );
-            eprintln!("SKIP: no GPU ({e})");
-            return;
-        }
-    };
+    let Some(single) = gpu() else { return };
     let dir = fixture("tiny-kimi");
     let options = GenerateOptions {
         max_new_tokens: 8,
@@ -159,17 +164,7 @@ fn virtual_ranks_on_one_gpu_match_the_unsharded_forward() {
 
 #[test]
 fn a_virtual_rank_alone_replays_its_steps_from_cuda_graphs() {
-    let backend = match CudaBackend::open(CudaOptions::default()) {
-        Ok(b) => b,
-        Err(e) => {
-            assert!(
-                std::env::var("DDTREE_REQUIRE_GPU").is_err(),
-                "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
-            );
-            eprintln!("SKIP: no GPU ({e})");
-            return;
-        }
-    };
+    let Some(backend) = gpu() else { return };
     let dir = fixture("tiny-kimi");
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let plan = Arc::new(ParallelPlan::new(&config, ParallelSpec::new(2, None, None).unwrap()).unwrap());
@@ -235,14 +230,7 @@ fn compare(what: &str, got: &Generation, want: &Generation) -> Result<(), String
 /// tiny-kimi's dense MLP, the others MoE) and parallel dimension.
 #[test]
 fn sharded_layers_on_cuda_match_the_cpu_ranks() {
-    if let Err(e) = CudaBackend::open(CudaOptions::default()) {
-        assert!(
-            std::env::var("DDTREE_REQUIRE_GPU").is_err(),
-            "DDTREE_REQUIRE_GPU is set but the CUDA backend did not open: {e}"
-        );
-        eprintln!("SKIP: no GPU ({e})");
-        return;
-    }
+    let Some(_) = gpu() else { return };
     let dir = fixture("tiny-kimi");
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
